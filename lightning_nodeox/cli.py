@@ -1,0 +1,104 @@
+"""The ``nodeox`` command: ``coordinator``, ``launch`` and ``report``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from .codec import BLOCK_SIZES, Q4Settings
+from .coordinator.config import DEFAULT_PORT, CoordinatorConfig
+
+
+def _coordinator_options(p: argparse.ArgumentParser, *, for_launch: bool) -> None:
+    p.add_argument("--hosts", type=int, required=True, help="hosts in the run")
+    p.add_argument("--run-dir", type=Path, required=True, help="where events.jsonl and tb/ are written")
+    default_bind = "127.0.0.1:0" if for_launch else f"127.0.0.1:{DEFAULT_PORT}"
+    p.add_argument("--bind", default=default_bind, help=f"HOST:PORT to listen on (default {default_bind}; "
+                   f"on a cluster use 0.0.0.0:{DEFAULT_PORT} with --token-file)")
+    p.add_argument("--min-hosts", type=int, help="with --round-timeout: fewest deltas a late round closes with")
+    p.add_argument("--round-timeout", type=float, help="seconds a round waits for its last hosts (default: forever)")
+    p.add_argument("--token-file", type=Path, help="file holding the bearer token hosts must send")
+    p.add_argument("--block-size", type=int, default=64, choices=BLOCK_SIZES, help="q4 values per scale")
+    p.add_argument("--scale-dtype", default="fp16", choices=("fp16", "fp32"), help="q4 scale type")
+    p.add_argument("--initial-model", type=Path, help="safetensors file to start from (default: the first host's)")
+    p.add_argument("--threads", type=int, help="codec threads (default: this process's CPU quota)")
+    p.add_argument("--rss-interval", type=float, default=2.0, help="seconds between memory samples")
+
+
+def _read_token(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        token = path.read_text().strip()
+    except OSError as e:
+        raise SystemExit(f"nodeox: cannot read --token-file {path}: {e}") from None
+    if not token:
+        raise SystemExit(f"nodeox: --token-file {path} is empty")
+    return token
+
+
+def _config(args: argparse.Namespace, bind: str) -> CoordinatorConfig:
+    try:
+        return CoordinatorConfig(
+            hosts=args.hosts, run_dir=args.run_dir, bind=bind, min_hosts=args.min_hosts,
+            round_timeout=args.round_timeout, token=_read_token(args.token_file),
+            q4=Q4Settings(block_size=args.block_size, scale_dtype=args.scale_dtype),
+            initial_model=args.initial_model, threads=args.threads, rss_interval=args.rss_interval,
+            exit_when_done=not getattr(args, "keep_running", False))
+    except ValueError as e:
+        raise SystemExit(f"nodeox: {e}") from None
+
+
+def _passthrough(args: argparse.Namespace) -> list[str]:
+    """Coordinator options given to launch, as coordinator command-line arguments."""
+    out = ["--bind", args.bind, "--block-size", str(args.block_size), "--scale-dtype", args.scale_dtype,
+           "--rss-interval", str(args.rss_interval)]
+    for flag, value in (("--min-hosts", args.min_hosts), ("--round-timeout", args.round_timeout),
+                        ("--token-file", args.token_file), ("--initial-model", args.initial_model),
+                        ("--threads", args.threads)):
+        if value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, command = argv[:i], argv[i + 1 :]
+    parser = argparse.ArgumentParser(prog="nodeox", description="lightning-nodeox: coordinator, launcher, report")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("coordinator", help="run the HTTP coordinator of a run")
+    _coordinator_options(p, for_launch=False)
+    p.add_argument("--keep-running", action="store_true", help="keep serving after every host has finished")
+    p.add_argument("--ready-file", type=Path, help=argparse.SUPPRESS)
+
+    p = sub.add_parser("launch", help="a coordinator and N hosts on this machine: nodeox launch ... -- COMMAND")
+    _coordinator_options(p, for_launch=True)
+
+    p = sub.add_parser("report", help="per-round phase tables of a run directory")
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--plot", type=Path, help="draw a timeline to this PNG file")
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.cmd == "coordinator":
+        from .coordinator.server import serve
+
+        return asyncio.run(serve(_config(args, args.bind), args.ready_file))
+    if args.cmd == "launch":
+        from .launch import launch
+
+        config = _config(args, args.bind)  # validate before starting anything
+        return launch(args.hosts, args.run_dir, _passthrough(args), command, config.token)
+    if args.cmd == "report":
+        from .report import main as report_main
+
+        return report_main(args.run_dir, as_json=args.json, plot=args.plot)
+    return 2

@@ -1,0 +1,68 @@
+"""Coordinator settings, validated once, with errors that name the fix."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..codec import Q4Settings
+
+DEFAULT_PORT = 8470
+
+
+def parse_bind(bind: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``:PORT`` binds all interfaces; port 0 picks a free one)."""
+    host, sep, port = bind.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"--bind {bind!r} is not HOST:PORT; write e.g. --bind 0.0.0.0:{DEFAULT_PORT}")
+    return (host.strip("[]") or "0.0.0.0"), int(port)
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    """How the coordinator runs.
+
+    Args:
+        hosts: hosts expected; round 0 waits until this many have joined.
+        run_dir: where events.jsonl and TensorBoard files go.
+        bind: ``HOST:PORT`` to listen on.
+        min_hosts: with ``round_timeout``, the fewest deltas a round closes with once the timeout passes.
+        round_timeout: seconds a round waits for its last hosts (None: wait for every active host).
+        token: bearer token every request must carry (None: no authentication).
+        q4: codec of the run (block size and scale type; hosts follow it).
+        initial_model: a safetensors file to start from (None: the first host to join provides the model).
+        threads: codec threads (None: the CPU quota granted to this process).
+        rss_interval: seconds between memory samples.
+        exit_when_done: stop once every host has finished and said goodbye.
+    """
+
+    hosts: int
+    run_dir: Path
+    bind: str = f"127.0.0.1:{DEFAULT_PORT}"
+    min_hosts: int | None = None
+    round_timeout: float | None = None
+    token: str | None = None
+    q4: Q4Settings = field(default_factory=Q4Settings)
+    initial_model: Path | None = None
+    threads: int | None = None
+    rss_interval: float = 2.0
+    exit_when_done: bool = True
+    provider_timeout: float = 300.0
+    long_poll: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.hosts < 1:
+            raise ValueError(f"--hosts must be at least 1, got {self.hosts}")
+        if self.min_hosts is not None and not 1 <= self.min_hosts <= self.hosts:
+            raise ValueError(f"--min-hosts must be between 1 and --hosts ({self.hosts}), got {self.min_hosts}")
+        if self.round_timeout is not None and self.round_timeout <= 0:
+            raise ValueError(f"--round-timeout must be positive seconds, got {self.round_timeout}")
+        if self.rss_interval <= 0:
+            raise ValueError(f"--rss-interval must be positive seconds, got {self.rss_interval}")
+        if self.initial_model is not None and not Path(self.initial_model).is_file():
+            raise ValueError(f"--initial-model {self.initial_model} is not a file; pass a safetensors file")
+        parse_bind(self.bind)
+
+    @property
+    def quorum(self) -> int:
+        return self.hosts if self.min_hosts is None else self.min_hosts

@@ -1,0 +1,109 @@
+"""The coordinator's tensors: its copy of the model, the round's accumulator, and the sync it publishes.
+
+All methods here do tensor work and run on the coordinator's work thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..codec import CodecPool, Q4Settings, accumulate_tensor, encode_mean_and_apply
+from ..hashing import model_hash
+from ..wire import Q4Layout, Q4Message, Q4Meta, TensorSpec, model_header
+
+
+class OuterStep:
+    """Turns the round's mean delta into the sync delta. Plain averaging: outer SGD with lr 1.0."""
+
+    name = "average"
+
+    def scale(self) -> float:
+        return 1.0
+
+
+class CoordinatorModel:
+    """θ (in the hosts' dtypes), the fp32 accumulator of weighted deltas, and double-buffered sync messages."""
+
+    def __init__(self, specs: tuple[TensorSpec, ...], tensors: list[torch.Tensor], settings: Q4Settings,
+                 pool: CodecPool) -> None:
+        self.specs = specs
+        self.tensors = [t.detach().contiguous().clone() for t in tensors]
+        self.settings = settings
+        self.pool = pool
+        self.layout = Q4Layout.of(specs, settings)
+        self.acc = [torch.empty(s.numel, dtype=torch.float32) for s in specs]
+        self.outer = OuterStep()
+        self.weight = 0
+        self.hash = model_hash(self.named(), pool)
+        self.latest_sync: Q4Message | None = None
+        self._spare_sync: Q4Message | None = None
+        self._readers: dict[int, int] = {}
+
+    def named(self) -> list[tuple[str, torch.Tensor]]:
+        return [(s.name, t) for s, t in zip(self.specs, self.tensors)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    # -- one round ------------------------------------------------------------------------------------------
+    def accumulate(self, message: Q4Message, samples: int) -> None:
+        """Add ``samples * delta`` to the accumulator (the round's first delta overwrites it)."""
+        if samples <= 0:
+            return
+        assign = self.weight == 0
+        tasks = []
+        for i, acc in enumerate(self.acc):
+            codes, scales = message.codes(i), message.scales(i)
+            for start, stop in self.pool.split(acc.numel()):
+                tasks.append(lambda k, c=codes, s=scales, a=acc, b=start, e=stop:
+                             accumulate_tensor(k, c, s, a, float(samples), start=b, stop=e, assign=assign))
+        self.pool.run(tasks)
+        self.weight += samples
+
+    def close_round(self, round_: int) -> Q4Message:
+        """Quantize the outer step of the mean delta, apply it to θ as hosts will, and return the sync."""
+        if self.weight == 0:
+            for acc in self.acc:
+                acc.zero_()
+        inv_weight = self.outer.scale() / max(self.weight, 1)
+        base_hash = self.hash
+        message = self._free_sync_buffer()
+        tasks = []
+        for i, (acc, tensor) in enumerate(zip(self.acc, self.tensors)):
+            codes, scales, flat = message.codes(i), message.scales(i), tensor.view(-1)
+            for start, stop in self.pool.split(acc.numel()):
+                tasks.append(lambda k, a=acc, t=flat, c=codes, s=scales, b=start, e=stop:
+                             encode_mean_and_apply(k, a, inv_weight, t, c, s, start=b, stop=e))
+        self.pool.run(tasks)
+        self.hash = model_hash(self.named(), self.pool)
+        message.write_header(Q4Meta("sync", round_, "coordinator", base_hash, samples=self.weight,
+                                    model_hash=self.hash))
+        self.weight = 0
+        self.latest_sync = message
+        return message
+
+    # -- sync buffers: reused, unless a slow download still reads one ------------------------------------------
+    def _free_sync_buffer(self) -> Q4Message:
+        spare, self._spare_sync = self._spare_sync, self.latest_sync
+        if spare is not None and self._readers.get(id(spare), 0) == 0:
+            return spare
+        return Q4Message.allocate(self.layout)
+
+    def reading(self, message: Q4Message, delta: int) -> None:
+        """Count downloads in flight of ``message`` (+1 when one starts, -1 when it ends)."""
+        key = id(message)
+        self._readers[key] = self._readers.get(key, 0) + delta
+        if self._readers[key] <= 0:
+            del self._readers[key]
+
+    # -- the full model, only on demand ---------------------------------------------------------------------------
+    def model_chunks(self, round_: int) -> list[memoryview]:
+        """The safetensors file of θ as a header and one view per tensor (no copy of the tensors)."""
+        views = [memoryview(model_header(self.specs, round_, self.hash))]
+        for t in self.tensors:
+            views.append(memoryview(t.view(-1).view(torch.uint8).numpy()))
+        return views
+
+    def model_size(self, round_: int) -> int:
+        return len(model_header(self.specs, round_, self.hash)) + self.nbytes

@@ -1,0 +1,320 @@
+"""The round state machine: who takes part, when a round closes, what is published.
+
+Runs on the event loop; tensor work goes to two threads (one parses and checks uploads, one accumulates
+and prepares syncs, in order), so the loop keeps answering while a round is aggregated. A rejected
+upload changes nothing: it is checked completely before its first byte reaches the accumulator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from ..codec import CodecPool
+from ..phases import AGGREGATE, COORDINATOR, RECEIVE, RSS, SYNC_PREPARE, PhaseRecord
+from ..wire import PayloadError, Q4Message, TensorSpec, check_same_model, read_model, specs_from_json
+from .config import CoordinatorConfig
+from .model import CoordinatorModel
+from .runlog import RunLog, rss_bytes
+
+log = logging.getLogger(__name__)
+
+
+class RoundError(Exception):
+    """A request the coordinator refuses; ``status`` is the HTTP status, ``extra`` goes into the JSON body."""
+
+    def __init__(self, status: int, message: str, **extra) -> None:
+        super().__init__(message)
+        self.status = status
+        self.extra = extra
+
+
+@dataclass
+class Host:
+    id: str
+    active: bool = True  # expected in the current round
+    finished: bool = False  # sent its final delta
+    done: bool = False  # said goodbye
+
+
+class Rounds:
+    """Everything the coordinator knows about the run, changed only on the event loop."""
+
+    def __init__(self, config: CoordinatorConfig, runlog: RunLog, pool: CodecPool) -> None:
+        self.config = config
+        self.runlog = runlog
+        self.pool = pool
+        self.model: CoordinatorModel | None = None
+        self.round = 0
+        self.published_round = -1
+        self.hosts: dict[str, Host] = {}
+        self.received: dict[str, int] = {}
+        self.closing = False
+        self.complete = False
+        self.round_opened = time.time()
+        self.provider: str | None = None
+        self.provider_since = 0.0
+        self.changed = asyncio.Condition()
+        self.finished = asyncio.Event()
+        self.model_lock = asyncio.Lock()  # full-model downloads versus the round's apply
+        self._parse = ThreadPoolExecutor(1, thread_name_prefix="nodeox-parse")
+        self._work = ThreadPoolExecutor(1, thread_name_prefix="nodeox-work")
+        self._accumulating: list[asyncio.Future] = []
+        self.peak_rss = 0
+
+    # -- helpers --------------------------------------------------------------------------------------------
+    async def _in(self, executor: ThreadPoolExecutor, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+
+    async def _notify(self) -> None:
+        async with self.changed:
+            self.changed.notify_all()
+
+    async def _wait(self, predicate, timeout: float) -> bool:
+        async with self.changed:
+            try:
+                await asyncio.wait_for(self.changed.wait_for(predicate), timeout)
+                return True
+            except asyncio.TimeoutError:
+                return predicate()
+
+    def record(self, *records: PhaseRecord) -> None:
+        self.runlog.write(records)
+
+    def sample_memory(self) -> int:
+        now, rss = time.time(), rss_bytes()
+        self.peak_rss = max(self.peak_rss, rss)
+        self.record(PhaseRecord(self.round, COORDINATOR, RSS, now, now, extra={"rss_bytes": rss}))
+        return rss
+
+    def codec_info(self) -> dict:
+        return {"block_size": self.config.q4.block_size, "scale_dtype": self.config.q4.scale_dtype}
+
+    def _require_model(self) -> CoordinatorModel:
+        if self.model is None:
+            raise RoundError(409, "the run has no model yet: join first (the first host provides it)")
+        return self.model
+
+    # -- model ----------------------------------------------------------------------------------------------
+    async def load_initial_model(self, data: torch.Tensor) -> None:
+        _, _, specs, tensors = read_model(data)
+        self.model = await self._in(self._work, CoordinatorModel, specs, tensors, self.config.q4, self.pool)
+        log.info("nodeox coordinator: model of %d tensors (%.1f MB), hash %s", len(specs),
+                 self.model.nbytes / 1e6, self.model.hash)
+
+    async def put_model(self, host: str, data: torch.Tensor) -> dict:
+        """The providing host's initial model."""
+        if self.model is not None:
+            raise RoundError(409, "the run already has a model; fetch it with GET /v1/model",
+                             model_hash=self.model.hash)
+        try:
+            _, _, specs, tensors = await self._in(self._parse, read_model, data)
+        except PayloadError as e:
+            raise RoundError(400, f"initial model rejected: {e}") from None
+        model = await self._in(self._work, CoordinatorModel, specs, tensors, self.config.q4, self.pool)
+        if self.model is not None:  # another upload won the race while this one was read
+            raise RoundError(409, "the run already has a model; fetch it with GET /v1/model", model_hash=self.model.hash)
+        self.model = model
+        log.info("nodeox coordinator: initial model from host %s: %d tensors (%.1f MB), hash %s", host,
+                 len(specs), model.nbytes / 1e6, model.hash)
+        self.round_opened = time.time()
+        self.sample_memory()
+        await self._notify()
+        return {"model_hash": model.hash, "round": self.round}
+
+    # -- hosts ------------------------------------------------------------------------------------------------
+    async def join(self, host: str, tensors: list | None) -> dict:
+        """Register a host; tell it the round, the model hash, or that it must provide the model."""
+        if not host or len(host) > 64:
+            raise RoundError(400, "host id must be 1 to 64 characters; set NODEOX_HOST_ID")
+        specs = specs_from_json(tensors) if tensors is not None else None
+        entry = self.hosts.setdefault(host, Host(host))
+        entry.active, entry.finished, entry.done = True, False, False
+        if self.model is None:
+            now = time.time()
+            if self.provider in (None, host) or now - self.provider_since > self.config.provider_timeout:
+                self.provider, self.provider_since = host, now
+                return {"round": self.round, "model_hash": None, "provide_model": True, **self.codec_info()}
+            await self._wait(lambda: self.model is not None, self.config.long_poll)
+            if self.model is None:
+                return {"round": self.round, "model_hash": None, "provide_model": False, "retry": True,
+                        **self.codec_info()}
+        if specs is not None:
+            try:
+                check_same_model(self.model.specs, specs, f"host {host}'s model")
+            except PayloadError as e:
+                entry.active = False
+                raise RoundError(400, str(e)) from None
+        await self._notify()
+        return {"round": self.round, "model_hash": self.model.hash, "provide_model": False,
+                "complete": self.complete, **self.codec_info()}
+
+    async def leave(self, host: str) -> None:
+        """A host stops taking part (training ended or failed); rounds no longer wait for it."""
+        entry = self.hosts.get(host)
+        if entry is not None:
+            entry.active = False
+            entry.finished = True
+            entry.done = True
+        await self.maybe_close()
+        self._check_finished()
+        await self._notify()
+
+    def _check_finished(self) -> None:
+        everyone = len(self.hosts) >= self.config.hosts
+        if everyone and not self.received and all(h.finished for h in self.hosts.values()):
+            self.complete = True
+        if self.complete and all(h.done for h in self.hosts.values()):
+            self.finished.set()
+
+    # -- deltas ------------------------------------------------------------------------------------------------
+    def check_upload(self, host: str, round_: int, size: int | None) -> CoordinatorModel:
+        """Refuse an upload before its body is read, where its headers already show it is wrong."""
+        model = self._require_model()
+        if host not in self.hosts:
+            raise RoundError(409, f"host {host} has not joined; POST /v1/join first")
+        if round_ != self.round or self.closing:
+            state = "closing" if self.closing and round_ == self.round else "not open"
+            raise RoundError(409, f"round {round_} is {state}; the coordinator is at round {self.round}",
+                             round=self.round, published_round=self.published_round)
+        if host in self.received:
+            raise RoundError(409, f"host {host} already sent its delta for round {round_}", duplicate=True)
+        if size is not None and size != model.layout.total:
+            raise RoundError(400, f"delta is {size} bytes but this model's q4 delta is {model.layout.total} bytes "
+                                  f"(block size {self.config.q4.block_size}, {self.config.q4.scale_dtype} scales)")
+        return model
+
+    async def accept_delta(self, host: str, round_: int, buffer: torch.Tensor, received_at: float) -> dict:
+        """Check a received delta completely, then hand it to the accumulator (not waiting for it)."""
+        model = self.check_upload(host, round_, buffer.numel())
+        try:
+            message = await self._in(self._parse, Q4Message.parse, buffer)
+        except PayloadError as e:
+            raise RoundError(400, f"delta rejected: {e}") from None
+        meta = message.meta
+        self.check_upload(host, round_, None)  # the round may have moved while the payload was checked
+        try:
+            if meta.kind != "delta" or meta.round != round_ or meta.host != host:
+                raise PayloadError(f"payload says kind={meta.kind} round={meta.round} host={meta.host}, "
+                                   f"but was sent as round {round_}'s delta of host {host}")
+            if (meta.block_size, meta.scale_dtype) != (self.config.q4.block_size, self.config.q4.scale_dtype):
+                raise PayloadError(f"payload uses block size {meta.block_size} with {meta.scale_dtype} scales; "
+                                   f"this run uses {self.config.q4.block_size} with {self.config.q4.scale_dtype}")
+            check_same_model(model.specs, meta.tensors, "delta")
+        except PayloadError as e:
+            raise RoundError(400, f"delta rejected: {e}") from None
+        if meta.base_hash != model.hash:
+            raise RoundError(409, f"delta of host {host} was computed against model {meta.base_hash}, but round "
+                                  f"{round_} started from {model.hash}; fetch the model and rejoin",
+                             base_mismatch=True, model_hash=model.hash)
+        self.received[host] = meta.samples
+        entry = self.hosts[host]
+        entry.active = True
+        entry.finished = meta.final
+        future = asyncio.ensure_future(self._in(self._work, model.accumulate, message, meta.samples))
+        self._accumulating.append(future)
+        future.add_done_callback(lambda f: self._after_accumulate(f, host, round_, received_at, len(buffer)))
+        return {"accepted": True, "round": round_}
+
+    def _after_accumulate(self, future: asyncio.Future, host: str, round_: int, start: float, size: int) -> None:
+        if future.cancelled():
+            return
+        if future.exception() is not None:
+            log.error("nodeox coordinator: accumulating host %s's delta failed: %r", host, future.exception())
+            return
+        self.record(PhaseRecord(round_, COORDINATOR, RECEIVE, start, time.time(), size, extra={"from_host": host}))
+        asyncio.ensure_future(self.maybe_close())
+
+    # -- closing a round ------------------------------------------------------------------------------------
+    def _expected(self) -> list[Host]:
+        return [h for h in self.hosts.values() if h.active and (not h.finished or h.id in self.received)]
+
+    def _ready_to_close(self) -> bool:
+        if self.model is None or self.closing or not self.received:
+            return False
+        if any(not f.done() for f in self._accumulating):
+            return False
+        everyone = len(self.hosts) >= self.config.hosts and all(h.id in self.received for h in self._expected())
+        timeout = self.config.round_timeout
+        timed_out = (timeout is not None and time.time() - self.round_opened >= timeout
+                     and len(self.received) >= self.config.quorum)
+        return everyone or timed_out
+
+    async def maybe_close(self) -> None:
+        if not self._ready_to_close():
+            return
+        self.closing = True
+        try:
+            await self._close()
+        finally:
+            self.closing = False
+        await self._notify()
+
+    async def _close(self) -> None:
+        model = self._require_model()
+        round_ = self.round
+        for h in self.hosts.values():
+            if h.active and h.id not in self.received and not h.finished:
+                log.warning("nodeox coordinator: round %d closes without host %s (timed out)", round_, h.id)
+                h.active = False
+        start = time.time()
+        await asyncio.gather(*self._accumulating)
+        self._accumulating = []
+        aggregated = time.time()
+        self.record(PhaseRecord(round_, COORDINATOR, AGGREGATE, start, aggregated,
+                                extra={"hosts": sorted(self.received), "samples": sum(self.received.values())}))
+        async with self.model_lock:
+            message = await self._in(self._work, model.close_round, round_)
+        self.record(PhaseRecord(round_, COORDINATOR, SYNC_PREPARE, aggregated, time.time(), len(message),
+                                extra={"model_hash": model.hash}))
+        self.received = {}
+        self.published_round = round_
+        self.round = round_ + 1
+        self.round_opened = time.time()
+        self._check_finished()
+        if self.complete:
+            log.info("nodeox coordinator: every host has finished; final model %s after round %d", model.hash, round_)
+        self.sample_memory()
+
+    # -- syncs ------------------------------------------------------------------------------------------------
+    async def wait_sync(self, round_: int, wait: float) -> Q4Message | None:
+        """Round ``round_``'s sync once published; None if not within ``wait`` seconds or if the run completed
+        before that round closed (``self.complete`` tells which)."""
+        model = self._require_model()
+        if round_ < self.published_round:
+            raise RoundError(410, f"the sync of round {round_} is gone; the model is at round {self.round}: "
+                                  "fetch GET /v1/model", round=self.round)
+        if round_ > self.round:
+            raise RoundError(409, f"round {round_} has not started; the coordinator is at round {self.round}",
+                             round=self.round)
+        if not await self._wait(lambda: self.published_round >= round_ or self.complete, wait):
+            return None
+        if self.published_round < round_:
+            return None  # complete: no more rounds
+        if self.published_round != round_:
+            raise RoundError(410, f"the sync of round {round_} is gone; fetch GET /v1/model", round=self.round)
+        return model.latest_sync
+
+    async def tick(self) -> None:
+        """Periodic: close rounds whose timeout has passed."""
+        await self.maybe_close()
+
+    def status(self) -> dict:
+        return {
+            "round": self.round, "published_round": self.published_round, "complete": self.complete,
+            "model_hash": None if self.model is None else self.model.hash,
+            "hosts": {h.id: {"active": h.active, "finished": h.finished, "done": h.done} for h in self.hosts.values()},
+            "received": sorted(self.received), "peak_rss_bytes": self.peak_rss, **self.codec_info(),
+        }
+
+    def close(self) -> None:
+        self._parse.shutdown(wait=True)
+        self._work.shutdown(wait=True)
+
+    def specs(self) -> tuple[TensorSpec, ...]:
+        return self._require_model().specs

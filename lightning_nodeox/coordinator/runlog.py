@@ -1,0 +1,95 @@
+"""The run directory: ``events.jsonl`` (every phase record of every host and the coordinator) and
+TensorBoard scalars under ``tb/`` (one folder per host, one for the coordinator)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+from ..phases import COORDINATOR, RSS, SYNC_PARTS, PhaseRecord, metric_name
+
+log = logging.getLogger(__name__)
+
+RSS_METRIC = "nodeox/coordinator_rss_bytes"
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (Linux ``/proc``; 0 where unavailable)."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+    import os
+
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def tb_folder(host: str) -> str:
+    return "coordinator" if host == COORDINATOR else "host_" + re.sub(r"[^A-Za-z0-9_.-]", "_", host)
+
+
+class RunLog:
+    """Appends records to ``events.jsonl`` and writes their durations and bytes as TensorBoard scalars."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._events = open(run_dir / "events.jsonl", "a", encoding="utf-8")
+        self._writers: dict[str, object] = {}
+        self._sync_parts: dict[tuple[str, int], dict[str, float]] = {}
+
+    def write(self, records: Iterable[PhaseRecord]) -> None:
+        lines = []
+        for r in records:
+            lines.append(json.dumps(r.to_json(), separators=(",", ":")))
+            self._scalars(r)
+        if lines:
+            self._events.write("\n".join(lines) + "\n")
+            self._events.flush()
+
+    def _scalars(self, r: PhaseRecord) -> None:
+        writer = self._writer(r.host)
+        if writer is None:
+            return
+        if r.phase == RSS:
+            writer.add_scalar(RSS_METRIC, r.extra.get("rss_bytes", 0), r.round, walltime=r.end)
+            return
+        writer.add_scalar(metric_name(r.phase), r.seconds, r.round, walltime=r.end)
+        if r.bytes is not None:
+            writer.add_scalar(metric_name(r.phase, "bytes"), r.bytes, r.round, walltime=r.end)
+        if "q4_rel_error" in r.extra:
+            writer.add_scalar("nodeox/q4_rel_error", r.extra["q4_rel_error"], r.round, walltime=r.end)
+        if r.phase in SYNC_PARTS:
+            parts = self._sync_parts.setdefault((r.host, r.round), {})
+            parts[r.phase] = r.seconds
+            if len(parts) == len(SYNC_PARTS):
+                writer.add_scalar(metric_name("sync"), sum(parts.values()), r.round, walltime=r.end)
+                del self._sync_parts[(r.host, r.round)]
+
+    def _writer(self, host: str):
+        if host not in self._writers:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._writers[host] = SummaryWriter(str(self.run_dir / "tb" / tb_folder(host)))
+            except ImportError:  # tensorboard missing: events.jsonl still has everything
+                log.warning("nodeox: tensorboard is not installed; %s/tb is not written", self.run_dir)
+                self._writers[host] = None
+        return self._writers[host]
+
+    def flush(self) -> None:
+        self._events.flush()
+        for w in self._writers.values():
+            if w is not None:
+                w.flush()
+
+    def close(self) -> None:
+        self.flush()
+        self._events.close()
+        for w in self._writers.values():
+            if w is not None:
+                w.close()

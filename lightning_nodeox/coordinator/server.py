@@ -1,0 +1,310 @@
+"""The coordinator's HTTP server (aiohttp): versioned routes under ``/v1/``, JSON errors, bearer tokens.
+
+Routes:
+    GET  /v1/health                      liveness, no token needed
+    GET  /v1/status                      the run's state
+    POST /v1/join                        {"host", "tensors"} -> round, model hash, codec, or "provide_model"
+    PUT  /v1/model?host=H                the first host's initial model (safetensors)
+    GET  /v1/model?host=H                the full model, materialized only on this request
+    POST /v1/rounds/{r}/delta?host=H     a q4 delta (202 once checked; aggregation goes on behind)
+    GET  /v1/rounds/{r}/sync?wait=S     round r's q4 sync (204 if not ready within S seconds)
+    POST /v1/events                      {"records": [...]} phase records of a host
+    POST /v1/hosts/{h}/leave             the host takes no further part
+Every response carries ``X-Nodeox-Time`` (the coordinator's clock) for clock alignment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import signal
+import time
+from pathlib import Path
+
+import torch
+from aiohttp import web
+
+from ..codec import CodecPool
+from ..cpu import choose_threads
+from ..phases import COORDINATOR, MODEL_MATERIALIZE, PhaseRecord
+from .config import CoordinatorConfig, parse_bind
+from .rounds import RoundError, Rounds
+from .runlog import RunLog
+
+log = logging.getLogger(__name__)
+
+ROUNDS = web.AppKey("rounds", Rounds)
+TOKEN = web.AppKey("token", str)
+BUFFERS = web.AppKey("buffers", object)
+MAX_EVENTS_BODY = 16 << 20
+
+
+class ReceiveBuffers:
+    """Byte buffers for incoming deltas, reused across rounds (at most ``keep`` idle ones are kept)."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self._idle: list[torch.Tensor] = []
+
+    def get(self, size: int) -> torch.Tensor:
+        while self._idle:
+            buf = self._idle.pop()
+            if buf.numel() == size:
+                return buf
+        return torch.empty(size, dtype=torch.uint8)
+
+    def put(self, buf: torch.Tensor) -> None:
+        if len(self._idle) < self.keep:
+            self._idle.append(buf)
+
+
+def error(status: int, message: str, **extra) -> web.Response:
+    return web.json_response({"error": message, **extra}, status=status)
+
+
+@web.middleware
+async def errors_and_auth(request: web.Request, handler):
+    token = request.app[TOKEN]
+    if token and request.path != "/v1/health":
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            return error(401, "missing or wrong bearer token: set NODEOX_TOKEN to the coordinator's token")
+    try:
+        return await handler(request)
+    except RoundError as e:
+        return error(e.status, str(e), **e.extra)
+    except web.HTTPException as e:
+        if e.status >= 400:
+            return error(e.status, e.reason)
+        raise
+
+
+async def stamp_time(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["X-Nodeox-Time"] = repr(time.time())
+
+
+def _host(request: web.Request) -> str:
+    host = request.query.get("host", "")
+    if not host:
+        raise RoundError(400, "query parameter host=ID is missing")
+    return host
+
+
+def _int(text: str, what: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise RoundError(400, f"{what} must be an integer, got {text!r}") from None
+
+
+async def read_body_into(request: web.Request, buf: torch.Tensor) -> None:
+    """Stream the request body into ``buf`` (exactly its size), one copy from the socket's chunks."""
+    view = memoryview(buf.numpy())
+    pos, size = 0, len(view)
+    async for chunk in request.content.iter_any():
+        end = pos + len(chunk)
+        if end > size:
+            raise RoundError(400, f"body is longer than its Content-Length ({size} bytes)")
+        view[pos:end] = chunk
+        pos = end
+    if pos != size:
+        raise RoundError(400, f"body is truncated: {pos} of {size} bytes arrived")
+
+
+# -- handlers -----------------------------------------------------------------------------------------------------
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"ok": True})
+
+
+async def status(request: web.Request) -> web.Response:
+    return web.json_response(request.app[ROUNDS].status())
+
+
+async def join(request: web.Request) -> web.Response:
+    try:
+        body = await request.json()
+        host = str(body["host"])
+    except (ValueError, KeyError, TypeError):
+        raise RoundError(400, 'join needs a JSON body {"host": ID, "tensors": [...]}') from None
+    return web.json_response(await request.app[ROUNDS].join(host, body.get("tensors")))
+
+
+async def put_model(request: web.Request) -> web.Response:
+    host = _host(request)
+    size = request.content_length
+    if size is None:
+        raise RoundError(411, "the model upload needs a Content-Length")
+    buf = torch.empty(size, dtype=torch.uint8)
+    await read_body_into(request, buf)
+    return web.json_response(await request.app[ROUNDS].put_model(host, buf))
+
+
+async def get_model(request: web.Request) -> web.StreamResponse:
+    rounds = request.app[ROUNDS]
+    host = request.query.get("host", "?")
+    async with rounds.model_lock:
+        model = rounds._require_model()
+        start = time.time()
+        round_ = rounds.round
+        size = model.model_size(round_)
+        response = web.StreamResponse(headers={
+            "Content-Type": "application/octet-stream", "Content-Length": str(size),
+            "X-Nodeox-Round": str(round_), "X-Nodeox-Model-Hash": model.hash})
+        await response.prepare(request)
+        for view in model.model_chunks(round_):
+            await response.write(view)
+        await response.write_eof()
+        rounds.record(PhaseRecord(round_, COORDINATOR, MODEL_MATERIALIZE, start, time.time(), size,
+                                  extra={"for_host": host}))
+    return response
+
+
+async def post_delta(request: web.Request) -> web.Response:
+    rounds = request.app[ROUNDS]
+    host, round_ = _host(request), _int(request.match_info["round"], "round")
+    start = time.time()
+    model = rounds.check_upload(host, round_, request.content_length)
+    buffers: ReceiveBuffers = request.app[BUFFERS]
+    buf = buffers.get(model.layout.total)
+    try:
+        await read_body_into(request, buf)
+        result = await rounds.accept_delta(host, round_, buf, start)
+    except BaseException:
+        buffers.put(buf)
+        raise
+    # the buffer is released back once the delta has been accumulated
+    asyncio.ensure_future(_recycle_after(rounds, buffers, buf))
+    return web.json_response(result, status=202)
+
+
+async def _recycle_after(rounds: Rounds, buffers: ReceiveBuffers, buf: torch.Tensor) -> None:
+    pending = list(rounds._accumulating)
+    if pending:
+        await asyncio.gather(*pending, return_exceptions=True)
+    buffers.put(buf)
+
+
+async def get_sync(request: web.Request) -> web.StreamResponse:
+    rounds = request.app[ROUNDS]
+    round_ = _int(request.match_info["round"], "round")
+    wait = min(float(request.query.get("wait", 0) or 0), rounds.config.long_poll)
+    message = await rounds.wait_sync(round_, wait)
+    if message is None:
+        return web.Response(status=204, headers={"X-Nodeox-Complete": "1" if rounds.complete else "0",
+                                                 "X-Nodeox-Round": str(rounds.round)})
+    model = rounds.model
+    model.reading(message, +1)
+    try:
+        response = web.StreamResponse(headers={
+            "Content-Type": "application/octet-stream", "Content-Length": str(len(message)),
+            "X-Nodeox-Round": str(message.meta.round), "X-Nodeox-Model-Hash": message.meta.model_hash,
+            "X-Nodeox-Complete": "1" if rounds.complete and rounds.published_round == round_ else "0"})
+        await response.prepare(request)
+        await response.write(message.view())
+        await response.write_eof()
+    finally:
+        model.reading(message, -1)
+    return response
+
+
+async def post_events(request: web.Request) -> web.Response:
+    if (request.content_length or 0) > MAX_EVENTS_BODY:
+        raise RoundError(413, f"event batch is larger than {MAX_EVENTS_BODY} bytes; send smaller batches")
+    try:
+        body = await request.json()
+        records = [PhaseRecord.from_json(r) for r in body["records"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise RoundError(400, f'events need {{"records": [{{round, host, phase, start, end}}, ...]}}: {e}') from None
+    request.app[ROUNDS].record(*records)
+    return web.json_response({"written": len(records)})
+
+
+async def leave(request: web.Request) -> web.Response:
+    await request.app[ROUNDS].leave(request.match_info["host"])
+    return web.json_response({"left": True})
+
+
+def make_app(rounds: Rounds, token: str | None) -> web.Application:
+    app = web.Application(middlewares=[errors_and_auth], client_max_size=MAX_EVENTS_BODY)
+    app[ROUNDS] = rounds
+    app[TOKEN] = token or ""
+    app[BUFFERS] = ReceiveBuffers()
+    app.on_response_prepare.append(stamp_time)
+    app.router.add_get("/v1/health", health)
+    app.router.add_get("/v1/status", status)
+    app.router.add_post("/v1/join", join)
+    app.router.add_put("/v1/model", put_model)
+    app.router.add_get("/v1/model", get_model)
+    app.router.add_post("/v1/rounds/{round}/delta", post_delta)
+    app.router.add_get("/v1/rounds/{round}/sync", get_sync)
+    app.router.add_post("/v1/events", post_events)
+    app.router.add_post("/v1/hosts/{host}/leave", leave)
+    return app
+
+
+# -- the process --------------------------------------------------------------------------------------------------
+
+
+async def serve(config: CoordinatorConfig, ready_file: Path | None = None) -> int:
+    """Run the coordinator until the run completes (or a signal); returns the exit status."""
+    torch.set_num_threads(1)  # codec ops never thread inside ATen here; the codec pool parallelizes
+    threads = choose_threads(config.threads, purpose="coordinator codec")
+    pool = CodecPool(config.q4, "cpu", threads)
+    runlog = RunLog(Path(config.run_dir))
+    rounds = Rounds(config, runlog, pool)
+    if config.initial_model is not None:
+        data = torch.from_file(str(config.initial_model), shared=False, size=Path(config.initial_model).stat().st_size,
+                               dtype=torch.uint8)
+        await rounds.load_initial_model(data)
+    app = make_app(rounds, config.token)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    host, port = parse_bind(config.bind)
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = runner.addresses[0][1] if runner.addresses else port
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{bound}"
+    info = {"url": url, "pid": __import__("os").getpid(), "started": time.time()}
+    (Path(config.run_dir) / "coordinator.json").write_text(json.dumps(info))
+    if ready_file is not None:
+        ready_file.write_text(url)
+    print(f"nodeox coordinator listening on {url} (run dir {config.run_dir}, {config.hosts} hosts)", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+
+    async def ticker() -> None:
+        next_rss = time.time()
+        while True:
+            await asyncio.sleep(0.25)
+            await rounds.tick()
+            if time.time() >= next_rss:
+                rounds.sample_memory()
+                next_rss = time.time() + config.rss_interval
+
+    tick_task = asyncio.ensure_future(ticker())
+    finished = asyncio.ensure_future(rounds.finished.wait())
+    stopped = asyncio.ensure_future(stop.wait())
+    waiting = {stopped} | ({finished} if config.exit_when_done else set())
+    await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+    tick_task.cancel()
+    for task in (finished, stopped):
+        task.cancel()
+    await runner.cleanup()
+    rounds.sample_memory()
+    rounds.close()
+    pool.close()
+    runlog.close()
+    status = "complete" if rounds.complete else "stopped"
+    print(f"nodeox coordinator: run {status} at round {rounds.round}; peak RSS {rounds.peak_rss / 2**20:.0f} MiB",
+          flush=True)
+    return 0

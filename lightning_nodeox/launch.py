@@ -1,0 +1,150 @@
+"""``nodeox launch``: a coordinator and N host processes on this machine, outputs streamed with a prefix.
+
+Host i gets ``NODEOX_HOST_ID=i``, ``NODEOX_COORDINATOR_URL``, ``NODEOX_TOKEN`` (when set) and
+``NODEOX_RUN_DIR``; when this machine has at least N GPUs each host sees only its own
+(``CUDA_VISIBLE_DEVICES``), and when it has at least N CPUs each host is pinned to its own share of them,
+so that the hosts do not oversubscribe the CPU. If any host fails, the others are stopped and launch
+exits non-zero.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from .cpu import granted_cpus
+
+STOP_GRACE = 10.0
+
+
+def _stream(prefix: str, pipe, out=sys.stdout) -> None:
+    for line in iter(pipe.readline, ""):
+        out.write(f"{prefix} {line}" if line.endswith("\n") else f"{prefix} {line}\n")
+        out.flush()
+    pipe.close()
+
+
+def _start(cmd: list[str], env: dict, prefix: str, cpus: list[int] | None = None) -> tuple[subprocess.Popen, threading.Thread]:
+    preexec = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                            preexec_fn=preexec)
+    thread = threading.Thread(target=_stream, args=(prefix, proc.stdout), daemon=True)
+    thread.start()
+    return proc, thread
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _gpu_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def cpu_shares(hosts: int) -> list[list[int] | None]:
+    """Disjoint CPU sets for the hosts when there are enough CPUs; None (no pinning) otherwise."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return [None] * hosts
+    per = min(len(cpus), granted_cpus()) // hosts
+    if per < 1:
+        return [None] * hosts
+    return [cpus[i * per : (i + 1) * per] for i in range(hosts)]
+
+
+def launch(hosts: int, run_dir: Path, coordinator_args: list[str], command: list[str], token: str | None) -> int:
+    """Run a coordinator and ``hosts`` copies of ``command``; returns the exit status."""
+    if not command:
+        print("nodeox launch: give the host command after --, e.g. "
+              "nodeox launch --hosts 2 --run-dir runs/demo -- python examples/finetune_vit.py", file=sys.stderr)
+        return 2
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ready = run_dir / ".coordinator-url"
+    ready.unlink(missing_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    coord_cmd = [sys.executable, "-m", "lightning_nodeox", "coordinator", "--hosts", str(hosts), "--run-dir",
+                 str(run_dir), "--ready-file", str(ready), *coordinator_args]
+    coordinator, coord_thread = _start(coord_cmd, env, "[coordinator]")
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        if coordinator.poll() is not None or time.monotonic() > deadline:
+            print("nodeox launch: the coordinator did not start (see its output above)", file=sys.stderr)
+            _stop([coordinator])
+            return 1
+        time.sleep(0.05)
+    url = ready.read_text().strip()
+    gpus = _gpu_count()
+    shares = cpu_shares(hosts)
+    procs: list[subprocess.Popen] = []
+    threads: list[threading.Thread] = []
+    for i in range(hosts):
+        host_env = dict(env, NODEOX_HOST_ID=str(i), NODEOX_COORDINATOR_URL=url, NODEOX_RUN_DIR=str(run_dir))
+        if token:
+            host_env["NODEOX_TOKEN"] = token
+        if gpus >= hosts and "CUDA_VISIBLE_DEVICES" not in os.environ:
+            host_env["CUDA_VISIBLE_DEVICES"] = str(i)
+        if shares[i] is not None and "OMP_NUM_THREADS" not in os.environ:
+            host_env["OMP_NUM_THREADS"] = str(len(shares[i]))
+        proc, thread = _start(command, host_env, f"[host {i}]", shares[i])
+        procs.append(proc)
+        threads.append(thread)
+
+    def forward(signum, _frame):
+        _stop(procs + [coordinator])
+        sys.exit(128 + signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    status = 0
+    try:
+        pending = set(range(hosts))
+        while pending:
+            for i in sorted(pending):
+                code = procs[i].poll()
+                if code is None:
+                    continue
+                pending.discard(i)
+                if code != 0:
+                    print(f"nodeox launch: host {i} exited with status {code}; stopping the others", flush=True)
+                    status = code if code > 0 else 1
+                    _stop(procs)
+                    pending.clear()
+                    break
+            if coordinator.poll() is not None and pending:
+                print("nodeox launch: the coordinator exited before the hosts finished; stopping them", flush=True)
+                status = status or 1
+                _stop(procs)
+                break
+            time.sleep(0.1)
+        try:
+            coordinator.wait(30 if status == 0 else 0.1)
+        except subprocess.TimeoutExpired:
+            pass
+        _stop([coordinator])
+        for t in threads + [coord_thread]:
+            t.join(5)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    print(f"nodeox launch: {'done' if status == 0 else 'failed'}; run directory {run_dir} "
+          f"(tensorboard --logdir {run_dir}, nodeox report {run_dir})", flush=True)
+    return status

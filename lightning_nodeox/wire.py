@@ -1,0 +1,365 @@
+"""The q4 wire format: a safetensors file with nodeox metadata and a CRC-32 over the whole message.
+
+Layout (readable by ``safetensors.safe_open``): 8-byte little-endian header length, a JSON header padded
+with spaces to a fixed reserved size, then for each model tensor ``NAME/scales`` (F16 or F32) followed by
+``NAME/codes`` (U8, packed q4). ``__metadata__`` holds the format, version, codec settings, kind, round,
+host, base-model hash, resulting-model hash (sync only), sample count, tensor specs and ``crc32``. The
+CRC covers the header (with its ``crc32`` digits read as zeros) and all data.
+
+Every problem with a received message raises :class:`PayloadError`, whose message names the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from .codec import Q4Settings, block_count, code_bytes
+
+FORMAT = "nodeox-q4"
+VERSION = 1
+MAX_HEADER_BYTES = 64 << 20
+_CRC_PLACEHOLDER = "00000000"
+_DTYPE_NAMES = {torch.float16: "F16", torch.float32: "F32", torch.uint8: "U8"}
+_FLOAT_DTYPES = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
+}
+
+
+class PayloadError(ValueError):
+    """A q4 message that cannot be used: truncated, corrupted, of another version, or not fitting the model."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # torch dtype name without the "torch." prefix
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _FLOAT_DTYPES[self.dtype]
+
+    def as_json(self) -> list:
+        return [self.name, self.dtype, list(self.shape)]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _FLOAT_DTYPES:
+        raise ValueError(f"nodeox exchanges floating-point tensors only, not {dtype}")
+    return name
+
+
+def spec_of(named) -> tuple[TensorSpec, ...]:
+    """Specs of ``(name, tensor)`` pairs, in order."""
+    return tuple(TensorSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in named)
+
+
+def specs_from_json(items) -> tuple[TensorSpec, ...]:
+    try:
+        specs = tuple(TensorSpec(str(n), str(d), tuple(int(x) for x in s)) for n, d, s in items)
+    except (TypeError, ValueError) as e:
+        raise PayloadError(f"tensor list in the header is malformed: {e}") from None
+    for s in specs:
+        if s.dtype not in _FLOAT_DTYPES or any(d < 0 for d in s.shape):
+            raise PayloadError(f"tensor {s.name!r} has an invalid dtype or shape: {s.dtype} {list(s.shape)}")
+    return specs
+
+
+def check_same_model(expected: tuple[TensorSpec, ...], got: tuple[TensorSpec, ...], what: str) -> None:
+    """Raise PayloadError naming the first tensor where ``got`` differs from ``expected``."""
+    if len(expected) != len(got):
+        raise PayloadError(f"{what} has {len(got)} tensors but the model has {len(expected)}")
+    for e, g in zip(expected, got):
+        if e != g:
+            raise PayloadError(
+                f"{what}: tensor {g.name!r} {g.dtype} {list(g.shape)} does not match the model's "
+                f"{e.name!r} {e.dtype} {list(e.shape)}; every host must train the same model"
+            )
+
+
+@dataclass(frozen=True)
+class Q4Meta:
+    """What a q4 message says about itself."""
+
+    kind: str  # "delta" (host to coordinator) or "sync" (coordinator to hosts)
+    round: int
+    host: str
+    base_hash: str
+    samples: int = 0
+    model_hash: str = ""  # sync: hash of the model after applying it
+    final: bool = False  # delta: the host's last round
+    block_size: int = 64
+    scale_dtype: str = "fp16"
+    tensors: tuple[TensorSpec, ...] = field(default=(), repr=False)
+
+    def metadata(self, crc: str) -> dict[str, str]:
+        return {
+            "format": FORMAT, "version": str(VERSION), "kind": self.kind, "round": str(self.round),
+            "host": self.host, "base_hash": self.base_hash, "model_hash": self.model_hash,
+            "samples": str(self.samples), "final": "1" if self.final else "0",
+            "block_size": str(self.block_size), "scale_dtype": self.scale_dtype,
+            "tensors": json.dumps([s.as_json() for s in self.tensors], separators=(",", ":")),
+            "crc32": crc,
+        }
+
+
+@dataclass(frozen=True)
+class Region:
+    scales: tuple[int, int]
+    codes: tuple[int, int]
+
+
+def regions_for(specs: tuple[TensorSpec, ...], settings: Q4Settings) -> list[Region]:
+    """Byte ranges (within the data section) of each tensor's scales and codes."""
+    scale_size = settings.torch_scale_dtype.itemsize
+    out, pos = [], 0
+    for s in specs:
+        nb = block_count(s.numel, settings.block_size)
+        sc = (pos, pos + nb * scale_size)
+        cd = (sc[1], sc[1] + code_bytes(s.numel, settings.block_size))
+        out.append(Region(sc, cd))
+        pos = cd[1]
+    return out
+
+
+def _header_json(meta: Q4Meta, regions: list[Region], settings: Q4Settings, crc: str) -> str:
+    scale_name = _DTYPE_NAMES[settings.torch_scale_dtype]
+    header: dict = {"__metadata__": meta.metadata(crc)}
+    for spec, r in zip(meta.tensors, regions):
+        nb = (r.scales[1] - r.scales[0]) // settings.torch_scale_dtype.itemsize
+        header[f"{spec.name}/scales"] = {"dtype": scale_name, "shape": [nb], "data_offsets": list(r.scales)}
+        header[f"{spec.name}/codes"] = {"dtype": "U8", "shape": [r.codes[1] - r.codes[0]], "data_offsets": list(r.codes)}
+    return json.dumps(header, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class Q4Layout:
+    """Where everything sits in a model's q4 message; every message of a run has the same layout."""
+
+    specs: tuple[TensorSpec, ...]
+    settings: Q4Settings
+    regions: tuple[Region, ...]
+    data_start: int
+    total: int
+
+    @classmethod
+    def of(cls, specs: tuple[TensorSpec, ...], settings: Q4Settings) -> Q4Layout:
+        regions = tuple(regions_for(specs, settings))
+        longest = Q4Meta("delta", 2**63 - 1, "h" * 64, "f" * 32, 2**63 - 1, "f" * 32, True,
+                         settings.block_size, settings.scale_dtype, specs)
+        reserved = len(_header_json(longest, list(regions), settings, _CRC_PLACEHOLDER).encode()) + 64
+        reserved += -reserved % 8
+        data_bytes = regions[-1].codes[1] if regions else 0
+        return cls(specs, settings, regions, 8 + reserved, 8 + reserved + data_bytes)
+
+
+class Q4Message:
+    """One q4 message in a CPU byte buffer, with views on each tensor's scales and codes.
+
+    A sender allocates it once per model and rewrites it every round (``write_header`` last); a receiver
+    wraps received bytes with :meth:`parse`.
+    """
+
+    def __init__(self, buffer: torch.Tensor, layout: Q4Layout, meta: Q4Meta) -> None:
+        self.buffer = buffer
+        self.layout = layout
+        self.meta = meta
+
+    @classmethod
+    def allocate(cls, layout: Q4Layout, *, pin_memory: bool = False) -> Q4Message:
+        buffer = torch.empty(layout.total, dtype=torch.uint8, pin_memory=pin_memory)
+        meta = Q4Meta("delta", 0, "", "", block_size=layout.settings.block_size,
+                      scale_dtype=layout.settings.scale_dtype, tensors=layout.specs)
+        return cls(buffer, layout, meta)
+
+    def __len__(self) -> int:
+        return self.buffer.numel()
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self.buffer[self.layout.data_start :]
+
+    def scales(self, i: int) -> torch.Tensor:
+        a, b = self.layout.regions[i].scales
+        return self.data[a:b].view(self.layout.settings.torch_scale_dtype)
+
+    def codes(self, i: int) -> torch.Tensor:
+        a, b = self.layout.regions[i].codes
+        return self.data[a:b]
+
+    def write_header(self, meta: Q4Meta) -> None:
+        """Write the header for ``meta`` and the CRC over header and data (after the data is in place)."""
+        layout = self.layout
+        meta = replace(meta, block_size=layout.settings.block_size, scale_dtype=layout.settings.scale_dtype,
+                       tensors=layout.specs)
+        reserved = layout.data_start - 8
+        text = _header_json(meta, list(layout.regions), layout.settings, _CRC_PLACEHOLDER).encode()
+        if len(text) > reserved:
+            raise ValueError("q4 header does not fit its reserved space: host ids are at most 64 characters")
+        header = text + b" " * (reserved - len(text))
+        raw = self.buffer.numpy()
+        raw[:8] = memoryview(struct.pack("<Q", reserved))
+        raw[8 : layout.data_start] = memoryview(header)
+        crc = zlib.crc32(raw[layout.data_start :], zlib.crc32(raw[: layout.data_start]))
+        pos = 8 + header.index(b'"crc32":"') + len(b'"crc32":"')
+        raw[pos : pos + 8] = memoryview(f"{crc:08x}".encode())
+        self.meta = meta
+
+    def view(self) -> memoryview:
+        return memoryview(self.buffer.numpy())
+
+    @classmethod
+    def parse(cls, data: torch.Tensor | bytes | bytearray | memoryview) -> Q4Message:
+        """Validate a received message (structure, version, CRC, scales) and return views on it."""
+        buffer = data if isinstance(data, torch.Tensor) else _as_tensor(data)
+        raw = buffer.numpy()
+        total = len(raw)
+        if total < 8:
+            raise PayloadError(f"payload is truncated: {total} bytes, not even a header length")
+        (hlen,) = struct.unpack("<Q", raw[:8].tobytes())
+        if hlen > MAX_HEADER_BYTES or 8 + hlen > total:
+            raise PayloadError(f"payload is truncated or corrupt: header length {hlen} with {total} bytes in all")
+        header_bytes = raw[8 : 8 + hlen].tobytes()
+        try:
+            header = json.loads(header_bytes.decode("utf-8"))
+            md = header["__metadata__"]
+            if md.get("format") != FORMAT:
+                raise PayloadError(f"payload is not a {FORMAT} message (format={md.get('format')!r})")
+            version = int(md["version"])
+        except PayloadError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, RecursionError) as e:
+            raise PayloadError(f"payload header is not valid nodeox-q4 JSON: {e}") from None
+        if version != VERSION:
+            raise PayloadError(f"payload uses q4 format version {version}; this build reads version {VERSION}. "
+                               "Run the same lightning-nodeox version on every host and the coordinator.")
+        try:
+            settings = Q4Settings(block_size=int(md["block_size"]), scale_dtype=md["scale_dtype"])
+            specs = specs_from_json(json.loads(md["tensors"]))
+            meta = Q4Meta(kind=md["kind"], round=int(md["round"]), host=str(md["host"]),
+                          base_hash=str(md["base_hash"]), samples=int(md["samples"]),
+                          model_hash=str(md.get("model_hash", "")), final=md["final"] == "1",
+                          block_size=settings.block_size, scale_dtype=settings.scale_dtype, tensors=specs)
+            crc_text = str(md["crc32"])
+            expected_crc = int(crc_text, 16)
+        except PayloadError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+            raise PayloadError(f"payload metadata is incomplete or malformed: {e}") from None
+        if meta.kind not in ("delta", "sync") or meta.samples < 0 or meta.round < 0:
+            raise PayloadError(f"payload metadata is out of range: kind={meta.kind!r} round={meta.round} "
+                               f"samples={meta.samples}")
+        regions = tuple(regions_for(specs, settings))
+        data_start = 8 + hlen
+        data_bytes = regions[-1].codes[1] if regions else 0
+        if total != data_start + data_bytes:
+            raise PayloadError(f"payload is truncated or has trailing bytes: {total} bytes, "
+                               f"{data_start + data_bytes} expected for its tensors")
+        _check_offsets(header, specs, regions, settings)
+        pos = header_bytes.find(b'"crc32":"' + crc_text.encode() + b'"')
+        if len(crc_text) != 8 or pos < 0:
+            raise PayloadError("payload crc32 field is malformed")
+        zeroed = bytearray(header_bytes)
+        start = pos + len(b'"crc32":"')
+        zeroed[start : start + 8] = _CRC_PLACEHOLDER.encode()
+        crc = zlib.crc32(raw[:8].tobytes())
+        crc = zlib.crc32(zeroed, crc)
+        crc = zlib.crc32(raw[data_start:], crc)
+        if crc != expected_crc:
+            raise PayloadError(f"payload failed its integrity check (crc32 {crc:08x}, header says {expected_crc:08x}): "
+                               "it was corrupted in transit")
+        message = cls(buffer, Q4Layout(specs, settings, regions, data_start, total), meta)
+        message.check_scales()
+        return message
+
+    def check_scales(self) -> None:
+        for i, spec in enumerate(self.meta.tensors):
+            scales = self.scales(i)
+            if scales.numel() and not bool(torch.isfinite(scales).all()):
+                raise PayloadError(f"payload has NaN or Inf scales for tensor {spec.name!r}")
+
+
+def _check_offsets(header: dict, specs, regions: list[Region], settings: Q4Settings) -> None:
+    scale_name = _DTYPE_NAMES[settings.torch_scale_dtype]
+    if len(header) != 1 + 2 * len(specs):
+        raise PayloadError(f"payload header lists {len(header) - 1} entries, {2 * len(specs)} expected")
+    for spec, r in zip(specs, regions):
+        for suffix, dtype, span in (("scales", scale_name, r.scales), ("codes", "U8", r.codes)):
+            entry = header.get(f"{spec.name}/{suffix}")
+            if not isinstance(entry, dict) or entry.get("dtype") != dtype or entry.get("data_offsets") != list(span):
+                raise PayloadError(f"payload entry {spec.name}/{suffix} is missing or has the wrong dtype or offsets")
+
+
+def _as_tensor(data: bytes | bytearray | memoryview) -> torch.Tensor:
+    if isinstance(data, bytes):
+        data = bytearray(data)  # torch.frombuffer needs a writable buffer
+    if len(data) == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(data, dtype=torch.uint8)
+
+
+# -- the full model: a plain safetensors file, served only when a host asks for it ------------------------------
+
+_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
+
+
+def model_header(specs: tuple[TensorSpec, ...], round_: int, model_hash: str) -> bytes:
+    """Length prefix and JSON header of a safetensors file holding the model's tensors in order."""
+    header: dict = {"__metadata__": {"format": "nodeox-model", "version": str(VERSION), "round": str(round_),
+                                     "model_hash": model_hash}}
+    pos = 0
+    for s in specs:
+        size = s.numel * s.torch_dtype.itemsize
+        header[s.name] = {"dtype": _SAFETENSORS_DTYPES[s.dtype], "shape": list(s.shape), "data_offsets": [pos, pos + size]}
+        pos += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def read_model(data: torch.Tensor) -> tuple[int, str, tuple[TensorSpec, ...], list[torch.Tensor]]:
+    """Round, model hash, specs and tensor views of a safetensors model file (ours, or any float-only one)."""
+    raw = data.numpy()
+    if len(raw) < 8:
+        raise PayloadError("model file is truncated")
+    (hlen,) = struct.unpack("<Q", raw[:8].tobytes())
+    if hlen > MAX_HEADER_BYTES or 8 + hlen > len(raw):
+        raise PayloadError("model file is truncated or corrupt")
+    names_by_code = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
+    try:
+        header = json.loads(raw[8 : 8 + hlen].tobytes())
+        md = header.pop("__metadata__", None) or {}
+        round_, model_hash = int(md.get("round", 0)), str(md.get("model_hash", ""))
+        entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+        specs = tuple(TensorSpec(name, names_by_code[e["dtype"]], tuple(int(d) for d in e["shape"]))
+                      for name, e in entries)
+    except KeyError as e:
+        raise PayloadError(f"model file holds a tensor that is not floating point, or lacks a field: {e}") from None
+    except (ValueError, TypeError, AttributeError) as e:
+        raise PayloadError(f"model file header is malformed: {e}") from None
+    start, pos, tensors = 8 + hlen, 0, []
+    for spec, (name, entry) in zip(specs, entries):
+        size = spec.numel * spec.torch_dtype.itemsize
+        if entry["data_offsets"] != [pos, pos + size]:
+            raise PayloadError(f"model file entry {name!r} has offsets {entry['data_offsets']}, expected {[pos, pos + size]}")
+        chunk = data[start + pos : start + pos + size]
+        if (start + pos) % spec.torch_dtype.itemsize:
+            chunk = chunk.clone()  # misaligned after a tensor of a smaller dtype
+        tensors.append(chunk.view(spec.torch_dtype).view(spec.shape))
+        pos += size
+    if start + pos != len(raw):
+        raise PayloadError(f"model file is {len(raw)} bytes but its header describes {start + pos}")
+    return round_, model_hash, specs, tensors

@@ -1,0 +1,102 @@
+"""A test host: a small BatchNorm MLP on scikit-learn's digits, trained under NodeoxStrategy.
+
+After every round (and at the end) it writes its exchanged tensors and model hash to --out, so tests can
+check that hosts are bit-identical and agree with the coordinator. Started by `nodeox launch` in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import TensorBoardLogger
+from safetensors.torch import save_file
+from sklearn.datasets import load_digits
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_nodeox import NodeoxStrategy, PhaseMonitor
+from lightning_nodeox.exchange import shared_tensors
+
+
+class DigitsNet(LightningModule):
+    def __init__(self, lr: float = 0.05) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 10))
+        self.lr = lr
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss, on_step=True, prog_bar=False)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+class DumpRounds(Callback):
+    """Writes the shared tensors after each completed round, and the losses seen."""
+
+    def __init__(self, out: Path, host: str) -> None:
+        self.out, self.host, self.seen, self.losses = out, host, -1, []
+
+    def _dump(self, trainer, name: str) -> None:
+        result = trainer.strategy.last_result
+        tensors = {n: t.detach().cpu().clone().contiguous() for n, t in shared_tensors(trainer.lightning_module)}
+        save_file(tensors, str(self.out / f"host{self.host}_{name}.safetensors"),
+                  metadata={"model_hash": trainer.strategy.model_hash or "", "round": str(result.round if result else -1)})
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+        result = trainer.strategy.last_result
+        if result is not None and result.round != self.seen:
+            self.seen = result.round
+            self._dump(trainer, f"round{result.round}")
+
+    def on_fit_end(self, trainer, pl_module):
+        self._dump(trainer, "final")
+        (self.out / f"host{self.host}_losses.json").write_text(json.dumps(self.losses))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--max-steps", type=int, default=30)
+    p.add_argument("--local-steps", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--skip-sync-round", type=int, default=-1, help="host 1 skips applying this round's sync")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    host = os.environ["NODEOX_HOST_ID"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(1234 + int(host))  # hosts start different: the run's first host provides the model
+    x, y = load_digits(return_X_y=True)
+    data = TensorDataset(torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y))
+    gen = torch.Generator().manual_seed(int(host))
+    loader = DataLoader(data, batch_size=args.batch_size, shuffle=True, generator=gen, drop_last=True)
+    model = DigitsNet()
+    if args.skip_sync_round >= 0 and host == "1":
+        from lightning_nodeox import exchange
+
+        original = exchange.HostExchange._apply
+
+        def skip_once(self, sync):
+            if sync.meta.round == args.skip_sync_round:
+                return  # as if this round's sync never reached the host
+            original(self, sync)
+
+        exchange.HostExchange._apply = skip_once
+    strategy = NodeoxStrategy(local_steps=args.local_steps, cpu_threads=1, codec_threads=1)
+    trainer = Trainer(strategy=strategy, max_steps=args.max_steps, logger=TensorBoardLogger(args.out / f"tb_host{host}"),
+                      callbacks=[PhaseMonitor(), DumpRounds(args.out, host)], enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
+    trainer.fit(model, loader)
+
+
+if __name__ == "__main__":
+    main()
