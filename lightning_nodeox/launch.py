@@ -1,7 +1,7 @@
 """``nodeox launch``: a coordinator and N host processes on this machine, outputs streamed with a prefix.
 
-Host i gets ``NODEOX_HOST_ID=i``, ``NODEOX_COORDINATOR_URL``, ``NODEOX_TOKEN`` (when set) and
-``NODEOX_RUN_DIR``; when this machine has at least N GPUs each host sees only its own
+Host i gets ``NODEOX_HOST_ID=i``, ``NODEOX_NUM_HOSTS``, ``NODEOX_COORDINATOR_URL``, ``NODEOX_TOKEN``
+(when set) and ``NODEOX_RUN_DIR``; when this machine has at least N GPUs each host sees only its own
 (``CUDA_VISIBLE_DEVICES``), and when it has at least N CPUs each host is pinned to its own share of them,
 so that the hosts do not oversubscribe the CPU. If any host fails, the others are stopped and launch
 exits non-zero.
@@ -98,7 +98,8 @@ def launch(hosts: int, run_dir: Path, coordinator_args: list[str], command: list
     procs: list[subprocess.Popen] = []
     threads: list[threading.Thread] = []
     for i in range(hosts):
-        host_env = dict(env, NODEOX_HOST_ID=str(i), NODEOX_COORDINATOR_URL=url, NODEOX_RUN_DIR=str(run_dir))
+        host_env = dict(env, NODEOX_HOST_ID=str(i), NODEOX_NUM_HOSTS=str(hosts), NODEOX_COORDINATOR_URL=url,
+                        NODEOX_RUN_DIR=str(run_dir))
         if token:
             host_env["NODEOX_TOKEN"] = token
         if gpus >= hosts and "CUDA_VISIBLE_DEVICES" not in os.environ:

@@ -208,13 +208,13 @@ class NodeoxStrategy(SingleDeviceStrategy):
         if self._worker is None or self._left:
             return
         self._left = True
+        self._worker.close()
+        self._telemetry.close()  # before leaving: the coordinator may stop once every host has left
         try:
             self._exchange.client.leave()
         except Exception as e:  # noqa: BLE001 - leaving is a courtesy; the coordinator times hosts out
             log.warning("NodeoxStrategy: could not tell the coordinator that host %s left: %s",
                         self.settings.host_id, e)
-        self._worker.close()
-        self._telemetry.close()
 
     @property
     def model_hash(self) -> str | None:

@@ -355,6 +355,8 @@ def read_model(data: torch.Tensor) -> tuple[int, str, tuple[TensorSpec, ...], li
         size = spec.numel * spec.torch_dtype.itemsize
         if entry["data_offsets"] != [pos, pos + size]:
             raise PayloadError(f"model file entry {name!r} has offsets {entry['data_offsets']}, expected {[pos, pos + size]}")
+        if start + pos + size > len(raw):
+            raise PayloadError(f"model file is {len(raw)} bytes but its header describes more")
         chunk = data[start + pos : start + pos + size]
         if (start + pos) % spec.torch_dtype.itemsize:
             chunk = chunk.clone()  # misaligned after a tensor of a smaller dtype

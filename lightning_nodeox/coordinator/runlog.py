@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -23,8 +25,6 @@ def rss_bytes() -> int:
             pages = int(f.read().split()[1])
     except (OSError, ValueError, IndexError):
         return 0
-    import os
-
     return pages * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -61,8 +61,9 @@ class RunLog:
         writer.add_scalar(metric_name(r.phase), r.seconds, r.round, walltime=r.end)
         if r.bytes is not None:
             writer.add_scalar(metric_name(r.phase, "bytes"), r.bytes, r.round, walltime=r.end)
-        if "q4_rel_error" in r.extra:
-            writer.add_scalar("nodeox/q4_rel_error", r.extra["q4_rel_error"], r.round, walltime=r.end)
+        error = r.extra.get("q4_rel_error")
+        if isinstance(error, (int, float)) and math.isfinite(error):
+            writer.add_scalar("nodeox/q4_rel_error", error, r.round, walltime=r.end)
         if r.phase in SYNC_PARTS:
             parts = self._sync_parts.setdefault((r.host, r.round), {})
             parts[r.phase] = r.seconds

@@ -1,0 +1,52 @@
+"""A plain, whole-tensor q4 implementation: the specification the chunked kernels are tested against."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_nodeox.codec import CODE_OFFSET, LEVELS, Q4Kernels, Q4Settings, chunk_ranges, stochastic_seed
+
+
+def encode_reference(x: torch.Tensor, settings: Q4Settings, *, seed: int | None = None, chunk: int = 0):
+    """(codes as uint8 packed bytes, scales) of flat ``x`` by the q4 definition.
+
+    Stochastic rounding draws, like the kernels, ``uniform(-0.5, 0.5)`` from a generator seeded per chunk of
+    ``chunk`` values (the kernels' chunk size), so both see the same noise.
+    """
+    bs = settings.block_size
+    n = x.numel()
+    nb = -(-n // bs)
+    padded = torch.zeros(nb * bs, dtype=torch.float32)
+    padded[:n] = x.float()
+    blocks = padded.view(nb, bs)
+    scale = blocks.abs().amax(dim=1) / LEVELS
+    if settings.scale_dtype == "fp16":
+        scale = scale.to(torch.float16).float()
+    inv = 1.0 / scale.clamp_min(1e-30)
+    y = blocks * inv[:, None]
+    if settings.rounding == "stochastic" and seed is not None:
+        noise = torch.empty(nb * bs)
+        for s, e in chunk_ranges(n, chunk):
+            mp = -(-(e - s) // bs) * bs
+            g = torch.Generator().manual_seed(stochastic_seed(seed, s))
+            part = torch.empty(mp)
+            part.uniform_(-0.5, 0.5, generator=g)
+            noise[s : s + mp] = part
+        y = (y + noise.view(nb, bs)).clamp(-LEVELS, LEVELS)
+    elif settings.scale_dtype == "fp16":
+        y = y.clamp(-LEVELS, LEVELS)
+    q = torch.round(y).to(torch.int64).view(-1) + CODE_OFFSET
+    packed = (q[0::2] | (q[1::2] << 4)).to(torch.uint8)
+    return packed, scale.to(settings.torch_scale_dtype)
+
+
+def decode_reference(packed: torch.Tensor, scales: torch.Tensor, n: int, block_size: int) -> torch.Tensor:
+    p = packed.to(torch.int64)
+    q = torch.stack([p & 15, p >> 4], dim=1).view(-1) - CODE_OFFSET
+    values = q.float().view(-1, block_size) * scales.float()[:, None]
+    return values.view(-1)[:n]
+
+
+def kernels(settings: Q4Settings, chunk: int = 256) -> Q4Kernels:
+    """Kernels with a small chunk, so that tests cross many chunk boundaries."""
+    return Q4Kernels(settings, "cpu", chunk)

@@ -1,0 +1,53 @@
+"""The model hash: exact, sensitive to every byte, the same however it is computed."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_nodeox.codec import CodecPool, Q4Settings
+from lightning_nodeox.hashing import ROW_WORDS, model_hash
+
+
+def named(*tensors):
+    return [(f"t{i}", t) for i, t in enumerate(tensors)]
+
+
+def test_equal_models_equal_hashes() -> None:
+    a = [torch.randn(ROW_WORDS * 3 + 17), torch.randn(5, 3), torch.randn(7).to(torch.bfloat16)]
+    b = [t.clone() for t in a]
+    assert model_hash(named(*a)) == model_hash(named(*b))
+
+
+def test_every_single_bit_flip_changes_the_hash() -> None:
+    t = torch.randn(ROW_WORDS * 2 + 3)  # full rows, a partial row and trailing bytes (odd count of fp32)
+    reference = model_hash(named(t))
+    raw = t.view(torch.uint8)
+    gen = torch.Generator().manual_seed(0)
+    for position in torch.randint(0, raw.numel(), (64,), generator=gen).tolist() + [0, raw.numel() - 1]:
+        flipped = t.clone()
+        flipped.view(torch.uint8)[position] ^= 1 << (position % 8)
+        assert model_hash(named(flipped)) != reference, position
+
+
+def test_names_shapes_and_dtypes_count() -> None:
+    t = torch.zeros(12)
+    base = model_hash([("w", t)])
+    assert model_hash([("v", t)]) != base
+    assert model_hash([("w", t.view(3, 4))]) != base
+    assert model_hash([("w", t.to(torch.float64))]) != base
+
+
+def test_swapping_elements_changes_the_hash() -> None:
+    t = torch.arange(100, dtype=torch.float32)
+    swapped = t.clone()
+    swapped[[3, 70]] = swapped[[70, 3]]
+    assert model_hash(named(t)) != model_hash(named(swapped))
+
+
+def test_parallel_pool_gives_the_same_hash() -> None:
+    tensors = named(torch.randn(ROW_WORDS * 40 + 5), torch.randn(3))
+    pool = CodecPool(Q4Settings(), "cpu", threads=2)
+    try:
+        assert model_hash(tensors, pool) == model_hash(tensors)
+    finally:
+        pool.close()
