@@ -178,12 +178,12 @@ class Rounds:
         model = self._require_model()
         if host not in self.hosts:
             raise RoundError(409, f"host {host} has not joined; POST /v1/join first")
+        if round_ == self.round and host in self.received:
+            raise RoundError(409, f"host {host} already sent its delta for round {round_}", duplicate=True)
         if round_ != self.round or self.closing:
             state = "closing" if self.closing and round_ == self.round else "not open"
             raise RoundError(409, f"round {round_} is {state}; the coordinator is at round {self.round}",
                              round=self.round, published_round=self.published_round)
-        if host in self.received:
-            raise RoundError(409, f"host {host} already sent its delta for round {round_}", duplicate=True)
         if size is not None and size != model.layout.total:
             raise RoundError(400, f"delta is {size} bytes but this model's q4 delta is {model.layout.total} bytes "
                                   f"(block size {self.config.q4.block_size}, {self.config.q4.scale_dtype} scales)")

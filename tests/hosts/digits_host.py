@@ -49,7 +49,8 @@ class DumpRounds(Callback):
         result = trainer.strategy.last_result
         tensors = {n: t.detach().cpu().clone().contiguous() for n, t in shared_tensors(trainer.lightning_module)}
         save_file(tensors, str(self.out / f"host{self.host}_{name}.safetensors"),
-                  metadata={"model_hash": trainer.strategy.model_hash or "", "round": str(result.round if result else -1)})
+                  metadata={"model_hash": trainer.strategy.model_hash or "", "order": json.dumps(list(tensors)),
+                            "round": str(result.round if result else -1)})
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))

@@ -1,0 +1,161 @@
+"""The coordinator process over real HTTP: joining, bad input refused with 4xx, rounds never poisoned."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import requests
+import torch
+
+from lightning_nodeox.client import CoordinatorClient, CoordinatorError, CoordinatorUnreachable, read_into
+from lightning_nodeox.codec import Q4Settings, accumulate_tensor, apply_sync, encode_mean_and_apply, encode_tensor
+from lightning_nodeox.hashing import model_hash
+from lightning_nodeox.wire import Q4Layout, Q4Message, Q4Meta, model_header, read_model, spec_of
+from reference_q4 import kernels
+
+MODEL = [("fc.weight", torch.randn(40, 30, generator=torch.Generator().manual_seed(0))),
+         ("fc.bias", torch.randn(40, generator=torch.Generator().manual_seed(1))),
+         ("bn.running_mean", torch.zeros(40))]
+SPECS = spec_of(MODEL)
+SETTINGS = Q4Settings()
+
+
+def model_file(named=MODEL) -> bytes:
+    body = bytearray(model_header(spec_of(named), 0, ""))
+    for _, t in named:
+        body += t.numpy().tobytes()
+    return bytes(body)
+
+
+def delta_message(deltas: list[torch.Tensor], *, round_: int, host: str, base_hash: str, samples: int,
+                  specs=SPECS) -> Q4Message:
+    message = Q4Message.allocate(Q4Layout.of(specs, SETTINGS))
+    k = kernels(SETTINGS)
+    for i, d in enumerate(deltas):
+        encode_tensor(k, d.reshape(-1), message.codes(i), message.scales(i))
+    message.write_header(Q4Meta("delta", round_, host, base_hash, samples=samples))
+    return message
+
+
+def test_unreachable_coordinator_fails_fast_with_its_url() -> None:
+    with socket_closed_port() as port:
+        url = f"http://127.0.0.1:{port}"
+        client = CoordinatorClient(url, host="0", retry_for=1.5)
+        start = time.monotonic()
+        with pytest.raises(CoordinatorUnreachable, match=f"coordinator at {url} did not answer"):
+            client.join([])
+        assert time.monotonic() - start < 10
+
+
+def test_round_refuses_bad_deltas_and_stays_unpoisoned(coordinator) -> None:
+    coord = coordinator(2)
+    a = CoordinatorClient(coord.url, host="a", retry_for=5)
+    b = CoordinatorClient(coord.url, host="b", retry_for=5)
+    reply = a.join([s.as_json() for s in SPECS])
+    assert reply["provide_model"] and reply["block_size"] == 64
+    initial_hash = a.put_model(memoryview(model_file()))["model_hash"]
+    assert initial_hash == model_hash(MODEL)
+    assert b.join([s.as_json() for s in SPECS])["model_hash"] == initial_hash
+
+    gen = torch.Generator().manual_seed(2)
+    good_a = [torch.randn(t.shape, generator=gen) * 0.01 for _, t in MODEL]
+    good_b = [torch.randn(t.shape, generator=gen) * 0.01 for _, t in MODEL]
+
+    def refused(status: int, pattern: str, body, host=b, round_=0) -> None:
+        with pytest.raises(CoordinatorError) as e:
+            host.post_delta(round_, body)
+        assert e.value.status == status, e.value
+        assert pattern in str(e.value), e.value
+
+    valid_b = bytes(delta_message(good_b, round_=0, host="b", base_hash=initial_hash, samples=10).view())
+    refused(409, "round 5 is not open", valid_b, round_=5)
+    refused(400, "bytes but this model's q4 delta is", valid_b[:-16])
+    flipped = bytearray(valid_b)
+    flipped[-3] ^= 0x40
+    refused(400, "integrity check", bytes(flipped))
+    transposed = [("fc.weight", torch.zeros(30, 40)), *MODEL[1:]]
+    wrong_shape = delta_message([torch.zeros(30, 40), *good_b[1:]], round_=0, host="b", base_hash=initial_hash,
+                                samples=10, specs=spec_of(transposed))
+    refused(400, "does not match the model's", bytes(wrong_shape.view()))
+    stale = delta_message(good_b, round_=0, host="b", base_hash="00" * 16, samples=10)
+    refused(409, "fetch the model", bytes(stale.view()))
+    poison = delta_message([torch.full(t.shape, 1e3) for _, t in MODEL], round_=0, host="a", base_hash=initial_hash,
+                           samples=10)
+    refused(400, "sent as round 0's delta of host b", bytes(poison.view()))  # host a's payload sent as b's
+
+    # the round goes on with the good deltas only
+    valid_a = bytes(delta_message(good_a, round_=0, host="a", base_hash=initial_hash, samples=30).view())
+    a.post_delta(0, memoryview(valid_a))
+    refused(409, "already sent", valid_a, host=a)
+    b.post_delta(0, memoryview(valid_b))
+    response = b.wait_sync(0)
+    assert response.status_code == 200
+    sync = Q4Message.parse(read_into(response))
+    expected = expected_after_round([t for _, t in MODEL], [(good_a, 30), (good_b, 10)])
+    assert sync.meta.model_hash == model_hash(list(zip([n for n, _ in MODEL], expected)))
+    local = [t.clone() for _, t in MODEL]
+    for i, t in enumerate(local):
+        apply_sync(kernels(SETTINGS), sync.codes(i), sync.scales(i), t.clone().view(-1), t.view(-1))
+    assert all(torch.equal(x, y) for x, y in zip(local, expected))
+
+    # the full model is served on request and matches
+    round_, served_hash, _, tensors = read_model(read_into(a.get_model()))
+    assert (round_, served_hash) == (1, sync.meta.model_hash)
+    assert all(torch.equal(x, y) for x, y in zip(tensors, expected))
+    assert any(e["phase"] == "model_materialize" for e in coord.events())
+
+
+def expected_after_round(model: list[torch.Tensor], contributions) -> list[torch.Tensor]:
+    """What the coordinator must publish: q4 of the sample-weighted mean of the dequantized deltas."""
+    total = sum(n for _, n in contributions)
+    out = []
+    for i, t in enumerate(model):
+        acc = torch.zeros(t.numel())
+        for j, (deltas, samples) in enumerate(contributions):
+            k = kernels(SETTINGS)
+            message = delta_message(deltas, round_=0, host="x", base_hash="", samples=samples)
+            accumulate_tensor(k, message.codes(i), message.scales(i), acc, float(samples), assign=j == 0)
+        new = t.clone().view(-1)
+        codes, scales = torch.empty_like(message.codes(i)), torch.empty_like(message.scales(i))
+        encode_mean_and_apply(kernels(SETTINGS), acc, 1 / total, new, codes, scales)
+        out.append(new.view(t.shape))
+    return out
+
+
+def test_token_is_required_when_configured(coordinator, tmp_path) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    coord = coordinator(1, "--token-file", str(token))
+    r = requests.post(f"{coord.url}/v1/join", json={"host": "0"}, timeout=10)
+    assert r.status_code == 401 and "NODEOX_TOKEN" in r.json()["error"]
+    assert requests.get(f"{coord.url}/v1/health", timeout=10).status_code == 200
+    client = CoordinatorClient(coord.url, host="0", token="s3cret")
+    assert client.join([s.as_json() for s in SPECS])["provide_model"]
+
+
+def test_bad_requests_get_json_errors(coordinator) -> None:
+    coord = coordinator(1)
+    r = requests.post(f"{coord.url}/v1/events", data=b"not json", timeout=10)
+    assert r.status_code == 400 and "records" in r.json()["error"]
+    r = requests.post(f"{coord.url}/v1/rounds/0/delta?host=0", data=b"x", timeout=10)
+    assert r.status_code == 409 and "no model yet" in r.json()["error"]
+    r = requests.get(f"{coord.url}/v1/rounds/zero/sync", timeout=10)
+    assert r.status_code == 400 and "integer" in r.json()["error"]
+    assert "X-Nodeox-Time" in r.headers
+
+
+class socket_closed_port:
+    """A local port with nothing listening on it."""
+
+    def __enter__(self) -> int:
+        import socket
+
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        self.port = s.getsockname()[1]
+        s.close()
+        return self.port
+
+    def __exit__(self, *exc) -> None:
+        pass

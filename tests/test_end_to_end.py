@@ -1,0 +1,98 @@
+"""Real runs: `nodeox launch` starts a coordinator and host processes that train with real Trainers."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import HOSTS, launch, read_events
+from lightning_nodeox.hashing import model_hash
+
+ROUNDS = 3  # max_steps 30, local_steps 10; then the (empty) final round 3
+
+
+def load(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    with safe_open(str(path), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+
+
+def tags(folder: Path) -> set[str]:
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return set(acc.Tags()["scalars"])
+
+
+@pytest.fixture(scope="module")
+def two_host_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("two_hosts")
+    run_dir, out = root / "run", root / "out"
+    result = launch(run_dir, 2, [sys.executable, str(HOSTS / "digits_host.py"), "--out", str(out)])
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
+    return run_dir, out, result
+
+
+def test_hosts_are_bit_identical_after_every_round(two_host_run) -> None:
+    run_dir, out, _ = two_host_run
+    published = {e["round"]: e["model_hash"] for e in read_events(run_dir) if e["phase"] == "sync_prepare"}
+    assert sorted(published) == list(range(ROUNDS + 1))
+    for name in [f"round{r}" for r in range(ROUNDS)] + ["final"]:
+        t0, m0 = load(out / f"host0_{name}.safetensors")
+        t1, m1 = load(out / f"host1_{name}.safetensors")
+        assert set(t0) == set(t1) and "net.1.running_mean" in t0 and "net.1.running_var" in t0
+        for key in t0:
+            assert torch.equal(t0[key].view(torch.int32), t1[key].view(torch.int32)), (name, key)
+        assert m0["model_hash"] == m1["model_hash"] == published[int(m0["round"])]
+        assert model_hash([(k, t0[k]) for k in json.loads(m0["order"])]) == m0["model_hash"]
+
+
+def test_training_loss_falls(two_host_run) -> None:
+    _, out, _ = two_host_run
+    for host in (0, 1):
+        losses = json.loads((out / f"host{host}_losses.json").read_text())
+        assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5
+
+
+def test_events_hold_every_phase_of_every_round(two_host_run) -> None:
+    run_dir, _, _ = two_host_run
+    seen = defaultdict(set)
+    for e in read_events(run_dir):
+        seen[(e["host"], e["phase"])].add(e["round"])
+        assert e["end"] >= e["start"]
+    for host in ("0", "1"):
+        for phase in ("train", "encode", "upload", "wait", "download", "apply", "verify"):
+            assert set(range(ROUNDS + 1)) <= seen[(host, phase)], (host, phase)
+    for phase in ("aggregate", "sync_prepare"):
+        assert seen[("coordinator", phase)] == set(range(ROUNDS + 1))
+    uploads = [e for e in read_events(run_dir) if e["phase"] == "upload"]
+    receives = [e for e in read_events(run_dir) if e["phase"] == "receive"]
+    assert {u["bytes"] for u in uploads} == {r["bytes"] for r in receives}
+
+
+def test_tensorboard_scalars_on_hosts_and_coordinator(two_host_run) -> None:
+    run_dir, out, _ = two_host_run
+    for host in (0, 1):
+        host_tags = tags(next((out / f"tb_host{host}").rglob("events.out.tfevents*")).parent)
+        assert {"nodeox/encode_s", "nodeox/upload_s", "nodeox/sync_s", "nodeox/upload_bytes"} <= host_tags
+        assert {"nodeox/encode_s", "nodeox/sync_s"} <= tags(run_dir / "tb" / f"host_{host}")
+    assert {"nodeox/aggregate_s", "nodeox/sync_prepare_s", "nodeox/coordinator_rss_bytes"} <= tags(
+        run_dir / "tb" / "coordinator")
+
+
+def test_host_that_missed_a_sync_recovers_by_fetching_the_model(tmp_path) -> None:
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    result = launch(run_dir, 2, [sys.executable, str(HOSTS / "digits_host.py"), "--out", str(out),
+                                 "--skip-sync-round", "1"])
+    assert result.returncode == 0, result.stdout[-5000:]
+    fetches = [e for e in read_events(run_dir) if e["phase"] == "fallback_fetch" and e["host"] == "1"]
+    assert any(e["round"] >= 1 for e in fetches), "host 1 must have fetched the full model after round 1"
+    t0, m0 = load(out / "host0_final.safetensors")
+    t1, m1 = load(out / "host1_final.safetensors")
+    assert m0["model_hash"] == m1["model_hash"]
+    assert all(torch.equal(t0[k], t1[k]) for k in t0)

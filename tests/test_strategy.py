@@ -1,0 +1,101 @@
+"""NodeoxStrategy inside a real Trainer (this process is the host) against a real coordinator process."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_nodeox import NodeoxStrategy, PhaseMonitor
+from lightning_nodeox.client import CoordinatorUnreachable
+from lightning_nodeox.exchange import shared_tensors
+from lightning_nodeox.hashing import model_hash
+from test_coordinator import socket_closed_port
+
+
+class TwoOptimizers(LightningModule):
+    """Manual optimization with two optimizers (a GAN-shaped step), BatchNorm and self.log."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.a = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+        self.b = nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt_a, opt_b = self.optimizers()
+        loss_a = nn.functional.mse_loss(self.a(x), y)
+        opt_a.zero_grad()
+        self.manual_backward(loss_a)
+        opt_a.step()
+        loss_b = nn.functional.mse_loss(self.b(x), y)
+        opt_b.zero_grad()
+        self.manual_backward(loss_b)
+        opt_b.step()
+        self.log_dict({"loss_a": loss_a, "loss_b": loss_b})
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.a.parameters(), 1e-2), torch.optim.SGD(self.b.parameters(), 1e-2)
+
+
+def data(n: int = 256) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 8, generator=g)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=16)
+
+
+def test_registered_as_nodeox() -> None:
+    trainer = Trainer(strategy="nodeox", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer.strategy, NodeoxStrategy)
+    assert trainer.strategy.root_device == torch.device("cpu")
+
+
+def test_bad_settings_name_the_fix() -> None:
+    with pytest.raises(ValueError, match="local_steps must be at least 1"):
+        NodeoxStrategy(local_steps=0)
+    with pytest.raises(ValueError, match="rounding"):
+        NodeoxStrategy(rounding="up")
+
+
+def test_missing_url_names_the_variable(monkeypatch, tmp_path) -> None:
+    monkeypatch.delenv("NODEOX_COORDINATOR_URL", raising=False)
+    trainer = Trainer(strategy=NodeoxStrategy(), max_steps=1, logger=False, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match="NODEOX_COORDINATOR_URL"):
+        trainer.fit(TwoOptimizers(), data())
+
+
+def test_unanswering_coordinator_is_a_clear_error(tmp_path) -> None:
+    with socket_closed_port() as port:
+        url = f"http://127.0.0.1:{port}"
+        trainer = Trainer(strategy=NodeoxStrategy(coordinator_url=url, host_id="0", retry_for=1.0), max_steps=2,
+                          logger=False, default_root_dir=tmp_path, enable_progress_bar=False)
+        start = time.monotonic()
+        with pytest.raises(CoordinatorUnreachable, match=url):
+            trainer.fit(TwoOptimizers(), data())
+        assert time.monotonic() - start < 15
+
+
+def test_two_optimizers_checkpoints_and_the_final_partial_round(coordinator, tmp_path) -> None:
+    coord = coordinator(1)
+    model = TwoOptimizers()
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    trainer = Trainer(
+        strategy=NodeoxStrategy(coordinator_url=coord.url, host_id="solo", local_steps=4),
+        max_steps=2 * 11, callbacks=[PhaseMonitor(), checkpoints], default_root_dir=tmp_path,
+        enable_progress_bar=False, log_every_n_steps=1)
+    trainer.fit(model, data())
+    # 11 batches (22 optimizer steps, two per batch) = rounds of 4, 4, and a final partial round of 3
+    assert trainer.strategy.last_result.round == 2 and trainer.strategy.last_result.complete
+    published = [e for e in coord.events() if e["phase"] == "sync_prepare"]
+    assert [e["round"] for e in published] == [0, 1, 2]
+    assert model_hash(shared_tensors(model)) == published[-1]["model_hash"] == trainer.strategy.model_hash
+    assert "a.1.running_mean" in dict(shared_tensors(model))
+    assert (tmp_path / "ckpt" / "last.ckpt").exists()
+    assert "loss_a" in trainer.logged_metrics
+    assert coord.wait(30) == 0  # the coordinator exits once its only host has finished and left
