@@ -26,6 +26,8 @@ def _coordinator_options(p: argparse.ArgumentParser, *, for_launch: bool) -> Non
     p.add_argument("--initial-model", type=Path, help="safetensors file to start from (default: the first host's)")
     p.add_argument("--threads", type=int, help="codec threads (default: this process's CPU quota)")
     p.add_argument("--rss-interval", type=float, default=2.0, help="seconds between memory samples")
+    p.add_argument("--save-every-round", action="store_true",
+                   help="also save the full model before each sync, on the critical path (for comparison only)")
 
 
 def _read_token(path: Path | None) -> str | None:
@@ -47,7 +49,7 @@ def _config(args: argparse.Namespace, bind: str) -> CoordinatorConfig:
             round_timeout=args.round_timeout, token=_read_token(args.token_file),
             q4=Q4Settings(block_size=args.block_size, scale_dtype=args.scale_dtype),
             initial_model=args.initial_model, threads=args.threads, rss_interval=args.rss_interval,
-            exit_when_done=not getattr(args, "keep_running", False))
+            exit_when_done=not getattr(args, "keep_running", False), save_every_round=args.save_every_round)
     except ValueError as e:
         raise SystemExit(f"nodeox: {e}") from None
 
@@ -55,7 +57,7 @@ def _config(args: argparse.Namespace, bind: str) -> CoordinatorConfig:
 def _passthrough(args: argparse.Namespace) -> list[str]:
     """Coordinator options given to launch, as coordinator command-line arguments."""
     out = ["--bind", args.bind, "--block-size", str(args.block_size), "--scale-dtype", args.scale_dtype,
-           "--rss-interval", str(args.rss_interval)]
+           "--rss-interval", str(args.rss_interval)] + (["--save-every-round"] if args.save_every_round else [])
     for flag, value in (("--min-hosts", args.min_hosts), ("--round-timeout", args.round_timeout),
                         ("--token-file", args.token_file), ("--initial-model", args.initial_model),
                         ("--threads", args.threads)):

@@ -88,6 +88,8 @@ class CoordinatorClient:
         delay, attempt = 0.2, 0
         while True:
             attempt += 1
+            if hasattr(kwargs.get("data"), "rewind"):
+                kwargs["data"].rewind()
             sent = time.time()
             try:
                 response = self.session.request(
@@ -122,7 +124,7 @@ class CoordinatorClient:
             if not reply.get("retry"):
                 return reply
 
-    def put_model(self, body: memoryview) -> dict:
+    def put_model(self, body) -> dict:
         return self.request("PUT", f"/v1/model?host={self.host}", data=body,
                             headers={"Content-Type": "application/octet-stream"}).json()
 

@@ -26,7 +26,8 @@ from .codec import (
 )
 from .hashing import model_hash
 from .phases import PhaseLog
-from .wire import PayloadError, Q4Layout, Q4Message, Q4Meta, check_same_model, model_header, read_model, spec_of
+from .modelfile import ModelFileReader, model_header, read_model_into
+from .wire import PayloadError, Q4Layout, Q4Message, Q4Meta, spec_of
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,8 @@ class HostExchange:
         self.round = int(reply["round"])
         if reply.get("provide_model"):
             self.model_hash = model_hash(list(zip(self.names, self.live)), self.pool)
-            reply = self.client.put_model(self._model_file())
+            reply = self.client.put_model(ModelFileReader(model_header(self.specs, self.round, self.model_hash),
+                                                          self.live))
             if reply["model_hash"] != self.model_hash:
                 raise RuntimeError(f"coordinator hashed the initial model as {reply['model_hash']}, "
                                    f"this host as {self.model_hash}; versions differ?")
@@ -137,17 +139,6 @@ class HostExchange:
                 b.copy_(t)
             for r in self.residual or []:
                 r.zero_()
-
-    def _model_file(self) -> memoryview:
-        header = model_header(self.specs, self.round, self.model_hash)
-        body = torch.empty(len(header) + sum(t.numel() * t.element_size() for t in self.live), dtype=torch.uint8)
-        body[: len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-        pos = len(header)
-        for t in self.live:
-            raw = t.reshape(-1).view(torch.uint8)
-            body[pos : pos + raw.numel()].copy_(raw)
-            pos += raw.numel()
-        return memoryview(body.numpy())
 
     # -- tensors on the codec's device ---------------------------------------------------------------------------
     def _regions(self, message: Q4Message) -> tuple[Callable[[int], torch.Tensor], Callable[[int], torch.Tensor]]:
@@ -304,18 +295,18 @@ class HostExchange:
             self.pool.run(tasks)
 
     def fetch_model(self) -> None:
-        """Replace this host's model with the coordinator's (the fallback when a sync cannot be applied)."""
+        """Replace this host's model with the coordinator's (the fallback when a sync cannot be applied),
+        streamed straight into the model's tensors."""
         with self.phases.timed(self.round, P.FALLBACK_FETCH) as rec:
-            data = read_into(self.client.get_model())
-            rec.bytes = data.numel()
-            round_, remote_hash, specs, tensors = read_model(data)
+            response = self.client.get_model()
+            rec.bytes = int(response.headers.get("Content-Length", 0))
             try:
-                check_same_model(self.specs, specs, "the coordinator's model")
+                with torch.no_grad():
+                    round_, remote_hash = read_model_into(response.raw, self.specs, self.live)
             except PayloadError as e:
                 raise ModelMismatchError(str(e)) from None
-            with torch.no_grad():
-                for t, src in zip(self.live, tensors):
-                    t.copy_(src)
+            finally:
+                response.close()
             self._reset_base()
             got = model_hash(list(zip(self.names, self.live)), self.pool)
             if got != remote_hash:

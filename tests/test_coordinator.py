@@ -11,7 +11,8 @@ import torch
 from lightning_nodeox.client import CoordinatorClient, CoordinatorError, CoordinatorUnreachable, read_into
 from lightning_nodeox.codec import Q4Settings, accumulate_tensor, apply_sync, encode_mean_and_apply, encode_tensor
 from lightning_nodeox.hashing import model_hash
-from lightning_nodeox.wire import Q4Layout, Q4Message, Q4Meta, model_header, read_model, spec_of
+from lightning_nodeox.modelfile import model_header, read_model
+from lightning_nodeox.wire import Q4Layout, Q4Message, Q4Meta, spec_of
 from reference_q4 import kernels
 
 MODEL = [("fc.weight", torch.randn(40, 30, generator=torch.Generator().manual_seed(0))),

@@ -10,8 +10,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from safetensors.torch import load as safetensors_load
 
 from lightning_nodeox.codec import Q4Settings, encode_tensor
+from lightning_nodeox.modelfile import model_header, read_model
 from lightning_nodeox.wire import (
-    PayloadError, Q4Layout, Q4Message, Q4Meta, TensorSpec, check_same_model, model_header, read_model, spec_of,
+    PayloadError, Q4Layout, Q4Message, Q4Meta, TensorSpec, check_same_model, spec_of,
 )
 from reference_q4 import kernels
 

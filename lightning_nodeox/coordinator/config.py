@@ -34,6 +34,8 @@ class CoordinatorConfig:
         threads: codec threads (None: the CPU quota granted to this process).
         rss_interval: seconds between memory samples.
         exit_when_done: stop once every host has finished and said goodbye.
+        save_every_round: also write the full model to ``run_dir/model.safetensors`` before publishing each
+            sync, on the critical path (what the study's system did; for comparison, not for use).
     """
 
     hosts: int
@@ -47,6 +49,7 @@ class CoordinatorConfig:
     threads: int | None = None
     rss_interval: float = 2.0
     exit_when_done: bool = True
+    save_every_round: bool = False
     provider_timeout: float = 300.0
     long_poll: float = 30.0
 

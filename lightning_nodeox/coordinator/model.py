@@ -9,7 +9,8 @@ import torch
 
 from ..codec import CodecPool, Q4Settings, accumulate_tensor, encode_mean_and_apply
 from ..hashing import model_hash
-from ..wire import Q4Layout, Q4Message, Q4Meta, TensorSpec, model_header
+from ..modelfile import model_header
+from ..wire import Q4Layout, Q4Message, Q4Meta, TensorSpec
 
 
 class OuterStep:
@@ -27,7 +28,7 @@ class CoordinatorModel:
     def __init__(self, specs: tuple[TensorSpec, ...], tensors: list[torch.Tensor], settings: Q4Settings,
                  pool: CodecPool) -> None:
         self.specs = specs
-        self.tensors = [t.detach().contiguous().clone() for t in tensors]
+        self.tensors = [t.detach().contiguous() for t in tensors]  # owned: views of the received file
         self.settings = settings
         self.pool = pool
         self.layout = Q4Layout.of(specs, settings)
@@ -104,6 +105,18 @@ class CoordinatorModel:
         for t in self.tensors:
             views.append(memoryview(t.view(-1).view(torch.uint8).numpy()))
         return views
+
+    def save(self, path, round_: int) -> int:
+        """Write θ as a safetensors file (synced to disk); returns its size."""
+        import os
+
+        size = 0
+        with open(path, "wb") as f:
+            for view in self.model_chunks(round_):
+                size += f.write(view)
+            f.flush()
+            os.fsync(f.fileno())
+        return size
 
     def model_size(self, round_: int) -> int:
         return len(model_header(self.specs, round_, self.hash)) + self.nbytes

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from ..codec import CodecPool
-from ..phases import AGGREGATE, COORDINATOR, RECEIVE, RSS, SYNC_PREPARE, PhaseRecord
-from ..wire import PayloadError, Q4Message, TensorSpec, check_same_model, read_model, specs_from_json
+from ..phases import AGGREGATE, COORDINATOR, MODEL_MATERIALIZE, RECEIVE, RSS, SYNC_PREPARE, PhaseRecord
+from ..modelfile import read_model
+from ..wire import PayloadError, Q4Message, TensorSpec, check_same_model, specs_from_json
 from .config import CoordinatorConfig
 from .model import CoordinatorModel
 from .runlog import RunLog, rss_bytes
@@ -270,8 +271,14 @@ class Rounds:
                                 extra={"hosts": sorted(self.received), "samples": sum(self.received.values())}))
         async with self.model_lock:
             message = await self._in(self._work, model.close_round, round_)
-        self.record(PhaseRecord(round_, COORDINATOR, SYNC_PREPARE, aggregated, time.time(), len(message),
-                                extra={"model_hash": model.hash}))
+            prepared = time.time()
+            self.record(PhaseRecord(round_, COORDINATOR, SYNC_PREPARE, aggregated, prepared, len(message),
+                                    extra={"model_hash": model.hash}))
+            if self.config.save_every_round:
+                path = self.runlog.run_dir / "model.safetensors"
+                size = await self._in(self._work, model.save, path, round_ + 1)
+                self.record(PhaseRecord(round_, COORDINATOR, MODEL_MATERIALIZE, prepared, time.time(), size,
+                                        extra={"to": "disk"}))
         self.received = {}
         self.published_round = round_
         self.round = round_ + 1

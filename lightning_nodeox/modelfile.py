@@ -1,0 +1,152 @@
+"""The full model as a plain safetensors file, streamed from and into tensors without a full-size copy.
+
+It travels only when a host asks for it (joining, or recovering from a sync it could not apply) and once
+at the start, when the first host provides the initial model. Metadata: ``round`` and ``model_hash``.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import torch
+
+from .wire import MAX_HEADER_BYTES, VERSION, PayloadError, TensorSpec
+
+SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
+BOUNCE_BYTES = 64 << 20  # host-memory staging for tensors on a GPU
+
+
+def model_header(specs: tuple[TensorSpec, ...], round_: int, model_hash: str) -> bytes:
+    """Length prefix and JSON header of a safetensors file holding the model's tensors in order."""
+    header: dict = {"__metadata__": {"format": "nodeox-model", "version": str(VERSION), "round": str(round_),
+                                     "model_hash": model_hash}}
+    pos = 0
+    for s in specs:
+        size = s.numel * s.torch_dtype.itemsize
+        header[s.name] = {"dtype": SAFETENSORS_DTYPES[s.dtype], "shape": list(s.shape), "data_offsets": [pos, pos + size]}
+        pos += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def parse_header(header_json: bytes) -> tuple[int, str, tuple[TensorSpec, ...], list[tuple[int, int]]]:
+    """Round, model hash, specs and data offsets from a safetensors header (ours, or any float-only one)."""
+    names_by_code = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+    try:
+        header = json.loads(header_json)
+        md = header.pop("__metadata__", None) or {}
+        round_, model_hash = int(md.get("round", 0)), str(md.get("model_hash", ""))
+        entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+        specs = tuple(TensorSpec(name, names_by_code[e["dtype"]], tuple(int(d) for d in e["shape"]))
+                      for name, e in entries)
+        offsets = [tuple(e["data_offsets"]) for _, e in entries]
+    except KeyError as e:
+        raise PayloadError(f"model file holds a tensor that is not floating point, or lacks a field: {e}") from None
+    except (ValueError, TypeError, AttributeError, IndexError) as e:
+        raise PayloadError(f"model file header is malformed: {e}") from None
+    pos = 0
+    for spec, (a, b) in zip(specs, offsets):
+        size = spec.numel * spec.torch_dtype.itemsize
+        if (a, b) != (pos, pos + size):
+            raise PayloadError(f"model file entry {spec.name!r} has offsets {[a, b]}, expected {[pos, pos + size]}")
+        pos += size
+    return round_, model_hash, specs, offsets
+
+
+def read_model(data: torch.Tensor) -> tuple[int, str, tuple[TensorSpec, ...], list[torch.Tensor]]:
+    """Round, model hash, specs and tensors viewing ``data`` (a whole model file in memory)."""
+    raw = data.numpy()
+    if len(raw) < 8:
+        raise PayloadError("model file is truncated")
+    (hlen,) = struct.unpack("<Q", raw[:8].tobytes())
+    if hlen > MAX_HEADER_BYTES or 8 + hlen > len(raw):
+        raise PayloadError("model file is truncated or corrupt")
+    round_, model_hash, specs, offsets = parse_header(raw[8 : 8 + hlen].tobytes())
+    start = 8 + hlen
+    end = start + (offsets[-1][1] if offsets else 0)
+    if end != len(raw):
+        raise PayloadError(f"model file is {len(raw)} bytes but its header describes {end}")
+    tensors = []
+    for spec, (a, b) in zip(specs, offsets):
+        chunk = data[start + a : start + b]
+        if (start + a) % spec.torch_dtype.itemsize:
+            chunk = chunk.clone()  # misaligned after a tensor of a smaller dtype
+        tensors.append(chunk.view(spec.torch_dtype).view(spec.shape))
+    return round_, model_hash, specs, tensors
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+class ModelFileReader:
+    """File-like reading of (header, tensors) as one safetensors file, for an HTTP upload with a
+    Content-Length: CPU tensors are read from their own memory, GPU tensors through a small bounce buffer."""
+
+    def __init__(self, header: bytes, tensors: list[torch.Tensor]) -> None:
+        self._parts = [torch.frombuffer(bytearray(header), dtype=torch.uint8)] + [_byte_view(t) for t in tensors]
+        self._size = sum(p.numel() for p in self._parts)
+        self._part, self._pos = 0, 0
+        self._bounce: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self._size
+
+    def rewind(self) -> None:
+        """Start over (before a retried upload)."""
+        self._part, self._pos = 0, 0
+
+    def read(self, n: int = -1) -> memoryview | bytes:
+        while self._part < len(self._parts) and self._pos >= self._parts[self._part].numel():
+            self._part, self._pos = self._part + 1, 0
+        if self._part >= len(self._parts):
+            return b""
+        part = self._parts[self._part]
+        n = part.numel() - self._pos if n is None or n < 0 else min(n, part.numel() - self._pos)
+        piece = part[self._pos : self._pos + n]
+        self._pos += n
+        if piece.device.type != "cpu":
+            if self._bounce is None or self._bounce.numel() < n:
+                self._bounce = torch.empty(max(n, 1 << 20), dtype=torch.uint8)
+            piece = self._bounce[:n].copy_(piece)
+        return memoryview(piece.numpy())
+
+
+def read_model_into(stream, specs: tuple[TensorSpec, ...], tensors: list[torch.Tensor]) -> tuple[int, str]:
+    """Read a model file from ``stream`` (with ``readinto``) straight into ``tensors``; returns round and hash."""
+
+    def fill(view: memoryview) -> None:
+        pos = 0
+        while pos < len(view):
+            n = stream.readinto(view[pos:])
+            if not n:
+                raise PayloadError(f"model download broke off ({pos} of {len(view)} bytes of a part)")
+            pos += n
+
+    prefix = bytearray(8)
+    fill(memoryview(prefix))
+    (hlen,) = struct.unpack("<Q", prefix)
+    if hlen > MAX_HEADER_BYTES:
+        raise PayloadError("model file header is implausibly large")
+    header = bytearray(hlen)
+    fill(memoryview(header))
+    round_, model_hash, got, _ = parse_header(bytes(header))
+    if got != specs:
+        from .wire import check_same_model
+
+        check_same_model(specs, got, "the coordinator's model")
+    bounce = None
+    for t in tensors:
+        raw = _byte_view(t)
+        if raw.device.type == "cpu":
+            fill(memoryview(raw.numpy()))
+            continue
+        if bounce is None:
+            bounce = torch.empty(min(BOUNCE_BYTES, max(raw.numel(), 1)), dtype=torch.uint8, pin_memory=True)
+        for a in range(0, raw.numel(), bounce.numel()):
+            b = min(raw.numel(), a + bounce.numel())
+            fill(memoryview(bounce[: b - a].numpy()))
+            raw[a:b].copy_(bounce[: b - a])
+    return round_, model_hash
