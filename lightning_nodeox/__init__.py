@@ -1,11 +1,37 @@
 """lightning-nodeox: local-step training across hosts, exchanging 4-bit deltas through an HTTP coordinator.
 
-``import lightning_nodeox`` registers ``Trainer(strategy="nodeox")``.
+``import lightning_nodeox`` registers ``Trainer(strategy="nodeox")``. The ``nodeox`` command itself (coordinator,
+launch, report) does not import Lightning, which keeps the coordinator's memory and start-up small.
 """
 
-from .callbacks import PhaseMonitor
-from .codec import Q4Settings
-from .strategy import NodeoxStrategy
+from __future__ import annotations
 
-__all__ = ["NodeoxStrategy", "PhaseMonitor", "Q4Settings"]
+import sys
+from pathlib import Path
+
+from .settings import Q4Settings
+
 __version__ = "0.1.0"
+__all__ = ["NodeoxStrategy", "PhaseMonitor", "Q4Settings"]
+
+
+def _running_the_nodeox_command() -> bool:
+    argv0 = sys.argv[0] if sys.argv else ""
+    return argv0 == "-m" or Path(argv0).name == "nodeox"
+
+
+def __getattr__(name: str):
+    if name == "NodeoxStrategy":
+        from .strategy import NodeoxStrategy
+
+        return NodeoxStrategy
+    if name == "PhaseMonitor":
+        from .callbacks import PhaseMonitor
+
+        return PhaseMonitor
+    raise AttributeError(f"module 'lightning_nodeox' has no attribute {name!r}")
+
+
+if not _running_the_nodeox_command():
+    from .callbacks import PhaseMonitor  # noqa: E402,F401
+    from .strategy import NodeoxStrategy  # noqa: E402,F401  (registers "nodeox")

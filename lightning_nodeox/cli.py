@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from .codec import BLOCK_SIZES, Q4Settings
+from .settings import BLOCK_SIZES, Q4Settings
 from .coordinator.config import DEFAULT_PORT, CoordinatorConfig
 
 

@@ -19,13 +19,11 @@ import math
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 
-BLOCK_SIZES = (32, 64, 128, 256)
-SCALE_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
-ROUNDINGS = ("nearest", "stochastic")
+from .settings import BLOCK_SIZES, ROUNDINGS, Q4Settings  # noqa: F401  (re-exported)
+
 LEVELS = 7  # codes span -7..7 around the offset
 CODE_OFFSET = 8
 RESIDUAL_DTYPE = torch.bfloat16  # error-feedback memory: half the bytes of fp32, the range of fp32
@@ -44,35 +42,6 @@ class NonFiniteDeltaError(ValueError):
     """A tensor to encode holds NaN or Inf, or exceeds what its scale type can hold."""
 
 
-@dataclass(frozen=True)
-class Q4Settings:
-    """How deltas are quantized.
-
-    Args:
-        block_size: values per scale (32, 64, 128 or 256).
-        scale_dtype: ``"fp16"`` (smaller payload) or ``"fp32"`` (any magnitude).
-        rounding: ``"nearest"`` or ``"stochastic"`` (unbiased, noisier).
-        error_feedback: carry each round's quantization residual into the next round.
-    """
-
-    block_size: int = 64
-    scale_dtype: str = "fp16"
-    rounding: str = "nearest"
-    error_feedback: bool = True
-
-    def __post_init__(self) -> None:
-        if self.block_size not in BLOCK_SIZES:
-            raise ValueError(f"block_size={self.block_size} is not supported; use one of {BLOCK_SIZES}")
-        if self.scale_dtype not in SCALE_DTYPES:
-            raise ValueError(f"scale_dtype={self.scale_dtype!r} is not supported; use 'fp16' or 'fp32'")
-        if self.rounding not in ROUNDINGS:
-            raise ValueError(f"rounding={self.rounding!r} is not supported; use 'nearest' or 'stochastic'")
-
-    @property
-    def torch_scale_dtype(self) -> torch.dtype:
-        return SCALE_DTYPES[self.scale_dtype]
-
-
 def block_count(numel: int, block_size: int) -> int:
     return -(-numel // block_size)
 
@@ -82,7 +51,7 @@ def code_bytes(numel: int, block_size: int) -> int:
 
 
 def default_chunk(device: torch.device, block_size: int) -> int:
-    """Elements per kernel call: cache-sized on the CPU (never above ATen's grain when it may thread)."""
+    """Elements per kernel call: cache-sized on the CPU (at most ATen's grain where ATen may thread)."""
     if device.type != "cpu":
         return CUDA_CHUNK
     chunk = CPU_CHUNK_SINGLE_THREADED if torch.get_num_threads() == 1 else ATEN_GRAIN
@@ -114,7 +83,6 @@ class Q4Kernels:
         self.amax = torch.empty(nb, device=dev)
         self.scale = torch.empty(nb, device=dev)
         self.inv = torch.empty(nb, device=dev)
-        self.scale16 = torch.empty(nb, dtype=torch.float16, device=dev)
         self.magic = torch.tensor(_ROUND_MAGIC, device=dev)
         self.generator = torch.Generator(device=dev) if settings.rounding == "stochastic" else None
 
@@ -147,13 +115,12 @@ class Q4Kernels:
         xb, y = x.view(nb, bs), self.y[:mp]
         yb = y.view(nb, bs)
         amax = torch.amax(torch.abs(xb, out=yb), dim=1, out=self.amax[:nb])
-        scale = torch.div(amax, LEVELS, out=self.scale[:nb])
+        scale = self.scale[:nb]
         if self.settings.scale_dtype == "fp16":
-            scale16 = self.scale16[:nb]
-            scale16.copy_(scale)
-            scale.copy_(scale16)  # the scale a decoder will read
-            scales_out.copy_(scale16)
+            torch.div(amax, LEVELS, out=scales_out)
+            scale.copy_(scales_out)  # the scale a decoder will read
         else:
+            torch.div(amax, LEVELS, out=scale)
             scales_out.copy_(scale)
         inv = torch.reciprocal(torch.clamp_min(scale, _TINY, out=self.inv[:nb]), out=self.inv[:nb])
         torch.mul(xb, inv[:, None], out=yb)
@@ -351,18 +318,35 @@ def encode_mean_and_apply(
 Task = Callable[[Q4Kernels], None]
 
 
+def _single_threaded_worker(started: threading.Barrier) -> None:
+    torch.get_num_threads()  # let ATen initialise this thread's setting first, then pin it to one thread
+    torch.set_num_threads(1)
+
+
 class CodecPool:
-    """Runs codec tasks on ``threads`` workers, each with its own kernels; one thread runs inline."""
+    """Runs codec tasks on ``threads`` workers, each with its own kernels.
+
+    On the CPU every worker runs ATen single-threaded (so an op never enters an OpenMP region, whose
+    barriers collapse when the CPU is oversubscribed) and tasks are shared out dynamically, so a worker
+    that loses its core delays only its own task. On a GPU tasks run inline on the caller's stream.
+    """
 
     def __init__(self, settings: Q4Settings, device: torch.device | str = "cpu", threads: int = 1) -> None:
         self.settings = settings
         self.device = torch.device(device)
-        self.threads = 1 if self.device.type != "cpu" else max(1, threads)
         self._local = threading.local()
-        self._chunk = default_chunk(self.device, settings.block_size)
-        self._executor = (
-            ThreadPoolExecutor(self.threads, thread_name_prefix="nodeox-codec") if self.threads > 1 else None
-        )
+        self._executor: ThreadPoolExecutor | None = None
+        if self.device.type != "cpu":
+            self.threads, self._chunk = 1, CUDA_CHUNK
+            return
+        self.threads, self._chunk = max(1, threads), max(CPU_CHUNK_SINGLE_THREADED, settings.block_size)
+        process_threads = torch.get_num_threads()
+        started = threading.Barrier(self.threads)
+        self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="nodeox-codec",
+                                            initializer=_single_threaded_worker, initargs=(started,))
+        for f in [self._executor.submit(started.wait) for _ in range(self.threads)]:  # start every worker now
+            f.result()
+        torch.set_num_threads(process_threads)  # the workers' setting also became the default for new threads
 
     def kernels(self) -> Q4Kernels:
         k = getattr(self._local, "kernels", None)
@@ -375,7 +359,7 @@ class CodecPool:
         return self._chunk
 
     def run(self, tasks: Sequence[Task]) -> None:
-        if self._executor is None or len(tasks) <= 1:
+        if self._executor is None:
             for task in tasks:
                 task(self.kernels())
             return
@@ -386,7 +370,7 @@ class CodecPool:
     def split(self, numel: int) -> list[tuple[int, int]]:
         """Flat ranges of about TASK_ELEMENTS values, aligned to the chunk size."""
         step = max(self._chunk, TASK_ELEMENTS // self._chunk * self._chunk)
-        return [(s, min(numel, s + step)) for s in range(0, max(numel, 1), step)] if numel else []
+        return [(s, min(numel, s + step)) for s in range(0, numel, step)]
 
     def close(self) -> None:
         if self._executor is not None:

@@ -52,11 +52,10 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 def _gpu_count() -> int:
+    """NVIDIA GPUs on this machine, from the driver (importing torch here would cost launch 0.7 GiB)."""
     try:
-        import torch
-
-        return torch.cuda.device_count()
-    except Exception:  # noqa: BLE001
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
         return 0
 
 
@@ -130,8 +129,9 @@ def launch(hosts: int, run_dir: Path, coordinator_args: list[str], command: list
                     _stop(procs)
                     pending.clear()
                     break
-            if coordinator.poll() is not None and pending:
-                print("nodeox launch: the coordinator exited before the hosts finished; stopping them", flush=True)
+            if coordinator.poll() not in (None, 0) and pending:  # 0: the run completed, hosts are exiting
+                print(f"nodeox launch: the coordinator failed (status {coordinator.returncode}); stopping the hosts",
+                      flush=True)
                 status = status or 1
                 _stop(procs)
                 break

@@ -1,4 +1,5 @@
-"""Host settings: given to NodeoxStrategy, or taken from the environment that ``nodeox launch`` sets."""
+"""Validated settings, free of heavy imports: the q4 codec's, and a host's (given to NodeoxStrategy, or taken
+from the environment that ``nodeox launch`` sets)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,46 @@ import os
 import socket
 from dataclasses import dataclass
 
-from .codec import ROUNDINGS
+
+BLOCK_SIZES = (32, 64, 128, 256)
+SCALE_DTYPES = ("fp16", "fp32")
+ROUNDINGS = ("nearest", "stochastic")
 
 ENV_URL = "NODEOX_COORDINATOR_URL"
 ENV_HOST_ID = "NODEOX_HOST_ID"
 ENV_TOKEN = "NODEOX_TOKEN"
 ENV_TELEMETRY_URL = "NODEOX_TELEMETRY_URL"
+
+
+@dataclass(frozen=True)
+class Q4Settings:
+    """How deltas are quantized.
+
+    Args:
+        block_size: values per scale (32, 64, 128 or 256).
+        scale_dtype: ``"fp16"`` (smaller payload) or ``"fp32"`` (any magnitude).
+        rounding: ``"nearest"`` or ``"stochastic"`` (unbiased, noisier).
+        error_feedback: carry each round's quantization residual into the next round.
+    """
+
+    block_size: int = 64
+    scale_dtype: str = "fp16"
+    rounding: str = "nearest"
+    error_feedback: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size not in BLOCK_SIZES:
+            raise ValueError(f"block_size={self.block_size} is not supported; use one of {BLOCK_SIZES}")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise ValueError(f"scale_dtype={self.scale_dtype!r} is not supported; use 'fp16' or 'fp32'")
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"rounding={self.rounding!r} is not supported; use 'nearest' or 'stochastic'")
+
+    @property
+    def torch_scale_dtype(self):
+        import torch
+
+        return {"fp16": torch.float16, "fp32": torch.float32}[self.scale_dtype]
 
 
 @dataclass(frozen=True)

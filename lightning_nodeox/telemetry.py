@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 
 from .client import ClockOffset, CoordinatorClient
@@ -32,6 +33,7 @@ class TelemetryShipper:
         self._stop = threading.Event()
         self._failure: str | None = None
         self.sent = 0
+        self.busy_s = 0.0  # CPU time spent shipping (for overhead figures)
         self._thread = threading.Thread(target=self._run, name="nodeox-telemetry", daemon=True)
         self._thread.start()
 
@@ -48,6 +50,13 @@ class TelemetryShipper:
 
     def _ship(self) -> bool:
         """Post what is pending; False if the coordinator did not take it (records stay queued)."""
+        start = time.thread_time()
+        try:
+            return self._ship_pending()
+        finally:
+            self.busy_s += time.thread_time() - start
+
+    def _ship_pending(self) -> bool:
         while self._pending:
             batch = [self._pending[i] for i in range(min(self.batch, len(self._pending)))]
             offset = self.clock.offset

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..codec import Q4Settings
+from ..settings import Q4Settings
 
 DEFAULT_PORT = 8470
 

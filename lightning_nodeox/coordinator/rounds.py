@@ -21,7 +21,7 @@ from ..modelfile import read_model
 from ..wire import PayloadError, Q4Message, TensorSpec, check_same_model, specs_from_json
 from .config import CoordinatorConfig
 from .model import CoordinatorModel
-from .runlog import RunLog, rss_bytes
+from .runlog import RunLog, peak_rss_bytes, rss_bytes
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +89,9 @@ class Rounds:
 
     def sample_memory(self) -> int:
         now, rss = time.time(), rss_bytes()
-        self.peak_rss = max(self.peak_rss, rss)
-        self.record(PhaseRecord(self.round, COORDINATOR, RSS, now, now, extra={"rss_bytes": rss}))
+        self.peak_rss = max(self.peak_rss, rss, peak_rss_bytes())
+        self.record(PhaseRecord(self.round, COORDINATOR, RSS, now, now,
+                                extra={"rss_bytes": rss, "peak_rss_bytes": self.peak_rss}))
         return rss
 
     def codec_info(self) -> dict:

@@ -28,6 +28,16 @@ def rss_bytes() -> int:
     return pages * os.sysconf("SC_PAGE_SIZE")
 
 
+def peak_rss_bytes() -> int:
+    """Highest resident set size this process has had (Linux reports KiB)."""
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    except (ImportError, OSError):
+        return 0
+
+
 def tb_folder(host: str) -> str:
     return "coordinator" if host == COORDINATOR else "host_" + re.sub(r"[^A-Za-z0-9_.-]", "_", host)
 

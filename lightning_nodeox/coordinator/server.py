@@ -39,6 +39,7 @@ ROUNDS = web.AppKey("rounds", Rounds)
 TOKEN = web.AppKey("token", str)
 BUFFERS = web.AppKey("buffers", object)
 MAX_EVENTS_BODY = 16 << 20
+SEND_CHUNK = 8 << 20  # bytes handed to the transport at a time, so its buffer never holds a whole payload
 
 
 class ReceiveBuffers:
@@ -58,6 +59,12 @@ class ReceiveBuffers:
     def put(self, buf: torch.Tensor) -> None:
         if len(self._idle) < self.keep:
             self._idle.append(buf)
+
+
+async def write_chunked(response: web.StreamResponse, view: memoryview) -> None:
+    """Send ``view`` a slice at a time, waiting for the socket to drain in between (no copy of the whole)."""
+    for start in range(0, len(view), SEND_CHUNK):
+        await response.write(view[start : start + SEND_CHUNK])
 
 
 def error(status: int, message: str, **extra) -> web.Response:
@@ -156,7 +163,7 @@ async def get_model(request: web.Request) -> web.StreamResponse:
             "X-Nodeox-Round": str(round_), "X-Nodeox-Model-Hash": model.hash})
         await response.prepare(request)
         for view in model.model_chunks(round_):
-            await response.write(view)
+            await write_chunked(response, view)
         await response.write_eof()
         rounds.record(PhaseRecord(round_, COORDINATOR, MODEL_MATERIALIZE, start, time.time(), size,
                                   extra={"for_host": host}))
@@ -204,7 +211,7 @@ async def get_sync(request: web.Request) -> web.StreamResponse:
             "X-Nodeox-Round": str(message.meta.round), "X-Nodeox-Model-Hash": message.meta.model_hash,
             "X-Nodeox-Complete": "1" if rounds.complete and rounds.published_round == round_ else "0"})
         await response.prepare(request)
-        await response.write(message.view())
+        await write_chunked(response, message.view())
         await response.write_eof()
     finally:
         model.reading(message, -1)
