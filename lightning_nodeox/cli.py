@@ -102,5 +102,5 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "report":
         from .report import main as report_main
 
-        return report_main(args.run_dir, as_json=args.json, plot=args.plot)
+        return report_main(args.run_dir, as_json=args.json, plot_to=args.plot)
     return 2

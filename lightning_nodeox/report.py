@@ -1,12 +1,243 @@
-"""``nodeox report``: per-round phase tables of a run directory (filled in by issue 4)."""
+"""``nodeox report DIR``: what every second of every round was spent on, from ``DIR/events.jsonl``.
+
+Per round: each host phase as its range across hosts (``17.8–22.3 s``, as in the study), the coordinator's
+phases, aggregation-to-sync (aggregation end to each host's download start), bytes up and down, each host's
+wait share (the fraction of its round its trainer spent waiting on the exchange), and coordinator memory after
+the round. Then a run summary. ``--json`` gives the same, machine-readable; ``--plot`` draws a timeline.
+"""
 
 from __future__ import annotations
 
 import json
+import statistics
+import sys
+from collections import defaultdict
 from pathlib import Path
 
+from . import phases as P
 
-def main(run_dir: Path, *, as_json: bool = False, plot: Path | None = None) -> int:
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
-    print(json.dumps({"records": len(events)}) if as_json else f"{len(events)} records")
+HOST_COLUMNS = (*P.HOST_PHASES[:-1], "sync", P.FALLBACK_FETCH)
+PHASE_COLOURS = {
+    P.TRAIN: "#9ecae1", P.ENCODE: "#e6550d", P.UPLOAD: "#fd8d3c", P.WAIT: "#d9d9d9", P.DOWNLOAD: "#31a354",
+    P.APPLY: "#74c476", P.VERIFY: "#a1d99b", P.FALLBACK_FETCH: "#de2d26", P.RECEIVE: "#756bb1",
+    P.AGGREGATE: "#9e9ac8", P.SYNC_PREPARE: "#3182bd", P.MODEL_MATERIALIZE: "#636363",
+}
+
+
+def load(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist: pass the --run-dir of a nodeox coordinator")
+    records = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                print(f"nodeox report: skipping malformed line {n} of {path}", file=sys.stderr)
+    return records
+
+
+def span(values: list[float]) -> dict:
+    return {"min": min(values), "max": max(values)} if values else {}
+
+
+def build(records: list[dict]) -> dict:
+    """The report as a dict (what ``--json`` prints)."""
+    seconds = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))  # round -> phase -> host -> s
+    first = {}  # (round, host, phase) -> earliest record
+    bytes_moved = defaultdict(lambda: defaultdict(lambda: {"up": 0, "down": 0}))  # round -> host
+    coordinator = defaultdict(lambda: defaultdict(float))
+    receive = defaultdict(dict)
+    rss = []
+    for r in records:
+        rnd, host, phase = r["round"], str(r["host"]), r["phase"]
+        if phase == P.RSS:
+            rss.append(r)
+            continue
+        d = r["end"] - r["start"]
+        if host == P.COORDINATOR:
+            if phase == P.RECEIVE:
+                receive[rnd][str(r.get("from_host", "?"))] = d
+            else:
+                coordinator[rnd][phase] += d
+            first.setdefault((rnd, host, phase), r)
+            continue
+        seconds[rnd][phase][host] += d
+        first.setdefault((rnd, host, phase), r)
+        if phase in P.SYNC_PARTS:
+            seconds[rnd]["sync"][host] += d
+        if phase == P.UPLOAD:
+            bytes_moved[rnd][host]["up"] += r.get("bytes") or 0
+        if phase in (P.DOWNLOAD, P.FALLBACK_FETCH):
+            bytes_moved[rnd][host]["down"] += r.get("bytes") or 0
+
+    rounds = []
+    for rnd in sorted(set(seconds) | set(coordinator)):
+        hosts = sorted({h for phase in seconds[rnd].values() for h in phase}, key=_host_key)
+        host_phases = {ph: {"per_host": dict(seconds[rnd][ph]), **span(list(seconds[rnd][ph].values()))}
+                       for ph in HOST_COLUMNS if seconds[rnd].get(ph)}
+        agg = first.get((rnd, P.COORDINATOR, P.AGGREGATE))
+        to_sync = {}
+        if agg is not None:
+            for h in hosts:
+                dl = first.get((rnd, h, P.DOWNLOAD))
+                if dl is not None:
+                    to_sync[h] = dl["start"] - agg["end"]
+        wait_share = {}
+        for h in hosts:
+            train = first.get((rnd, h, P.TRAIN))
+            ends = [first[k]["end"] for k in first if k[0] == rnd and k[1] == h]
+            if train is not None and ends and max(ends) > train["start"]:
+                wait_share[h] = 1.0 - (train["end"] - train["start"]) / (max(ends) - train["start"])
+        close = first.get((rnd, P.COORDINATOR, P.SYNC_PREPARE))
+        after = [s for s in rss if close is not None and s["start"] >= close["end"]]
+        rounds.append({
+            "round": rnd, "hosts": hosts, "host_phases": host_phases,
+            "coordinator_phases": {**dict(coordinator[rnd]),
+                                   **({"receive": {"per_host": receive[rnd], **span(list(receive[rnd].values()))}}
+                                      if receive[rnd] else {})},
+            "aggregation_to_sync": {"per_host": to_sync, **span(list(to_sync.values()))},
+            "bytes": {h: bytes_moved[rnd][h] for h in hosts},
+            "wait_share": wait_share,
+            "coordinator_rss_after_bytes": after[0]["rss_bytes"] if after else None,
+        })
+    return {"rounds": rounds, "summary": summarize(records, rounds, rss)}
+
+
+def summarize(records: list[dict], rounds: list[dict], rss: list[dict]) -> dict:
+    timed = [r for r in records if r["phase"] != P.RSS]
+    hosts = sorted({h for rnd in rounds for h in rnd["hosts"]}, key=_host_key)
+    medians = {}
+    for ph in HOST_COLUMNS:
+        maxima = [rnd["host_phases"][ph]["max"] for rnd in rounds if ph in rnd["host_phases"]]
+        if maxima:
+            medians[ph] = statistics.median(maxima)
+    for ph in (P.AGGREGATE, P.SYNC_PREPARE):
+        values = [rnd["coordinator_phases"][ph] for rnd in rounds if ph in rnd["coordinator_phases"]]
+        if values:
+            medians[ph] = statistics.median(values)
+    to_sync = [rnd["aggregation_to_sync"]["max"] for rnd in rounds if rnd["aggregation_to_sync"].get("max") is not None]
+    return {
+        "rounds": len(rounds), "hosts": hosts,
+        "wall_s": (max(r["end"] for r in timed) - min(r["start"] for r in timed)) if timed else 0.0,
+        "median_of_slowest_host_s": medians,
+        "aggregation_to_sync_median_s": statistics.median(to_sync) if to_sync else None,
+        "bytes_up": sum(b["up"] for rnd in rounds for b in rnd["bytes"].values()),
+        "bytes_down": sum(b["down"] for rnd in rounds for b in rnd["bytes"].values()),
+        "mean_wait_share": {h: statistics.mean(rnd["wait_share"][h] for rnd in rounds if h in rnd["wait_share"])
+                            for h in hosts if any(h in rnd["wait_share"] for rnd in rounds)},
+        "coordinator_peak_rss_bytes": max((s.get("peak_rss_bytes", s["rss_bytes"]) for s in rss), default=None),
+        "fallback_fetches": sum(1 for r in records if r["phase"] == P.FALLBACK_FETCH),
+    }
+
+
+def _host_key(h: str):
+    return (0, int(h), "") if h.isdigit() else (1, 0, h)
+
+
+def _seconds(s: dict) -> str:
+    if not s:
+        return "-"
+    lo, hi = s["min"], s["max"]
+    return f"{lo:.3f} s" if abs(hi - lo) < 5e-4 else f"{lo:.3f}–{hi:.3f} s"
+
+
+def _bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
+def render(report: dict) -> str:
+    lines = []
+    for rnd in report["rounds"]:
+        lines.append(f"round {rnd['round']}  (hosts {', '.join(rnd['hosts']) or '-'})")
+        lines.append(f"  {'host phase':22} across hosts")
+        for ph, s in rnd["host_phases"].items():
+            lines.append(f"  {ph:22} {_seconds(s)}")
+        cp = rnd["coordinator_phases"]
+        if "receive" in cp:
+            lines.append(f"  {'coordinator receive':22} {_seconds(cp['receive'])}")
+        for ph in (P.AGGREGATE, P.SYNC_PREPARE, P.MODEL_MATERIALIZE):
+            if ph in cp:
+                lines.append(f"  {'coordinator ' + ph:22} {cp[ph]:.3f} s")
+        lines.append(f"  {'aggregation-to-sync':22} {_seconds(rnd['aggregation_to_sync'])}")
+        up = [b["up"] for b in rnd["bytes"].values()]
+        down = [b["down"] for b in rnd["bytes"].values()]
+        lines.append(f"  {'bytes up / down':22} {_bytes(sum(up))} / {_bytes(sum(down))}"
+                     f"  (per host {_bytes(min(up, default=0))}–{_bytes(max(up, default=0))} up)")
+        share = ", ".join(f"host {h} {v:.0%}" for h, v in rnd["wait_share"].items())
+        lines.append(f"  {'wait share':22} {share or '-'}")
+        lines.append(f"  {'coordinator RSS after':22} {_bytes(rnd['coordinator_rss_after_bytes'])}")
+        lines.append("")
+    s = report["summary"]
+    lines.append(f"run: {s['rounds']} rounds, {len(s['hosts'])} hosts, {s['wall_s']:.1f} s; "
+                 f"{_bytes(s['bytes_up'])} up, {_bytes(s['bytes_down'])} down; "
+                 f"coordinator peak RSS {_bytes(s['coordinator_peak_rss_bytes'])}; "
+                 f"{s['fallback_fetches']} full-model fetches")
+    lines.append("median over rounds of the slowest host: " + ", ".join(
+        f"{ph} {v:.3f} s" for ph, v in s["median_of_slowest_host_s"].items()))
+    if s["aggregation_to_sync_median_s"] is not None:
+        lines.append(f"aggregation-to-sync, median of the slowest host: {s['aggregation_to_sync_median_s']:.3f} s")
+    lines.append("mean wait share: " + (", ".join(f"host {h} {v:.0%}" for h, v in s["mean_wait_share"].items()) or "-"))
+    return "\n".join(lines)
+
+
+def plot(records: list[dict], path: Path) -> None:
+    """A timeline: one lane per host and one for the coordinator, bars coloured by phase, rounds marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    timed = [r for r in records if r["phase"] != P.RSS]
+    if not timed:
+        raise ValueError("no phase records to plot")
+    t0 = min(r["start"] for r in timed)
+    hosts = sorted({str(r["host"]) for r in timed if r["host"] != P.COORDINATOR}, key=_host_key)
+    lanes = [P.COORDINATOR, *hosts]
+    fig, ax = plt.subplots(figsize=(14, 1.2 + 0.55 * len(lanes)), dpi=110)
+    for r in timed:
+        lane = lanes.index(str(r["host"]))
+        colour = PHASE_COLOURS.get(r["phase"], "#bdbdbd")
+        height, offset = (0.35, 0.2) if r["phase"] == P.RECEIVE else (0.7, 0.0)
+        ax.broken_barh([(r["start"] - t0, max(r["end"] - r["start"], 1e-4))], (lane - 0.35 + offset, height),
+                       facecolors=colour, edgecolors="none")
+    for r in timed:
+        if r["host"] == P.COORDINATOR and r["phase"] == P.SYNC_PREPARE:
+            x = r["end"] - t0
+            ax.axvline(x, color="black", linewidth=0.6, linestyle=":")
+            ax.text(x, len(lanes) - 0.45, f" r{r['round']}", fontsize=7, va="bottom")
+    ax.set_yticks(range(len(lanes)), [lane if lane == P.COORDINATOR else f"host {lane}" for lane in lanes])
+    ax.set_ylim(-0.6, len(lanes) - 0.2)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since the run's first record (coordinator clock); dotted: sync published")
+    present = [ph for ph in PHASE_COLOURS if any(r["phase"] == ph for r in timed)]
+    ax.legend(handles=[Patch(color=PHASE_COLOURS[ph], label=ph) for ph in present], loc="upper center",
+              bbox_to_anchor=(0.5, -0.28 if len(lanes) < 4 else -0.15), ncol=min(len(present), 7), fontsize=8,
+              frameon=False)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(run_dir: Path, *, as_json: bool = False, plot_to: Path | None = None) -> int:
+    try:
+        records = load(run_dir)
+    except FileNotFoundError as e:
+        print(f"nodeox report: {e}", file=sys.stderr)
+        return 2
+    report = build(records)
+    print(json.dumps(report, indent=2) if as_json else render(report))
+    if plot_to is not None:
+        plot(records, plot_to)
+        if not as_json:
+            print(f"timeline written to {plot_to}")
     return 0

@@ -96,3 +96,56 @@ def test_host_that_missed_a_sync_recovers_by_fetching_the_model(tmp_path) -> Non
     t1, m1 = load(out / "host1_final.safetensors")
     assert m0["model_hash"] == m1["model_hash"]
     assert all(torch.equal(t0[k], t1[k]) for k in t0)
+
+
+def test_report_json_matches_the_records_and_plots_a_timeline(two_host_run, tmp_path) -> None:
+    import subprocess
+
+    from PIL import Image
+
+    run_dir, _, _ = two_host_run
+    png = tmp_path / "timeline.png"
+    out = subprocess.run([sys.executable, "-m", "lightning_nodeox", "report", str(run_dir), "--json", "--plot", str(png)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    records = read_events(run_dir)
+    assert [r["round"] for r in report["rounds"]] == list(range(ROUNDS + 1))
+    for rnd in report["rounds"]:
+        assert rnd["hosts"] == ["0", "1"]
+        for phase in ("train", "encode", "upload", "wait", "download", "apply", "verify", "sync"):
+            assert set(rnd["host_phases"][phase]["per_host"]) == {"0", "1"}, (rnd["round"], phase)
+        for phase in ("encode", "upload", "download", "apply", "verify"):
+            durations = [e["end"] - e["start"] for e in records if e["round"] == rnd["round"] and e["phase"] == phase]
+            assert rnd["host_phases"][phase]["min"] == pytest.approx(min(durations), abs=1e-9)
+            assert rnd["host_phases"][phase]["max"] == pytest.approx(max(durations), abs=1e-9)
+        for host in ("0", "1"):
+            sent = [e["bytes"] for e in records if e["round"] == rnd["round"] and e["host"] == host
+                    and e["phase"] == "upload"]
+            received = [e["bytes"] for e in records if e["round"] == rnd["round"] and e["phase"] == "receive"
+                        and e["from_host"] == host]
+            assert rnd["bytes"][host]["up"] == sum(sent) == sum(received) > 0
+            assert 0 <= rnd["wait_share"][host] <= 1
+        assert rnd["coordinator_phases"]["sync_prepare"] > 0
+        assert set(rnd["aggregation_to_sync"]["per_host"]) == {"0", "1"}
+    assert report["summary"]["coordinator_peak_rss_bytes"] > 100 << 20
+    image = Image.open(png)
+    assert image.size[0] >= 800 and image.size[1] >= 200
+    assert len(set(image.convert("RGB").getdata())) > 5
+
+
+def test_clock_alignment_keeps_causality(two_host_run) -> None:
+    """Mapped onto the coordinator's clock, a host's upload starts before the coordinator receives it, and its
+    download starts after the sync was published (within a loopback round trip)."""
+    run_dir, _, _ = two_host_run
+    records = read_events(run_dir)
+    slack = 0.05
+    published = {e["round"]: e["end"] for e in records if e["phase"] == "sync_prepare"}
+    for e in records:
+        if e["phase"] == "upload":
+            received = [r for r in records if r["phase"] == "receive" and r["round"] == e["round"]
+                        and r["from_host"] == e["host"]]
+            assert e["start"] <= received[0]["start"] + slack
+            assert abs(e["clock_offset"]) < 1.0
+        if e["phase"] == "download":
+            assert e["start"] >= published[e["round"]] - slack

@@ -1,0 +1,46 @@
+"""Telemetry never stops training, and what it could not send is said once."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import torch
+from lightning.pytorch import Trainer
+
+from lightning_nodeox import NodeoxStrategy, PhaseMonitor
+from lightning_nodeox.client import ClockOffset
+from lightning_nodeox.exchange import shared_tensors
+from lightning_nodeox.hashing import model_hash
+from test_coordinator import socket_closed_port
+from test_strategy import TwoOptimizers, data
+
+
+def test_clock_offset_is_within_half_the_fastest_round_trip() -> None:
+    clock = ClockOffset()
+    true_offset = 123.456  # the coordinator's clock runs ahead
+    for sent, rtt, server_share in [(10.0, 0.30, 0.9), (20.0, 0.02, 0.2), (30.0, 0.15, 0.5)]:
+        server_time = sent + rtt * server_share + true_offset
+        clock.add(sent, sent + rtt, server_time)
+    assert clock.best().rtt == pytest.approx(0.02)
+    assert abs(clock.offset - true_offset) <= 0.02 / 2
+
+
+def test_unreachable_telemetry_does_not_stop_training(coordinator, tmp_path, caplog) -> None:
+    coord = coordinator(1)
+    model = TwoOptimizers()
+    with socket_closed_port() as port, caplog.at_level(logging.WARNING):
+        trainer = Trainer(
+            strategy=NodeoxStrategy(coordinator_url=coord.url, host_id="h", local_steps=3,
+                                    telemetry_url=f"http://127.0.0.1:{port}"),
+            max_steps=2 * 6, callbacks=[PhaseMonitor()], default_root_dir=tmp_path, enable_progress_bar=False,
+            logger=False)
+        trainer.fit(model, data())
+    published = [e for e in coord.events() if e["phase"] == "sync_prepare"]
+    assert [e["round"] for e in published] == [0, 1, 2]  # rounds of 3, 3 and an empty final round
+    assert model_hash(shared_tensors(model)) == published[-1]["model_hash"]
+    assert not [e for e in coord.events() if e["host"] == "h"], "no host record could have arrived"
+    warnings = [r.getMessage() for r in caplog.records if "phase records could not be sent" in r.getMessage()]
+    assert len(warnings) == 1 and f"127.0.0.1:{port}" in warnings[0]
+    assert torch.isfinite(torch.cat([t.view(-1) for _, t in shared_tensors(model)])).all()
