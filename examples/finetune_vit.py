@@ -125,14 +125,14 @@ def main() -> None:
         logger=TensorBoardLogger(run_dir / "hosts", name=f"host{host}", version=""),
         callbacks=[PhaseMonitor(), ModelCheckpoint(dirpath=host_dir / "checkpoints", save_last=True)],
         log_every_n_steps=5,
-        limit_val_batches=0,
         enable_progress_bar=False,
     )
     trainer.fit(model, train_loader)
     if host == 0:  # every host ends on the same model; one copy is enough
         trainer.save_checkpoint(host_dir / "final.ckpt")
-    trainer.validate(model, val_loader)
-    print(f"host {host}: final model {trainer.strategy.model_hash}", flush=True)
+    metrics = trainer.validate(model, val_loader, verbose=False)[0]
+    print(f"host {host}: final model {trainer.strategy.model_hash}, validation accuracy {metrics['val/acc']:.3f} "
+          f"(loss {metrics['val/loss']:.3f})", flush=True)
 
 
 if __name__ == "__main__":
