@@ -152,18 +152,35 @@ class CoordinatorClient:
         self.request("POST", f"/v1/hosts/{self.host}/leave", retry_for=10.0)
 
 
+READ_CHUNK = 8 << 20
+
+
+class BodyReader:
+    """``readinto`` over a streamed response body, in reads of at most 8 MiB (urllib3's own ``readinto``
+    of a large buffer is several times slower)."""
+
+    def __init__(self, response: requests.Response) -> None:
+        self._raw = response.raw
+
+    def readinto(self, view: memoryview) -> int:
+        data = self._raw.read(min(len(view), READ_CHUNK))
+        view[: len(data)] = data
+        return len(data)
+
+
 def read_into(response: requests.Response, buffer: torch.Tensor | None = None) -> torch.Tensor:
-    """The body of a streamed response, read straight into ``buffer`` (reused when its size fits)."""
+    """The body of a streamed response, read into ``buffer`` (reused when its size fits)."""
     size = int(response.headers.get("Content-Length", -1))
     if size < 0:
         raise CoordinatorError(0, "coordinator response has no Content-Length")
     if buffer is None or buffer.numel() != size:
         buffer = torch.empty(size, dtype=torch.uint8)
     view = memoryview(buffer.numpy())
+    body = BodyReader(response)
     pos = 0
     try:
         while pos < size:
-            n = response.raw.readinto(view[pos:])
+            n = body.readinto(view[pos:])
             if not n:
                 raise CoordinatorUnreachable(f"download from the coordinator broke off after {pos} of {size} bytes")
             pos += n

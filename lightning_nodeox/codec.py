@@ -285,9 +285,10 @@ def apply_dequantized(base: torch.Tensor, d: torch.Tensor, out: torch.Tensor) ->
 
 def apply_sync(
     k: Q4Kernels, codes: torch.Tensor, scales: torch.Tensor, base: torch.Tensor, target: torch.Tensor,
-    *, start: int = 0, stop: int | None = None,
+    *, start: int = 0, stop: int | None = None, hasher=None,
 ) -> None:
-    """``target = base + dequantized``, then ``base = target``, over flat values ``[start, stop)``."""
+    """``target = base + dequantized``, then ``base = target``, over flat values ``[start, stop)``; a
+    ``hasher`` (:class:`~lightning_nodeox.hashing.RowHasher` of ``target``) digests each chunk while it is in cache."""
     bs = k.settings.block_size
     for s, e in chunk_ranges(target.numel(), k.chunk, start, stop):
         m = e - s
@@ -296,13 +297,16 @@ def apply_sync(
         apply_dequantized(base[s:e], d[:m], target[s:e])
         if base.data_ptr() != target.data_ptr():
             base[s:e].copy_(target[s:e])
+        if hasher is not None:
+            hasher.values(s, e)
 
 
 def encode_mean_and_apply(
     k: Q4Kernels, acc: torch.Tensor, inv_weight: float, model: torch.Tensor, codes: torch.Tensor,
-    scales: torch.Tensor, *, start: int = 0, stop: int | None = None,
+    scales: torch.Tensor, *, start: int = 0, stop: int | None = None, hasher=None,
 ) -> None:
-    """Coordinator: q4 of ``acc * inv_weight`` (the sync delta), then ``model += dequantized`` as hosts will."""
+    """Coordinator: q4 of ``acc * inv_weight`` (the sync delta), then ``model += dequantized`` as hosts will
+    (and, with a ``hasher`` of ``model``, its digest while the chunk is in cache)."""
     bs = k.settings.block_size
     for s, e in chunk_ranges(acc.numel(), k.chunk, start, stop):
         m = e - s
@@ -311,6 +315,8 @@ def encode_mean_and_apply(
         d = k.d[:mp]
         k.quantize(m, codes[s // 2 : (s + mp) // 2], scales[s // bs : (s + mp) // bs], dequant_out=d)
         apply_dequantized(model[s:e], d[:m], model[s:e])
+        if hasher is not None:
+            hasher.values(s, e)
 
 
 # -- parallel execution ---------------------------------------------------------------------------------------

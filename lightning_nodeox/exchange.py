@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import torch
 
 from . import phases as P
-from .client import CoordinatorClient, CoordinatorError, read_into
+from .client import BodyReader, CoordinatorClient, CoordinatorError, read_into
 from .codec import (
     RESIDUAL_DTYPE, CodecPool, NonFiniteDeltaError, Q4Settings, apply_sync, encode_delta, load_delta, relative_error,
 )
-from .hashing import model_hash
+from .hashing import RowHasher, combine, model_hash
 from .phases import PhaseLog
 from .modelfile import ModelFileReader, model_header, read_model_into
 from .wire import PayloadError, Q4Layout, Q4Message, Q4Meta, spec_of
@@ -267,9 +267,10 @@ class HostExchange:
             self.complete = complete
             return RoundResult(round_, self.model_hash, complete, False)
         with self.phases.timed(round_, P.APPLY):
-            self._apply(sync)
+            hashers = self._apply(sync)  # digests the new model while applying, where chunks allow
         with self.phases.timed(round_, P.VERIFY):
-            got = model_hash(list(zip(self.names, self.live)), self.pool)
+            self.pool.run([t for h in hashers if not h.fusable(self.pool.chunk) for t in h.tasks()])
+            got = combine(list(zip(self.names, self.live)), hashers)
         if got != sync.meta.model_hash:
             log.warning("nodeox: host %s: model hash %s after round %d differs from the coordinator's %s; "
                         "fetching the model", self.client.host, got, round_, sync.meta.model_hash)
@@ -281,18 +282,22 @@ class HostExchange:
         self.complete = complete
         return RoundResult(round_, self.model_hash, complete, True)
 
-    def _apply(self, sync: Q4Message) -> None:
+    def _apply(self, sync: Q4Message) -> list[RowHasher]:
+        """Apply the sync to every tensor; returns their row hashers (filled where the chunks allowed)."""
         codes_of, scales_of = self._regions(sync)
         if self._staging is not None:
             self._staging.copy_(sync.data)
+        hashers = [RowHasher(t) for t in self.live]
         tasks = []
         for i, (t, base) in enumerate(zip(self.live, self.base)):
             flat, codes, scales = t.view(-1), codes_of(i), scales_of(i)
+            hasher = hashers[i] if hashers[i].fusable(self.pool.chunk) else None
             for start, stop in self.pool.split(flat.numel()):
-                tasks.append(lambda k, f=flat, b=base.view(-1), c=codes, s=scales, a=start, e=stop:
-                             apply_sync(k, c, s, b, f, start=a, stop=e))
+                tasks.append(lambda k, f=flat, b=base.view(-1), c=codes, s=scales, a=start, e=stop, h=hasher:
+                             apply_sync(k, c, s, b, f, start=a, stop=e, hasher=h))
         with torch.no_grad():
             self.pool.run(tasks)
+        return hashers
 
     def fetch_model(self) -> None:
         """Replace this host's model with the coordinator's (the fallback when a sync cannot be applied),
@@ -302,7 +307,7 @@ class HostExchange:
             rec.bytes = int(response.headers.get("Content-Length", 0))
             try:
                 with torch.no_grad():
-                    round_, remote_hash = read_model_into(response.raw, self.specs, self.live)
+                    round_, remote_hash = read_model_into(BodyReader(response), self.specs, self.live)
             except PayloadError as e:
                 raise ModelMismatchError(str(e)) from None
             finally:

@@ -40,15 +40,11 @@ def hash_keys(device: torch.device) -> torch.Tensor:
     return keys
 
 
-def _word_view(t: torch.Tensor) -> tuple[torch.Tensor, bytes]:
-    """The tensor's bytes as int64 words, plus the bytes after the last whole word."""
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
     flat = t.detach().reshape(-1)
     if not flat.is_contiguous() or (flat.storage_offset() * flat.element_size()) % 8:
         flat = flat.clone()
-    raw = flat.view(torch.uint8)
-    whole = raw.numel() // 8 * 8
-    tail = bytes(raw[whole:].cpu().tolist()) if whole < raw.numel() else b""
-    return raw[:whole].view(torch.int64), tail
+    return flat.view(torch.uint8)
 
 
 def _rows_per_op(device: torch.device) -> int:
@@ -87,26 +83,57 @@ def row_digests(words: torch.Tensor, sums: torch.Tensor, start_row: int, stop_ro
         torch.sum(prod, dim=0, out=sums[full_rows])
 
 
+class RowHasher:
+    """The row digests of one tensor, computed all at once or chunk by chunk while a kernel has the bytes in cache."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.raw = _byte_view(tensor)
+        whole = self.raw.numel() // 8 * 8
+        self.words = self.raw[:whole].view(torch.int64)
+        self.rows = -(-self.words.numel() // ROW_WORDS)
+        self.sums = torch.zeros(self.rows, dtype=torch.int64, device=self.words.device)
+        self.in_place = self.raw.numel() == 0 or self.raw.data_ptr() == tensor.data_ptr()
+
+    def tail(self) -> bytes:
+        """The bytes after the last whole word (read when the digest is made, after any update)."""
+        whole = self.words.numel() * 8
+        return bytes(self.raw[whole:].cpu().tolist()) if whole < self.raw.numel() else b""
+
+    def fusable(self, chunk: int) -> bool:
+        """Whether chunks of ``chunk`` values always end on row boundaries (so each row is digested once)."""
+        return self.in_place and (chunk * self.tensor.element_size()) % (ROW_WORDS * 8) == 0
+
+    def values(self, start: int, stop: int) -> None:
+        """Digest the rows inside values ``[start, stop)`` (and the last, partial row at the tensor's end)."""
+        row_bytes, size = ROW_WORDS * 8, self.tensor.element_size()
+        first = -(-(start * size) // row_bytes)
+        last = self.rows if stop >= self.tensor.numel() else (stop * size) // row_bytes
+        if last > first:
+            row_digests(self.words, self.sums, first, last)
+
+    def tasks(self, rows_per_task: int = 64):
+        return [lambda _k, a=a: row_digests(self.words, self.sums, a, min(self.rows, a + rows_per_task))
+                for a in range(0, self.rows, rows_per_task)]
+
+
+def combine(named: Sequence[tuple[str, torch.Tensor]], hashers: Sequence[RowHasher]) -> str:
+    """The model hash from each tensor's row digests."""
+    h = hashlib.blake2b(digest_size=16)
+    for (name, tensor), hasher in zip(named, hashers):
+        h.update(f"{name}|{str(tensor.dtype).removeprefix('torch.')}|{list(tensor.shape)}|".encode())
+        h.update(hasher.sums.cpu().numpy().astype("<i8", copy=False).tobytes())
+        h.update(hasher.tail())
+    return h.hexdigest()
+
+
 def model_hash(named: Sequence[tuple[str, torch.Tensor]], pool: CodecPool | None = None) -> str:
     """Hex digest of the tensors' names, dtypes, shapes and bytes (parallel over ``pool``'s workers)."""
-    plans = []
-    tasks = []
-    for name, tensor in named:
-        words, tail = _word_view(tensor)
-        rows = -(-words.numel() // ROW_WORDS)
-        sums = torch.zeros(rows, dtype=torch.int64, device=words.device)
-        plans.append((name, tensor, sums, tail))
-        step = 64 if pool is not None else rows
-        for start in range(0, rows, max(1, step)):
-            tasks.append(lambda _k, w=words, s=sums, a=start, b=min(rows, start + step): row_digests(w, s, a, b))
+    hashers = [RowHasher(t) for _, t in named]
+    tasks = [task for hasher in hashers for task in hasher.tasks()]
     if pool is not None:
         pool.run(tasks)
     else:
         for task in tasks:
             task(None)
-    h = hashlib.blake2b(digest_size=16)
-    for name, tensor, sums, tail in plans:
-        h.update(f"{name}|{str(tensor.dtype).removeprefix('torch.')}|{list(tensor.shape)}|".encode())
-        h.update(sums.cpu().numpy().astype("<i8", copy=False).tobytes())
-        h.update(tail)
-    return h.hexdigest()
+    return combine(named, hashers)

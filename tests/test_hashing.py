@@ -51,3 +51,29 @@ def test_parallel_pool_gives_the_same_hash() -> None:
         assert model_hash(tensors, pool) == model_hash(tensors)
     finally:
         pool.close()
+
+
+def test_hash_digested_while_applying_equals_the_plain_hash() -> None:
+    """The fused path (rows digested chunk by chunk inside apply) gives the same hash as hashing afterwards."""
+    from lightning_nodeox.codec import apply_sync, block_count, code_bytes, encode_tensor
+    from lightning_nodeox.hashing import RowHasher, combine
+
+    settings = Q4Settings()
+    pool = CodecPool(settings, "cpu", threads=2)
+    try:
+        named = named_ = [("w", torch.randn(ROW_WORDS * 9 + 5)), ("b", torch.randn(1001).to(torch.bfloat16))]
+        hashers = [RowHasher(t) for _, t in named]
+        tasks = []
+        for (_, t), hasher in zip(named, hashers):
+            flat = t.view(-1)
+            codes = torch.empty(code_bytes(flat.numel(), 64), dtype=torch.uint8)
+            scales = torch.empty(block_count(flat.numel(), 64), dtype=torch.float16)
+            encode_tensor(pool.kernels(), torch.randn(flat.numel()) * 1e-2, codes, scales)
+            assert hasher.fusable(pool.chunk)
+            for a, b in pool.split(flat.numel()):
+                tasks.append(lambda k, f=flat, c=codes, s=scales, a=a, b=b, h=hasher:
+                             apply_sync(k, c, s, f.clone(), f, start=a, stop=b, hasher=h))
+        pool.run(tasks)
+        assert combine(named_, hashers) == model_hash(named_)
+    finally:
+        pool.close()

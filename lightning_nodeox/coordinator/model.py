@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..codec import CodecPool, Q4Settings, accumulate_tensor, encode_mean_and_apply
-from ..hashing import model_hash
+from ..hashing import RowHasher, combine, model_hash
 from ..modelfile import model_header
 from ..wire import Q4Layout, Q4Message, Q4Meta, TensorSpec
 
@@ -70,14 +70,17 @@ class CoordinatorModel:
         inv_weight = self.outer.scale() / max(self.weight, 1)
         base_hash = self.hash
         message = self._free_sync_buffer()
+        hashers = [RowHasher(t) for t in self.tensors]
         tasks = []
         for i, (acc, tensor) in enumerate(zip(self.acc, self.tensors)):
             codes, scales, flat = message.codes(i), message.scales(i), tensor.view(-1)
+            hasher = hashers[i] if hashers[i].fusable(self.pool.chunk) else None
             for start, stop in self.pool.split(acc.numel()):
-                tasks.append(lambda k, a=acc, t=flat, c=codes, s=scales, b=start, e=stop:
-                             encode_mean_and_apply(k, a, inv_weight, t, c, s, start=b, stop=e))
+                tasks.append(lambda k, a=acc, t=flat, c=codes, s=scales, b=start, e=stop, h=hasher:
+                             encode_mean_and_apply(k, a, inv_weight, t, c, s, start=b, stop=e, hasher=h))
         self.pool.run(tasks)
-        self.hash = model_hash(self.named(), self.pool)
+        self.pool.run([t for h in hashers if not h.fusable(self.pool.chunk) for t in h.tasks()])
+        self.hash = combine(self.named(), hashers)
         message.write_header(Q4Meta("sync", round_, "coordinator", base_hash, samples=self.weight,
                                     model_hash=self.hash))
         self.weight = 0
