@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -325,8 +324,10 @@ class HostExchange:
         with self.phases.timed(self.round, P.ENCODE, samples=samples, q4_rel_error=error) as rec:
             message = self.encode(samples, final)
             rec.bytes = len(message)
-        self.upload(message)
-        return self.synchronize(follow_to_end=final)
+        taken = self.upload(message)
+        result = self.synchronize(follow_to_end=final)
+        result.contributed = taken and result.contributed
+        return result
 
     def close(self) -> None:
         if self.pool is not None:
@@ -339,7 +340,6 @@ class ExchangeWorker:
     def __init__(self, exchange: HostExchange) -> None:
         self.exchange = exchange
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="nodeox-exchange")
-        self._lock = threading.Lock()
 
     def submit(self, samples: int, final: bool = False) -> Future:
         return self._executor.submit(self.exchange.run_round, samples, final)

@@ -18,7 +18,7 @@ import torch
 from ..codec import CodecPool
 from ..phases import AGGREGATE, COORDINATOR, MODEL_MATERIALIZE, RECEIVE, RSS, SYNC_PREPARE, PhaseRecord
 from ..modelfile import read_model
-from ..wire import PayloadError, Q4Message, TensorSpec, check_same_model, specs_from_json
+from ..wire import PayloadError, Q4Message, check_same_model, specs_from_json
 from .config import CoordinatorConfig
 from .model import CoordinatorModel
 from .runlog import RunLog, peak_rss_bytes, rss_bytes
@@ -97,7 +97,7 @@ class Rounds:
     def codec_info(self) -> dict:
         return {"block_size": self.config.q4.block_size, "scale_dtype": self.config.q4.scale_dtype}
 
-    def _require_model(self) -> CoordinatorModel:
+    def require_model(self) -> CoordinatorModel:
         if self.model is None:
             raise RoundError(409, "the run has no model yet: join first (the first host provides it)")
         return self.model
@@ -177,7 +177,7 @@ class Rounds:
     # -- deltas ------------------------------------------------------------------------------------------------
     def check_upload(self, host: str, round_: int, size: int | None) -> CoordinatorModel:
         """Refuse an upload before its body is read, where its headers already show it is wrong."""
-        model = self._require_model()
+        model = self.require_model()
         if host not in self.hosts:
             raise RoundError(409, f"host {host} has not joined; POST /v1/join first")
         if round_ == self.round and host in self.received:
@@ -258,7 +258,7 @@ class Rounds:
         await self._notify()
 
     async def _close(self) -> None:
-        model = self._require_model()
+        model = self.require_model()
         round_ = self.round
         for h in self.hosts.values():
             if h.active and h.id not in self.received and not h.finished:
@@ -293,7 +293,7 @@ class Rounds:
     async def wait_sync(self, round_: int, wait: float) -> Q4Message | None:
         """Round ``round_``'s sync once published; None if not within ``wait`` seconds or if the run completed
         before that round closed (``self.complete`` tells which)."""
-        model = self._require_model()
+        model = self.require_model()
         if round_ < self.published_round:
             raise RoundError(410, f"the sync of round {round_} is gone; the model is at round {self.round}: "
                                   "fetch GET /v1/model", round=self.round)
@@ -307,6 +307,11 @@ class Rounds:
         if self.published_round != round_:
             raise RoundError(410, f"the sync of round {round_} is gone; fetch GET /v1/model", round=self.round)
         return model.latest_sync
+
+    async def accumulated(self) -> None:
+        """Wait until every delta accepted so far has been accumulated."""
+        if self._accumulating:
+            await asyncio.gather(*list(self._accumulating), return_exceptions=True)
 
     async def tick(self) -> None:
         """Periodic: close rounds whose timeout has passed."""
@@ -323,6 +328,3 @@ class Rounds:
     def close(self) -> None:
         self._parse.shutdown(wait=True)
         self._work.shutdown(wait=True)
-
-    def specs(self) -> tuple[TensorSpec, ...]:
-        return self._require_model().specs

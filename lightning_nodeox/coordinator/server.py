@@ -154,7 +154,7 @@ async def get_model(request: web.Request) -> web.StreamResponse:
     rounds = request.app[ROUNDS]
     host = request.query.get("host", "?")
     async with rounds.model_lock:
-        model = rounds._require_model()
+        model = rounds.require_model()
         start = time.time()
         round_ = rounds.round
         size = model.model_size(round_)
@@ -189,9 +189,7 @@ async def post_delta(request: web.Request) -> web.Response:
 
 
 async def _recycle_after(rounds: Rounds, buffers: ReceiveBuffers, buf: torch.Tensor) -> None:
-    pending = list(rounds._accumulating)
-    if pending:
-        await asyncio.gather(*pending, return_exceptions=True)
+    await rounds.accumulated()
     buffers.put(buf)
 
 
