@@ -88,12 +88,16 @@ class RowHasher:
 
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
-        self.raw = _byte_view(tensor)
-        whole = self.raw.numel() // 8 * 8
-        self.words = self.raw[:whole].view(torch.int64)
-        self.rows = -(-self.words.numel() // ROW_WORDS)
+        flat = tensor.detach().reshape(-1)
+        self.in_place = flat.is_contiguous() and (flat.storage_offset() * flat.element_size()) % 8 == 0
+        self._view()
         self.sums = torch.zeros(self.rows, dtype=torch.int64, device=self.words.device)
-        self.in_place = self.raw.numel() == 0 or self.raw.data_ptr() == tensor.data_ptr()
+
+    def _view(self) -> None:
+        """Word view of the tensor's bytes now (a copy when the tensor's bytes are not 8-byte aligned)."""
+        self.raw = _byte_view(self.tensor)
+        self.words = self.raw[: self.raw.numel() // 8 * 8].view(torch.int64)
+        self.rows = -(-self.words.numel() // ROW_WORDS)
 
     def tail(self) -> bytes:
         """The bytes after the last whole word (read when the digest is made, after any update)."""
@@ -113,6 +117,9 @@ class RowHasher:
             row_digests(self.words, self.sums, first, last)
 
     def tasks(self, rows_per_task: int = 64):
+        """Tasks digesting every row of the tensor as it is now."""
+        if not self.in_place:
+            self._view()
         return [lambda _k, a=a: row_digests(self.words, self.sums, a, min(self.rows, a + rows_per_task))
                 for a in range(0, self.rows, rows_per_task)]
 

@@ -77,3 +77,16 @@ def test_hash_digested_while_applying_equals_the_plain_hash() -> None:
         assert combine(named_, hashers) == model_hash(named_)
     finally:
         pool.close()
+
+
+def test_misaligned_tensors_are_hashed_as_they_are_when_digested() -> None:
+    from lightning_nodeox.hashing import RowHasher, combine
+
+    storage = torch.zeros(1 + ROW_WORDS * 2 + 7)
+    t = storage[1:]  # 4-byte offset: not 8-byte aligned, so digested from a copy
+    hasher = RowHasher(t)
+    assert not hasher.fusable(1 << 17)
+    t.add_(1.0)  # changed after the hasher was made, before it digests
+    for task in hasher.tasks():
+        task(None)
+    assert combine([("t", t)], [hasher]) == model_hash([("t", t.clone())])
