@@ -1,7 +1,7 @@
 """Fine-tune a timm ViT under NodeoxStrategy: one host of a run, started by `nodeox launch` (or by hand).
 
 Data: Oxford-IIIT Pet through torchvision when --data-dir holds it (37 breeds); otherwise scikit-learn's
-digits, upscaled to RGB images (10 classes), which ships offline. Model: any timm name, random weights
+digits, upscaled to RGB images (10 classes, 32x32 by default), which ships offline. Model: any timm name, random weights
 unless --pretrained points at a weights file (nothing is downloaded).
 
     nodeox launch --hosts 2 --run-dir runs/demo -- python examples/finetune_vit.py
@@ -93,11 +93,11 @@ def main() -> None:
     p.add_argument("--model", default="vit_tiny_patch16_224", help="timm model name (e.g. vit_base_patch16_224)")
     p.add_argument("--data-dir", type=Path, help="folder holding torchvision's oxford-iiit-pet (else: digits)")
     p.add_argument("--pretrained", type=Path, help="timm weights file to start from (else random weights)")
-    p.add_argument("--image-size", type=int, default=224)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--local-steps", type=int, default=10, help="optimizer steps per host between exchanges")
-    p.add_argument("--max-steps", type=int, default=60)
-    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--image-size", type=int, help="default: 224 on Pet, 32 on the offline digits")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--local-steps", type=int, default=20, help="optimizer steps per host between exchanges")
+    p.add_argument("--max-steps", type=int, default=200)
+    p.add_argument("--lr", type=float, help="default: 1e-4 from pretrained weights, 1e-3 from scratch")
     p.add_argument("--workers", type=int, default=0, help="data loader worker processes")
     p.add_argument("--precision", default="32-true", help="Lightning precision, e.g. bf16-mixed on GPUs")
     args = p.parse_args()
@@ -106,6 +106,10 @@ def main() -> None:
     hosts = int(os.environ.get("NODEOX_NUM_HOSTS", "1"))
     run_dir = Path(os.environ.get("NODEOX_RUN_DIR", "runs/finetune"))
     torch.manual_seed(host)
+    if args.image_size is None:
+        args.image_size = 224 if args.data_dir is not None else 32
+    if args.lr is None:
+        args.lr = 1e-4 if args.pretrained is not None else 1e-3
     if args.data_dir is not None:
         train, val, classes = pet_datasets(args.data_dir, args.image_size)
     else:

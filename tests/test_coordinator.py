@@ -104,7 +104,10 @@ def test_round_refuses_bad_deltas_and_stays_unpoisoned(coordinator) -> None:
     round_, served_hash, _, tensors = read_model(read_into(a.get_model()))
     assert (round_, served_hash) == (1, sync.meta.model_hash)
     assert all(torch.equal(x, y) for x, y in zip(tensors, expected))
-    assert any(e["phase"] == "model_materialize" for e in coord.events())
+    deadline = time.monotonic() + 10  # the record is written once the server has finished sending
+    while not any(e["phase"] == "model_materialize" for e in coord.events()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert any(e["phase"] == "model_materialize" and e["for_host"] == "a" for e in coord.events())
 
 
 def expected_after_round(model: list[torch.Tensor], contributions) -> list[torch.Tensor]:
