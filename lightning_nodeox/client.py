@@ -136,7 +136,8 @@ class CoordinatorClient:
         """Long-poll until round ``round_``'s sync is ready; the response is open for streaming
         (status 204 with ``X-Nodeox-Complete: 1`` when the run completed before that round)."""
         while True:
-            response = self.request("GET", f"/v1/rounds/{round_}/sync?wait={poll}", ok=(200, 204), stream=True,
+            response = self.request("GET", f"/v1/rounds/{round_}/sync?wait={poll}&host={self.host}", ok=(200, 204),
+                                    stream=True,
                                     read_timeout=poll + self.read_timeout)
             if response.status_code == 200 or response.headers.get("X-Nodeox-Complete") == "1":
                 return response

@@ -31,6 +31,7 @@ from .wire import PayloadError, Q4Layout, Q4Message, Q4Meta, spec_of
 log = logging.getLogger(__name__)
 
 ERROR_SAMPLE = 1 << 15  # values per round used to estimate the q4 error metric
+TAKEN, LATE, REJOINED = "taken", "late", "rejoined"  # what became of a round's upload
 
 
 class ModelMismatchError(RuntimeError):
@@ -117,7 +118,6 @@ class HostExchange:
                 self.model_hash = ours
             else:
                 self.fetch_model()
-        self._reset_base()
 
     def _allocate(self, settings: Q4Settings) -> None:
         cuda = self.device.type == "cuda"
@@ -125,7 +125,7 @@ class HostExchange:
         self.layout = Q4Layout.of(self.specs, settings)
         self._delta = Q4Message.allocate(self.layout, pin_memory=cuda)
         self._sync_buffer = torch.empty(self.layout.total, dtype=torch.uint8, pin_memory=cuda)
-        if cuda:
+        if self.device.type != "cpu":  # the codec works on the device; only packed bytes cross to host memory
             self._staging = torch.empty(self.layout.total - self.layout.data_start, dtype=torch.uint8,
                                         device=self.device)
         self.base = [t.detach().clone() for t in self.live]
@@ -156,9 +156,6 @@ class HostExchange:
 
         return codes, scales
 
-    def _flat(self, i: int) -> torch.Tensor:
-        return self.live[i].view(-1)
-
     # -- a round ------------------------------------------------------------------------------------------------
     def estimate_error(self) -> float:
         """Relative q4 error of a sample of this round's delta (for the ``q4_rel_error`` metric)."""
@@ -166,7 +163,7 @@ class HostExchange:
         k = self.pool.kernels()
         m = min(self.live[i].numel(), ERROR_SAMPLE, k.chunk)
         res = None if self.residual is None else self.residual[i][:m]
-        load_delta(k, self._flat(i)[:m], self.base[i].view(-1)[:m], res, m)
+        load_delta(k, self.live[i].view(-1)[:m], self.base[i].view(-1)[:m], res, m)
         x = k.x[:m].clone()
         mp = k.padded(m)
         codes = torch.empty(mp // 2, dtype=torch.uint8, device=self.device)
@@ -191,8 +188,10 @@ class HostExchange:
         with torch.no_grad():
             self.pool.run(tasks)
         if self._staging is not None:
-            message.data.copy_(self._staging, non_blocking=True)
-            torch.cuda.current_stream(self.device).synchronize()
+            cuda = self.device.type == "cuda"
+            message.data.copy_(self._staging, non_blocking=cuda)
+            if cuda:
+                torch.cuda.current_stream(self.device).synchronize()
         self._check_finite(message)
         message.write_header(Q4Meta("delta", self.round, self.client.host, self.model_hash, samples=samples,
                                     final=final))
@@ -212,29 +211,35 @@ class HostExchange:
                 f"host {self.client.host}. Lower the learning rate or clip gradients "
                 "(Trainer(gradient_clip_val=1.0)); nothing was sent")
 
-    def upload(self, message: Q4Message) -> bool:
-        """Send the delta; False when the coordinator moved on without it (this round's work is dropped)."""
+    def upload(self, message: Q4Message) -> str:
+        """Send the delta. Returns TAKEN; LATE when the round closed without it but its sync can still be
+        applied; or REJOINED when this host had to fetch the model and take part in the current round anew
+        (with an empty delta). Either way this round's local work is dropped."""
         with self.phases.timed(self.round, P.UPLOAD) as rec:
             rec.bytes = len(message)
             try:
                 self.client.post_delta(self.round, message.view())
-                return True
+                return TAKEN
             except CoordinatorError as e:
                 if e.body.get("duplicate"):
-                    return True  # a retry of a delta the coordinator already has
+                    return TAKEN  # a retry of a delta the coordinator already has
                 if e.status != 409:
                     raise
                 log.warning("nodeox: host %s: delta of round %d not taken: %s", self.client.host, self.round, e)
                 rec.extra["rejected"] = str(e.body.get("error", e))
-                if e.body.get("base_mismatch") or e.body.get("published_round", -1) != self.round:
-                    self.fetch_model()
-                    self._send_empty()
-                return False
+                late = not e.body.get("base_mismatch") and e.body.get("published_round", -1) == self.round
+        if late:
+            return LATE
+        self.fetch_model()
+        self._send_empty(message.meta.final)
+        return REJOINED
 
-    def _send_empty(self) -> None:
-        """Take part in the current round without a contribution (after losing this round's work)."""
-        message = self.encode(samples=0, final=False)  # base == live after a fetch: an all-zero delta
-        self.client.post_delta(self.round, message.view())
+    def _send_empty(self, final: bool) -> None:
+        """Take part in the current round without a contribution (base == live: an all-zero delta)."""
+        with self.phases.timed(self.round, P.UPLOAD, empty=True) as rec:
+            message = self.encode(samples=0, final=final)
+            rec.bytes = len(message)
+            self.client.post_delta(self.round, message.view())
 
     def synchronize(self, *, follow_to_end: bool = False) -> RoundResult:
         """Wait for the round's sync, apply it and verify the model hash (fetching the model if needed).
@@ -324,9 +329,12 @@ class HostExchange:
         with self.phases.timed(self.round, P.ENCODE, samples=samples, q4_rel_error=error) as rec:
             message = self.encode(samples, final)
             rec.bytes = len(message)
-        taken = self.upload(message)
-        result = self.synchronize(follow_to_end=final)
-        result.contributed = taken and result.contributed
+        outcome = self.upload(message)
+        result = self.synchronize(follow_to_end=final and outcome != LATE)
+        if final and outcome == LATE and not self.complete:
+            self._send_empty(final=True)  # so the coordinator knows this host has finished
+            result = self.synchronize(follow_to_end=True)
+        result.contributed = outcome == TAKEN and result.contributed
         return result
 
     def close(self) -> None:

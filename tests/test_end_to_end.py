@@ -149,3 +149,22 @@ def test_clock_alignment_keeps_causality(two_host_run) -> None:
             assert abs(e["clock_offset"]) < 1.0
         if e["phase"] == "download":
             assert e["start"] >= published[e["round"]] - slack
+
+
+def test_round_timeout_drops_a_stalled_host_which_rejoins(tmp_path) -> None:
+    """Host 1 stalls in round 1: rounds close on their timeout without it; its late delta is refused, it fetches
+    the model, takes part again, and both hosts end on the same model."""
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    result = launch(run_dir, 2, [sys.executable, str(HOSTS / "digits_host.py"), "--out", str(out),
+                                 "--stall-round", "1", "--stall-seconds", "6"],
+                    "--round-timeout", "2", "--min-hosts", "1")
+    assert result.returncode == 0, result.stdout[-5000:]
+    records = read_events(run_dir)
+    rejected = [e for e in records if e["host"] == "1" and e["phase"] == "upload" and "rejected" in e]
+    assert rejected and rejected[0]["round"] == 1
+    aggregated = {e["round"]: e["hosts"] for e in records if e["phase"] == "aggregate"}
+    assert aggregated[1] == ["0"]  # round 1 closed on its timeout with host 0 alone
+    t0, m0 = load(out / "host0_final.safetensors")
+    t1, m1 = load(out / "host1_final.safetensors")
+    assert m0["model_hash"] == m1["model_hash"]
+    assert all(torch.equal(t0[k], t1[k]) for k in t0)

@@ -290,7 +290,7 @@ class Rounds:
         self.sample_memory()
 
     # -- syncs ------------------------------------------------------------------------------------------------
-    async def wait_sync(self, round_: int, wait: float) -> Q4Message | None:
+    async def wait_sync(self, round_: int, wait: float, host: str | None = None) -> Q4Message | None:
         """Round ``round_``'s sync once published; None if not within ``wait`` seconds or if the run completed
         before that round closed (``self.complete`` tells which)."""
         model = self.require_model()
@@ -306,6 +306,9 @@ class Rounds:
             return None  # complete: no more rounds
         if self.published_round != round_:
             raise RoundError(410, f"the sync of round {round_} is gone; fetch GET /v1/model", round=self.round)
+        entry = self.hosts.get(host or "")
+        if entry is not None and not entry.finished:
+            entry.active = True  # a host dropped by a timeout is back: the next round waits for it again
         return model.latest_sync
 
     async def accumulated(self) -> None:

@@ -7,7 +7,7 @@ Routes:
     PUT  /v1/model?host=H                the first host's initial model (safetensors)
     GET  /v1/model?host=H                the full model, materialized only on this request
     POST /v1/rounds/{r}/delta?host=H     a q4 delta (202 once checked; aggregation goes on behind)
-    GET  /v1/rounds/{r}/sync?wait=S     round r's q4 sync (204 if not ready within S seconds)
+    GET  /v1/rounds/{r}/sync?wait=S&host=H  round r's q4 sync (204 if not ready within S seconds)
     POST /v1/events                      {"records": [...]} phase records of a host
     POST /v1/hosts/{h}/leave             the host takes no further part
 Every response carries ``X-Nodeox-Time`` (the coordinator's clock) for clock alignment.
@@ -197,7 +197,7 @@ async def get_sync(request: web.Request) -> web.StreamResponse:
     rounds = request.app[ROUNDS]
     round_ = _int(request.match_info["round"], "round")
     wait = min(float(request.query.get("wait", 0) or 0), rounds.config.long_poll)
-    message = await rounds.wait_sync(round_, wait)
+    message = await rounds.wait_sync(round_, wait, request.query.get("host"))
     if message is None:
         return web.Response(status=204, headers={"X-Nodeox-Complete": "1" if rounds.complete else "0",
                                                  "X-Nodeox-Round": str(rounds.round)})

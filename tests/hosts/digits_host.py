@@ -64,6 +64,19 @@ class DumpRounds(Callback):
         (self.out / f"host{self.host}_losses.json").write_text(json.dumps(self.losses))
 
 
+class Stall(Callback):
+    """Sleeps once, at one training step (a host that is slow for a while)."""
+
+    def __init__(self, step: int, seconds: float) -> None:
+        self.step, self.seconds = step, seconds
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            import time
+
+            time.sleep(self.seconds)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
@@ -71,6 +84,8 @@ def main() -> None:
     p.add_argument("--local-steps", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--skip-sync-round", type=int, default=-1, help="host 1 skips applying this round's sync")
+    p.add_argument("--stall-round", type=int, default=-1, help="host 1 stalls in this round (see --stall-seconds)")
+    p.add_argument("--stall-seconds", type=float, default=0.0)
     args = p.parse_args()
     torch.set_num_threads(1)
     host = os.environ["NODEOX_HOST_ID"]
@@ -95,9 +110,12 @@ def main() -> None:
             return original(self, sync)
 
         exchange.HostExchange._apply = skip_once
+    callbacks = [PhaseMonitor(), DumpRounds(args.out, host)]
+    if args.stall_round >= 0 and host == "1":
+        callbacks.append(Stall(args.stall_round * args.local_steps + 1, args.stall_seconds))
     strategy = NodeoxStrategy(local_steps=args.local_steps, cpu_threads=1, codec_threads=1)
     trainer = Trainer(strategy=strategy, max_steps=args.max_steps, logger=TensorBoardLogger(args.out / f"tb_host{host}"),
-                      callbacks=[PhaseMonitor(), DumpRounds(args.out, host)], enable_checkpointing=False,
+                      callbacks=callbacks, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
     trainer.fit(model, loader)
 
