@@ -26,6 +26,10 @@ class CoordinatorUnreachable(ConnectionError):
     """The coordinator did not answer within the retry budget."""
 
 
+class ExchangeCancelled(RuntimeError):
+    """This host stopped waiting for the coordinator (its training was interrupted)."""
+
+
 @dataclass
 class ClockSample:
     rtt: float
@@ -72,6 +76,11 @@ class CoordinatorClient:
         self.clock = clock or ClockOffset()
         self._local = threading.local()
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        """Make waits and retries in progress give up (``ExchangeCancelled``) at their next poll."""
+        self._cancelled.set()
 
     @property
     def session(self) -> requests.Session:
@@ -88,6 +97,8 @@ class CoordinatorClient:
         delay, attempt = 0.2, 0
         while True:
             attempt += 1
+            if self._cancelled.is_set():
+                raise ExchangeCancelled(f"{method} {path} cancelled: this host's training was interrupted")
             if hasattr(kwargs.get("data"), "rewind"):
                 kwargs["data"].rewind()
             sent = time.time()

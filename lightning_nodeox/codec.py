@@ -18,7 +18,7 @@ import hashlib
 import math
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
@@ -324,7 +324,7 @@ def encode_mean_and_apply(
 Task = Callable[[Q4Kernels], None]
 
 
-def _single_threaded_worker(started: threading.Barrier) -> None:
+def _single_threaded_worker() -> None:
     torch.get_num_threads()  # let ATen initialise this thread's setting first, then pin it to one thread
     torch.set_num_threads(1)
 
@@ -349,7 +349,7 @@ class CodecPool:
         process_threads = torch.get_num_threads()
         started = threading.Barrier(self.threads)
         self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="nodeox-codec",
-                                            initializer=_single_threaded_worker, initargs=(started,))
+                                            initializer=_single_threaded_worker)
         for f in [self._executor.submit(started.wait) for _ in range(self.threads)]:  # start every worker now
             f.result()
         torch.set_num_threads(process_threads)  # the workers' setting also became the default for new threads
@@ -370,6 +370,7 @@ class CodecPool:
                 task(self.kernels())
             return
         futures = [self._executor.submit(lambda t=task: t(self.kernels())) for task in tasks]
+        wait(futures)  # every task has stopped touching its buffers before an error is raised
         for future in futures:
             future.result()
 

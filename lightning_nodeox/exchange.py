@@ -16,6 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import requests
 import torch
 
 from . import phases as P
@@ -26,16 +27,13 @@ from .codec import (
 from .hashing import RowHasher, combine, model_hash
 from .phases import PhaseLog
 from .modelfile import ModelFileReader, model_header, read_model_into
-from .wire import PayloadError, Q4Layout, Q4Message, Q4Meta, spec_of
+from .wire import ModelMismatchError, PayloadError, Q4Layout, Q4Message, Q4Meta, spec_of
 
 log = logging.getLogger(__name__)
 
 ERROR_SAMPLE = 1 << 15  # values per round used to estimate the q4 error metric
 TAKEN, LATE, REJOINED = "taken", "late", "rejoined"  # what became of a round's upload
-
-
-class ModelMismatchError(RuntimeError):
-    """This host's model does not have the run's tensors (names, dtypes or shapes)."""
+DOWNLOAD_TRIES = 3
 
 
 @dataclass
@@ -67,16 +65,16 @@ class HostExchange:
     def __init__(self, named: list[tuple[str, torch.Tensor]], client: CoordinatorClient, phases: PhaseLog, *,
                  rounding: str = "nearest", error_feedback: bool = True, codec_threads: int = 1) -> None:
         if not named:
-            raise ModelMismatchError("the model has no floating-point parameters or buffers to exchange")
+            raise ValueError("the model has no floating-point parameters or buffers to exchange")
         self.names = [n for n, _ in named]
         self.live = [t for _, t in named]
         for name, t in named:
             if not t.is_contiguous():
-                raise ModelMismatchError(f"tensor {name!r} is not contiguous; nodeox updates tensors in place")
+                raise ValueError(f"tensor {name!r} is not contiguous; nodeox updates tensors in place")
         self.specs = spec_of(named)
         self.device = self.live[0].device
         if any(t.device != self.device for t in self.live):
-            raise ModelMismatchError("all parameters and buffers must be on one device")
+            raise ValueError("all parameters and buffers must be on one device")
         self.client = client
         self.phases = phases
         self.rounding = rounding
@@ -106,8 +104,14 @@ class HostExchange:
         self.round = int(reply["round"])
         if reply.get("provide_model"):
             self.model_hash = model_hash(list(zip(self.names, self.live)), self.pool)
-            reply = self.client.put_model(ModelFileReader(model_header(self.specs, self.round, self.model_hash),
-                                                          self.live))
+            try:
+                reply = self.client.put_model(ModelFileReader(model_header(self.specs, self.round, self.model_hash),
+                                                              self.live))
+            except CoordinatorError as e:
+                if e.status != 409:
+                    raise
+                self.fetch_model()  # another host provided it meanwhile
+                return
             if reply["model_hash"] != self.model_hash:
                 raise RuntimeError(f"coordinator hashed the initial model as {reply['model_hash']}, "
                                    f"this host as {self.model_hash}; versions differ?")
@@ -227,7 +231,7 @@ class HostExchange:
                     raise
                 log.warning("nodeox: host %s: delta of round %d not taken: %s", self.client.host, self.round, e)
                 rec.extra["rejected"] = str(e.body.get("error", e))
-                late = not e.body.get("base_mismatch") and e.body.get("published_round", -1) == self.round
+                late = bool(e.body.get("late")) and not e.body.get("base_mismatch")
         if late:
             return LATE
         self.fetch_model()
@@ -251,21 +255,38 @@ class HostExchange:
 
     def _sync_once(self) -> RoundResult:
         round_ = self.round
-        with self.phases.timed(round_, P.WAIT):
-            response = self.client.wait_sync(round_)
-        if response.status_code == 204:  # the run completed before this round closed
-            self.complete = True
-            return RoundResult(round_, self.model_hash, True, False)
-        complete = response.headers.get("X-Nodeox-Complete") == "1"
-        with self.phases.timed(round_, P.DOWNLOAD) as rec:
-            self._sync_buffer = read_into(response, self._sync_buffer)
-            rec.bytes = self._sync_buffer.numel()
-            try:
-                sync = Q4Message.parse(self._sync_buffer)
-            except PayloadError as e:
-                log.warning("nodeox: host %s: sync of round %d unusable (%s); fetching the model",
-                            self.client.host, round_, e)
-                sync = None
+        for attempt in range(1, DOWNLOAD_TRIES + 1):
+            with self.phases.timed(round_, P.WAIT):
+                try:
+                    response = self.client.wait_sync(round_)
+                except CoordinatorError as e:
+                    if e.status != 410:
+                        raise
+                    response = None  # the sync is gone: this host fell more than a round behind
+            if response is None:
+                self.fetch_model()
+                return RoundResult(round_, self.model_hash, self.complete, False)
+            if response.status_code == 204:  # the run completed before this round closed
+                self.complete = True
+                return RoundResult(round_, self.model_hash, True, False)
+            complete = response.headers.get("X-Nodeox-Complete") == "1"
+            with self.phases.timed(round_, P.DOWNLOAD) as rec:
+                try:
+                    self._sync_buffer = read_into(response, self._sync_buffer)
+                except (OSError, requests.RequestException) as e:  # a download that broke off: ask again
+                    if attempt == DOWNLOAD_TRIES:
+                        raise
+                    log.warning("nodeox: host %s: sync download of round %d failed (%s); retrying",
+                                self.client.host, round_, e)
+                    continue
+                rec.bytes = self._sync_buffer.numel()
+                try:
+                    sync = Q4Message.parse(self._sync_buffer)
+                except PayloadError as e:
+                    log.warning("nodeox: host %s: sync of round %d unusable (%s); fetching the model",
+                                self.client.host, round_, e)
+                    sync = None
+            break
         if sync is None or sync.meta.base_hash != self.model_hash or sync.meta.round != round_:
             self.fetch_model()
             self.complete = complete
@@ -305,17 +326,23 @@ class HostExchange:
 
     def fetch_model(self) -> None:
         """Replace this host's model with the coordinator's (the fallback when a sync cannot be applied),
-        streamed straight into the model's tensors."""
+        streamed straight into the model's tensors; a download that breaks off is asked for again."""
         with self.phases.timed(self.round, P.FALLBACK_FETCH) as rec:
-            response = self.client.get_model()
-            rec.bytes = int(response.headers.get("Content-Length", 0))
-            try:
-                with torch.no_grad():
-                    round_, remote_hash = read_model_into(BodyReader(response), self.specs, self.live)
-            except PayloadError as e:
-                raise ModelMismatchError(str(e)) from None
-            finally:
-                response.close()
+            for attempt in range(1, DOWNLOAD_TRIES + 1):
+                response = self.client.get_model()
+                rec.bytes = int(response.headers.get("Content-Length", 0))
+                try:
+                    with torch.no_grad():
+                        round_, remote_hash = read_model_into(BodyReader(response), self.specs, self.live)
+                    break
+                except ModelMismatchError:
+                    raise
+                except (OSError, requests.RequestException, PayloadError) as e:
+                    if attempt == DOWNLOAD_TRIES:
+                        raise
+                    log.warning("nodeox: host %s: model download failed (%s); retrying", self.client.host, e)
+                finally:
+                    response.close()
             self._reset_base()
             got = model_hash(list(zip(self.names, self.live)), self.pool)
             if got != remote_hash:
@@ -352,6 +379,7 @@ class ExchangeWorker:
     def submit(self, samples: int, final: bool = False) -> Future:
         return self._executor.submit(self.exchange.run_round, samples, final)
 
-    def close(self) -> None:
-        self._executor.shutdown(wait=True)
-        self.exchange.close()
+    def close(self, wait: bool = True) -> None:
+        self._executor.shutdown(wait=wait, cancel_futures=True)
+        if wait:
+            self.exchange.close()

@@ -30,9 +30,13 @@ def _stream(prefix: str, pipe, out=sys.stdout) -> None:
 
 
 def _start(cmd: list[str], env: dict, prefix: str, cpus: list[int] | None = None) -> tuple[subprocess.Popen, threading.Thread]:
-    preexec = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                            preexec_fn=preexec)
+                            errors="replace")
+    if cpus:
+        try:
+            os.sched_setaffinity(proc.pid, cpus)  # before the interpreter has started any thread of its own
+        except OSError:
+            pass
     thread = threading.Thread(target=_stream, args=(prefix, proc.stdout), daemon=True)
     thread.start()
     return proc, thread

@@ -11,7 +11,7 @@ import struct
 
 import torch
 
-from .wire import MAX_HEADER_BYTES, VERSION, PayloadError, TensorSpec
+from .wire import MAX_HEADER_BYTES, VERSION, PayloadError, TensorSpec, check_same_model
 
 SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
 BOUNCE_BYTES = 64 << 20  # host-memory staging for tensors on a GPU
@@ -46,6 +46,8 @@ def parse_header(header_json: bytes) -> tuple[int, str, tuple[TensorSpec, ...], 
         raise PayloadError(f"model file holds a tensor that is not floating point, or lacks a field: {e}") from None
     except (ValueError, TypeError, AttributeError, IndexError) as e:
         raise PayloadError(f"model file header is malformed: {e}") from None
+    if any(len(o) != 2 for o in offsets) or any(d < 0 for s in specs for d in s.shape):
+        raise PayloadError("model file header has malformed offsets or shapes")
     pos = 0
     for spec, (a, b) in zip(specs, offsets):
         size = spec.numel * spec.torch_dtype.itemsize
@@ -134,8 +136,6 @@ def read_model_into(stream, specs: tuple[TensorSpec, ...], tensors: list[torch.T
     fill(memoryview(header))
     round_, model_hash, got, _ = parse_header(bytes(header))
     if got != specs:
-        from .wire import check_same_model
-
         check_same_model(specs, got, "the coordinator's model")
     bounce = None
     for t in tensors:

@@ -9,6 +9,7 @@ full model on demand). ``rss`` records are memory samples.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -47,11 +48,12 @@ class PhaseRecord:
         return self.end - self.start
 
     def to_json(self) -> dict:
+        """A JSON-ready dict (non-finite floats become null: JSON has no NaN)."""
         d = asdict(self)
         extra = d.pop("extra")
         if d["bytes"] is None:
             del d["bytes"]
-        d.update(extra)
+        d.update({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in extra.items()})
         return d
 
     @classmethod

@@ -138,7 +138,12 @@ class NodeoxStrategy(SingleDeviceStrategy):
         log.info("NodeoxStrategy: host %s joining %s (%d tensors, %.1f MB, local_steps=%d)", settings.host_id,
                  settings.coordinator_url, len(exchange.live),
                  sum(t.numel() * t.element_size() for t in exchange.live) / 1e6, settings.local_steps)
-        exchange.join()
+        try:
+            exchange.join()
+        except BaseException:
+            self._telemetry.close(timeout=2.0)
+            exchange.close()
+            raise
         self._worker = ExchangeWorker(exchange)
         self._round_start = time.time()
 
@@ -201,14 +206,16 @@ class NodeoxStrategy(SingleDeviceStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        self._leave()
+        self._leave(interrupted=True)
         super().on_exception(exception)
 
-    def _leave(self) -> None:
+    def _leave(self, interrupted: bool = False) -> None:
         if self._worker is None or self._left:
             return
         self._left = True
-        self._worker.close()
+        if interrupted:
+            self._exchange.client.cancel()  # an exchange in flight gives up instead of waiting for its sync
+        self._worker.close(wait=not interrupted)
         self._telemetry.close()  # before leaving: the coordinator may stop once every host has left
         try:
             self._exchange.client.leave()

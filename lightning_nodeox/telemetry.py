@@ -12,7 +12,7 @@ import threading
 import time
 from collections import deque
 
-from .client import ClockOffset, CoordinatorClient
+from .client import ClockOffset, CoordinatorClient, CoordinatorError
 from .phases import PhaseRecord
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,8 @@ class TelemetryShipper:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._failure: str | None = None
+        self._shipping = threading.Lock()
+        self.dropped = 0
         self.sent = 0
         self.busy_s = 0.0  # CPU time spent shipping (for overhead figures)
         self._thread = threading.Thread(target=self._run, name="nodeox-telemetry", daemon=True)
@@ -48,15 +50,16 @@ class TelemetryShipper:
             self._wake.clear()
             self._ship()
 
-    def _ship(self) -> bool:
-        """Post what is pending; False if the coordinator did not take it (records stay queued)."""
-        start = time.thread_time()
-        try:
-            return self._ship_pending()
-        finally:
-            self.busy_s += time.thread_time() - start
+    def _ship(self) -> None:
+        """Post what is pending; what the coordinator cannot take now stays queued."""
+        with self._shipping:
+            start = time.thread_time()
+            try:
+                self._ship_pending()
+            finally:
+                self.busy_s += time.thread_time() - start
 
-    def _ship_pending(self) -> bool:
+    def _ship_pending(self) -> None:
         while self._pending:
             batch = [self._pending[i] for i in range(min(self.batch, len(self._pending)))]
             offset = self.clock.offset
@@ -68,13 +71,16 @@ class TelemetryShipper:
                 payload.append(d)
             try:
                 self.client.post_events(payload)
+            except CoordinatorError as e:  # refused for good (4xx): a retry would be refused again
+                self._failure = f"{type(e).__name__}: {e}"
+                self.dropped += len(batch)
             except Exception as e:  # noqa: BLE001 - telemetry must never stop training
                 self._failure = f"{type(e).__name__}: {e}"
-                return False
+                return
+            else:
+                self.sent += len(batch)
             for _ in batch:
                 self._pending.popleft()
-            self.sent += len(batch)
-        return True
 
     def close(self, timeout: float = 10.0) -> int:
         """Send what is left (within ``timeout``); returns how many records could not be sent."""
@@ -83,7 +89,7 @@ class TelemetryShipper:
         self._thread.join(timeout)
         if self._pending:
             self._ship()
-        unsent = len(self._pending) + self._overflowed
+        unsent = len(self._pending) + self._overflowed + self.dropped
         if unsent:
             log.warning("nodeox: %d phase records could not be sent to the coordinator at %s (%s); "
                         "they are missing from its events.jsonl but this host's TensorBoard logs have its phases",

@@ -34,6 +34,10 @@ class PayloadError(ValueError):
     """A q4 message that cannot be used: truncated, corrupted, of another version, or not fitting the model."""
 
 
+class ModelMismatchError(PayloadError):
+    """A message, file or host whose tensors (names, dtypes, shapes) are not the run's model."""
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
@@ -81,10 +85,10 @@ def specs_from_json(items) -> tuple[TensorSpec, ...]:
 def check_same_model(expected: tuple[TensorSpec, ...], got: tuple[TensorSpec, ...], what: str) -> None:
     """Raise PayloadError naming the first tensor where ``got`` differs from ``expected``."""
     if len(expected) != len(got):
-        raise PayloadError(f"{what} has {len(got)} tensors but the model has {len(expected)}")
+        raise ModelMismatchError(f"{what} has {len(got)} tensors but the model has {len(expected)}")
     for e, g in zip(expected, got):
         if e != g:
-            raise PayloadError(
+            raise ModelMismatchError(
                 f"{what}: tensor {g.name!r} {g.dtype} {list(g.shape)} does not match the model's "
                 f"{e.name!r} {e.dtype} {list(e.shape)}; every host must train the same model"
             )
@@ -232,6 +236,8 @@ class Q4Message:
         (hlen,) = struct.unpack("<Q", raw[:8].tobytes())
         if hlen > MAX_HEADER_BYTES or 8 + hlen > total:
             raise PayloadError(f"payload is truncated or corrupt: header length {hlen} with {total} bytes in all")
+        if hlen % 8:
+            raise PayloadError(f"payload header length {hlen} is not a multiple of 8 (safetensors pads it)")
         header_bytes = raw[8 : 8 + hlen].tobytes()
         try:
             header = json.loads(header_bytes.decode("utf-8"))
@@ -259,7 +265,7 @@ class Q4Message:
             raise
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise PayloadError(f"payload metadata is incomplete or malformed: {e}") from None
-        if meta.kind not in ("delta", "sync") or meta.samples < 0 or meta.round < 0:
+        if meta.kind not in ("delta", "sync") or not 0 <= meta.samples < 2**62 or not 0 <= meta.round < 2**62:
             raise PayloadError(f"payload metadata is out of range: kind={meta.kind!r} round={meta.round} "
                                f"samples={meta.samples}")
         regions = tuple(regions_for(specs, settings))
@@ -284,6 +290,14 @@ class Q4Message:
         message = cls(buffer, Q4Layout(specs, settings, regions, data_start, total), meta)
         message.check_scales()
         return message
+
+    def max_scale(self) -> float:
+        return max((float(self.scales(i).abs().max()) for i in range(len(self.layout.specs))
+                    if self.scales(i).numel()), default=0.0)
+
+    def weighted_scales_finite(self, samples: int) -> bool:
+        """Whether ``samples`` times the largest dequantized value stays far inside fp32's range."""
+        return self.max_scale() * 8 * max(samples, 1) < 1e30
 
     def check_scales(self) -> None:
         for i, spec in enumerate(self.meta.tensors):

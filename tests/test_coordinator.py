@@ -163,3 +163,40 @@ class socket_closed_port:
 
     def __exit__(self, *exc) -> None:
         pass
+
+
+def test_a_host_that_never_returns_does_not_hold_the_end_of_the_run(coordinator) -> None:
+    """Round 0 closes on its timeout without host b; once host a has finished, the run is complete."""
+    coord = coordinator(2, "--round-timeout", "1", "--min-hosts", "1")
+    a = CoordinatorClient(coord.url, host="a", retry_for=5)
+    b = CoordinatorClient(coord.url, host="b", retry_for=5)
+    a.join([s.as_json() for s in SPECS])
+    h = a.put_model(memoryview(model_file()))["model_hash"]
+    b.join([s.as_json() for s in SPECS])  # ... and then b is never heard of again
+    final = delta_message([torch.zeros(t.shape) for _, t in MODEL], round_=0, host="a", base_hash=h, samples=4)
+    final.write_header(Q4Meta("delta", 0, "a", h, samples=4, final=True))
+    a.post_delta(0, final.view())
+    response = a.wait_sync(0)
+    assert response.status_code == 200 and response.headers["X-Nodeox-Complete"] == "1"
+    response.close()
+    assert requests.get(f"{coord.url}/v1/status", timeout=10).json()["complete"]
+
+
+def test_refused_and_malformed_requests_change_nothing(coordinator) -> None:
+    coord = coordinator(2)
+    a = CoordinatorClient(coord.url, host="a", retry_for=5)
+    a.join([s.as_json() for s in SPECS])
+    a.put_model(memoryview(model_file()))
+    wrong = [["fc.weight", "float32", [40, 31]], *[s.as_json() for s in SPECS[1:]]]
+    r = requests.post(f"{coord.url}/v1/join", json={"host": "x", "tensors": wrong}, timeout=10)
+    assert r.status_code == 400 and "does not match" in r.json()["error"]
+    r = requests.post(f"{coord.url}/v1/join", json={"host": "y", "tensors": [["w", "int8", [1]]]}, timeout=10)
+    assert r.status_code == 400 and "invalid dtype" in r.json()["error"]
+    assert set(requests.get(f"{coord.url}/v1/status", timeout=10).json()["hosts"]) == {"a"}
+    r = requests.get(f"{coord.url}/v1/rounds/0/sync?wait=nan", timeout=10)
+    assert r.status_code == 400 and "seconds" in r.json()["error"]
+    r = requests.post(f"{coord.url}/v1/events", json={"records": [
+        {"round": 0, "host": "stranger", "phase": "encode", "start": 1.0, "end": 2.0}]}, timeout=10)
+    assert r.status_code == 400 and "not joined" in r.json()["error"]
+    r = requests.put(f"{coord.url}/v1/model?host=a", data=model_file(), timeout=10)
+    assert r.status_code == 409 and "already has a model" in r.json()["error"]

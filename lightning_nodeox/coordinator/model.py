@@ -28,7 +28,7 @@ class CoordinatorModel:
     def __init__(self, specs: tuple[TensorSpec, ...], tensors: list[torch.Tensor], settings: Q4Settings,
                  pool: CodecPool) -> None:
         self.specs = specs
-        self.tensors = [t.detach().contiguous() for t in tensors]  # owned: views of the received file
+        self.tensors = [t.detach().contiguous() for t in tensors]  # views of the received file, kept alive here
         self.settings = settings
         self.pool = pool
         self.layout = Q4Layout.of(specs, settings)
@@ -80,12 +80,15 @@ class CoordinatorModel:
                              encode_mean_and_apply(k, a, inv_weight, t, c, s, start=b, stop=e, hasher=h))
         self.pool.run(tasks)
         self.pool.run([t for h in hashers if not h.fusable(self.pool.chunk) for t in h.tasks()])
-        self.hash = combine(self.named(), hashers)
         message.write_header(Q4Meta("sync", round_, "coordinator", base_hash, samples=self.weight,
-                                    model_hash=self.hash))
+                                    model_hash=combine(self.named(), hashers)))
         self.weight = 0
-        self.latest_sync = message
         return message
+
+    def publish(self, message: Q4Message) -> None:
+        """Make ``message`` the latest sync and its resulting model hash the model's (on the event loop)."""
+        self.latest_sync = message
+        self.hash = message.meta.model_hash
 
     # -- sync buffers: reused, unless a slow download still reads one ------------------------------------------
     def _free_sync_buffer(self) -> Q4Message:
@@ -102,20 +105,20 @@ class CoordinatorModel:
             del self._readers[key]
 
     # -- the full model, only on demand ---------------------------------------------------------------------------
-    def model_chunks(self, round_: int) -> list[memoryview]:
+    def model_chunks(self, round_: int, model_hash: str | None = None) -> list[memoryview]:
         """The safetensors file of θ as a header and one view per tensor (no copy of the tensors)."""
-        views = [memoryview(model_header(self.specs, round_, self.hash))]
+        views = [memoryview(model_header(self.specs, round_, model_hash or self.hash))]
         for t in self.tensors:
             views.append(memoryview(t.view(-1).view(torch.uint8).numpy()))
         return views
 
-    def save(self, path, round_: int) -> int:
+    def save(self, path, round_: int, model_hash: str) -> int:
         """Write θ as a safetensors file (synced to disk); returns its size."""
         import os
 
         size = 0
         with open(path, "wb") as f:
-            for view in self.model_chunks(round_):
+            for view in self.model_chunks(round_, model_hash):
                 size += f.write(view)
             f.flush()
             os.fsync(f.fileno())

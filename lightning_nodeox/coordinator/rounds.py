@@ -26,6 +26,10 @@ from .runlog import RunLog, peak_rss_bytes, rss_bytes
 log = logging.getLogger(__name__)
 
 
+MAX_SAMPLES = 2**31  # per host and round
+MAX_MODEL_BYTES = 1 << 40
+
+
 class RoundError(Exception):
     """A request the coordinator refuses; ``status`` is the HTTP status, ``extra`` goes into the JSON body."""
 
@@ -109,6 +113,16 @@ class Rounds:
         log.info("nodeox coordinator: model of %d tensors (%.1f MB), hash %s", len(specs),
                  self.model.nbytes / 1e6, self.model.hash)
 
+    def check_model_upload(self, host: str, size: int) -> None:
+        """Refuse an initial-model upload before its body is read: only the chosen provider, only once."""
+        if self.model is not None:
+            raise RoundError(409, "the run already has a model; fetch it with GET /v1/model",
+                             model_hash=self.model.hash)
+        if host != self.provider:
+            raise RoundError(409, f"host {self.provider} provides the initial model, not host {host}; join again")
+        if size > MAX_MODEL_BYTES:
+            raise RoundError(413, f"model upload of {size} bytes is larger than {MAX_MODEL_BYTES}")
+
     async def put_model(self, host: str, data: torch.Tensor) -> dict:
         """The providing host's initial model."""
         if self.model is not None:
@@ -131,16 +145,19 @@ class Rounds:
 
     # -- hosts ------------------------------------------------------------------------------------------------
     async def join(self, host: str, tensors: list | None) -> dict:
-        """Register a host; tell it the round, the model hash, or that it must provide the model."""
-        if not host or len(host) > 64:
-            raise RoundError(400, "host id must be 1 to 64 characters; set NODEOX_HOST_ID")
-        specs = specs_from_json(tensors) if tensors is not None else None
-        entry = self.hosts.setdefault(host, Host(host))
-        entry.active, entry.finished, entry.done = True, False, False
+        """Register a host; tell it the round, the model hash, or that it must provide the model.
+        A host whose model does not fit the run is refused and not registered."""
+        if not host or len(host) > 64 or host == COORDINATOR:
+            raise RoundError(400, "host id must be 1 to 64 characters (and not 'coordinator'); set NODEOX_HOST_ID")
+        try:
+            specs = specs_from_json(tensors) if tensors is not None else None
+        except PayloadError as e:
+            raise RoundError(400, f"join: {e}") from None
         if self.model is None:
             now = time.time()
             if self.provider in (None, host) or now - self.provider_since > self.config.provider_timeout:
                 self.provider, self.provider_since = host, now
+                self._register(host)
                 return {"round": self.round, "model_hash": None, "provide_model": True, **self.codec_info()}
             await self._wait(lambda: self.model is not None, self.config.long_poll)
             if self.model is None:
@@ -150,11 +167,15 @@ class Rounds:
             try:
                 check_same_model(self.model.specs, specs, f"host {host}'s model")
             except PayloadError as e:
-                entry.active = False
                 raise RoundError(400, str(e)) from None
+        self._register(host)
         await self._notify()
         return {"round": self.round, "model_hash": self.model.hash, "provide_model": False,
                 "complete": self.complete, **self.codec_info()}
+
+    def _register(self, host: str) -> None:
+        entry = self.hosts.setdefault(host, Host(host))
+        entry.active, entry.finished, entry.done = True, False, False
 
     async def leave(self, host: str) -> None:
         """A host stops taking part (training ended or failed); rounds no longer wait for it."""
@@ -168,8 +189,10 @@ class Rounds:
         await self._notify()
 
     def _check_finished(self) -> None:
+        """The run is complete once every host has finished, or finished hosts are all that is left (hosts
+        dropped by a round timeout that never came back do not hold the end of the run)."""
         everyone = len(self.hosts) >= self.config.hosts
-        if everyone and not self.received and all(h.finished for h in self.hosts.values()):
+        if everyone and not self.received and all(h.finished or not h.active for h in self.hosts.values()):
             self.complete = True
         if self.complete and all(h.done for h in self.hosts.values()):
             self.finished.set()
@@ -183,9 +206,10 @@ class Rounds:
         if round_ == self.round and host in self.received:
             raise RoundError(409, f"host {host} already sent its delta for round {round_}", duplicate=True)
         if round_ != self.round or self.closing:
-            state = "closing" if self.closing and round_ == self.round else "not open"
-            raise RoundError(409, f"round {round_} is {state}; the coordinator is at round {self.round}",
-                             round=self.round, published_round=self.published_round)
+            closing = self.closing and round_ == self.round
+            raise RoundError(409, f"round {round_} is {'closing' if closing else 'not open'}; the coordinator is at "
+                                  f"round {self.round}", round=self.round, published_round=self.published_round,
+                             late=closing or round_ == self.published_round)
         if size is not None and size != model.layout.total:
             raise RoundError(400, f"delta is {size} bytes but this model's q4 delta is {model.layout.total} bytes "
                                   f"(block size {self.config.q4.block_size}, {self.config.q4.scale_dtype} scales)")
@@ -210,6 +234,10 @@ class Rounds:
             check_same_model(model.specs, meta.tensors, "delta")
         except PayloadError as e:
             raise RoundError(400, f"delta rejected: {e}") from None
+        if meta.samples > MAX_SAMPLES or not message.weighted_scales_finite(meta.samples):
+            raise RoundError(400, f"delta rejected: {meta.samples} samples with scales up to "
+                                  f"{message.max_scale():.3g} would overflow the accumulator; the host's training "
+                                  "diverged or its sample count is wrong")
         if meta.base_hash != model.hash:
             raise RoundError(409, f"delta of host {host} was computed against model {meta.base_hash}, but round "
                                   f"{round_} started from {model.hash}; fetch the model and rejoin",
@@ -274,16 +302,18 @@ class Rounds:
             message = await self._in(self._work, model.close_round, round_)
             prepared = time.time()
             self.record(PhaseRecord(round_, COORDINATOR, SYNC_PREPARE, aggregated, prepared, len(message),
-                                    extra={"model_hash": model.hash}))
+                                    extra={"model_hash": message.meta.model_hash}))
             if self.config.save_every_round:
                 path = self.runlog.run_dir / "model.safetensors"
-                size = await self._in(self._work, model.save, path, round_ + 1)
+                size = await self._in(self._work, model.save, path, round_ + 1, message.meta.model_hash)
                 self.record(PhaseRecord(round_, COORDINATOR, MODEL_MATERIALIZE, prepared, time.time(), size,
                                         extra={"to": "disk"}))
-        self.received = {}
-        self.published_round = round_
-        self.round = round_ + 1
-        self.round_opened = time.time()
+            # the round's state changes together, on the loop, after the last await
+            model.publish(message)
+            self.received = {}
+            self.published_round = round_
+            self.round = round_ + 1
+            self.round_opened = time.time()
         self._check_finished()
         if self.complete:
             log.info("nodeox coordinator: every host has finished; final model %s after round %d", model.hash, round_)
@@ -315,10 +345,6 @@ class Rounds:
         """Wait until every delta accepted so far has been accumulated."""
         if self._accumulating:
             await asyncio.gather(*list(self._accumulating), return_exceptions=True)
-
-    async def tick(self) -> None:
-        """Periodic: close rounds whose timeout has passed."""
-        await self.maybe_close()
 
     def status(self) -> dict:
         return {

@@ -80,6 +80,8 @@ class RunLog:
             if len(parts) == len(SYNC_PARTS):
                 writer.add_scalar(metric_name("sync"), sum(parts.values()), r.round, walltime=r.end)
                 del self._sync_parts[(r.host, r.round)]
+            for key in [k for k in self._sync_parts if k[0] == r.host and k[1] < r.round - 2]:
+                del self._sync_parts[key]  # a round whose sync never completed (a fallback fetch instead)
 
     def _writer(self, host: str):
         if host not in self._writers:

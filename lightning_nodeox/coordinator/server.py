@@ -19,6 +19,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import signal
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ from aiohttp import web
 from ..codec import CodecPool
 from ..cpu import choose_threads
 from ..phases import COORDINATOR, MODEL_MATERIALIZE, PhaseRecord
+from ..wire import PayloadError
 from .config import CoordinatorConfig, parse_bind
 from .rounds import RoundError, Rounds
 from .runlog import RunLog
@@ -40,6 +42,7 @@ TOKEN = web.AppKey("token", str)
 BUFFERS = web.AppKey("buffers", object)
 MAX_EVENTS_BODY = 16 << 20
 SEND_CHUNK = 8 << 20  # bytes handed to the transport at a time, so its buffer never holds a whole payload
+MIN_DOWNLOAD_RATE = 5e6  # bytes/s: a full-model download slower than this (plus a minute) is cut off
 
 
 class ReceiveBuffers:
@@ -67,6 +70,15 @@ async def write_chunked(response: web.StreamResponse, view: memoryview) -> None:
         await response.write(view[start : start + SEND_CHUNK])
 
 
+async def finish(request: web.Request, response: web.StreamResponse, timeout: float = 30.0) -> None:
+    """End the response and wait until the transport has sent everything (it may still reference our buffer)."""
+    await response.write_eof()
+    transport = request.transport
+    deadline = time.monotonic() + timeout
+    while transport is not None and transport.get_write_buffer_size() > 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+
+
 def error(status: int, message: str, **extra) -> web.Response:
     return web.json_response({"error": message, **extra}, status=status)
 
@@ -82,10 +94,17 @@ async def errors_and_auth(request: web.Request, handler):
         return await handler(request)
     except RoundError as e:
         return error(e.status, str(e), **e.extra)
+    except PayloadError as e:
+        return error(400, str(e))
     except web.HTTPException as e:
         if e.status >= 400:
             return error(e.status, e.reason)
         raise
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception as e:  # noqa: BLE001 - a bug must not take the coordinator down; say it and go on
+        log.exception("nodeox coordinator: %s %s failed", request.method, request.path)
+        return error(500, f"coordinator error: {type(e).__name__}: {e}")
 
 
 async def stamp_time(request: web.Request, response: web.StreamResponse) -> None:
@@ -142,9 +161,11 @@ async def join(request: web.Request) -> web.Response:
 
 async def put_model(request: web.Request) -> web.Response:
     host = _host(request)
+    rounds = request.app[ROUNDS]
     size = request.content_length
     if size is None:
         raise RoundError(411, "the model upload needs a Content-Length")
+    rounds.check_model_upload(host, size)  # before reading (or allocating for) a single byte
     buf = torch.empty(size, dtype=torch.uint8)
     await read_body_into(request, buf)
     return web.json_response(await request.app[ROUNDS].put_model(host, buf))
@@ -153,7 +174,7 @@ async def put_model(request: web.Request) -> web.Response:
 async def get_model(request: web.Request) -> web.StreamResponse:
     rounds = request.app[ROUNDS]
     host = request.query.get("host", "?")
-    async with rounds.model_lock:
+    async with rounds.model_lock:  # the round's apply waits, but never longer than the download's time limit
         model = rounds.require_model()
         start = time.time()
         round_ = rounds.round
@@ -161,10 +182,20 @@ async def get_model(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={
             "Content-Type": "application/octet-stream", "Content-Length": str(size),
             "X-Nodeox-Round": str(round_), "X-Nodeox-Model-Hash": model.hash})
-        await response.prepare(request)
-        for view in model.model_chunks(round_):
-            await write_chunked(response, view)
-        await response.write_eof()
+
+        async def send() -> None:
+            await response.prepare(request)
+            for view in model.model_chunks(round_):
+                await write_chunked(response, view)
+            await finish(request, response)
+
+        try:
+            await asyncio.wait_for(send(), timeout=60 + size / MIN_DOWNLOAD_RATE)
+        except asyncio.TimeoutError:
+            log.warning("nodeox coordinator: host %s's model download was too slow; cut off", host)
+            if request.transport is not None:
+                request.transport.close()
+            return response
         rounds.record(PhaseRecord(round_, COORDINATOR, MODEL_MATERIALIZE, start, time.time(), size,
                                   extra={"for_host": host}))
     return response
@@ -196,7 +227,13 @@ async def _recycle_after(rounds: Rounds, buffers: ReceiveBuffers, buf: torch.Ten
 async def get_sync(request: web.Request) -> web.StreamResponse:
     rounds = request.app[ROUNDS]
     round_ = _int(request.match_info["round"], "round")
-    wait = min(float(request.query.get("wait", 0) or 0), rounds.config.long_poll)
+    try:
+        wait = float(request.query.get("wait", 0) or 0)
+    except ValueError:
+        wait = float("nan")
+    if not 0 <= wait < float("inf"):
+        raise RoundError(400, f"wait must be a number of seconds, got {request.query.get('wait')!r}")
+    wait = min(wait, rounds.config.long_poll)
     message = await rounds.wait_sync(round_, wait, request.query.get("host"))
     if message is None:
         return web.Response(status=204, headers={"X-Nodeox-Complete": "1" if rounds.complete else "0",
@@ -210,7 +247,7 @@ async def get_sync(request: web.Request) -> web.StreamResponse:
             "X-Nodeox-Complete": "1" if rounds.complete and rounds.published_round == round_ else "0"})
         await response.prepare(request)
         await write_chunked(response, message.view())
-        await response.write_eof()
+        await finish(request, response)
     finally:
         model.reading(message, -1)
     return response
@@ -219,12 +256,18 @@ async def get_sync(request: web.Request) -> web.StreamResponse:
 async def post_events(request: web.Request) -> web.Response:
     if (request.content_length or 0) > MAX_EVENTS_BODY:
         raise RoundError(413, f"event batch is larger than {MAX_EVENTS_BODY} bytes; send smaller batches")
+    rounds = request.app[ROUNDS]
     try:
         body = await request.json()
         records = [PhaseRecord.from_json(r) for r in body["records"]]
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, OverflowError) as e:
         raise RoundError(400, f'events need {{"records": [{{round, host, phase, start, end}}, ...]}}: {e}') from None
-    request.app[ROUNDS].record(*records)
+    strangers = {r.host for r in records} - set(rounds.hosts)
+    if strangers:
+        raise RoundError(400, f"events of hosts that have not joined this run: {sorted(strangers)[:5]}")
+    if not all(0 <= r.round < 2**62 and math.isfinite(r.start) and math.isfinite(r.end) for r in records):
+        raise RoundError(400, "event rounds must be non-negative integers and times finite numbers")
+    rounds.record(*records)
     return web.json_response({"written": len(records)})
 
 
@@ -291,10 +334,13 @@ async def serve(config: CoordinatorConfig, ready_file: Path | None = None) -> in
         next_rss = time.time()
         while True:
             await asyncio.sleep(0.25)
-            await rounds.tick()
-            if time.time() >= next_rss:
-                rounds.sample_memory()
-                next_rss = time.time() + config.rss_interval
+            try:
+                await rounds.maybe_close()  # rounds whose timeout has passed
+                if time.time() >= next_rss:
+                    rounds.sample_memory()
+                    next_rss = time.time() + config.rss_interval
+            except Exception:  # noqa: BLE001 - keep ticking; the failure is logged
+                log.exception("nodeox coordinator: periodic work failed")
 
     tick_task = asyncio.ensure_future(ticker())
     finished = asyncio.ensure_future(rounds.finished.wait())
@@ -309,7 +355,7 @@ async def serve(config: CoordinatorConfig, ready_file: Path | None = None) -> in
     rounds.close()
     pool.close()
     runlog.close()
-    status = "complete" if rounds.complete else "stopped"
+    status = "complete" if rounds.complete else "stopped before the run completed"
     print(f"nodeox coordinator: run {status} at round {rounds.round}; peak RSS {rounds.peak_rss / 2**20:.0f} MiB",
           flush=True)
-    return 0
+    return 0 if rounds.complete else 1
