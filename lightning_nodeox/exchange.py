@@ -202,8 +202,8 @@ class HostExchange:
         return message
 
     def _check_finite(self, message: Q4Message) -> None:
-        for i, name in enumerate(self.names):
-            if bool(torch.isfinite(message.scales(i)).all()):
+        for i, (name, peak) in enumerate(zip(self.names, message.scale_maxima())):
+            if math.isfinite(peak):
                 continue
             delta_finite = bool(torch.isfinite(self.live[i]).all())
             if delta_finite and self.layout.settings.scale_dtype == "fp16":

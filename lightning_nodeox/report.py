@@ -8,6 +8,7 @@ the round. Then a run summary. ``--json`` gives the same, machine-readable; ``--
 
 from __future__ import annotations
 
+import bisect
 import json
 import statistics
 import sys
@@ -49,6 +50,7 @@ def build(records: list[dict]) -> dict:
     bytes_moved = defaultdict(lambda: defaultdict(lambda: {"up": 0, "down": 0}))  # round -> host
     coordinator = defaultdict(lambda: defaultdict(float))
     receive = defaultdict(dict)
+    last_end: dict[tuple[int, str], float] = {}  # (round, host) -> end of its last phase
     rss = []
     for r in records:
         rnd, host, phase = r["round"], str(r["host"]), r["phase"]
@@ -65,6 +67,7 @@ def build(records: list[dict]) -> dict:
             continue
         seconds[rnd][phase][host] += d
         first.setdefault((rnd, host, phase), r)
+        last_end[(rnd, host)] = max(last_end.get((rnd, host), r["end"]), r["end"])
         if phase in P.SYNC_PARTS:
             seconds[rnd]["sync"][host] += d
         if phase == P.UPLOAD:
@@ -72,6 +75,8 @@ def build(records: list[dict]) -> dict:
         if phase in (P.DOWNLOAD, P.FALLBACK_FETCH):
             bytes_moved[rnd][host]["down"] += r.get("bytes") or 0
 
+    rss.sort(key=lambda s: s["start"])
+    rss_starts = [s["start"] for s in rss]
     rounds = []
     for rnd in sorted(set(seconds) | set(coordinator)):
         hosts = sorted({h for phase in seconds[rnd].values() for h in phase}, key=_host_key)
@@ -87,11 +92,11 @@ def build(records: list[dict]) -> dict:
         wait_share = {}
         for h in hosts:
             train = first.get((rnd, h, P.TRAIN))
-            ends = [first[k]["end"] for k in first if k[0] == rnd and k[1] == h]
-            if train is not None and ends and max(ends) > train["start"]:
-                wait_share[h] = 1.0 - (train["end"] - train["start"]) / (max(ends) - train["start"])
+            end = last_end.get((rnd, h))
+            if train is not None and end is not None and end > train["start"]:
+                wait_share[h] = 1.0 - (train["end"] - train["start"]) / (end - train["start"])
         close = first.get((rnd, P.COORDINATOR, P.SYNC_PREPARE))
-        after = [s for s in rss if close is not None and s["start"] >= close["end"]]
+        after = [] if close is None else rss[bisect.bisect_left(rss_starts, close["end"]):]
         rounds.append({
             "round": rnd, "hosts": hosts, "host_phases": host_phases,
             "coordinator_phases": {**dict(coordinator[rnd]),
@@ -163,8 +168,8 @@ def render(report: dict) -> str:
         cp = rnd["coordinator_phases"]
         if "receive" in cp:
             lines.append(f"  {'coordinator receive':22} {_seconds(cp['receive'])}")
-        for ph in (P.AGGREGATE, P.SYNC_PREPARE, P.MODEL_MATERIALIZE):
-            if ph in cp:
+        for ph in P.COORDINATOR_PHASES:
+            if ph != P.RECEIVE and ph in cp:
                 lines.append(f"  {'coordinator ' + ph:22} {cp[ph]:.3f} s")
         lines.append(f"  {'aggregation-to-sync':22} {_seconds(rnd['aggregation_to_sync'])}")
         up = [b["up"] for b in rnd["bytes"].values()]

@@ -12,6 +12,7 @@ Every problem with a received message raises :class:`PayloadError`, whose messag
 from __future__ import annotations
 
 import json
+import math
 import struct
 import zlib
 from dataclasses import dataclass, field, replace
@@ -181,6 +182,7 @@ class Q4Message:
         self.buffer = buffer
         self.layout = layout
         self.meta = meta
+        self.max_scale = math.nan  # known once checked (parse)
 
     @classmethod
     def allocate(cls, layout: Q4Layout, *, pin_memory: bool = False) -> Q4Message:
@@ -291,19 +293,22 @@ class Q4Message:
         message.check_scales()
         return message
 
-    def max_scale(self) -> float:
-        return max((float(self.scales(i).abs().max()) for i in range(len(self.layout.specs))
-                    if self.scales(i).numel()), default=0.0)
+    def scale_maxima(self) -> list[float]:
+        """Each tensor's largest scale magnitude (NaN or Inf when any of its scales is), one pass over the scales."""
+        return [float(self.scales(i).abs().max()) if self.scales(i).numel() else 0.0
+                for i in range(len(self.layout.specs))]
+
+    def check_scales(self) -> None:
+        """Refuse NaN or Inf scales; remember the largest scale for :meth:`weighted_scales_finite`."""
+        maxima = self.scale_maxima()
+        for spec, peak in zip(self.meta.tensors, maxima):
+            if not math.isfinite(peak):
+                raise PayloadError(f"payload has NaN or Inf scales for tensor {spec.name!r}")
+        self.max_scale = max(maxima, default=0.0)
 
     def weighted_scales_finite(self, samples: int) -> bool:
         """Whether ``samples`` times the largest dequantized value stays far inside fp32's range."""
-        return self.max_scale() * 8 * max(samples, 1) < 1e30
-
-    def check_scales(self) -> None:
-        for i, spec in enumerate(self.meta.tensors):
-            scales = self.scales(i)
-            if scales.numel() and not bool(torch.isfinite(scales).all()):
-                raise PayloadError(f"payload has NaN or Inf scales for tensor {spec.name!r}")
+        return self.max_scale * 8 * max(samples, 1) < 1e30
 
 
 def _check_offsets(header: dict, specs, regions: list[Region], settings: Q4Settings) -> None:

@@ -236,7 +236,7 @@ class Rounds:
             raise RoundError(400, f"delta rejected: {e}") from None
         if meta.samples > MAX_SAMPLES or not message.weighted_scales_finite(meta.samples):
             raise RoundError(400, f"delta rejected: {meta.samples} samples with scales up to "
-                                  f"{message.max_scale():.3g} would overflow the accumulator; the host's training "
+                                  f"{message.max_scale:.3g} would overflow the accumulator; the host's training "
                                   "diverged or its sample count is wrong")
         if meta.base_hash != model.hash:
             raise RoundError(409, f"delta of host {host} was computed against model {meta.base_hash}, but round "
