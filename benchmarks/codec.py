@@ -18,12 +18,14 @@ import time
 
 import torch
 
-from lightning_nodeox.codec import (
-    BLOCK_SIZES, ROUNDINGS, CodecPool, Q4Settings, accumulate_tensor, block_count, code_bytes, decode_tensor,
+from lightning_nodeox.core.codec import (
+    accumulate_tensor, block_count, code_bytes, decode_tensor,
     encode_delta, encode_tensor, relative_error,
 )
-from lightning_nodeox.cpu import granted_cpus
-from lightning_nodeox.hashing import model_hash
+from lightning_nodeox.core.pool import WorkerPool
+from lightning_nodeox.core.settings import BLOCK_SIZES, ROUNDINGS, Q4Settings
+from lightning_nodeox.core.cpu import granted_cpus
+from lightning_nodeox.core.hashing import model_hash
 
 GOALS = {"encode": 5.0, "decode_accumulate": 5.0, "hash": 3.0}
 STRETCH_ENCODE = 2.0
@@ -48,13 +50,13 @@ def best_with_copy(fn, copy, repeats: int) -> tuple[float, float]:
     return min(runs), min(copies)
 
 
-def run_tasks(pool: CodecPool, numel: int, fn) -> None:
+def run_tasks(pool: WorkerPool, numel: int, fn) -> None:
     pool.run([lambda k, a=a, b=b: fn(k, a, b) for a, b in pool.split(numel)])
 
 
 def size_figures(n: int, repeats: int) -> dict:
     settings = Q4Settings()
-    pool = CodecPool(settings, "cpu", threads=1)
+    pool = WorkerPool(settings, "cpu", threads=1)
     current = torch.empty(n).uniform_(-1, 1)
     base = torch.empty(n).uniform_(-1, 1)
     residual = torch.zeros(n, dtype=torch.bfloat16)
@@ -92,7 +94,7 @@ def contention_figures(n: int, repeats: int) -> dict:
     """Encode with the threads a CPU host would use, quiet and with every core kept busy by other processes."""
     threads = granted_cpus()
     torch.set_num_threads(threads)  # as in a host process: the codec must not depend on it
-    pool = CodecPool(Q4Settings(), "cpu", threads=threads)
+    pool = WorkerPool(Q4Settings(), "cpu", threads=threads)
     current, base = torch.empty(n).uniform_(-1, 1), torch.empty(n).uniform_(-1, 1)
     residual = torch.zeros(n, dtype=torch.bfloat16)
     codes = torch.empty(code_bytes(n, 64), dtype=torch.uint8)
@@ -122,7 +124,7 @@ def error_figures(n: int = 1 << 22) -> dict:
     for rounding in ROUNDINGS:
         for bs in BLOCK_SIZES:
             settings = Q4Settings(block_size=bs, rounding=rounding)
-            pool = CodecPool(settings, "cpu", 1)
+            pool = WorkerPool(settings, "cpu", 1)
             codes = torch.empty(code_bytes(n, bs), dtype=torch.uint8)
             scales = torch.empty(block_count(n, bs), dtype=torch.float16)
             encode_tensor(pool.kernels(), x, codes, scales, seed=1 if rounding == "stochastic" else None)

@@ -53,10 +53,12 @@ def host_main(args: argparse.Namespace) -> None:
 
     import torch
 
-    from lightning_nodeox.client import ClockOffset, CoordinatorClient
-    from lightning_nodeox.exchange import HostExchange
-    from lightning_nodeox.phases import PhaseLog
-    from lightning_nodeox.telemetry import TelemetryShipper
+    from lightning_nodeox.core.phases import PhaseLog
+    from lightning_nodeox.host.client import HttpClient
+    from lightning_nodeox.host.clock import ClockOffset
+    from lightning_nodeox.host.round import HostRound
+    from lightning_nodeox.host.telemetry import TelemetryShipper
+    from lightning_nodeox.host.tensors import HostTensors
 
     torch.set_num_threads(1)
     host = os.environ["NODEOX_HOST_ID"]
@@ -65,11 +67,11 @@ def host_main(args: argparse.Namespace) -> None:
     model_bytes = sum(t.numel() * 4 for _, t in named)
     before = rss()
     clock = ClockOffset()
-    client = CoordinatorClient(os.environ["NODEOX_COORDINATOR_URL"], host=host, clock=clock, read_timeout=600)
+    client = HttpClient(os.environ["NODEOX_COORDINATOR_URL"], host=host, clock=clock, read_timeout=600)
     phases = PhaseLog(host)
     shipper = TelemetryShipper(client, clock)
     phases.listeners.append(shipper)
-    exchange = HostExchange(named, client, phases, codec_threads=args.codec_threads)
+    exchange = HostRound(HostTensors(named), client, phases, codec_threads=args.codec_threads)
     exchange.join()
     start = time.time()
     for r in range(args.rounds):
@@ -89,16 +91,67 @@ def host_main(args: argparse.Namespace) -> None:
 # -- the benchmark ----------------------------------------------------------------------------------------------
 
 
+def run_hosts(coordinator: list[str], hosts: list[list[str]], run_dir: Path, *, timeout: float,
+              urls: list[str] | None = None) -> None:
+    """Start ``coordinator`` (with ``--ready-file``), then host ``i`` as ``hosts[i]`` with ``NODEOX_HOST_ID=i``
+    and ``NODEOX_COORDINATOR_URL`` (``urls[i]`` when given, e.g. a relay); wait for all, stop all in the end."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ready = run_dir / "ready"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    log = open(run_dir / "processes.log", "w")
+    procs = [subprocess.Popen([*coordinator, "--ready-file", str(ready)], env=env, stdout=log, stderr=subprocess.STDOUT)]
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            if procs[0].poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"coordinator did not start: {(run_dir / 'processes.log').read_text()[-3000:]}")
+            time.sleep(0.05)
+        url = ready.read_text().strip()
+        for i, cmd in enumerate(hosts):
+            host_env = dict(env, NODEOX_HOST_ID=str(i), NODEOX_COORDINATOR_URL=urls[i] if urls else url)
+            procs.append(subprocess.Popen(cmd, env=host_env, stdout=log, stderr=subprocess.STDOUT))
+        for p in procs:
+            if p.wait(timeout) != 0:
+                raise RuntimeError(f"exchange run failed: {(run_dir / 'processes.log').read_text()[-4000:]}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        log.close()
+
+
+def saving_coordinator_main(args: argparse.Namespace) -> None:
+    """A coordinator that also saves the full model before publishing every sync, on the critical path (what
+    the study's system did), for comparison."""
+    import asyncio
+
+    from lightning_nodeox.coordinator.config import CoordinatorConfig
+    from lightning_nodeox.coordinator.server import serve
+    from lightning_nodeox.core.phases import COORDINATOR, MODEL_MATERIALIZE, PhaseRecord
+
+    async def save(rounds, round_: int, message) -> None:
+        start = time.time()
+        size = await rounds.in_worker(rounds.model.save, Path(args.run_dir) / "model.safetensors", round_ + 1,
+                                      message.meta.model_hash)
+        rounds.record(PhaseRecord(round_, COORDINATOR, MODEL_MATERIALIZE, start, time.time(), size,
+                                  extra={"to": "disk"}))
+
+    config = CoordinatorConfig(hosts=2, run_dir=Path(args.run_dir), bind="127.0.0.1:0", rss_interval=0.5)
+    raise SystemExit(asyncio.run(serve(config, Path(args.ready_file), before_publish=save)))
+
+
 def run(model: str, rounds: int, save: bool, workdir: Path) -> dict:
     run_dir, out = workdir / f"{model}{'-save' if save else ''}", workdir / f"out-{model}{'-save' if save else ''}"
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "lightning_nodeox", "launch", "--hosts", "2", "--run-dir", str(run_dir),
-           "--rss-interval", "0.5", *(["--save-every-round"] if save else []), "--",
-           sys.executable, __file__, "--host", "--model", model, "--rounds", str(rounds), "--out", str(out)]
+    host = [sys.executable, __file__, "--host", "--model", model, "--rounds", str(rounds), "--out", str(out)]
+    if save:
+        coordinator = [sys.executable, __file__, "--saving-coordinator", "--run-dir", str(run_dir)]
+    else:
+        coordinator = [sys.executable, "-m", "lightning_nodeox", "coordinator", "--hosts", "2", "--run-dir",
+                       str(run_dir), "--bind", "127.0.0.1:0", "--rss-interval", "0.5"]
     started = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"exchange run failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}")
+    run_hosts(coordinator, [host, host], run_dir, timeout=1800)
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     hosts = {h: json.loads((out / f"host{h}.json").read_text()) for h in ("0", "1")}
     return {"model": model, "save_every_round": save, "wall_s": time.time() - started,
@@ -204,6 +257,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--no-save-comparison", action="store_true", help="skip the runs with a forced full-model save")
     p.add_argument("--host", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--saving-coordinator", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--run-dir", help=argparse.SUPPRESS)
+    p.add_argument("--ready-file", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--codec-threads", type=int, default=1, help=argparse.SUPPRESS)
@@ -211,6 +267,8 @@ def main() -> None:
     if args.host:
         host_main(args)
         return
+    if args.saving_coordinator:
+        saving_coordinator_main(args)
     results, goals = [], []
     with tempfile.TemporaryDirectory(prefix="nodeox-exchange-") as tmp:
         for model in args.models.split(","):

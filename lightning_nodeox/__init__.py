@@ -2,6 +2,9 @@
 
 ``import lightning_nodeox`` registers ``Trainer(strategy="nodeox")``. The ``nodeox`` command itself (coordinator,
 launch, report) does not import Lightning, which keeps the coordinator's memory and start-up small.
+
+Rooms: ``host/`` (the Lightning side), ``coordinator/`` (the HTTP coordinator), ``core/`` (what both share),
+``tools/`` (the ``nodeox`` command); ``host/`` and ``coordinator/`` never import each other.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .settings import Q4Settings
+from .core.settings import Q4Settings
 
 __version__ = "0.1.0"
 __all__ = ["NodeoxStrategy", "PhaseMonitor", "Q4Settings"]
@@ -22,16 +25,16 @@ def _running_the_nodeox_command() -> bool:
 
 def __getattr__(name: str):
     if name == "NodeoxStrategy":
-        from .strategy import NodeoxStrategy
+        from .host.strategy import NodeoxStrategy
 
         return NodeoxStrategy
     if name == "PhaseMonitor":
-        from .callbacks import PhaseMonitor
+        from .host.callbacks import PhaseMonitor
 
         return PhaseMonitor
     raise AttributeError(f"module 'lightning_nodeox' has no attribute {name!r}")
 
 
-if not _running_the_nodeox_command():
-    from .callbacks import PhaseMonitor  # noqa: E402,F401
-    from .strategy import NodeoxStrategy  # noqa: E402,F401  (registers "nodeox")
+if not _running_the_nodeox_command():  # importing the strategy registers Trainer(strategy="nodeox")
+    from .host.callbacks import PhaseMonitor
+    from .host.strategy import NodeoxStrategy

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_nodeox.codec import CODE_OFFSET, LEVELS, Q4Kernels, Q4Settings, chunk_ranges, stochastic_seed
+from lightning_nodeox.core.codec import CODE_OFFSET, LEVELS, Q4Kernels, Q4Settings, chunk_ranges, stochastic_seed
 
 
 def encode_reference(x: torch.Tensor, settings: Q4Settings, *, seed: int | None = None, chunk: int = 0):

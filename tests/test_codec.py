@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_nodeox.codec import (
-    BLOCK_SIZES, CodecPool, Q4Settings, accumulate_tensor, apply_sync, block_count, code_bytes, decode_tensor,
-    encode_delta, encode_mean_and_apply, encode_tensor, relative_error,
+from lightning_nodeox.core.codec import (
+    accumulate_tensor, apply_sync, block_count, code_bytes, decode_tensor,
+    encode_delta, encode_sync_and_apply, encode_tensor, relative_error,
 )
+from lightning_nodeox.core.pool import WorkerPool
+from lightning_nodeox.core.settings import BLOCK_SIZES, Q4Settings
 from reference_q4 import decode_reference, encode_reference, kernels
 
 SIZES = [0, 1, 2, 31, 63, 64, 65, 255, 256, 257, 1000, 4099]
@@ -145,7 +147,7 @@ def test_coordinator_and_host_reach_identical_bytes(dtype: torch.dtype) -> None:
     sync_codes = torch.empty(code_bytes(n, 64), dtype=torch.uint8)
     sync_scales = torch.empty(block_count(n, 64), dtype=torch.float16)
     coordinator_model = model.clone()
-    encode_mean_and_apply(kernels(settings, 1024), acc, 1 / 40, coordinator_model, sync_codes, sync_scales)
+    encode_sync_and_apply(kernels(settings, 1024), acc, 1 / 40, coordinator_model, sync_codes, sync_scales)
     apply_sync(kernels(settings, 256), sync_codes, sync_scales, host_base, host_live)
     assert torch.equal(host_live.view(torch.uint8 if dtype == torch.float32 else torch.int16),
                        coordinator_model.view(torch.uint8 if dtype == torch.float32 else torch.int16))
@@ -161,7 +163,7 @@ def test_pool_runs_tasks_in_parallel_with_the_same_result() -> None:
     x, base = torch.randn(n), torch.zeros(n)
     outputs = []
     for threads in (1, 2):
-        pool = CodecPool(settings, "cpu", threads)
+        pool = WorkerPool(settings, "cpu", threads)
         codes = torch.empty(code_bytes(n, 64), dtype=torch.uint8)
         scales = torch.empty(block_count(n, 64), dtype=torch.float16)
         pool.run([lambda k, a=a, b=b: encode_delta(k, x, base, None, codes, scales, start=a, stop=b)
@@ -199,6 +201,6 @@ def test_cuda_kernels_match_cpu() -> None:
 
 
 def kernels_on(device: str, settings: Q4Settings):
-    from lightning_nodeox.codec import Q4Kernels
+    from lightning_nodeox.core.codec import Q4Kernels
 
     return Q4Kernels(settings, device)

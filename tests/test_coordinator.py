@@ -8,11 +8,13 @@ import pytest
 import requests
 import torch
 
-from lightning_nodeox.client import CoordinatorClient, CoordinatorError, CoordinatorUnreachable, read_into
-from lightning_nodeox.codec import Q4Settings, accumulate_tensor, apply_sync, encode_mean_and_apply, encode_tensor
-from lightning_nodeox.hashing import model_hash
-from lightning_nodeox.modelfile import model_header, read_model
-from lightning_nodeox.wire import Q4Layout, Q4Message, Q4Meta, spec_of
+from lightning_nodeox.core.protocol import Reason, Refusal, SyncReady, Unreachable, Upload, read_fully
+from lightning_nodeox.host.client import HttpClient
+from lightning_nodeox.core.codec import Q4Settings, accumulate_tensor, apply_sync, encode_sync_and_apply, encode_tensor
+from lightning_nodeox.core.hashing import model_hash
+from lightning_nodeox.core.modelfile import model_header, read_model
+from lightning_nodeox.core.specs import spec_of
+from lightning_nodeox.core.wire import Q4Layout, Q4Message, Q4Meta
 from reference_q4 import kernels
 
 MODEL = [("fc.weight", torch.randn(40, 30, generator=torch.Generator().manual_seed(0))),
@@ -42,57 +44,57 @@ def delta_message(deltas: list[torch.Tensor], *, round_: int, host: str, base_ha
 def test_unreachable_coordinator_fails_fast_with_its_url() -> None:
     with socket_closed_port() as port:
         url = f"http://127.0.0.1:{port}"
-        client = CoordinatorClient(url, host="0", retry_for=1.5)
+        client = HttpClient(url, host="0", retry_for=1.5)
         start = time.monotonic()
-        with pytest.raises(CoordinatorUnreachable, match=f"coordinator at {url} did not answer"):
+        with pytest.raises(Unreachable, match=f"coordinator at {url} did not answer"):
             client.join([])
         assert time.monotonic() - start < 10
 
 
 def test_round_refuses_bad_deltas_and_stays_unpoisoned(coordinator) -> None:
     coord = coordinator(2)
-    a = CoordinatorClient(coord.url, host="a", retry_for=5)
-    b = CoordinatorClient(coord.url, host="b", retry_for=5)
+    a = HttpClient(coord.url, host="a", retry_for=5)
+    b = HttpClient(coord.url, host="b", retry_for=5)
     reply = a.join([s.as_json() for s in SPECS])
-    assert reply["provide_model"] and reply["block_size"] == 64
-    initial_hash = a.put_model(memoryview(model_file()))["model_hash"]
+    assert reply.provide_model and reply.block_size == 64
+    initial_hash = a.put_model(memoryview(model_file()))
     assert initial_hash == model_hash(MODEL)
-    assert b.join([s.as_json() for s in SPECS])["model_hash"] == initial_hash
+    assert b.join([s.as_json() for s in SPECS]).model_hash == initial_hash
 
     gen = torch.Generator().manual_seed(2)
     good_a = [torch.randn(t.shape, generator=gen) * 0.01 for _, t in MODEL]
     good_b = [torch.randn(t.shape, generator=gen) * 0.01 for _, t in MODEL]
 
-    def refused(status: int, pattern: str, body, host=b, round_=0) -> None:
-        with pytest.raises(CoordinatorError) as e:
+    def refused(reason: Reason, pattern: str, body, host=b, round_=0) -> None:
+        with pytest.raises(Refusal) as e:
             host.post_delta(round_, body)
-        assert e.value.status == status, e.value
+        assert e.value.reason is reason, e.value
         assert pattern in str(e.value), e.value
 
     valid_b = bytes(delta_message(good_b, round_=0, host="b", base_hash=initial_hash, samples=10).view())
-    refused(409, "round 5 is not open", valid_b, round_=5)
-    refused(400, "bytes but this model's q4 delta is", valid_b[:-16])
+    assert b.post_delta(5, valid_b) is Upload.STALE_BASE  # a round that is not open
+    refused(Reason.INVALID, "bytes but this model's q4 delta is", valid_b[:-16])
     flipped = bytearray(valid_b)
     flipped[-3] ^= 0x40
-    refused(400, "integrity check", bytes(flipped))
+    refused(Reason.INVALID, "integrity check", bytes(flipped))
     transposed = [("fc.weight", torch.zeros(30, 40)), *MODEL[1:]]
     wrong_shape = delta_message([torch.zeros(30, 40), *good_b[1:]], round_=0, host="b", base_hash=initial_hash,
                                 samples=10, specs=spec_of(transposed))
-    refused(400, "does not match the model's", bytes(wrong_shape.view()))
+    refused(Reason.INVALID, "does not match the model's", bytes(wrong_shape.view()))
     stale = delta_message(good_b, round_=0, host="b", base_hash="00" * 16, samples=10)
-    refused(409, "fetch the model", bytes(stale.view()))
+    assert b.post_delta(0, bytes(stale.view())) is Upload.STALE_BASE
     poison = delta_message([torch.full(t.shape, 1e3) for _, t in MODEL], round_=0, host="a", base_hash=initial_hash,
                            samples=10)
-    refused(400, "sent as round 0's delta of host b", bytes(poison.view()))  # host a's payload sent as b's
+    refused(Reason.INVALID, "sent as round 0's delta of host b", bytes(poison.view()))  # host a's payload sent as b's
 
     # the round goes on with the good deltas only
     valid_a = bytes(delta_message(good_a, round_=0, host="a", base_hash=initial_hash, samples=30).view())
-    a.post_delta(0, memoryview(valid_a))
-    refused(409, "already sent", valid_a, host=a)
-    b.post_delta(0, memoryview(valid_b))
-    response = b.wait_sync(0)
-    assert response.status_code == 200
-    sync = Q4Message.parse(read_into(response))
+    assert a.post_delta(0, memoryview(valid_a)) is Upload.TAKEN
+    assert a.post_delta(0, memoryview(valid_a)) is Upload.TAKEN  # a retry: the coordinator already has it
+    assert b.post_delta(0, memoryview(valid_b)) is Upload.TAKEN
+    reply = b.wait_sync(0)
+    assert isinstance(reply, SyncReady)
+    sync = Q4Message.parse(body_bytes(reply.body))
     expected = expected_after_round([t for _, t in MODEL], [(good_a, 30), (good_b, 10)])
     assert sync.meta.model_hash == model_hash(list(zip([n for n, _ in MODEL], expected)))
     local = [t.clone() for _, t in MODEL]
@@ -101,13 +103,20 @@ def test_round_refuses_bad_deltas_and_stays_unpoisoned(coordinator) -> None:
     assert all(torch.equal(x, y) for x, y in zip(local, expected))
 
     # the full model is served on request and matches
-    round_, served_hash, _, tensors = read_model(read_into(a.get_model()))
+    round_, served_hash, _, tensors = read_model(body_bytes(a.get_model()))
     assert (round_, served_hash) == (1, sync.meta.model_hash)
     assert all(torch.equal(x, y) for x, y in zip(tensors, expected))
     deadline = time.monotonic() + 10  # the record is written once the server has finished sending
     while not any(e["phase"] == "model_materialize" for e in coord.events()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert any(e["phase"] == "model_materialize" and e["for_host"] == "a" for e in coord.events())
+
+
+def body_bytes(body) -> torch.Tensor:
+    buffer = torch.empty(body.size, dtype=torch.uint8)
+    read_fully(body, memoryview(buffer.numpy()))
+    body.close()
+    return buffer
 
 
 def expected_after_round(model: list[torch.Tensor], contributions) -> list[torch.Tensor]:
@@ -122,7 +131,7 @@ def expected_after_round(model: list[torch.Tensor], contributions) -> list[torch
             accumulate_tensor(k, message.codes(i), message.scales(i), acc, float(samples), assign=j == 0)
         new = t.clone().view(-1)
         codes, scales = torch.empty_like(message.codes(i)), torch.empty_like(message.scales(i))
-        encode_mean_and_apply(kernels(SETTINGS), acc, 1 / total, new, codes, scales)
+        encode_sync_and_apply(kernels(SETTINGS), acc, 1 / total, new, codes, scales)
         out.append(new.view(t.shape))
     return out
 
@@ -134,8 +143,8 @@ def test_token_is_required_when_configured(coordinator, tmp_path) -> None:
     r = requests.post(f"{coord.url}/v1/join", json={"host": "0"}, timeout=10)
     assert r.status_code == 401 and "NODEOX_TOKEN" in r.json()["error"]
     assert requests.get(f"{coord.url}/v1/health", timeout=10).status_code == 200
-    client = CoordinatorClient(coord.url, host="0", token="s3cret")
-    assert client.join([s.as_json() for s in SPECS])["provide_model"]
+    client = HttpClient(coord.url, host="0", token="s3cret")
+    assert client.join([s.as_json() for s in SPECS]).provide_model
 
 
 def test_bad_requests_get_json_errors(coordinator) -> None:
@@ -168,23 +177,23 @@ class socket_closed_port:
 def test_a_host_that_never_returns_does_not_hold_the_end_of_the_run(coordinator) -> None:
     """Round 0 closes on its timeout without host b; once host a has finished, the run is complete."""
     coord = coordinator(2, "--round-timeout", "1", "--min-hosts", "1")
-    a = CoordinatorClient(coord.url, host="a", retry_for=5)
-    b = CoordinatorClient(coord.url, host="b", retry_for=5)
+    a = HttpClient(coord.url, host="a", retry_for=5)
+    b = HttpClient(coord.url, host="b", retry_for=5)
     a.join([s.as_json() for s in SPECS])
-    h = a.put_model(memoryview(model_file()))["model_hash"]
+    h = a.put_model(memoryview(model_file()))
     b.join([s.as_json() for s in SPECS])  # ... and then b is never heard of again
     final = delta_message([torch.zeros(t.shape) for _, t in MODEL], round_=0, host="a", base_hash=h, samples=4)
     final.write_header(Q4Meta("delta", 0, "a", h, samples=4, final=True))
     a.post_delta(0, final.view())
-    response = a.wait_sync(0)
-    assert response.status_code == 200 and response.headers["X-Nodeox-Complete"] == "1"
-    response.close()
+    reply = a.wait_sync(0)
+    assert isinstance(reply, SyncReady) and reply.complete
+    reply.body.close()
     assert requests.get(f"{coord.url}/v1/status", timeout=10).json()["complete"]
 
 
 def test_refused_and_malformed_requests_change_nothing(coordinator) -> None:
     coord = coordinator(2)
-    a = CoordinatorClient(coord.url, host="a", retry_for=5)
+    a = HttpClient(coord.url, host="a", retry_for=5)
     a.join([s.as_json() for s in SPECS])
     a.put_model(memoryview(model_file()))
     wrong = [["fc.weight", "float32", [40, 31]], *[s.as_json() for s in SPECS[1:]]]

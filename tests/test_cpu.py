@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_nodeox import cpu
+from lightning_nodeox.core import cpu
 
 
 def test_cgroup_v2_quota(tmp_path: Path, monkeypatch) -> None:

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import HOSTS, launch, read_events
-from lightning_nodeox.hashing import model_hash
+from lightning_nodeox.core.hashing import model_hash
 
 ROUNDS = 3  # max_steps 30, local_steps 10; then the (empty) final round 3
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from lightning_nodeox.codec import CodecPool, Q4Settings
-from lightning_nodeox.hashing import ROW_WORDS, model_hash
+from lightning_nodeox.core.pool import WorkerPool
+from lightning_nodeox.core.settings import Q4Settings
+from lightning_nodeox.core.hashing import ROW_WORDS, model_hash
 
 
 def named(*tensors):
@@ -46,7 +47,7 @@ def test_swapping_elements_changes_the_hash() -> None:
 
 def test_parallel_pool_gives_the_same_hash() -> None:
     tensors = named(torch.randn(ROW_WORDS * 40 + 5), torch.randn(3))
-    pool = CodecPool(Q4Settings(), "cpu", threads=2)
+    pool = WorkerPool(Q4Settings(), "cpu", threads=2)
     try:
         assert model_hash(tensors, pool) == model_hash(tensors)
     finally:
@@ -55,11 +56,11 @@ def test_parallel_pool_gives_the_same_hash() -> None:
 
 def test_hash_digested_while_applying_equals_the_plain_hash() -> None:
     """The fused path (rows digested chunk by chunk inside apply) gives the same hash as hashing afterwards."""
-    from lightning_nodeox.codec import apply_sync, block_count, code_bytes, encode_tensor
-    from lightning_nodeox.hashing import RowHasher, combine
+    from lightning_nodeox.core.codec import apply_sync, block_count, code_bytes, encode_tensor
+    from lightning_nodeox.core.hashing import RowHasher, combine
 
     settings = Q4Settings()
-    pool = CodecPool(settings, "cpu", threads=2)
+    pool = WorkerPool(settings, "cpu", threads=2)
     try:
         named = named_ = [("w", torch.randn(ROW_WORDS * 9 + 5)), ("b", torch.randn(1001).to(torch.bfloat16))]
         hashers = [RowHasher(t) for _, t in named]
@@ -80,7 +81,7 @@ def test_hash_digested_while_applying_equals_the_plain_hash() -> None:
 
 
 def test_misaligned_tensors_are_hashed_as_they_are_when_digested() -> None:
-    from lightning_nodeox.hashing import RowHasher, combine
+    from lightning_nodeox.core.hashing import RowHasher, combine
 
     storage = torch.zeros(1 + ROW_WORDS * 2 + 7)
     t = storage[1:]  # 4-byte offset: not 8-byte aligned, so digested from a copy

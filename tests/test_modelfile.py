@@ -7,8 +7,9 @@ import io
 import pytest
 import torch
 
-from lightning_nodeox.modelfile import ModelFileReader, model_header, read_model, read_model_into
-from lightning_nodeox.wire import PayloadError, spec_of
+from lightning_nodeox.core.modelfile import ModelFileReader, model_header, read_model, read_model_into
+from lightning_nodeox.core.protocol import TransferBroken
+from lightning_nodeox.core.specs import PayloadError, spec_of
 
 NAMED = [("a", torch.randn(1000, 3)), ("b", torch.randn(7).to(torch.bfloat16)), ("c", torch.randn(5))]
 
@@ -40,5 +41,5 @@ def test_read_into_refuses_another_model_and_truncation() -> None:
     other = [("a", torch.randn(1000, 4)), *NAMED[1:]]
     with pytest.raises(PayloadError, match="'a' float32 \\[1000, 4\\] does not match"):
         read_model_into(io.BytesIO(file_bytes(other)), spec_of(NAMED), [torch.zeros_like(t) for _, t in NAMED])
-    with pytest.raises(PayloadError, match="broke off"):
+    with pytest.raises(TransferBroken, match="broke off"):
         read_model_into(io.BytesIO(file_bytes()[:-5]), spec_of(NAMED), [torch.zeros_like(t) for _, t in NAMED])

@@ -12,9 +12,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nodeox import NodeoxStrategy, PhaseMonitor
-from lightning_nodeox.client import CoordinatorUnreachable
-from lightning_nodeox.exchange import shared_tensors
-from lightning_nodeox.hashing import model_hash
+from lightning_nodeox.core.protocol import Unreachable
+from lightning_nodeox.host.tensors import shared_tensors
+from lightning_nodeox.core.hashing import model_hash
 from test_coordinator import socket_closed_port
 
 
@@ -76,7 +76,7 @@ def test_unanswering_coordinator_is_a_clear_error(tmp_path) -> None:
         trainer = Trainer(strategy=NodeoxStrategy(coordinator_url=url, host_id="0", retry_for=1.0), max_steps=2,
                           logger=False, default_root_dir=tmp_path, enable_progress_bar=False)
         start = time.monotonic()
-        with pytest.raises(CoordinatorUnreachable, match=url):
+        with pytest.raises(Unreachable, match=url):
             trainer.fit(TwoOptimizers(), data())
         assert time.monotonic() - start < 15
 

@@ -10,9 +10,9 @@ import torch
 from lightning.pytorch import Trainer
 
 from lightning_nodeox import NodeoxStrategy, PhaseMonitor
-from lightning_nodeox.client import ClockOffset
-from lightning_nodeox.exchange import shared_tensors
-from lightning_nodeox.hashing import model_hash
+from lightning_nodeox.host.clock import ClockOffset
+from lightning_nodeox.host.tensors import shared_tensors
+from lightning_nodeox.core.hashing import model_hash
 from test_coordinator import socket_closed_port
 from test_strategy import TwoOptimizers, data
 

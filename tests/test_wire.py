@@ -9,11 +9,10 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 from safetensors.torch import load as safetensors_load
 
-from lightning_nodeox.codec import Q4Settings, encode_tensor
-from lightning_nodeox.modelfile import model_header, read_model
-from lightning_nodeox.wire import (
-    PayloadError, Q4Layout, Q4Message, Q4Meta, TensorSpec, check_same_model, spec_of,
-)
+from lightning_nodeox.core.codec import Q4Settings, encode_tensor
+from lightning_nodeox.core.modelfile import model_header, read_model
+from lightning_nodeox.core.specs import PayloadError, TensorSpec, check_same_model, spec_of
+from lightning_nodeox.core.wire import Q4Layout, Q4Message, Q4Meta
 from reference_q4 import kernels
 
 NAMED = [("layer.weight", torch.randn(33, 7)), ("layer.bias", torch.randn(33)), ("bn.running_var", torch.rand(5))]

@@ -5,9 +5,33 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..settings import Q4Settings
+from ..core.settings import Q4Settings
 
 DEFAULT_PORT = 8470
+OUTER_OPTIMIZERS = ("average", "nesterov")
+
+
+@dataclass(frozen=True)
+class OuterSettings:
+    """The outer optimizer (see :mod:`lightning_nodeox.coordinator.outer`).
+
+    Args:
+        name: ``"average"`` or ``"nesterov"``.
+        lr: outer learning rate (nesterov).
+        momentum: outer momentum μ (nesterov).
+    """
+
+    name: str = "average"
+    lr: float = 0.7
+    momentum: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.name not in OUTER_OPTIMIZERS:
+            raise ValueError(f"--outer-optimizer {self.name!r} is not known; use one of {OUTER_OPTIMIZERS}")
+        if not self.lr > 0:
+            raise ValueError(f"--outer-lr must be positive, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"--outer-momentum must be in [0, 1), got {self.momentum}")
 
 
 def parse_bind(bind: str) -> tuple[str, int]:
@@ -34,8 +58,7 @@ class CoordinatorConfig:
         threads: codec threads (None: the CPU quota granted to this process).
         rss_interval: seconds between memory samples.
         exit_when_done: stop once every host has finished and said goodbye.
-        save_every_round: also write the full model to ``run_dir/model.safetensors`` before publishing each
-            sync, on the critical path (what the study's system did; for comparison, not for use).
+        outer: the outer optimizer (plain averaging, or DiLoCo's Nesterov momentum).
     """
 
     hosts: int
@@ -49,7 +72,7 @@ class CoordinatorConfig:
     threads: int | None = None
     rss_interval: float = 2.0
     exit_when_done: bool = True
-    save_every_round: bool = False
+    outer: OuterSettings = field(default_factory=OuterSettings)
     provider_timeout: float = 300.0
     long_poll: float = 30.0
 

@@ -5,35 +5,32 @@ All methods here do tensor work and run on the coordinator's work thread, never 
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from ..codec import CodecPool, Q4Settings, accumulate_tensor, encode_mean_and_apply
-from ..hashing import RowHasher, combine, model_hash
-from ..modelfile import model_header
-from ..wire import Q4Layout, Q4Message, Q4Meta, TensorSpec
-
-
-class OuterStep:
-    """Turns the round's mean delta into the sync delta. Plain averaging: outer SGD with lr 1.0."""
-
-    name = "average"
-
-    def scale(self) -> float:
-        return 1.0
+from ..core.codec import accumulate_tensor, encode_sync_and_apply
+from ..core.hashing import RowHasher, combine, model_hash
+from ..core.modelfile import model_header
+from ..core.pool import WorkerPool
+from ..core.settings import Q4Settings
+from ..core.specs import TensorSpec
+from ..core.wire import Q4Layout, Q4Message, Q4Meta
+from .outer import OuterSettings, make_outer
 
 
 class CoordinatorModel:
     """θ (in the hosts' dtypes), the fp32 accumulator of weighted deltas, and double-buffered sync messages."""
 
     def __init__(self, specs: tuple[TensorSpec, ...], tensors: list[torch.Tensor], settings: Q4Settings,
-                 pool: CodecPool) -> None:
+                 pool: WorkerPool, outer: OuterSettings = OuterSettings()) -> None:
         self.specs = specs
         self.tensors = [t.detach().contiguous() for t in tensors]  # views of the received file, kept alive here
         self.settings = settings
         self.pool = pool
         self.layout = Q4Layout.of(specs, settings)
         self.acc = [torch.empty(s.numel, dtype=torch.float32) for s in specs]
-        self.outer = OuterStep()
+        self.outer = make_outer(outer, specs)
         self.weight = 0
         self.hash = model_hash(self.named(), pool)
         self.latest_sync: Q4Message | None = None
@@ -53,32 +50,32 @@ class CoordinatorModel:
         if samples <= 0:
             return
         assign = self.weight == 0
-        tasks = []
-        for i, acc in enumerate(self.acc):
-            codes, scales = message.codes(i), message.scales(i)
-            for start, stop in self.pool.split(acc.numel()):
-                tasks.append(lambda k, c=codes, s=scales, a=acc, b=start, e=stop:
-                             accumulate_tensor(k, c, s, a, float(samples), start=b, stop=e, assign=assign))
-        self.pool.run(tasks)
+
+        def work(k, i: int, start: int, stop: int) -> None:
+            accumulate_tensor(k, message.codes(i), message.scales(i), self.acc[i], float(samples), start=start,
+                              stop=stop, assign=assign)
+
+        self.pool.over_ranges([a.numel() for a in self.acc], work)
         self.weight += samples
 
     def close_round(self, round_: int) -> Q4Message:
-        """Quantize the outer step of the mean delta, apply it to θ as hosts will, and return the sync."""
+        """The outer step of the mean delta, quantized and applied to θ as hosts will; returns the sync."""
         if self.weight == 0:
             for acc in self.acc:
                 acc.zero_()
-        inv_weight = self.outer.scale() / max(self.weight, 1)
+        inv_weight = 1.0 / max(self.weight, 1)
         base_hash = self.hash
         message = self._free_sync_buffer()
         hashers = [RowHasher(t) for t in self.tensors]
-        tasks = []
-        for i, (acc, tensor) in enumerate(zip(self.acc, self.tensors)):
-            codes, scales, flat = message.codes(i), message.scales(i), tensor.view(-1)
-            hasher = hashers[i] if hashers[i].fusable(self.pool.chunk) else None
-            for start, stop in self.pool.split(acc.numel()):
-                tasks.append(lambda k, a=acc, t=flat, c=codes, s=scales, b=start, e=stop, h=hasher:
-                             encode_mean_and_apply(k, a, inv_weight, t, c, s, start=b, stop=e, hasher=h))
-        self.pool.run(tasks)
+        stepping = self.weight > 0 and bool(self.outer.state)  # no contribution: no outer step, a zero sync
+
+        def work(k, i: int, start: int, stop: int) -> None:
+            fused = hashers[i] if hashers[i].fusable(self.pool.chunk) else None
+            encode_sync_and_apply(k, self.acc[i], inv_weight, self.tensors[i].view(-1), message.codes(i),
+                                  message.scales(i), start=start, stop=stop, hasher=fused,
+                                  outer_step=(lambda x, a, b: self.outer.step(i, x, a, b)) if stepping else None)
+
+        self.pool.over_ranges([a.numel() for a in self.acc], work)
         self.pool.run([t for h in hashers if not h.fusable(self.pool.chunk) for t in h.tasks()])
         message.write_header(Q4Meta("sync", round_, "coordinator", base_hash, samples=self.weight,
                                     model_hash=combine(self.named(), hashers)))
@@ -114,8 +111,6 @@ class CoordinatorModel:
 
     def save(self, path, round_: int, model_hash: str) -> int:
         """Write θ as a safetensors file (synced to disk); returns its size."""
-        import os
-
         size = 0
         with open(path, "wb") as f:
             for view in self.model_chunks(round_, model_hash):

@@ -8,17 +8,21 @@ upload changes nothing: it is checked completely before its first byte reaches t
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from ..codec import CodecPool
-from ..phases import AGGREGATE, COORDINATOR, MODEL_MATERIALIZE, RECEIVE, RSS, SYNC_PREPARE, PhaseRecord
-from ..modelfile import read_model
-from ..wire import PayloadError, Q4Message, check_same_model, specs_from_json
+from ..core.modelfile import read_model
+from ..core.phases import AGGREGATE, COORDINATOR, RECEIVE, RSS, SYNC_PREPARE, PhaseRecord
+from ..core.pool import WorkerPool
+from ..core.protocol import JoinReply, Reason, Refusal
+from ..core.specs import PayloadError, check_same_model, specs_from_json
+from ..core.wire import Q4Message
 from .config import CoordinatorConfig
 from .model import CoordinatorModel
 from .runlog import RunLog, peak_rss_bytes, rss_bytes
@@ -30,27 +34,23 @@ MAX_SAMPLES = 2**31  # per host and round
 MAX_MODEL_BYTES = 1 << 40
 
 
-class RoundError(Exception):
-    """A request the coordinator refuses; ``status`` is the HTTP status, ``extra`` goes into the JSON body."""
-
-    def __init__(self, status: int, message: str, **extra) -> None:
-        super().__init__(message)
-        self.status = status
-        self.extra = extra
+class HostState(enum.Enum):
+    TRAINING = "training"  # expected in every round
+    DROPPED = "dropped"  # missed a round's deadline; expected again once it fetches a sync
+    FINISHED = "finished"  # sent its final delta
+    LEFT = "left"  # said goodbye (or failed): takes no further part
 
 
 @dataclass
 class Host:
     id: str
-    active: bool = True  # expected in the current round
-    finished: bool = False  # sent its final delta
-    done: bool = False  # said goodbye
+    state: HostState = HostState.TRAINING
 
 
 class Rounds:
     """Everything the coordinator knows about the run, changed only on the event loop."""
 
-    def __init__(self, config: CoordinatorConfig, runlog: RunLog, pool: CodecPool) -> None:
+    def __init__(self, config: CoordinatorConfig, runlog: RunLog, pool: WorkerPool) -> None:
         self.config = config
         self.runlog = runlog
         self.pool = pool
@@ -71,8 +71,13 @@ class Rounds:
         self._work = ThreadPoolExecutor(1, thread_name_prefix="nodeox-work")
         self._accumulating: list[asyncio.Future] = []
         self.peak_rss = 0
+        self.before_publish: Callable[[Rounds, int, Q4Message], Awaitable[None]] | None = None
 
     # -- helpers --------------------------------------------------------------------------------------------
+    async def in_worker(self, fn, *args):
+        """Run tensor work on the coordinator's work thread (in order with aggregation and syncs)."""
+        return await self._in(self._work, fn, *args)
+
     async def _in(self, executor: ThreadPoolExecutor, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
 
@@ -98,43 +103,46 @@ class Rounds:
                                 extra={"rss_bytes": rss, "peak_rss_bytes": self.peak_rss}))
         return rss
 
-    def codec_info(self) -> dict:
-        return {"block_size": self.config.q4.block_size, "scale_dtype": self.config.q4.scale_dtype}
+    def _reply(self, **fields) -> JoinReply:
+        return JoinReply(round=self.round, block_size=self.config.q4.block_size,
+                         scale_dtype=self.config.q4.scale_dtype, **fields)
 
     def require_model(self) -> CoordinatorModel:
         if self.model is None:
-            raise RoundError(409, "the run has no model yet: join first (the first host provides it)")
+            raise Refusal(Reason.NO_MODEL, "the run has no model yet: join first (the first host provides it)")
         return self.model
 
     # -- model ----------------------------------------------------------------------------------------------
     async def load_initial_model(self, data: torch.Tensor) -> None:
         _, _, specs, tensors = read_model(data)
-        self.model = await self._in(self._work, CoordinatorModel, specs, tensors, self.config.q4, self.pool)
+        self.model = await self._in(self._work, CoordinatorModel, specs, tensors, self.config.q4, self.pool,
+                                 self.config.outer)
         log.info("nodeox coordinator: model of %d tensors (%.1f MB), hash %s", len(specs),
                  self.model.nbytes / 1e6, self.model.hash)
 
     def check_model_upload(self, host: str, size: int) -> None:
         """Refuse an initial-model upload before its body is read: only the chosen provider, only once."""
         if self.model is not None:
-            raise RoundError(409, "the run already has a model; fetch it with GET /v1/model",
+            raise Refusal(Reason.HAS_MODEL, "the run already has a model; fetch it with GET /v1/model",
                              model_hash=self.model.hash)
         if host != self.provider:
-            raise RoundError(409, f"host {self.provider} provides the initial model, not host {host}; join again")
+            raise Refusal(Reason.NOT_PROVIDER, f"host {self.provider} provides the initial model, not host {host}; join again")
         if size > MAX_MODEL_BYTES:
-            raise RoundError(413, f"model upload of {size} bytes is larger than {MAX_MODEL_BYTES}")
+            raise Refusal(Reason.TOO_LARGE, f"model upload of {size} bytes is larger than {MAX_MODEL_BYTES}")
 
     async def put_model(self, host: str, data: torch.Tensor) -> dict:
         """The providing host's initial model."""
         if self.model is not None:
-            raise RoundError(409, "the run already has a model; fetch it with GET /v1/model",
+            raise Refusal(Reason.HAS_MODEL, "the run already has a model; fetch it with GET /v1/model",
                              model_hash=self.model.hash)
         try:
             _, _, specs, tensors = await self._in(self._parse, read_model, data)
         except PayloadError as e:
-            raise RoundError(400, f"initial model rejected: {e}") from None
-        model = await self._in(self._work, CoordinatorModel, specs, tensors, self.config.q4, self.pool)
+            raise Refusal(Reason.INVALID, f"initial model rejected: {e}") from None
+        model = await self._in(self._work, CoordinatorModel, specs, tensors, self.config.q4, self.pool,
+                                 self.config.outer)
         if self.model is not None:  # another upload won the race while this one was read
-            raise RoundError(409, "the run already has a model; fetch it with GET /v1/model", model_hash=self.model.hash)
+            raise Refusal(Reason.HAS_MODEL, "the run already has a model; fetch it with GET /v1/model", model_hash=self.model.hash)
         self.model = model
         log.info("nodeox coordinator: initial model from host %s: %d tensors (%.1f MB), hash %s", host,
                  len(specs), model.nbytes / 1e6, model.hash)
@@ -144,46 +152,41 @@ class Rounds:
         return {"model_hash": model.hash, "round": self.round}
 
     # -- hosts ------------------------------------------------------------------------------------------------
-    async def join(self, host: str, tensors: list | None) -> dict:
+    async def join(self, host: str, tensors: list | None) -> JoinReply:
         """Register a host; tell it the round, the model hash, or that it must provide the model.
         A host whose model does not fit the run is refused and not registered."""
         if not host or len(host) > 64 or host == COORDINATOR:
-            raise RoundError(400, "host id must be 1 to 64 characters (and not 'coordinator'); set NODEOX_HOST_ID")
+            raise Refusal(Reason.INVALID, "host id must be 1 to 64 characters (and not 'coordinator'); set NODEOX_HOST_ID")
         try:
             specs = specs_from_json(tensors) if tensors is not None else None
         except PayloadError as e:
-            raise RoundError(400, f"join: {e}") from None
+            raise Refusal(Reason.INVALID, f"join: {e}") from None
         if self.model is None:
             now = time.time()
             if self.provider in (None, host) or now - self.provider_since > self.config.provider_timeout:
                 self.provider, self.provider_since = host, now
                 self._register(host)
-                return {"round": self.round, "model_hash": None, "provide_model": True, **self.codec_info()}
+                return self._reply(model_hash=None, provide_model=True)
             await self._wait(lambda: self.model is not None, self.config.long_poll)
             if self.model is None:
-                return {"round": self.round, "model_hash": None, "provide_model": False, "retry": True,
-                        **self.codec_info()}
+                return self._reply(model_hash=None, retry=True)
         if specs is not None:
             try:
                 check_same_model(self.model.specs, specs, f"host {host}'s model")
             except PayloadError as e:
-                raise RoundError(400, str(e)) from None
+                raise Refusal(Reason.INVALID, str(e)) from None
         self._register(host)
         await self._notify()
-        return {"round": self.round, "model_hash": self.model.hash, "provide_model": False,
-                "complete": self.complete, **self.codec_info()}
+        return self._reply(model_hash=self.model.hash, complete=self.complete)
 
     def _register(self, host: str) -> None:
-        entry = self.hosts.setdefault(host, Host(host))
-        entry.active, entry.finished, entry.done = True, False, False
+        self.hosts.setdefault(host, Host(host)).state = HostState.TRAINING
 
     async def leave(self, host: str) -> None:
         """A host stops taking part (training ended or failed); rounds no longer wait for it."""
         entry = self.hosts.get(host)
         if entry is not None:
-            entry.active = False
-            entry.finished = True
-            entry.done = True
+            entry.state = HostState.LEFT
         await self.maybe_close()
         self._check_finished()
         await self._notify()
@@ -192,9 +195,9 @@ class Rounds:
         """The run is complete once every host has finished, or finished hosts are all that is left (hosts
         dropped by a round timeout that never came back do not hold the end of the run)."""
         everyone = len(self.hosts) >= self.config.hosts
-        if everyone and not self.received and all(h.finished or not h.active for h in self.hosts.values()):
+        if everyone and not self.received and all(h.state is not HostState.TRAINING for h in self.hosts.values()):
             self.complete = True
-        if self.complete and all(h.done for h in self.hosts.values()):
+        if self.complete and all(h.state is HostState.LEFT for h in self.hosts.values()):
             self.finished.set()
 
     # -- deltas ------------------------------------------------------------------------------------------------
@@ -202,16 +205,17 @@ class Rounds:
         """Refuse an upload before its body is read, where its headers already show it is wrong."""
         model = self.require_model()
         if host not in self.hosts:
-            raise RoundError(409, f"host {host} has not joined; POST /v1/join first")
+            raise Refusal(Reason.NOT_JOINED, f"host {host} has not joined; POST /v1/join first")
         if round_ == self.round and host in self.received:
-            raise RoundError(409, f"host {host} already sent its delta for round {round_}", duplicate=True)
+            raise Refusal(Reason.DUPLICATE, f"host {host} already sent its delta for round {round_}")
         if round_ != self.round or self.closing:
             closing = self.closing and round_ == self.round
-            raise RoundError(409, f"round {round_} is {'closing' if closing else 'not open'}; the coordinator is at "
-                                  f"round {self.round}", round=self.round, published_round=self.published_round,
-                             late=closing or round_ == self.published_round)
+            late = closing or round_ == self.published_round
+            raise Refusal(Reason.LATE if late else Reason.STALE_BASE,
+                          f"round {round_} is {'closing' if closing else 'not open'}; the coordinator is at round "
+                          f"{self.round}{'' if late else ': fetch the model'}", round=self.round)
         if size is not None and size != model.layout.total:
-            raise RoundError(400, f"delta is {size} bytes but this model's q4 delta is {model.layout.total} bytes "
+            raise Refusal(Reason.INVALID, f"delta is {size} bytes but this model's q4 delta is {model.layout.total} bytes "
                                   f"(block size {self.config.q4.block_size}, {self.config.q4.scale_dtype} scales)")
         return model
 
@@ -221,7 +225,7 @@ class Rounds:
         try:
             message = await self._in(self._parse, Q4Message.parse, buffer)
         except PayloadError as e:
-            raise RoundError(400, f"delta rejected: {e}") from None
+            raise Refusal(Reason.INVALID, f"delta rejected: {e}") from None
         meta = message.meta
         self.check_upload(host, round_, None)  # the round may have moved while the payload was checked
         try:
@@ -233,19 +237,18 @@ class Rounds:
                                    f"this run uses {self.config.q4.block_size} with {self.config.q4.scale_dtype}")
             check_same_model(model.specs, meta.tensors, "delta")
         except PayloadError as e:
-            raise RoundError(400, f"delta rejected: {e}") from None
+            raise Refusal(Reason.INVALID, f"delta rejected: {e}") from None
         if meta.samples > MAX_SAMPLES or not message.weighted_scales_finite(meta.samples):
-            raise RoundError(400, f"delta rejected: {meta.samples} samples with scales up to "
+            raise Refusal(Reason.INVALID, f"delta rejected: {meta.samples} samples with scales up to "
                                   f"{message.max_scale:.3g} would overflow the accumulator; the host's training "
                                   "diverged or its sample count is wrong")
         if meta.base_hash != model.hash:
-            raise RoundError(409, f"delta of host {host} was computed against model {meta.base_hash}, but round "
+            raise Refusal(Reason.STALE_BASE, f"delta of host {host} was computed against model {meta.base_hash}, but round "
                                   f"{round_} started from {model.hash}; fetch the model and rejoin",
-                             base_mismatch=True, model_hash=model.hash)
+                          model_hash=model.hash)
         self.received[host] = meta.samples
         entry = self.hosts[host]
-        entry.active = True
-        entry.finished = meta.final
+        entry.state = HostState.FINISHED if meta.final else HostState.TRAINING
         future = asyncio.ensure_future(self._in(self._work, model.accumulate, message, meta.samples))
         self._accumulating.append(future)
         future.add_done_callback(lambda f: self._after_accumulate(f, host, round_, received_at, len(buffer)))
@@ -262,7 +265,8 @@ class Rounds:
 
     # -- closing a round ------------------------------------------------------------------------------------
     def _expected(self) -> list[Host]:
-        return [h for h in self.hosts.values() if h.active and (not h.finished or h.id in self.received)]
+        return [h for h in self.hosts.values()
+                if h.state is HostState.TRAINING or (h.state is HostState.FINISHED and h.id in self.received)]
 
     def _ready_to_close(self) -> bool:
         if self.model is None or self.closing or not self.received:
@@ -289,9 +293,9 @@ class Rounds:
         model = self.require_model()
         round_ = self.round
         for h in self.hosts.values():
-            if h.active and h.id not in self.received and not h.finished:
+            if h.state is HostState.TRAINING and h.id not in self.received:
                 log.warning("nodeox coordinator: round %d closes without host %s (timed out)", round_, h.id)
-                h.active = False
+                h.state = HostState.DROPPED
         start = time.time()
         await asyncio.gather(*self._accumulating)
         self._accumulating = []
@@ -300,14 +304,10 @@ class Rounds:
                                 extra={"hosts": sorted(self.received), "samples": sum(self.received.values())}))
         async with self.model_lock:
             message = await self._in(self._work, model.close_round, round_)
-            prepared = time.time()
-            self.record(PhaseRecord(round_, COORDINATOR, SYNC_PREPARE, aggregated, prepared, len(message),
+            self.record(PhaseRecord(round_, COORDINATOR, SYNC_PREPARE, aggregated, time.time(), len(message),
                                     extra={"model_hash": message.meta.model_hash}))
-            if self.config.save_every_round:
-                path = self.runlog.run_dir / "model.safetensors"
-                size = await self._in(self._work, model.save, path, round_ + 1, message.meta.model_hash)
-                self.record(PhaseRecord(round_, COORDINATOR, MODEL_MATERIALIZE, prepared, time.time(), size,
-                                        extra={"to": "disk"}))
+            if self.before_publish is not None:  # a comparison hook: benchmarks/exchange.py saves the model here
+                await self.before_publish(self, round_, message)
             # the round's state changes together, on the loop, after the last await
             model.publish(message)
             self.received = {}
@@ -325,20 +325,20 @@ class Rounds:
         before that round closed (``self.complete`` tells which)."""
         model = self.require_model()
         if round_ < self.published_round:
-            raise RoundError(410, f"the sync of round {round_} is gone; the model is at round {self.round}: "
+            raise Refusal(Reason.GONE, f"the sync of round {round_} is gone; the model is at round {self.round}: "
                                   "fetch GET /v1/model", round=self.round)
         if round_ > self.round:
-            raise RoundError(409, f"round {round_} has not started; the coordinator is at round {self.round}",
+            raise Refusal(Reason.NOT_OPEN, f"round {round_} has not started; the coordinator is at round {self.round}",
                              round=self.round)
         if not await self._wait(lambda: self.published_round >= round_ or self.complete, wait):
             return None
         if self.published_round < round_:
             return None  # complete: no more rounds
         if self.published_round != round_:
-            raise RoundError(410, f"the sync of round {round_} is gone; fetch GET /v1/model", round=self.round)
+            raise Refusal(Reason.GONE, f"the sync of round {round_} is gone; fetch GET /v1/model", round=self.round)
         entry = self.hosts.get(host or "")
-        if entry is not None and not entry.finished:
-            entry.active = True  # a host dropped by a timeout is back: the next round waits for it again
+        if entry is not None and entry.state is HostState.DROPPED:
+            entry.state = HostState.TRAINING  # back: the next round waits for it again
         return model.latest_sync
 
     async def accumulated(self) -> None:
@@ -350,8 +350,9 @@ class Rounds:
         return {
             "round": self.round, "published_round": self.published_round, "complete": self.complete,
             "model_hash": None if self.model is None else self.model.hash,
-            "hosts": {h.id: {"active": h.active, "finished": h.finished, "done": h.done} for h in self.hosts.values()},
-            "received": sorted(self.received), "peak_rss_bytes": self.peak_rss, **self.codec_info(),
+            "hosts": {h.id: h.state.value for h in self.hosts.values()},
+            "received": sorted(self.received), "peak_rss_bytes": self.peak_rss,
+            "block_size": self.config.q4.block_size, "scale_dtype": self.config.q4.scale_dtype,
         }
 
     def close(self) -> None:

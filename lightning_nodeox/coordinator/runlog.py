@@ -11,7 +11,7 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..phases import COORDINATOR, RSS, SYNC_PARTS, PhaseRecord, metric_name
+from ..core.phases import COORDINATOR, RSS, SYNC_PARTS, PhaseRecord, metric_name
 
 log = logging.getLogger(__name__)
 

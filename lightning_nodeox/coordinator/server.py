@@ -1,16 +1,7 @@
-"""The coordinator's HTTP server (aiohttp): versioned routes under ``/v1/``, JSON errors, bearer tokens.
+"""The coordinator's HTTP server (aiohttp): the protocol's routes (:mod:`lightning_nodeox.core.protocol`), mapped
+onto the round state machine; refusals become JSON errors with the status their reason maps to.
 
-Routes:
-    GET  /v1/health                      liveness, no token needed
-    GET  /v1/status                      the run's state
-    POST /v1/join                        {"host", "tensors"} -> round, model hash, codec, or "provide_model"
-    PUT  /v1/model?host=H                the first host's initial model (safetensors)
-    GET  /v1/model?host=H                the full model, materialized only on this request
-    POST /v1/rounds/{r}/delta?host=H     a q4 delta (202 once checked; aggregation goes on behind)
-    GET  /v1/rounds/{r}/sync?wait=S&host=H  round r's q4 sync (204 if not ready within S seconds)
-    POST /v1/events                      {"records": [...]} phase records of a host
-    POST /v1/hosts/{h}/leave             the host takes no further part
-Every response carries ``X-Nodeox-Time`` (the coordinator's clock) for clock alignment.
+Every response carries the coordinator's clock in ``X-Nodeox-Time``, for clock alignment.
 """
 
 from __future__ import annotations
@@ -20,6 +11,7 @@ import hmac
 import json
 import logging
 import math
+import os
 import signal
 import time
 from pathlib import Path
@@ -27,12 +19,14 @@ from pathlib import Path
 import torch
 from aiohttp import web
 
-from ..codec import CodecPool
-from ..cpu import choose_threads
-from ..phases import COORDINATOR, MODEL_MATERIALIZE, PhaseRecord
-from ..wire import PayloadError
+from ..core import protocol as proto
+from ..core.cpu import choose_threads
+from ..core.phases import COORDINATOR, MODEL_MATERIALIZE, PhaseRecord
+from ..core.pool import WorkerPool
+from ..core.protocol import HTTP_STATUS, Reason, Refusal
+from ..core.specs import PayloadError
 from .config import CoordinatorConfig, parse_bind
-from .rounds import RoundError, Rounds
+from .rounds import Rounds
 from .runlog import RunLog
 
 log = logging.getLogger(__name__)
@@ -79,42 +73,42 @@ async def finish(request: web.Request, response: web.StreamResponse, timeout: fl
         await asyncio.sleep(0.005)
 
 
-def error(status: int, message: str, **extra) -> web.Response:
-    return web.json_response({"error": message, **extra}, status=status)
+def error(reason: Reason, message: str, **extra) -> web.Response:
+    return web.json_response({"error": message, "reason": reason.value, **extra}, status=HTTP_STATUS[reason])
 
 
 @web.middleware
 async def errors_and_auth(request: web.Request, handler):
     token = request.app[TOKEN]
-    if token and request.path != "/v1/health":
+    if token and request.path != proto.HEALTH:
         given = request.headers.get("Authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-            return error(401, "missing or wrong bearer token: set NODEOX_TOKEN to the coordinator's token")
+            return error(Reason.UNAUTHORIZED, "missing or wrong bearer token: set NODEOX_TOKEN to the coordinator's token")
     try:
         return await handler(request)
-    except RoundError as e:
-        return error(e.status, str(e), **e.extra)
+    except Refusal as e:
+        return error(e.reason, str(e), **e.extra)
     except PayloadError as e:
-        return error(400, str(e))
+        return error(Reason.INVALID, str(e))
     except web.HTTPException as e:
         if e.status >= 400:
-            return error(e.status, e.reason)
+            return web.json_response({"error": e.reason, "reason": Reason.INVALID.value}, status=e.status)
         raise
     except (ConnectionResetError, asyncio.CancelledError):
         raise
     except Exception as e:  # noqa: BLE001 - a bug must not take the coordinator down; say it and go on
         log.exception("nodeox coordinator: %s %s failed", request.method, request.path)
-        return error(500, f"coordinator error: {type(e).__name__}: {e}")
+        return web.json_response({"error": f"coordinator error: {type(e).__name__}: {e}"}, status=500)
 
 
 async def stamp_time(request: web.Request, response: web.StreamResponse) -> None:
-    response.headers["X-Nodeox-Time"] = repr(time.time())
+    response.headers[proto.TIME_HEADER] = repr(time.time())
 
 
 def _host(request: web.Request) -> str:
     host = request.query.get("host", "")
     if not host:
-        raise RoundError(400, "query parameter host=ID is missing")
+        raise Refusal(Reason.INVALID, "query parameter host=ID is missing")
     return host
 
 
@@ -122,7 +116,7 @@ def _int(text: str, what: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise RoundError(400, f"{what} must be an integer, got {text!r}") from None
+        raise Refusal(Reason.INVALID, f"{what} must be an integer, got {text!r}") from None
 
 
 async def read_body_into(request: web.Request, buf: torch.Tensor) -> None:
@@ -132,11 +126,11 @@ async def read_body_into(request: web.Request, buf: torch.Tensor) -> None:
     async for chunk in request.content.iter_any():
         end = pos + len(chunk)
         if end > size:
-            raise RoundError(400, f"body is longer than its Content-Length ({size} bytes)")
+            raise Refusal(Reason.INVALID, f"body is longer than its Content-Length ({size} bytes)")
         view[pos:end] = chunk
         pos = end
     if pos != size:
-        raise RoundError(400, f"body is truncated: {pos} of {size} bytes arrived")
+        raise Refusal(Reason.INVALID, f"body is truncated: {pos} of {size} bytes arrived")
 
 
 # -- handlers -----------------------------------------------------------------------------------------------------
@@ -155,8 +149,8 @@ async def join(request: web.Request) -> web.Response:
         body = await request.json()
         host = str(body["host"])
     except (ValueError, KeyError, TypeError):
-        raise RoundError(400, 'join needs a JSON body {"host": ID, "tensors": [...]}') from None
-    return web.json_response(await request.app[ROUNDS].join(host, body.get("tensors")))
+        raise Refusal(Reason.INVALID, 'join needs a JSON body {"host": ID, "tensors": [...]}') from None
+    return web.json_response((await request.app[ROUNDS].join(host, body.get("tensors"))).to_json())
 
 
 async def put_model(request: web.Request) -> web.Response:
@@ -164,7 +158,7 @@ async def put_model(request: web.Request) -> web.Response:
     rounds = request.app[ROUNDS]
     size = request.content_length
     if size is None:
-        raise RoundError(411, "the model upload needs a Content-Length")
+        raise Refusal(Reason.LENGTH_REQUIRED, "the model upload needs a Content-Length")
     rounds.check_model_upload(host, size)  # before reading (or allocating for) a single byte
     buf = torch.empty(size, dtype=torch.uint8)
     await read_body_into(request, buf)
@@ -179,9 +173,7 @@ async def get_model(request: web.Request) -> web.StreamResponse:
         start = time.time()
         round_ = rounds.round
         size = model.model_size(round_)
-        response = web.StreamResponse(headers={
-            "Content-Type": "application/octet-stream", "Content-Length": str(size),
-            "X-Nodeox-Round": str(round_), "X-Nodeox-Model-Hash": model.hash})
+        response = web.StreamResponse(headers={"Content-Type": proto.OCTETS, "Content-Length": str(size)})
 
         async def send() -> None:
             await response.prepare(request)
@@ -232,19 +224,17 @@ async def get_sync(request: web.Request) -> web.StreamResponse:
     except ValueError:
         wait = float("nan")
     if not 0 <= wait < float("inf"):
-        raise RoundError(400, f"wait must be a number of seconds, got {request.query.get('wait')!r}")
+        raise Refusal(Reason.INVALID, f"wait must be a number of seconds, got {request.query.get('wait')!r}")
     wait = min(wait, rounds.config.long_poll)
     message = await rounds.wait_sync(round_, wait, request.query.get("host"))
     if message is None:
-        return web.Response(status=204, headers={"X-Nodeox-Complete": "1" if rounds.complete else "0",
-                                                 "X-Nodeox-Round": str(rounds.round)})
+        return web.Response(status=204, headers={proto.COMPLETE_HEADER: "1" if rounds.complete else "0"})
     model = rounds.model
     model.reading(message, +1)
     try:
-        response = web.StreamResponse(headers={
-            "Content-Type": "application/octet-stream", "Content-Length": str(len(message)),
-            "X-Nodeox-Round": str(message.meta.round), "X-Nodeox-Model-Hash": message.meta.model_hash,
-            "X-Nodeox-Complete": "1" if rounds.complete and rounds.published_round == round_ else "0"})
+        complete = rounds.complete and rounds.published_round == round_
+        response = web.StreamResponse(headers={"Content-Type": proto.OCTETS, "Content-Length": str(len(message)),
+                                               proto.COMPLETE_HEADER: "1" if complete else "0"})
         await response.prepare(request)
         await write_chunked(response, message.view())
         await finish(request, response)
@@ -255,18 +245,18 @@ async def get_sync(request: web.Request) -> web.StreamResponse:
 
 async def post_events(request: web.Request) -> web.Response:
     if (request.content_length or 0) > MAX_EVENTS_BODY:
-        raise RoundError(413, f"event batch is larger than {MAX_EVENTS_BODY} bytes; send smaller batches")
+        raise Refusal(Reason.TOO_LARGE, f"event batch is larger than {MAX_EVENTS_BODY} bytes; send smaller batches")
     rounds = request.app[ROUNDS]
     try:
         body = await request.json()
         records = [PhaseRecord.from_json(r) for r in body["records"]]
     except (ValueError, KeyError, TypeError, OverflowError) as e:
-        raise RoundError(400, f'events need {{"records": [{{round, host, phase, start, end}}, ...]}}: {e}') from None
+        raise Refusal(Reason.INVALID, f'events need {{"records": [{{round, host, phase, start, end}}, ...]}}: {e}') from None
     strangers = {r.host for r in records} - set(rounds.hosts)
     if strangers:
-        raise RoundError(400, f"events of hosts that have not joined this run: {sorted(strangers)[:5]}")
+        raise Refusal(Reason.INVALID, f"events of hosts that have not joined this run: {sorted(strangers)[:5]}")
     if not all(0 <= r.round < 2**62 and math.isfinite(r.start) and math.isfinite(r.end) for r in records):
-        raise RoundError(400, "event rounds must be non-negative integers and times finite numbers")
+        raise Refusal(Reason.INVALID, "event rounds must be non-negative integers and times finite numbers")
     rounds.record(*records)
     return web.json_response({"written": len(records)})
 
@@ -282,28 +272,30 @@ def make_app(rounds: Rounds, token: str | None) -> web.Application:
     app[TOKEN] = token or ""
     app[BUFFERS] = ReceiveBuffers()
     app.on_response_prepare.append(stamp_time)
-    app.router.add_get("/v1/health", health)
-    app.router.add_get("/v1/status", status)
-    app.router.add_post("/v1/join", join)
-    app.router.add_put("/v1/model", put_model)
-    app.router.add_get("/v1/model", get_model)
-    app.router.add_post("/v1/rounds/{round}/delta", post_delta)
-    app.router.add_get("/v1/rounds/{round}/sync", get_sync)
-    app.router.add_post("/v1/events", post_events)
-    app.router.add_post("/v1/hosts/{host}/leave", leave)
+    app.router.add_get(proto.HEALTH, health)
+    app.router.add_get(proto.STATUS, status)
+    app.router.add_post(proto.JOIN, join)
+    app.router.add_put(proto.MODEL, put_model)
+    app.router.add_get(proto.MODEL, get_model)
+    app.router.add_post(proto.DELTA, post_delta)
+    app.router.add_get(proto.SYNC, get_sync)
+    app.router.add_post(proto.EVENTS, post_events)
+    app.router.add_post(proto.LEAVE, leave)
     return app
 
 
 # -- the process --------------------------------------------------------------------------------------------------
 
 
-async def serve(config: CoordinatorConfig, ready_file: Path | None = None) -> int:
-    """Run the coordinator until the run completes (or a signal); returns the exit status."""
+async def serve(config: CoordinatorConfig, ready_file: Path | None = None, before_publish=None) -> int:
+    """Run the coordinator until the run completes (or a signal); returns the exit status. ``before_publish``
+    (for comparisons only) is awaited with each round's sync before it is published."""
     torch.set_num_threads(1)  # codec ops never thread inside ATen here; the codec pool parallelizes
     threads = choose_threads(config.threads, purpose="coordinator codec")
-    pool = CodecPool(config.q4, "cpu", threads)
+    pool = WorkerPool(config.q4, "cpu", threads)
     runlog = RunLog(Path(config.run_dir))
     rounds = Rounds(config, runlog, pool)
+    rounds.before_publish = before_publish
     if config.initial_model is not None:
         data = torch.from_file(str(config.initial_model), shared=False, size=Path(config.initial_model).stat().st_size,
                                dtype=torch.uint8)
@@ -316,7 +308,7 @@ async def serve(config: CoordinatorConfig, ready_file: Path | None = None) -> in
     await site.start()
     bound = runner.addresses[0][1] if runner.addresses else port
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{bound}"
-    info = {"url": url, "pid": __import__("os").getpid(), "started": time.time()}
+    info = {"url": url, "pid": os.getpid(), "started": time.time()}
     (Path(config.run_dir) / "coordinator.json").write_text(json.dumps(info))
     if ready_file is not None:
         ready_file.write_text(url)

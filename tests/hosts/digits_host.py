@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nodeox import NodeoxStrategy, PhaseMonitor
-from lightning_nodeox.exchange import shared_tensors
+from lightning_nodeox.host.tensors import shared_tensors
 
 
 class DigitsNet(LightningModule):
@@ -97,19 +97,17 @@ def main() -> None:
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=True, generator=gen, drop_last=True)
     model = DigitsNet()
     if args.skip_sync_round >= 0 and host == "1":
-        from lightning_nodeox import exchange
-        from lightning_nodeox.hashing import RowHasher
+        from lightning_nodeox.core.hashing import RowHasher
+        from lightning_nodeox.host.tensors import HostTensors
 
-        original = exchange.HostExchange._apply
+        original = HostTensors.apply
 
-        def skip_once(self, sync):
+        def skip_once(self, sync, into_live):
             if sync.meta.round == args.skip_sync_round:  # as if this round's sync never reached the host
-                hashers = [RowHasher(t) for t in self.live]
-                self.pool.run([task for h in hashers for task in h.tasks()])
-                return hashers
-            return original(self, sync)
+                return [RowHasher(t) for t in (self.live if into_live else self.base)]
+            return original(self, sync, into_live)
 
-        exchange.HostExchange._apply = skip_once
+        HostTensors.apply = skip_once
     callbacks = [PhaseMonitor(), DumpRounds(args.out, host)]
     if args.stall_round >= 0 and host == "1":
         callbacks.append(Stall(args.stall_round * args.local_steps + 1, args.stall_seconds))

@@ -8,8 +8,8 @@ import logging
 import sys
 from pathlib import Path
 
-from .settings import BLOCK_SIZES, Q4Settings
-from .coordinator.config import DEFAULT_PORT, CoordinatorConfig
+from ..coordinator.config import DEFAULT_PORT, OUTER_OPTIMIZERS, CoordinatorConfig, OuterSettings
+from ..core.settings import BLOCK_SIZES, SCALE_DTYPES, Q4Settings
 
 
 def _coordinator_options(p: argparse.ArgumentParser, *, for_launch: bool) -> None:
@@ -22,12 +22,14 @@ def _coordinator_options(p: argparse.ArgumentParser, *, for_launch: bool) -> Non
     p.add_argument("--round-timeout", type=float, help="seconds a round waits for its last hosts (default: forever)")
     p.add_argument("--token-file", type=Path, help="file holding the bearer token hosts must send")
     p.add_argument("--block-size", type=int, default=64, choices=BLOCK_SIZES, help="q4 values per scale")
-    p.add_argument("--scale-dtype", default="fp16", choices=("fp16", "fp32"), help="q4 scale type")
+    p.add_argument("--scale-dtype", default="fp16", choices=SCALE_DTYPES, help="q4 scale type")
+    p.add_argument("--outer-optimizer", default="average", choices=OUTER_OPTIMIZERS,
+                   help="how the mean delta becomes the sync: plain averaging, or DiLoCo's Nesterov momentum")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="outer learning rate (nesterov; default 0.7)")
+    p.add_argument("--outer-momentum", type=float, default=0.9, help="outer momentum (nesterov; default 0.9)")
     p.add_argument("--initial-model", type=Path, help="safetensors file to start from (default: the first host's)")
     p.add_argument("--threads", type=int, help="codec threads (default: this process's CPU quota)")
     p.add_argument("--rss-interval", type=float, default=2.0, help="seconds between memory samples")
-    p.add_argument("--save-every-round", action="store_true",
-                   help="also save the full model before each sync, on the critical path (for comparison only)")
 
 
 def _read_token(path: Path | None) -> str | None:
@@ -49,7 +51,8 @@ def _config(args: argparse.Namespace, bind: str) -> CoordinatorConfig:
             round_timeout=args.round_timeout, token=_read_token(args.token_file),
             q4=Q4Settings(block_size=args.block_size, scale_dtype=args.scale_dtype),
             initial_model=args.initial_model, threads=args.threads, rss_interval=args.rss_interval,
-            exit_when_done=not getattr(args, "keep_running", False), save_every_round=args.save_every_round)
+            exit_when_done=not getattr(args, "keep_running", False),
+            outer=OuterSettings(args.outer_optimizer, args.outer_lr, args.outer_momentum))
     except ValueError as e:
         raise SystemExit(f"nodeox: {e}") from None
 
@@ -57,7 +60,8 @@ def _config(args: argparse.Namespace, bind: str) -> CoordinatorConfig:
 def _passthrough(args: argparse.Namespace) -> list[str]:
     """Coordinator options given to launch, as coordinator command-line arguments."""
     out = ["--bind", args.bind, "--block-size", str(args.block_size), "--scale-dtype", args.scale_dtype,
-           "--rss-interval", str(args.rss_interval)] + (["--save-every-round"] if args.save_every_round else [])
+           "--rss-interval", str(args.rss_interval), "--outer-optimizer", args.outer_optimizer,
+           "--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum)]
     for flag, value in (("--min-hosts", args.min_hosts), ("--round-timeout", args.round_timeout),
                         ("--token-file", args.token_file), ("--initial-model", args.initial_model),
                         ("--threads", args.threads)):
@@ -91,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.cmd == "coordinator":
-        from .coordinator.server import serve
+        from ..coordinator.server import serve
 
         return asyncio.run(serve(_config(args, args.bind), args.ready_file))
     if args.cmd == "launch":

@@ -8,16 +8,24 @@ from collections import defaultdict
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from . import phases as P
-from .phases import PhaseRecord, metric_name
+from lightning_utilities.core.rank_zero import rank_zero_warn
+
+from ..core import phases as P
+from ..core.phases import PhaseRecord, metric_name
 
 
 class PhaseMonitor(Callback):
     """Logs ``nodeox/<phase>_s`` for every host phase of every round, ``nodeox/sync_s`` (download + apply +
     verify), ``nodeox/upload_bytes`` and ``nodeox/q4_rel_error``, at the global step where the round ended.
 
-    Needs :class:`~lightning_nodeox.NodeoxStrategy`; with any other strategy it logs nothing.
+    Needs :class:`~lightning_nodeox.NodeoxStrategy`; with any other strategy it warns once and logs nothing.
     """
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if not hasattr(trainer.strategy, "phase_records"):
+            rank_zero_warn(f"PhaseMonitor logs the phases of NodeoxStrategy, but this Trainer uses "
+                           f"{type(trainer.strategy).__name__}: it logs nothing. Use Trainer(strategy=NodeoxStrategy()).")
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:

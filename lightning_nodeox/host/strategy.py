@@ -2,7 +2,7 @@
 
 Each host is its own world of one: Lightning's barrier, broadcast and reduce never wait on another host,
 and every host is its own rank zero (its loggers and checkpoints write). After every ``local_steps``
-optimizer steps the strategy closes a round; the round logic itself lives in :mod:`lightning_nodeox.exchange`.
+optimizer steps the strategy closes a round; the round logic itself lives in :mod:`lightning_nodeox.host.round`.
 
 The last, partial round: when ``fit`` ends, each host sends what it trained since its last round (possibly
 nothing) as its final delta, then applies every remaining sync until all hosts have finished, so every host
@@ -24,13 +24,16 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning_utilities.core.rank_zero import rank_zero_only
 from typing_extensions import override
 
-from . import phases as P
-from .client import ClockOffset, CoordinatorClient
-from .cpu import choose_threads, granted_cpus
-from .exchange import ExchangeWorker, HostExchange, RoundResult, shared_tensors
-from .phases import PhaseLog, PhaseRecord
-from .settings import HostSettings
+from ..core import phases as P
+from ..core.cpu import choose_threads, granted_cpus
+from ..core.phases import PhaseLog, PhaseRecord
+from .client import HttpClient
+from .clock import ClockOffset
+from .round import HostRound, RoundResult
+from .settings import Connection, HostSettings
 from .telemetry import TelemetryShipper
+from .tensors import HostTensors, shared_tensors
+from .worker import ExchangeWorker
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +45,23 @@ class NodeoxStrategy(SingleDeviceStrategy):
 
         trainer = Trainer(strategy=NodeoxStrategy(local_steps=20), callbacks=[PhaseMonitor()])
 
-    Settings not passed come from ``NODEOX_COORDINATOR_URL``, ``NODEOX_HOST_ID`` and ``NODEOX_TOKEN``
-    (``nodeox launch`` sets them). See :class:`~lightning_nodeox.settings.HostSettings` for each argument;
-    ``cpu_threads`` caps torch's CPU threads for the whole host process (None: the CPU quota granted).
+    Args:
+        coordinator_url: ``http://HOST:PORT`` of ``nodeox coordinator`` (default: ``NODEOX_COORDINATOR_URL``,
+            which ``nodeox launch`` sets).
+        local_steps: optimizer steps each host takes alone between exchanges. More steps send fewer bytes per
+            sample but let hosts drift further apart; 20 is the study's setting.
+        host_id: this host's name in the run, 1 to 64 characters (default: ``NODEOX_HOST_ID``, else the host name).
+        token: bearer token, when the coordinator was started with ``--token-file`` (default: ``NODEOX_TOKEN``).
+        rounding: ``"nearest"`` or ``"stochastic"`` rounding of the delta's codes (stochastic is unbiased but
+            noisier; nearest with error feedback is usually better).
+        error_feedback: carry each round's quantization residual into the next round (costs 0.5x the model in
+            bf16; turn off only to measure what it buys).
+        codec_threads: CPU threads for encoding on a CPU host (default: the CPU quota granted to this process).
+        cpu_threads: caps torch's CPU threads for the whole host process (default: the CPU quota).
+        telemetry_url: where phase records go (default: the coordinator; ``NODEOX_TELEMETRY_URL``).
+        request_timeout: seconds to wait for one answer from the coordinator; raise it for very large models
+            on slow links.
+        retry_for: seconds to keep retrying while the coordinator does not answer.
     """
 
     strategy_name = "nodeox"
@@ -69,19 +86,18 @@ class NodeoxStrategy(SingleDeviceStrategy):
     ) -> None:
         super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
-        self._given = dict(coordinator_url=coordinator_url, host_id=host_id, token=token, telemetry_url=telemetry_url,
-                           local_steps=local_steps, rounding=rounding, error_feedback=error_feedback,
-                           codec_threads=codec_threads, request_timeout=request_timeout, retry_for=retry_for)
-        # validate what can be validated now; the URL may come from the environment later
-        HostSettings(**{**self._given, "coordinator_url": "http://validate", "host_id": "validate"})
+        self.settings = HostSettings(local_steps=local_steps, rounding=rounding, error_feedback=error_feedback,
+                                     codec_threads=codec_threads, request_timeout=request_timeout,
+                                     retry_for=retry_for)
+        self._given = dict(coordinator_url=coordinator_url, host_id=host_id, token=token, telemetry_url=telemetry_url)
         if cpu_threads is not None and cpu_threads < 1:
             raise ValueError(f"cpu_threads must be at least 1 (or None for the CPU quota), got {cpu_threads}")
         self.cpu_threads = cpu_threads
         self.parallel_devices: list[torch.device] | None = None  # set by the Trainer's accelerator connector
-        self.settings: HostSettings | None = None
+        self.connection: Connection | None = None
         self.phase_records: deque[PhaseRecord] = deque(maxlen=100_000)
         self.last_result: RoundResult | None = None
-        self._exchange: HostExchange | None = None
+        self._round: HostRound | None = None
         self._worker: ExchangeWorker | None = None
         self._telemetry: TelemetryShipper | None = None
         self._phases: PhaseLog | None = None
@@ -120,31 +136,31 @@ class NodeoxStrategy(SingleDeviceStrategy):
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        self.settings = settings = HostSettings.resolve(**self._given)
+        settings = self.settings
+        self.connection = conn = Connection.resolve(**self._given)
         clock = ClockOffset()
-        client = CoordinatorClient(settings.coordinator_url, host=settings.host_id, token=settings.token,
-                                   read_timeout=settings.request_timeout, retry_for=settings.retry_for, clock=clock)
-        telemetry_client = client if settings.telemetry_url is None else CoordinatorClient(
-            settings.telemetry_url, host=settings.host_id, token=settings.token, retry_for=0.0)
-        self._phases = PhaseLog(settings.host_id)
+        client = HttpClient(conn.coordinator_url, host=conn.host_id, token=conn.token,
+                            read_timeout=settings.request_timeout, retry_for=settings.retry_for, clock=clock)
+        # the token goes to the coordinator only, never to another telemetry address
+        telemetry_client = client if conn.telemetry_url is None else HttpClient(
+            conn.telemetry_url, host=conn.host_id, retry_for=0.0)
+        self._phases = PhaseLog(conn.host_id)
         self._telemetry = TelemetryShipper(telemetry_client, clock)
         self._phases.listeners += [self.phase_records.append, self._telemetry]
         codec_threads = 1 if self.root_device.type != "cpu" else choose_threads(settings.codec_threads,
                                                                                    purpose="host codec")
-        exchange = HostExchange(shared_tensors(self.lightning_module), client, self._phases,
-                                rounding=settings.rounding, error_feedback=settings.error_feedback,
-                                codec_threads=codec_threads)
-        self._exchange = exchange
-        log.info("NodeoxStrategy: host %s joining %s (%d tensors, %.1f MB, local_steps=%d)", settings.host_id,
-                 settings.coordinator_url, len(exchange.live),
-                 sum(t.numel() * t.element_size() for t in exchange.live) / 1e6, settings.local_steps)
+        tensors = HostTensors(shared_tensors(self.lightning_module))
+        self._round = HostRound(tensors, client, self._phases, rounding=settings.rounding,
+                                error_feedback=settings.error_feedback, codec_threads=codec_threads)
+        log.info("NodeoxStrategy: host %s joining %s (%d tensors, %.1f MB, local_steps=%d)", conn.host_id,
+                 conn.coordinator_url, len(tensors.live), tensors.nbytes / 1e6, settings.local_steps)
         try:
-            exchange.join()
+            self._round.join()
         except BaseException:
             self._telemetry.close(timeout=2.0)
-            exchange.close()
+            self._round.close()
             raise
-        self._worker = ExchangeWorker(exchange)
+        self._worker = ExchangeWorker()
         self._round_start = time.time()
 
     # -- round boundaries -------------------------------------------------------------------------------------
@@ -180,11 +196,10 @@ class NodeoxStrategy(SingleDeviceStrategy):
             self._close_round(final=False)
 
     def _close_round(self, final: bool) -> RoundResult:
-        exchange = self._exchange
         now = time.time()
-        self._phases.emit(PhaseRecord(exchange.round, self.settings.host_id, P.TRAIN, self._round_start, now,
+        self._phases.emit(PhaseRecord(self._round.round, self.connection.host_id, P.TRAIN, self._round_start, now,
                                       extra={"steps": self._steps, "samples": self._samples}))
-        result = self._worker.submit(self._samples, final).result()
+        result = self._worker.submit(self._round.run_round, self._samples, final).result()
         self.last_result = result
         self._steps = self._samples = 0
         self._round_start = time.time()
@@ -193,9 +208,9 @@ class NodeoxStrategy(SingleDeviceStrategy):
     @override
     def on_train_end(self) -> None:
         """The last, partial round (possibly empty), then every remaining sync until all hosts finish."""
-        if self._worker is not None and not self._exchange.complete:
+        if self._worker is not None and not self._round.complete:
             result = self._close_round(final=True)
-            log.info("NodeoxStrategy: host %s finished after round %d on model %s", self.settings.host_id,
+            log.info("NodeoxStrategy: host %s finished after round %d on model %s", self.connection.host_id,
                      result.round, result.model_hash)
         super().on_train_end()
 
@@ -214,19 +229,21 @@ class NodeoxStrategy(SingleDeviceStrategy):
             return
         self._left = True
         if interrupted:
-            self._exchange.client.cancel()  # an exchange in flight gives up instead of waiting for its sync
+            self._round.client.cancel()  # an exchange in flight gives up instead of waiting for its sync
         self._worker.close(wait=not interrupted)
+        if not interrupted:
+            self._round.close()
         self._telemetry.close()  # before leaving: the coordinator may stop once every host has left
         try:
-            self._exchange.client.leave()
+            self._round.client.leave()
         except Exception as e:  # noqa: BLE001 - leaving is a courtesy; the coordinator times hosts out
             log.warning("NodeoxStrategy: could not tell the coordinator that host %s left: %s",
-                        self.settings.host_id, e)
+                        self.connection.host_id, e)
 
     @property
     def model_hash(self) -> str | None:
         """Hash of this host's current shared model (as agreed with the coordinator)."""
-        return None if self._exchange is None else self._exchange.model_hash
+        return None if self._round is None else self._round.model_hash
 
     @classmethod
     @override

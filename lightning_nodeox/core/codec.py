@@ -6,7 +6,7 @@ two codes a byte (the even index in the low nibble). Decoding is ``(c - 8) * s``
 
 The kernels work on chunks that stay in cache, on the tensor's own device. On the CPU they never let
 ATen split an op over threads (OpenMP barriers collapse when the CPU is oversubscribed); parallelism
-comes from :class:`CodecPool` workers, each with its own :class:`Q4Kernels` scratch.
+comes from :class:`~lightning_nodeox.core.pool.WorkerPool` workers, each with its own :class:`Q4Kernels` scratch.
 
 Bit-identity rule: a dequantized value is computed as ``float(c - 8) * s`` (one IEEE multiply) and applied
 as ``base + d`` (one IEEE add), never fused, so hosts and coordinator reach the same bytes on any device.
@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import math
-import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from collections.abc import Callable
 
 import torch
 
-from .settings import BLOCK_SIZES, ROUNDINGS, Q4Settings  # noqa: F401  (re-exported)
+from .settings import Q4Settings
 
 LEVELS = 7  # codes span -7..7 around the offset
 CODE_OFFSET = 8
@@ -35,7 +33,6 @@ _TINY = 1e-30
 ATEN_GRAIN = 32768  # ATen runs an op of at most this many elements on one thread
 CPU_CHUNK_SINGLE_THREADED = 131072
 CUDA_CHUNK = 1 << 24
-TASK_ELEMENTS = 1 << 20  # work unit handed to one pool worker
 
 
 class NonFiniteDeltaError(ValueError):
@@ -89,6 +86,11 @@ class Q4Kernels:
     def padded(self, m: int) -> int:
         bs = self.settings.block_size
         return -(-m // bs) * bs
+
+    def blocks(self, codes: torch.Tensor, scales: torch.Tensor, start: int, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes and scales of the ``padded`` values from flat value ``start`` (a block boundary)."""
+        bs = self.settings.block_size
+        return codes[start // 2 : (start + padded) // 2], scales[start // bs : (start + padded) // bs]
 
     # -- encode ---------------------------------------------------------------------------------------------
     def quantize(
@@ -233,15 +235,12 @@ def encode_delta(
     seed: int | None = None,
 ) -> None:
     """q4 of ``current - base (+ residual)`` for flat values ``[start, stop)``; the residual is updated in place."""
-    bs = k.settings.block_size
     for s, e in chunk_ranges(current.numel(), k.chunk, start, stop):
         m = e - s
         load_delta(k, current[s:e], base[s:e], None if residual is None else residual[s:e], m)
-        mp = k.padded(m)
         k.quantize(
             m,
-            codes[s // 2 : (s + mp) // 2],
-            scales[s // bs : (s + mp) // bs],
+            *k.blocks(codes, scales, s, k.padded(m)),
             residual_out=None if residual is None else residual[s:e],
             seed=None if seed is None else stochastic_seed(seed, s),
         )
@@ -249,21 +248,18 @@ def encode_delta(
 
 def encode_tensor(k: Q4Kernels, values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *, seed=None) -> None:
     """q4 of a plain flat tensor (reference entry point for tests and benchmarks)."""
-    bs = k.settings.block_size
     for s, e in chunk_ranges(values.numel(), k.chunk):
         m = e - s
         k.x[:m].copy_(values[s:e])
-        mp = k.padded(m)
-        k.quantize(m, codes[s // 2 : (s + mp) // 2], scales[s // bs : (s + mp) // bs],
+        k.quantize(m, *k.blocks(codes, scales, s, k.padded(m)),
                    seed=None if seed is None else stochastic_seed(seed, s))
 
 
 def decode_tensor(k: Q4Kernels, codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
     """``out`` (flat, any float dtype) = dequantized values."""
-    bs = k.settings.block_size
     for s, e in chunk_ranges(out.numel(), k.chunk):
         mp = k.padded(e - s)
-        out[s:e].copy_(k.dequantize(codes[s // 2 : (s + mp) // 2], scales[s // bs : (s + mp) // bs], mp)[: e - s])
+        out[s:e].copy_(k.dequantize(*k.blocks(codes, scales, s, mp), mp)[: e - s])
 
 
 def accumulate_tensor(
@@ -271,11 +267,9 @@ def accumulate_tensor(
     *, start: int = 0, stop: int | None = None, assign: bool = False,
 ) -> None:
     """``acc += weight * dequantized`` (``acc = ...`` when ``assign``) over flat values ``[start, stop)``."""
-    bs = k.settings.block_size
     for s, e in chunk_ranges(acc.numel(), k.chunk, start, stop):
         mp = k.padded(e - s)
-        k.accumulate(codes[s // 2 : (s + mp) // 2], scales[s // bs : (s + mp) // bs], e - s, acc[s:e], weight,
-                     assign)
+        k.accumulate(*k.blocks(codes, scales, s, mp), e - s, acc[s:e], weight, assign)
 
 
 def apply_dequantized(base: torch.Tensor, d: torch.Tensor, out: torch.Tensor) -> None:
@@ -289,11 +283,10 @@ def apply_sync(
 ) -> None:
     """``target = base + dequantized``, then ``base = target``, over flat values ``[start, stop)``; a
     ``hasher`` (:class:`~lightning_nodeox.hashing.RowHasher` of ``target``) digests each chunk while it is in cache."""
-    bs = k.settings.block_size
     for s, e in chunk_ranges(target.numel(), k.chunk, start, stop):
         m = e - s
         mp = k.padded(m)
-        d = k.dequantize(codes[s // 2 : (s + mp) // 2], scales[s // bs : (s + mp) // bs], mp)
+        d = k.dequantize(*k.blocks(codes, scales, s, mp), mp)
         apply_dequantized(base[s:e], d[:m], target[s:e])
         if base.data_ptr() != target.data_ptr():
             base[s:e].copy_(target[s:e])
@@ -301,88 +294,25 @@ def apply_sync(
             hasher.values(s, e)
 
 
-def encode_mean_and_apply(
+def encode_sync_and_apply(
     k: Q4Kernels, acc: torch.Tensor, inv_weight: float, model: torch.Tensor, codes: torch.Tensor,
     scales: torch.Tensor, *, start: int = 0, stop: int | None = None, hasher=None,
+    outer_step: Callable[[torch.Tensor, int, int], None] | None = None,
 ) -> None:
-    """Coordinator: q4 of ``acc * inv_weight`` (the sync delta), then ``model += dequantized`` as hosts will
-    (and, with a ``hasher`` of ``model``, its digest while the chunk is in cache)."""
-    bs = k.settings.block_size
+    """Coordinator: the mean delta ``acc * inv_weight``, turned into the sync delta by ``outer_step(x, start,
+    stop)`` (in place; None: plain averaging), quantized; then ``model += dequantized`` as hosts will (and,
+    with a ``hasher`` of ``model``, its digest while the chunk is in cache)."""
     for s, e in chunk_ranges(acc.numel(), k.chunk, start, stop):
         m = e - s
         mp = k.padded(m)
-        torch.mul(acc[s:e], inv_weight, out=k.x[:m])
+        x = torch.mul(acc[s:e], inv_weight, out=k.x[:m])
+        if outer_step is not None:
+            outer_step(x, s, e)
         d = k.d[:mp]
-        k.quantize(m, codes[s // 2 : (s + mp) // 2], scales[s // bs : (s + mp) // bs], dequant_out=d)
+        k.quantize(m, *k.blocks(codes, scales, s, mp), dequant_out=d)
         apply_dequantized(model[s:e], d[:m], model[s:e])
         if hasher is not None:
             hasher.values(s, e)
-
-
-# -- parallel execution ---------------------------------------------------------------------------------------
-
-Task = Callable[[Q4Kernels], None]
-
-
-def _single_threaded_worker() -> None:
-    torch.get_num_threads()  # let ATen initialise this thread's setting first, then pin it to one thread
-    torch.set_num_threads(1)
-
-
-class CodecPool:
-    """Runs codec tasks on ``threads`` workers, each with its own kernels.
-
-    On the CPU every worker runs ATen single-threaded (so an op never enters an OpenMP region, whose
-    barriers collapse when the CPU is oversubscribed) and tasks are shared out dynamically, so a worker
-    that loses its core delays only its own task. On a GPU tasks run inline on the caller's stream.
-    """
-
-    def __init__(self, settings: Q4Settings, device: torch.device | str = "cpu", threads: int = 1) -> None:
-        self.settings = settings
-        self.device = torch.device(device)
-        self._local = threading.local()
-        self._executor: ThreadPoolExecutor | None = None
-        if self.device.type != "cpu":
-            self.threads, self._chunk = 1, CUDA_CHUNK
-            return
-        self.threads, self._chunk = max(1, threads), max(CPU_CHUNK_SINGLE_THREADED, settings.block_size)
-        process_threads = torch.get_num_threads()
-        started = threading.Barrier(self.threads)
-        self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="nodeox-codec",
-                                            initializer=_single_threaded_worker)
-        for f in [self._executor.submit(started.wait) for _ in range(self.threads)]:  # start every worker now
-            f.result()
-        torch.set_num_threads(process_threads)  # the workers' setting also became the default for new threads
-
-    def kernels(self) -> Q4Kernels:
-        k = getattr(self._local, "kernels", None)
-        if k is None:
-            k = self._local.kernels = Q4Kernels(self.settings, self.device, self._chunk)
-        return k
-
-    @property
-    def chunk(self) -> int:
-        return self._chunk
-
-    def run(self, tasks: Sequence[Task]) -> None:
-        if self._executor is None:
-            for task in tasks:
-                task(self.kernels())
-            return
-        futures = [self._executor.submit(lambda t=task: t(self.kernels())) for task in tasks]
-        wait(futures)  # every task has stopped touching its buffers before an error is raised
-        for future in futures:
-            future.result()
-
-    def split(self, numel: int) -> list[tuple[int, int]]:
-        """Flat ranges of about TASK_ELEMENTS values, aligned to the chunk size."""
-        step = max(self._chunk, TASK_ELEMENTS // self._chunk * self._chunk)
-        return [(s, min(numel, s + step)) for s in range(0, numel, step)]
-
-    def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
 
 
 def relative_error(reference: torch.Tensor, approx: torch.Tensor) -> float:

@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from .cpu import granted_cpus
+from ..core.cpu import granted_cpus
 
 STOP_GRACE = 10.0
 

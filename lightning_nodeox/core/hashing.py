@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .codec import CodecPool
+from .pool import WorkerPool
 
 ROW_WORDS = 16384  # 128 KiB of tensor bytes a row
 _SEED = 0x6E6F64656F78  # "nodeox"
@@ -134,7 +134,7 @@ def combine(named: Sequence[tuple[str, torch.Tensor]], hashers: Sequence[RowHash
     return h.hexdigest()
 
 
-def model_hash(named: Sequence[tuple[str, torch.Tensor]], pool: CodecPool | None = None) -> str:
+def model_hash(named: Sequence[tuple[str, torch.Tensor]], pool: WorkerPool | None = None) -> str:
     """Hex digest of the tensors' names, dtypes, shapes and bytes (parallel over ``pool``'s workers)."""
     hashers = [RowHasher(t) for _, t in named]
     tasks = [task for hasher in hashers for task in hasher.tasks()]

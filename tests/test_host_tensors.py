@@ -1,22 +1,24 @@
-"""HostExchange pieces that need no coordinator: refusing non-finite deltas before anything is sent."""
+"""HostTensors without a coordinator: refusing non-finite deltas before anything is sent; what travels."""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from lightning_nodeox.codec import NonFiniteDeltaError
-from lightning_nodeox.exchange import HostExchange, shared_tensors
-from lightning_nodeox.phases import PhaseLog
-from lightning_nodeox.settings import Q4Settings
+from lightning_nodeox.core.codec import NonFiniteDeltaError
+from lightning_nodeox.core.settings import Q4Settings
+from lightning_nodeox.core.wire import Q4Meta
+from lightning_nodeox.host.tensors import HostTensors, shared_tensors
 
 
-def exchange_for(model: torch.nn.Module, settings: Q4Settings = Q4Settings()) -> HostExchange:
-    ex = HostExchange(shared_tensors(model), SimpleNamespace(host="h", url="http://unused"), PhaseLog("h"))
-    ex._allocate(settings)
-    return ex
+def exchange_for(model: torch.nn.Module, settings: Q4Settings = Q4Settings()) -> HostTensors:
+    tensors = HostTensors(shared_tensors(model))
+    tensors.allocate(settings, codec_threads=1)
+    return tensors
+
+
+def encode(tensors: HostTensors, samples: int):
+    return tensors.encode(tensors.live, Q4Meta("delta", 0, "h", "", samples=samples), seed=None)
 
 
 def test_nan_delta_is_refused_naming_the_parameter() -> None:
@@ -25,7 +27,7 @@ def test_nan_delta_is_refused_naming_the_parameter() -> None:
     with torch.no_grad():
         model[1].running_var[1] = float("nan")
     with pytest.raises(NonFiniteDeltaError, match=r"parameter '1.running_var' in round 0 holds NaN or Inf"):
-        ex.encode(samples=8, final=False)
+        encode(ex, 8)
     ex.close()
 
 
@@ -35,12 +37,12 @@ def test_delta_beyond_fp16_scales_names_the_fix() -> None:
     with torch.no_grad():
         model.weight[0, 0] += 1e6
     with pytest.raises(NonFiniteDeltaError, match=r"'weight' .* too large for fp16 scales; .*--scale-dtype fp32"):
-        ex.encode(samples=8, final=False)
+        encode(ex, 8)
     ex.close()
     fp32 = exchange_for(model := torch.nn.Linear(4, 3), Q4Settings(scale_dtype="fp32"))
     with torch.no_grad():
         model.weight[0, 0] += 1e6
-    message = fp32.encode(samples=8, final=False)
+    message = encode(fp32, 8)
     assert message.meta.samples == 8 and bool(torch.isfinite(message.scales(0)).all())
     fp32.close()
 

@@ -7,11 +7,13 @@ at the start, when the first host provides the initial model. Metadata: ``round`
 from __future__ import annotations
 
 import json
-import struct
 
 import torch
 
-from .wire import MAX_HEADER_BYTES, VERSION, PayloadError, TensorSpec, check_same_model
+from . import safetensors
+from .protocol import read_fully
+from .specs import PayloadError, TensorSpec, check_same_model
+from .wire import VERSION
 
 SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
 BOUNCE_BYTES = 64 << 20  # host-memory staging for tensors on a GPU
@@ -26,9 +28,7 @@ def model_header(specs: tuple[TensorSpec, ...], round_: int, model_hash: str) ->
         size = s.numel * s.torch_dtype.itemsize
         header[s.name] = {"dtype": SAFETENSORS_DTYPES[s.dtype], "shape": list(s.shape), "data_offsets": [pos, pos + size]}
         pos += size
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text
+    return safetensors.frame(json.dumps(header, separators=(",", ":")).encode())
 
 
 def parse_header(header_json: bytes) -> tuple[int, str, tuple[TensorSpec, ...], list[tuple[int, int]]]:
@@ -60,13 +60,8 @@ def parse_header(header_json: bytes) -> tuple[int, str, tuple[TensorSpec, ...], 
 def read_model(data: torch.Tensor) -> tuple[int, str, tuple[TensorSpec, ...], list[torch.Tensor]]:
     """Round, model hash, specs and tensors viewing ``data`` (a whole model file in memory)."""
     raw = data.numpy()
-    if len(raw) < 8:
-        raise PayloadError("model file is truncated")
-    (hlen,) = struct.unpack("<Q", raw[:8].tobytes())
-    if hlen > MAX_HEADER_BYTES or 8 + hlen > len(raw):
-        raise PayloadError("model file is truncated or corrupt")
-    round_, model_hash, specs, offsets = parse_header(raw[8 : 8 + hlen].tobytes())
-    start = 8 + hlen
+    header, start = safetensors.split(raw, "model file")
+    round_, model_hash, specs, offsets = parse_header(header)
     end = start + (offsets[-1][1] if offsets else 0)
     if end != len(raw):
         raise PayloadError(f"model file is {len(raw)} bytes but its header describes {end}")
@@ -118,22 +113,10 @@ class ModelFileReader:
 
 def read_model_into(stream, specs: tuple[TensorSpec, ...], tensors: list[torch.Tensor]) -> tuple[int, str]:
     """Read a model file from ``stream`` (with ``readinto``) straight into ``tensors``; returns round and hash."""
-
-    def fill(view: memoryview) -> None:
-        pos = 0
-        while pos < len(view):
-            n = stream.readinto(view[pos:])
-            if not n:
-                raise PayloadError(f"model download broke off ({pos} of {len(view)} bytes of a part)")
-            pos += n
-
-    prefix = bytearray(8)
-    fill(memoryview(prefix))
-    (hlen,) = struct.unpack("<Q", prefix)
-    if hlen > MAX_HEADER_BYTES:
-        raise PayloadError("model file header is implausibly large")
-    header = bytearray(hlen)
-    fill(memoryview(header))
+    prefix = bytearray(safetensors.PREFIX_BYTES)
+    read_fully(stream, memoryview(prefix))
+    header = bytearray(safetensors.header_length(prefix, None, "model file"))
+    read_fully(stream, memoryview(header))
     round_, model_hash, got, _ = parse_header(bytes(header))
     if got != specs:
         check_same_model(specs, got, "the coordinator's model")
@@ -141,12 +124,12 @@ def read_model_into(stream, specs: tuple[TensorSpec, ...], tensors: list[torch.T
     for t in tensors:
         raw = _byte_view(t)
         if raw.device.type == "cpu":
-            fill(memoryview(raw.numpy()))
+            read_fully(stream, memoryview(raw.numpy()))
             continue
         if bounce is None:
             bounce = torch.empty(min(BOUNCE_BYTES, max(raw.numel(), 1)), dtype=torch.uint8, pin_memory=True)
         for a in range(0, raw.numel(), bounce.numel()):
             b = min(raw.numel(), a + bounce.numel())
-            fill(memoryview(bounce[: b - a].numpy()))
+            read_fully(stream, memoryview(bounce[: b - a].numpy()))
             raw[a:b].copy_(bounce[: b - a])
     return round_, model_hash

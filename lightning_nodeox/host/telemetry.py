@@ -12,8 +12,9 @@ import threading
 import time
 from collections import deque
 
-from .client import ClockOffset, CoordinatorClient, CoordinatorError
-from .phases import PhaseRecord
+from ..core.phases import PhaseRecord
+from ..core.protocol import Refusal
+from .clock import ClockOffset
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +22,7 @@ log = logging.getLogger(__name__)
 class TelemetryShipper:
     """Batches records and posts them, mapped onto the coordinator's clock, to ``POST /v1/events``."""
 
-    def __init__(self, client: CoordinatorClient, clock: ClockOffset, *, interval: float = 1.0,
+    def __init__(self, client, clock: ClockOffset, *, interval: float = 1.0,
                  max_pending: int = 100_000, batch: int = 2000) -> None:
         self.client = client
         self.clock = clock
@@ -71,7 +72,7 @@ class TelemetryShipper:
                 payload.append(d)
             try:
                 self.client.post_events(payload)
-            except CoordinatorError as e:  # refused for good (4xx): a retry would be refused again
+            except Refusal as e:  # refused for good (4xx): a retry would be refused again
                 self._failure = f"{type(e).__name__}: {e}"
                 self.dropped += len(batch)
             except Exception as e:  # noqa: BLE001 - telemetry must never stop training

@@ -13,86 +13,20 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 import zlib
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from .codec import Q4Settings, block_count, code_bytes
+from . import safetensors
+from .codec import block_count, code_bytes
+from .settings import Q4Settings
+from .specs import PayloadError, TensorSpec, specs_from_json
 
 FORMAT = "nodeox-q4"
 VERSION = 1
-MAX_HEADER_BYTES = 64 << 20
 _CRC_PLACEHOLDER = "00000000"
 _DTYPE_NAMES = {torch.float16: "F16", torch.float32: "F32", torch.uint8: "U8"}
-_FLOAT_DTYPES = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
-}
-
-
-class PayloadError(ValueError):
-    """A q4 message that cannot be used: truncated, corrupted, of another version, or not fitting the model."""
-
-
-class ModelMismatchError(PayloadError):
-    """A message, file or host whose tensors (names, dtypes, shapes) are not the run's model."""
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    dtype: str  # torch dtype name without the "torch." prefix
-    shape: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _FLOAT_DTYPES[self.dtype]
-
-    def as_json(self) -> list:
-        return [self.name, self.dtype, list(self.shape)]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    name = str(dtype).removeprefix("torch.")
-    if name not in _FLOAT_DTYPES:
-        raise ValueError(f"nodeox exchanges floating-point tensors only, not {dtype}")
-    return name
-
-
-def spec_of(named) -> tuple[TensorSpec, ...]:
-    """Specs of ``(name, tensor)`` pairs, in order."""
-    return tuple(TensorSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in named)
-
-
-def specs_from_json(items) -> tuple[TensorSpec, ...]:
-    try:
-        specs = tuple(TensorSpec(str(n), str(d), tuple(int(x) for x in s)) for n, d, s in items)
-    except (TypeError, ValueError) as e:
-        raise PayloadError(f"tensor list in the header is malformed: {e}") from None
-    for s in specs:
-        if s.dtype not in _FLOAT_DTYPES or any(d < 0 for d in s.shape):
-            raise PayloadError(f"tensor {s.name!r} has an invalid dtype or shape: {s.dtype} {list(s.shape)}")
-    return specs
-
-
-def check_same_model(expected: tuple[TensorSpec, ...], got: tuple[TensorSpec, ...], what: str) -> None:
-    """Raise PayloadError naming the first tensor where ``got`` differs from ``expected``."""
-    if len(expected) != len(got):
-        raise ModelMismatchError(f"{what} has {len(got)} tensors but the model has {len(expected)}")
-    for e, g in zip(expected, got):
-        if e != g:
-            raise ModelMismatchError(
-                f"{what}: tensor {g.name!r} {g.dtype} {list(g.shape)} does not match the model's "
-                f"{e.name!r} {e.dtype} {list(e.shape)}; every host must train the same model"
-            )
 
 
 @dataclass(frozen=True)
@@ -211,16 +145,14 @@ class Q4Message:
         layout = self.layout
         meta = replace(meta, block_size=layout.settings.block_size, scale_dtype=layout.settings.scale_dtype,
                        tensors=layout.specs)
-        reserved = layout.data_start - 8
         text = _header_json(meta, list(layout.regions), layout.settings, _CRC_PLACEHOLDER).encode()
-        if len(text) > reserved:
+        framed = safetensors.frame(text, reserve=layout.data_start - safetensors.PREFIX_BYTES)
+        if len(framed) != layout.data_start:
             raise ValueError("q4 header does not fit its reserved space: host ids are at most 64 characters")
-        header = text + b" " * (reserved - len(text))
         raw = self.buffer.numpy()
-        raw[:8] = memoryview(struct.pack("<Q", reserved))
-        raw[8 : layout.data_start] = memoryview(header)
+        raw[: layout.data_start] = memoryview(framed)
         crc = zlib.crc32(raw[layout.data_start :], zlib.crc32(raw[: layout.data_start]))
-        pos = 8 + header.index(b'"crc32":"') + len(b'"crc32":"')
+        pos = framed.index(b'"crc32":"') + len(b'"crc32":"')
         raw[pos : pos + 8] = memoryview(f"{crc:08x}".encode())
         self.meta = meta
 
@@ -233,14 +165,7 @@ class Q4Message:
         buffer = data if isinstance(data, torch.Tensor) else _as_tensor(data)
         raw = buffer.numpy()
         total = len(raw)
-        if total < 8:
-            raise PayloadError(f"payload is truncated: {total} bytes, not even a header length")
-        (hlen,) = struct.unpack("<Q", raw[:8].tobytes())
-        if hlen > MAX_HEADER_BYTES or 8 + hlen > total:
-            raise PayloadError(f"payload is truncated or corrupt: header length {hlen} with {total} bytes in all")
-        if hlen % 8:
-            raise PayloadError(f"payload header length {hlen} is not a multiple of 8 (safetensors pads it)")
-        header_bytes = raw[8 : 8 + hlen].tobytes()
+        header_bytes, data_start = safetensors.split(raw, "payload")
         try:
             header = json.loads(header_bytes.decode("utf-8"))
             md = header["__metadata__"]
@@ -271,7 +196,6 @@ class Q4Message:
             raise PayloadError(f"payload metadata is out of range: kind={meta.kind!r} round={meta.round} "
                                f"samples={meta.samples}")
         regions = tuple(regions_for(specs, settings))
-        data_start = 8 + hlen
         data_bytes = regions[-1].codes[1] if regions else 0
         if total != data_start + data_bytes:
             raise PayloadError(f"payload is truncated or has trailing bytes: {total} bytes, "
@@ -283,7 +207,7 @@ class Q4Message:
         zeroed = bytearray(header_bytes)
         start = pos + len(b'"crc32":"')
         zeroed[start : start + 8] = _CRC_PLACEHOLDER.encode()
-        crc = zlib.crc32(raw[:8].tobytes())
+        crc = zlib.crc32(raw[: safetensors.PREFIX_BYTES].tobytes())
         crc = zlib.crc32(zeroed, crc)
         crc = zlib.crc32(raw[data_start:], crc)
         if crc != expected_crc:

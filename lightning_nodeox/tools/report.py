@@ -15,7 +15,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from . import phases as P
+from ..core import phases as P
 
 HOST_COLUMNS = (*P.HOST_PHASES[:-1], "sync", P.FALLBACK_FETCH)
 PHASE_COLOURS = {

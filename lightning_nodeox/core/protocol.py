@@ -1,0 +1,158 @@
+"""The protocol between hosts and the coordinator: routes, headers, typed replies, and the outcome of each call.
+
+The round logic on both sides speaks only in these terms. A refusal is a :class:`Refusal` with a
+:class:`Reason`; an upload ends in an :class:`Upload` outcome; waiting for a sync ends in a :class:`SyncReply`.
+HTTP lives only in the host's client (``host/client.py``) and the coordinator's server
+(``coordinator/server.py``), which translate with :data:`HTTP_STATUS`; a new transport is a new pair of those.
+
+    GET  /v1/health                          liveness (no token needed)
+    GET  /v1/status                          round, hosts, model hash
+    POST /v1/join                            {"host", "tensors"} -> JoinReply
+    PUT  /v1/model?host=H                    the initial model (only the host told to provide it)
+    GET  /v1/model?host=H                    the full model, materialized only on this request
+    POST /v1/rounds/{r}/delta?host=H         a delta (accepted once checked; aggregation goes on behind)
+    GET  /v1/rounds/{r}/sync?wait=S&host=H   round r's sync (not ready within S seconds: try again)
+    POST /v1/events                          {"records": [...]} phase records of a host
+    POST /v1/hosts/{h}/leave                 the host takes no further part
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass
+from typing import Protocol
+
+API = "/v1"
+HEALTH = f"{API}/health"
+STATUS = f"{API}/status"
+JOIN = f"{API}/join"
+MODEL = f"{API}/model"
+DELTA = API + "/rounds/{round}/delta"
+SYNC = API + "/rounds/{round}/sync"
+EVENTS = f"{API}/events"
+LEAVE = API + "/hosts/{host}/leave"
+
+TIME_HEADER = "X-Nodeox-Time"  # the coordinator's clock, on every response (hosts align their records to it)
+COMPLETE_HEADER = "X-Nodeox-Complete"  # "1" on a sync reply: the run completed with this round (or before it)
+OCTETS = "application/octet-stream"
+
+
+class Reason(enum.Enum):
+    """Why the coordinator refused a call."""
+
+    INVALID = "invalid"  # malformed or inconsistent request: the caller's bug, not retried
+    UNAUTHORIZED = "unauthorized"  # missing or wrong token
+    NOT_JOINED = "not_joined"  # the host must join first
+    NO_MODEL = "no_model"  # the run has no model yet
+    HAS_MODEL = "has_model"  # an initial model was offered but the run already has one
+    NOT_PROVIDER = "not_provider"  # another host provides the initial model
+    NOT_OPEN = "not_open"  # the round named is not open
+    LATE = "late"  # the round closed without this delta; its sync can still be applied
+    STALE_BASE = "stale_base"  # the delta was computed against another model: fetch the model
+    DUPLICATE = "duplicate"  # the coordinator already has this delta (a retry)
+    GONE = "gone"  # the sync asked for was replaced: fetch the model
+    LENGTH_REQUIRED = "length_required"
+    TOO_LARGE = "too_large"
+
+
+HTTP_STATUS = {
+    Reason.INVALID: 400, Reason.UNAUTHORIZED: 401, Reason.NOT_JOINED: 409, Reason.NO_MODEL: 409,
+    Reason.HAS_MODEL: 409, Reason.NOT_PROVIDER: 409, Reason.NOT_OPEN: 409, Reason.LATE: 409,
+    Reason.STALE_BASE: 409, Reason.DUPLICATE: 409, Reason.GONE: 410, Reason.LENGTH_REQUIRED: 411,
+    Reason.TOO_LARGE: 413,
+}
+
+
+class Refusal(Exception):
+    """The coordinator refused a call; ``reason`` says why, ``extra`` carries what the caller may need."""
+
+    def __init__(self, reason: Reason, message: str, **extra) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.extra = extra
+
+
+class Unreachable(ConnectionError):
+    """The coordinator did not answer within the retry budget."""
+
+
+class TransferBroken(OSError):
+    """A download broke off half-way; asking again may succeed."""
+
+
+class Cancelled(RuntimeError):
+    """This host stopped waiting for the coordinator (its training was interrupted)."""
+
+
+@dataclass(frozen=True)
+class JoinReply:
+    """What a host learns when it joins: the round, the model's hash, the codec, and whether it must provide
+    the initial model (``provide_model``) or ask again later (``retry``: another host is providing it)."""
+
+    round: int
+    model_hash: str | None
+    block_size: int
+    scale_dtype: str
+    provide_model: bool = False
+    retry: bool = False
+    complete: bool = False
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> JoinReply:
+        return cls(round=int(d["round"]), model_hash=d.get("model_hash"), block_size=int(d["block_size"]),
+                   scale_dtype=str(d["scale_dtype"]), provide_model=bool(d.get("provide_model")),
+                   retry=bool(d.get("retry")), complete=bool(d.get("complete")))
+
+
+class Upload(enum.Enum):
+    """What became of a delta."""
+
+    TAKEN = "taken"  # part of the round (also a retry of a delta already taken)
+    LATE = "late"  # the round closed without it; its sync can still be applied
+    STALE_BASE = "stale_base"  # computed against another model: the host must fetch the model
+
+
+class ByteStream(Protocol):
+    """A body being received: ``size`` bytes, read with ``readinto``; ``close`` when done."""
+
+    size: int
+
+    def readinto(self, view: memoryview) -> int: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class SyncReady:
+    """Round ``round``'s sync, streaming; ``complete``: the run completed with this round."""
+
+    round: int
+    body: ByteStream
+    complete: bool
+
+
+@dataclass
+class RunComplete:
+    """The run completed before the round asked for closed: there is no sync to apply."""
+
+
+@dataclass
+class SyncGone:
+    """The sync asked for was replaced by a later one: the host fell behind and must fetch the model."""
+
+
+SyncReply = SyncReady | RunComplete | SyncGone
+
+
+def read_fully(body: ByteStream, view: memoryview) -> None:
+    """Fill ``view`` from ``body``; :class:`TransferBroken` if it ends early."""
+    pos = 0
+    while pos < len(view):
+        n = body.readinto(view[pos:])
+        if not n:
+            raise TransferBroken(f"transfer broke off after {pos} of {len(view)} bytes")
+        pos += n
+

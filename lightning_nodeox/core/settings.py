@@ -1,0 +1,58 @@
+"""What both sides agree on, free of heavy imports: the codec's settings, the ``NODEOX_*`` environment names
+that ``nodeox launch`` sets for hosts, and the checks of values that hosts and the coordinator both take."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BLOCK_SIZES = (32, 64, 128, 256)
+SCALE_DTYPES = ("fp16", "fp32")
+ROUNDINGS = ("nearest", "stochastic")
+
+ENV_URL = "NODEOX_COORDINATOR_URL"
+ENV_HOST_ID = "NODEOX_HOST_ID"
+ENV_TOKEN = "NODEOX_TOKEN"
+ENV_TELEMETRY_URL = "NODEOX_TELEMETRY_URL"
+ENV_NUM_HOSTS = "NODEOX_NUM_HOSTS"
+ENV_RUN_DIR = "NODEOX_RUN_DIR"
+
+
+def check_rounding(rounding: str) -> None:
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding={rounding!r} is not supported; use 'nearest' or 'stochastic'")
+
+
+def check_url(url: str, what: str) -> None:
+    """A URL a host can reach, or a ValueError saying how to write one."""
+    if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1]) == 0:
+        raise ValueError(f"{what} {url!r} must look like http://HOST:8470 (or https://)")
+
+
+@dataclass(frozen=True)
+class Q4Settings:
+    """How deltas are quantized.
+
+    Args:
+        block_size: values per scale (32, 64, 128 or 256).
+        scale_dtype: ``"fp16"`` (smaller payload) or ``"fp32"`` (any magnitude).
+        rounding: ``"nearest"`` or ``"stochastic"`` (unbiased, noisier).
+        error_feedback: carry each round's quantization residual into the next round.
+    """
+
+    block_size: int = 64
+    scale_dtype: str = "fp16"
+    rounding: str = "nearest"
+    error_feedback: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size not in BLOCK_SIZES:
+            raise ValueError(f"block_size={self.block_size} is not supported; use one of {BLOCK_SIZES}")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise ValueError(f"scale_dtype={self.scale_dtype!r} is not supported; use 'fp16' or 'fp32'")
+        check_rounding(self.rounding)
+
+    @property
+    def torch_scale_dtype(self):
+        import torch
+
+        return {"fp16": torch.float16, "fp32": torch.float32}[self.scale_dtype]

@@ -1,0 +1,76 @@
+"""Tensor specs: the name, dtype and shape of each exchanged tensor, in order, as hosts, messages and model
+files describe them; and the errors raised when something received does not fit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_FLOAT_DTYPES = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
+}
+
+
+class PayloadError(ValueError):
+    """A q4 message that cannot be used: truncated, corrupted, of another version, or not fitting the model."""
+
+
+class ModelMismatchError(PayloadError):
+    """A message, file or host whose tensors (names, dtypes, shapes) are not the run's model."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # torch dtype name without the "torch." prefix
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _FLOAT_DTYPES[self.dtype]
+
+    def as_json(self) -> list:
+        return [self.name, self.dtype, list(self.shape)]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in _FLOAT_DTYPES:
+        raise ValueError(f"nodeox exchanges floating-point tensors only, not {dtype}")
+    return name
+
+
+def spec_of(named) -> tuple[TensorSpec, ...]:
+    """Specs of ``(name, tensor)`` pairs, in order."""
+    return tuple(TensorSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in named)
+
+
+def specs_from_json(items) -> tuple[TensorSpec, ...]:
+    try:
+        specs = tuple(TensorSpec(str(n), str(d), tuple(int(x) for x in s)) for n, d, s in items)
+    except (TypeError, ValueError) as e:
+        raise PayloadError(f"tensor list in the header is malformed: {e}") from None
+    for s in specs:
+        if s.dtype not in _FLOAT_DTYPES or any(d < 0 for d in s.shape):
+            raise PayloadError(f"tensor {s.name!r} has an invalid dtype or shape: {s.dtype} {list(s.shape)}")
+    return specs
+
+
+def check_same_model(expected: tuple[TensorSpec, ...], got: tuple[TensorSpec, ...], what: str) -> None:
+    """Raise PayloadError naming the first tensor where ``got`` differs from ``expected``."""
+    if len(expected) != len(got):
+        raise ModelMismatchError(f"{what} has {len(got)} tensors but the model has {len(expected)}")
+    for e, g in zip(expected, got):
+        if e != g:
+            raise ModelMismatchError(
+                f"{what}: tensor {g.name!r} {g.dtype} {list(g.shape)} does not match the model's "
+                f"{e.name!r} {e.dtype} {list(e.shape)}; every host must train the same model"
+            )

@@ -1,0 +1,179 @@
+"""The host's HTTP transport (requests): the protocol's calls, with timeouts, retries and clear errors.
+
+Every HTTP detail of the host side is here: statuses and headers are turned into the protocol's outcomes
+(:mod:`lightning_nodeox.core.protocol`), so the host's round logic never sees them. Connection errors and
+5xx are retried with exponential backoff for up to ``retry_for`` seconds; a refusal raises at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import requests
+
+from ..core import protocol as proto
+from ..core.protocol import (
+    ByteStream, Cancelled, JoinReply, Reason, Refusal, RunComplete, SyncGone, SyncReady, SyncReply, TransferBroken,
+    Unreachable, Upload,
+)
+from .clock import ClockOffset
+
+log = logging.getLogger(__name__)
+
+READ_CHUNK = 8 << 20
+_REASON_OF_STATUS = {400: Reason.INVALID, 401: Reason.UNAUTHORIZED, 404: Reason.INVALID, 405: Reason.INVALID,
+                     409: Reason.NOT_OPEN, 410: Reason.GONE, 411: Reason.LENGTH_REQUIRED, 413: Reason.TOO_LARGE}
+
+
+class ResponseStream:
+    """A streamed response body as a :class:`~lightning_nodeox.core.protocol.ByteStream`, read in pieces
+    of at most 8 MiB (urllib3's own ``readinto`` of a large buffer is several times slower)."""
+
+    def __init__(self, response: requests.Response) -> None:
+        self._response = response
+        self.size = int(response.headers.get("Content-Length", -1))
+        if self.size < 0:
+            response.close()
+            raise TransferBroken("coordinator response has no Content-Length")
+
+    def readinto(self, view: memoryview) -> int:
+        try:
+            data = self._response.raw.read(min(len(view), READ_CHUNK))
+        except (OSError, requests.RequestException) as e:
+            raise TransferBroken(f"download from the coordinator broke off: {e}") from None
+        view[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        self._response.close()
+
+
+class HttpClient:
+    """Talks to one coordinator over HTTP(S) on behalf of host ``host``."""
+
+    def __init__(self, url: str, *, host: str, token: str | None = None, connect_timeout: float = 5.0,
+                 read_timeout: float = 120.0, retry_for: float = 60.0, clock: ClockOffset | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.host = host
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.retry_for = retry_for
+        self.clock = clock or ClockOffset()
+        self._local = threading.local()
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        """Make waits and retries in progress give up (:class:`Cancelled`) at their next poll."""
+        self._cancelled.set()
+
+    @property
+    def session(self) -> requests.Session:
+        s = getattr(self._local, "session", None)
+        if s is None:
+            s = self._local.session = requests.Session()
+            s.headers.update(self._headers)
+        return s
+
+    def _request(self, method: str, path: str, *, ok: tuple[int, ...] = (200,), read_timeout: float | None = None,
+                 retry_for: float | None = None, **kwargs) -> requests.Response:
+        url = f"{self.url}{path}"
+        deadline = time.monotonic() + (self.retry_for if retry_for is None else retry_for)
+        delay, attempt = 0.2, 0
+        while True:
+            attempt += 1
+            if self._cancelled.is_set():
+                raise Cancelled(f"{method} {path} cancelled: this host's training was interrupted")
+            if hasattr(kwargs.get("data"), "rewind"):
+                kwargs["data"].rewind()
+            sent = time.time()
+            try:
+                response = self.session.request(
+                    method, url, timeout=(self.connect_timeout, read_timeout or self.read_timeout), **kwargs)
+            except (requests.ConnectionError, requests.Timeout) as e:
+                problem: str = f"{type(e).__name__}: {e}"
+            else:
+                stamp = response.headers.get(proto.TIME_HEADER)
+                if stamp:
+                    self.clock.add(sent, time.time(), float(stamp))
+                if response.status_code in ok:
+                    return response
+                body = _json_or_empty(response)
+                message = body.get("error") or response.reason or ""
+                if response.status_code < 500:
+                    raise _refusal(response.status_code, f"{method} {url} -> {response.status_code}: {message}", body)
+                problem = f"HTTP {response.status_code}: {message}"
+            if time.monotonic() + delay > deadline:
+                raise Unreachable(
+                    f"coordinator at {self.url} did not answer {method} {path} after {attempt} tries "
+                    f"({problem}). Check NODEOX_COORDINATOR_URL and that `nodeox coordinator` is running there.")
+            log.warning("nodeox: %s %s failed (%s); retrying in %.1fs", method, path, problem, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+    # -- the protocol's calls -------------------------------------------------------------------------------------
+    def join(self, tensors: list) -> JoinReply:
+        return JoinReply.from_json(self._request("POST", proto.JOIN, json={"host": self.host, "tensors": tensors}).json())
+
+    def put_model(self, body) -> str:
+        """Upload the initial model; returns the coordinator's hash of it."""
+        return self._request("PUT", f"{proto.MODEL}?host={self.host}", data=body,
+                             headers={"Content-Type": proto.OCTETS}).json()["model_hash"]
+
+    def post_delta(self, round_: int, body: memoryview) -> Upload:
+        try:
+            self._request("POST", proto.DELTA.format(round=round_) + f"?host={self.host}", data=body, ok=(202,),
+                          headers={"Content-Type": proto.OCTETS})
+        except Refusal as e:
+            if e.reason is Reason.DUPLICATE:
+                return Upload.TAKEN
+            if e.reason in (Reason.LATE, Reason.STALE_BASE):
+                log.warning("nodeox: host %s: delta of round %d not taken: %s", self.host, round_, e)
+                return Upload(e.reason.value)
+            raise
+        return Upload.TAKEN
+
+    def wait_sync(self, round_: int, poll: float = 30.0) -> SyncReply:
+        """Long-poll until round ``round_``'s sync is ready (or the run completed, or the sync is gone)."""
+        path = proto.SYNC.format(round=round_) + f"?wait={poll}&host={self.host}"
+        while True:
+            try:
+                response = self._request("GET", path, ok=(200, 204), stream=True, read_timeout=poll + self.read_timeout)
+            except Refusal as e:
+                if e.reason is Reason.GONE:
+                    return SyncGone()
+                raise
+            complete = response.headers.get(proto.COMPLETE_HEADER) == "1"
+            if response.status_code == 200:
+                return SyncReady(round_, ResponseStream(response), complete)
+            response.close()
+            if complete:
+                return RunComplete()
+
+    def get_model(self) -> ByteStream:
+        return ResponseStream(self._request("GET", f"{proto.MODEL}?host={self.host}", stream=True))
+
+    def post_events(self, records: list[dict], *, retry_for: float = 0.0) -> None:
+        self._request("POST", proto.EVENTS, json={"records": records}, retry_for=retry_for)
+
+    def leave(self) -> None:
+        self._request("POST", proto.LEAVE.format(host=self.host), retry_for=10.0)
+
+
+def _refusal(status: int, message: str, body: dict) -> Refusal:
+    try:
+        reason = Reason(body.get("reason"))
+    except ValueError:
+        reason = _REASON_OF_STATUS.get(status, Reason.INVALID)
+    extra = {k: v for k, v in body.items() if k not in ("error", "reason")}
+    return Refusal(reason, message, **extra)
+
+
+def _json_or_empty(response: requests.Response) -> dict:
+    try:
+        value = response.json()
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}

@@ -1,0 +1,227 @@
+"""A host's side of a round, outside Lightning: encode, upload, wait, download, apply, verify, and the rules
+that recover from what can go wrong on the way.
+
+The rules, each in terms of the protocol's outcomes (never HTTP):
+- a delta that arrives after its round closed (``LATE``) is dropped; the round's sync is applied as usual;
+- a delta computed against another model (``STALE_BASE``) means this host missed a sync: it fetches the
+  model and takes part in the current round with an empty delta;
+- a sync that is gone (``SyncGone``), that cannot be parsed, or that does not fit this host's model makes the
+  host fetch the full model; so does a model hash that differs after applying a sync;
+- a download that breaks off is asked for again (``DOWNLOAD_TRIES``);
+- a host whose last round was late still sends an empty final delta, so the coordinator knows it finished.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ..core import phases as P
+from ..core.phases import PhaseLog
+from ..core.protocol import Refusal, Reason, RunComplete, SyncGone, TransferBroken, Upload
+from ..core.settings import Q4Settings
+from ..core.specs import ModelMismatchError, PayloadError
+from ..core.wire import Q4Message, Q4Meta
+from .tensors import HostTensors
+
+log = logging.getLogger(__name__)
+
+DOWNLOAD_TRIES = 3
+
+
+@dataclass
+class RoundResult:
+    round: int  # the round that closed
+    model_hash: str
+    complete: bool  # the run has completed: no more rounds
+    contributed: bool  # this host's delta was part of the round
+
+
+class HostRound:
+    """One host's place in the run: its round, its model's hash, and the steps of a round."""
+
+    def __init__(self, tensors: HostTensors, client, phases: PhaseLog, *, rounding: str = "nearest",
+                 error_feedback: bool = True, codec_threads: int = 1) -> None:
+        self.tensors = tensors
+        self.client = client
+        self.phases = phases
+        self.rounding = rounding
+        self.error_feedback = error_feedback
+        self.codec_threads = codec_threads
+        self.round = 0
+        self.model_hash = ""
+        self.complete = False
+        self._seed = int.from_bytes(client.host.encode()[:8].ljust(8, b"\0"), "little")
+
+    @property
+    def host(self) -> str:
+        return self.client.host
+
+    # -- joining ------------------------------------------------------------------------------------------------
+    def join(self) -> None:
+        """Join the run and agree on the starting model (provide it, keep ours if equal, or fetch it)."""
+        reply = self.client.join([s.as_json() for s in self.tensors.specs])
+        while reply.retry:  # another host is providing the initial model
+            reply = self.client.join([s.as_json() for s in self.tensors.specs])
+        if reply.complete:
+            raise RuntimeError(f"the run at {self.client.url} has already completed; start a new coordinator")
+        settings = Q4Settings(block_size=reply.block_size, scale_dtype=reply.scale_dtype, rounding=self.rounding,
+                              error_feedback=self.error_feedback)
+        self.tensors.allocate(settings, self.codec_threads)
+        self.round = reply.round
+        ours = self.tensors.live_hash()
+        if reply.provide_model:
+            self.model_hash = ours
+            try:
+                theirs = self.client.put_model(self.tensors.model_file(self.round, ours))
+            except Refusal as e:
+                if e.reason is not Reason.HAS_MODEL:
+                    raise
+                self.fetch_model()  # another host provided it meanwhile
+                return
+            if theirs != ours:
+                raise RuntimeError(f"coordinator hashed the initial model as {theirs}, this host as {ours}; "
+                                   "versions differ?")
+            log.info("nodeox: host %s provided the initial model %s", self.host, ours)
+        elif ours == reply.model_hash:
+            self.model_hash = ours
+        else:
+            self.fetch_model()
+
+    # -- a round --------------------------------------------------------------------------------------------------
+    def run_round(self, samples: int, final: bool) -> RoundResult:
+        """One whole exchange: encode, upload, then sync (following later rounds if this is the final one)."""
+        message = self.encode(self.tensors.live, samples, final)
+        outcome = self.upload(message)
+        result = self.synchronize(follow_to_end=final and outcome is not Upload.LATE)
+        if final and outcome is Upload.LATE and not self.complete:
+            self._send_empty(final=True)  # so the coordinator knows this host has finished
+            result = self.synchronize(follow_to_end=True)
+        result.contributed = outcome is Upload.TAKEN and result.contributed
+        return result
+
+    def encode(self, source, samples: int, final: bool) -> Q4Message:
+        tensors = self.tensors
+        error = tensors.estimate_error(source) if samples > 0 else None
+        seed = None if self.rounding == "nearest" else hash((self._seed, self.round)) & (2**62 - 1)
+        with self.phases.timed(self.round, P.ENCODE, samples=samples, q4_rel_error=error) as rec:
+            message = tensors.encode(source, Q4Meta("delta", self.round, self.host, self.model_hash,
+                                                    samples=samples, final=final), seed)
+            rec.bytes = len(message)
+        return message
+
+    def upload(self, message: Q4Message) -> Upload:
+        """Send the delta. ``TAKEN``; ``LATE``: the round closed without it, but its sync can be applied; or
+        ``STALE_BASE``, after which this host has fetched the model and taken part in the current round anew
+        (with an empty delta). Unless taken, this round's local work is dropped."""
+        with self.phases.timed(self.round, P.UPLOAD) as rec:
+            rec.bytes = len(message)
+            outcome = self.client.post_delta(self.round, message.view())
+            if outcome is not Upload.TAKEN:
+                rec.extra["rejected"] = outcome.value
+        if outcome is Upload.STALE_BASE:
+            self.fetch_model()
+            self._send_empty(message.meta.final)
+        return outcome
+
+    def _send_empty(self, final: bool) -> None:
+        """Take part in the current round without a contribution (base == live: an all-zero delta)."""
+        with self.phases.timed(self.round, P.UPLOAD, empty=True) as rec:
+            message = self.tensors.encode(self.tensors.live, Q4Meta("delta", self.round, self.host, self.model_hash,
+                                                                    samples=0, final=final), None)
+            rec.bytes = len(message)
+            self.client.post_delta(self.round, message.view())
+
+    # -- syncs -------------------------------------------------------------------------------------------------------
+    def synchronize(self, *, follow_to_end: bool = False, into_live: bool = True) -> RoundResult:
+        """Wait for the round's sync, apply it and verify the model hash (fetching the model if needed).
+        With ``follow_to_end`` keep applying later rounds' syncs until the run completes."""
+        while True:
+            round_ = self.round
+            sync = self.download()
+            if sync is None:
+                result = RoundResult(round_, self.model_hash, self.complete, False)
+            else:
+                result = self.apply(sync, into_live)
+            if result.complete or not follow_to_end:
+                return result
+
+    def download(self) -> Q4Message | None:
+        """Round ``self.round``'s sync, parsed; None when there is none to apply (the run completed, or the host
+        fetched the model instead)."""
+        round_ = self.round
+        for attempt in range(1, DOWNLOAD_TRIES + 1):
+            with self.phases.timed(round_, P.WAIT):
+                reply = self.client.wait_sync(round_)
+            if isinstance(reply, RunComplete):
+                self.complete = True
+                return None
+            if isinstance(reply, SyncGone):
+                self.fetch_model()
+                return None
+            with self.phases.timed(round_, P.DOWNLOAD) as rec:
+                try:
+                    buffer = self.tensors.receive(reply.body)
+                except TransferBroken as e:
+                    if attempt == DOWNLOAD_TRIES:
+                        raise
+                    log.warning("nodeox: host %s: sync download of round %d failed (%s); retrying", self.host,
+                                round_, e)
+                    continue
+                rec.bytes = buffer.numel()
+            self.complete = reply.complete
+            try:
+                sync = Q4Message.parse(buffer)
+            except PayloadError as e:
+                log.warning("nodeox: host %s: sync of round %d unusable (%s); fetching the model", self.host,
+                            round_, e)
+                break
+            if sync.meta.base_hash == self.model_hash and sync.meta.round == round_:
+                return sync
+            break
+        self.fetch_model()
+        return None
+
+    def apply(self, sync: Q4Message, into_live: bool = True) -> RoundResult:
+        """Apply a downloaded sync and check the resulting model hash against the coordinator's."""
+        round_ = sync.meta.round
+        with self.phases.timed(round_, P.APPLY):
+            hashers = self.tensors.apply(sync, into_live)
+        with self.phases.timed(round_, P.VERIFY):
+            got = self.tensors.digest(hashers)
+        self.round = round_ + 1
+        if got != sync.meta.model_hash:
+            log.warning("nodeox: host %s: model hash %s after round %d differs from the coordinator's %s; "
+                        "fetching the model", self.host, got, round_, sync.meta.model_hash)
+            self.fetch_model()
+            return RoundResult(round_, self.model_hash, self.complete, False)
+        self.model_hash = got
+        return RoundResult(round_, got, self.complete, True)
+
+    # -- the full model ------------------------------------------------------------------------------------------------
+    def fetch_model(self) -> None:
+        """Replace this host's model with the coordinator's (the fallback when a sync cannot be applied),
+        streamed straight into the model's tensors; a download that breaks off is asked for again."""
+        tensors = self.tensors
+        with self.phases.timed(self.round, P.FALLBACK_FETCH) as rec:
+            for attempt in range(1, DOWNLOAD_TRIES + 1):
+                body = self.client.get_model()
+                rec.bytes = body.size
+                try:
+                    round_, remote_hash = tensors.read_model(body, tensors.live)
+                    break
+                except ModelMismatchError:
+                    raise
+                except (TransferBroken, PayloadError) as e:
+                    if attempt == DOWNLOAD_TRIES:
+                        raise
+                    log.warning("nodeox: host %s: model download failed (%s); retrying", self.host, e)
+            tensors.reset_base()
+            got = tensors.live_hash()
+            if got != remote_hash:
+                raise RuntimeError(f"the fetched model hashes to {got}, not the coordinator's {remote_hash}")
+            self.round, self.model_hash = round_, got
+        log.info("nodeox: host %s fetched the model of round %d (%s)", self.host, round_, got)
+
+    def close(self) -> None:
+        self.tensors.close()

@@ -1,0 +1,224 @@
+"""A host's tensors for the exchange: the live model, the shared model θ_r (``base``), the error-feedback
+residual, the snapshot a round sends while training goes on, and the reusable message buffers.
+
+Everything here is tensor work on the training device; none of it knows about rounds, retries or the
+transport (that is :mod:`lightning_nodeox.host.round`).
+
+Memory beyond the model: the base (1x the exchanged tensors), the residual (bf16, 0.5x), two q4 messages
+(about 0.14x each), on a GPU a device staging area of one message, and with overlap the snapshot (1x).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..core.codec import RESIDUAL_DTYPE, NonFiniteDeltaError, apply_sync, encode_delta, load_delta, relative_error
+from ..core.hashing import RowHasher, combine, model_hash
+from ..core.modelfile import ModelFileReader, model_header, read_model_into
+from ..core.pool import WorkerPool
+from ..core.protocol import ByteStream, read_fully
+from ..core.settings import Q4Settings
+from ..core.specs import spec_of
+from ..core.wire import Q4Layout, Q4Message, Q4Meta
+
+ERROR_SAMPLE = 1 << 15  # values per round used to estimate the q4 error metric
+
+
+def shared_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The tensors that travel: floating-point parameters and persistent buffers, in state_dict order,
+    each storage once (tied weights travel under their first name)."""
+    out, seen = [], set()
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+            continue
+        key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append((name, tensor.detach()))
+    return out
+
+
+class HostTensors:
+    """The exchanged tensors of one host and the tensor work of a round (encode, apply, hash, read the model)."""
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        if not named:
+            raise ValueError("the model has no floating-point parameters or buffers to exchange")
+        for name, t in named:
+            if not t.is_contiguous():
+                raise ValueError(f"tensor {name!r} is not contiguous; nodeox updates tensors in place")
+        self.names = [n for n, _ in named]
+        self.live = [t for _, t in named]
+        self.specs = spec_of(named)
+        self.device = self.live[0].device
+        if any(t.device != self.device for t in self.live):
+            raise ValueError("all parameters and buffers must be on one device")
+        self.settings: Q4Settings | None = None
+        self.pool: WorkerPool | None = None
+        self.layout: Q4Layout | None = None
+        self.base: list[torch.Tensor] = []
+        self.residual: list[torch.Tensor] | None = None
+        self.snapshot: list[torch.Tensor] | None = None
+        self._delta: Q4Message | None = None
+        self._sync_buffer: torch.Tensor | None = None
+        self._staging: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.live)
+
+    def allocate(self, settings: Q4Settings, codec_threads: int) -> None:
+        """Buffers for the run's codec; ``base`` starts as a copy of the live model."""
+        cuda = self.device.type == "cuda"
+        self.settings = settings
+        self.pool = WorkerPool(settings, self.device, codec_threads)
+        self.layout = Q4Layout.of(self.specs, settings)
+        self._delta = Q4Message.allocate(self.layout, pin_memory=cuda)
+        self._sync_buffer = torch.empty(self.layout.total, dtype=torch.uint8, pin_memory=cuda)
+        if self.device.type != "cpu":  # the codec works on the device; only packed bytes cross to host memory
+            self._staging = torch.empty(self.layout.total - self.layout.data_start, dtype=torch.uint8,
+                                        device=self.device)
+        self.base = [t.detach().clone() for t in self.live]
+        self.residual = ([torch.zeros(t.numel(), dtype=RESIDUAL_DTYPE, device=self.device) for t in self.live]
+                         if settings.error_feedback else None)
+
+    def named(self, tensors: list[torch.Tensor] | None = None) -> list[tuple[str, torch.Tensor]]:
+        return list(zip(self.names, self.live if tensors is None else tensors))
+
+    def live_hash(self) -> str:
+        return model_hash(self.named(), self.pool)
+
+    def reset_base(self) -> None:
+        """θ_r := the live model (after it was replaced by the run's model); the residual starts over."""
+        with torch.no_grad():
+            for b, t in zip(self.base, self.live):
+                b.copy_(t)
+            for r in self.residual or []:
+                r.zero_()
+
+    # -- tensors on the codec's device -------------------------------------------------------------------------
+    def _region(self, message: Q4Message, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the codec reads and writes tensor ``i``'s codes and scales: the message, or device staging."""
+        if self._staging is None:
+            return message.codes(i), message.scales(i)
+        region = self.layout.regions[i]
+        (ca, cb), (sa, sb) = region.codes, region.scales
+        return self._staging[ca:cb], self._staging[sa:sb].view(self.layout.settings.torch_scale_dtype)
+
+    # -- encoding --------------------------------------------------------------------------------------------------
+    def take_snapshot(self) -> None:
+        """Copy the live model aside: what this round sends while training goes on."""
+        with torch.no_grad():
+            if self.snapshot is None:
+                self.snapshot = [t.detach().clone() for t in self.live]
+            else:
+                for s, t in zip(self.snapshot, self.live):
+                    s.copy_(t)
+
+    def estimate_error(self, source: list[torch.Tensor]) -> float:
+        """Relative q4 error of a sample of the delta (for the ``q4_rel_error`` metric)."""
+        i = max(range(len(source)), key=lambda j: source[j].numel())
+        k = self.pool.kernels()
+        m = min(source[i].numel(), ERROR_SAMPLE, k.chunk)
+        res = None if self.residual is None else self.residual[i][:m]
+        load_delta(k, source[i].view(-1)[:m], self.base[i].view(-1)[:m], res, m)
+        x = k.x[:m].clone()
+        mp = k.padded(m)
+        codes = torch.empty(mp // 2, dtype=torch.uint8, device=self.device)
+        scales = torch.empty(mp // self.settings.block_size, dtype=self.settings.torch_scale_dtype, device=self.device)
+        k.quantize(m, codes, scales)
+        return relative_error(x, k.dequantize(codes, scales, mp)[:m])
+
+    def encode(self, source: list[torch.Tensor], meta: Q4Meta, seed: int | None) -> Q4Message:
+        """q4 of (source - base + residual) into the delta message; the residual keeps what q4 could not carry."""
+        message = self._delta
+
+        def work(k, i: int, start: int, stop: int) -> None:
+            res = None if self.residual is None else self.residual[i]
+            encode_delta(k, source[i].view(-1), self.base[i].view(-1), res, *self._region(message, i),
+                         start=start, stop=stop, seed=None if seed is None else seed + i)
+
+        with torch.no_grad():
+            self.pool.over_ranges([t.numel() for t in source], work)
+        if self._staging is not None:
+            cuda = self.device.type == "cuda"
+            message.data.copy_(self._staging, non_blocking=cuda)
+            if cuda:
+                torch.cuda.current_stream(self.device).synchronize()
+        self._check_finite(message, source, meta)
+        message.write_header(meta)
+        return message
+
+    def _check_finite(self, message: Q4Message, source: list[torch.Tensor], meta: Q4Meta) -> None:
+        for i, (name, peak) in enumerate(zip(self.names, message.scale_maxima())):
+            if math.isfinite(peak):
+                continue
+            delta_finite = bool(torch.isfinite(source[i]).all())
+            if delta_finite and self.settings.scale_dtype == "fp16":
+                raise NonFiniteDeltaError(
+                    f"the delta of parameter {name!r} in round {meta.round} is too large for fp16 scales; "
+                    "start the coordinator with --scale-dtype fp32, or lower the learning rate")
+            raise NonFiniteDeltaError(
+                f"the delta of parameter {name!r} in round {meta.round} holds NaN or Inf: training diverged on "
+                f"host {meta.host}. Lower the learning rate or clip gradients "
+                "(Trainer(gradient_clip_val=1.0)); nothing was sent")
+
+    # -- syncs ---------------------------------------------------------------------------------------------------
+    def receive(self, body: ByteStream) -> torch.Tensor:
+        """Read a sync's bytes into the reused sync buffer."""
+        if self._sync_buffer is None or self._sync_buffer.numel() != body.size:
+            self._sync_buffer = torch.empty(body.size, dtype=torch.uint8)
+        try:
+            read_fully(body, memoryview(self._sync_buffer.numpy()))
+        finally:
+            body.close()
+        return self._sync_buffer
+
+    def apply(self, sync: Q4Message, into_live: bool) -> list[RowHasher]:
+        """θ_{r+1} = θ_r + dequantized sync, into ``base`` and (``into_live``) the live model; returns the result's
+        row hashers, filled while the sync is applied where the chunks allow (:meth:`digest` finishes them)."""
+        target = self.live if into_live else self.base
+        if self._staging is not None:
+            self._staging.copy_(sync.data)
+        hashers = [RowHasher(t) for t in target]
+
+        def work(k, i: int, start: int, stop: int) -> None:
+            fused = hashers[i] if hashers[i].fusable(self.pool.chunk) else None
+            apply_sync(k, *self._region(sync, i), self.base[i].view(-1), target[i].view(-1), start=start, stop=stop,
+                       hasher=fused)
+
+        with torch.no_grad():
+            self.pool.over_ranges([t.numel() for t in target], work)
+        return hashers
+
+    def digest(self, hashers: list[RowHasher]) -> str:
+        """The model hash from :meth:`apply`'s hashers (digesting the rows the apply could not)."""
+        self.pool.run([t for h in hashers if not h.fusable(self.pool.chunk) for t in h.tasks()])
+        return combine(self.named([h.tensor for h in hashers]), hashers)
+
+    def fold(self) -> None:
+        """Overlap: the live model becomes θ_{r+1} plus the local progress made since the snapshot
+        (``live += base - snapshot``), on the training device, between two training steps."""
+        with torch.no_grad():
+            for t, b, s in zip(self.live, self.base, self.snapshot):
+                s.sub_(b).neg_()  # the snapshot buffer is free now: reuse it for base - snapshot
+                t.add_(s.to(t.dtype))
+
+    # -- the full model --------------------------------------------------------------------------------------------
+    def model_file(self, round_: int, model_hash_: str) -> ModelFileReader:
+        return ModelFileReader(model_header(self.specs, round_, model_hash_), self.live)
+
+    def read_model(self, body: ByteStream, into: list[torch.Tensor]) -> tuple[int, str]:
+        """Stream a model file into ``into``; returns its round and the coordinator's hash of it."""
+        try:
+            with torch.no_grad():
+                return read_model_into(body, self.specs, into)
+        finally:
+            body.close()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
