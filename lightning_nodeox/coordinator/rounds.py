@@ -104,8 +104,9 @@ class Rounds:
         return rss
 
     def _reply(self, **fields) -> JoinReply:
-        return JoinReply(round=self.round, block_size=self.config.q4.block_size,
-                         scale_dtype=self.config.q4.scale_dtype, **fields)
+        q4 = self.config.q4
+        return JoinReply(round=self.round, block_size=q4.block_size, scale_dtype=q4.scale_dtype, codec=q4.codec,
+                         **fields)
 
     def require_model(self) -> CoordinatorModel:
         if self.model is None:
@@ -232,9 +233,10 @@ class Rounds:
             if meta.kind != "delta" or meta.round != round_ or meta.host != host:
                 raise PayloadError(f"payload says kind={meta.kind} round={meta.round} host={meta.host}, "
                                    f"but was sent as round {round_}'s delta of host {host}")
-            if (meta.block_size, meta.scale_dtype) != (self.config.q4.block_size, self.config.q4.scale_dtype):
-                raise PayloadError(f"payload uses block size {meta.block_size} with {meta.scale_dtype} scales; "
-                                   f"this run uses {self.config.q4.block_size} with {self.config.q4.scale_dtype}")
+            q4 = self.config.q4
+            if (meta.codec, meta.block_size, meta.scale_dtype) != (q4.codec, q4.block_size, q4.scale_dtype):
+                raise PayloadError(f"payload uses {meta.codec}, block size {meta.block_size} with {meta.scale_dtype} "
+                                   f"scales; this run uses {q4.codec}, {q4.block_size} with {q4.scale_dtype}")
             check_same_model(model.specs, meta.tensors, "delta")
         except PayloadError as e:
             raise Refusal(Reason.INVALID, f"delta rejected: {e}") from None
@@ -352,7 +354,8 @@ class Rounds:
             "model_hash": None if self.model is None else self.model.hash,
             "hosts": {h.id: h.state.value for h in self.hosts.values()},
             "received": sorted(self.received), "peak_rss_bytes": self.peak_rss,
-            "block_size": self.config.q4.block_size, "scale_dtype": self.config.q4.scale_dtype,
+            "codec": self.config.q4.codec, "block_size": self.config.q4.block_size,
+            "scale_dtype": self.config.q4.scale_dtype,
         }
 
     def close(self) -> None:

@@ -44,7 +44,7 @@ def block_count(numel: int, block_size: int) -> int:
 
 
 def code_bytes(numel: int, block_size: int) -> int:
-    return block_count(numel, block_size) * block_size // 2
+    return Q4Settings(block_size=block_size).code_bytes(numel)
 
 
 def default_chunk(device: torch.device, block_size: int) -> int:
@@ -199,6 +199,49 @@ class Q4Kernels:
             torch.mul(f.view(nb, bs), weighted[:, None], out=acc.view(nb, bs))
         else:
             acc.view(nb, bs).addcmul_(f.view(nb, bs), weighted[:, None])
+
+
+class RawKernels(Q4Kernels):
+    """The unquantized ablation codecs (bf16, fp32) behind the same interface: a tensor's "codes" are its values
+    in the codec's dtype, it has no scales, and a value "dequantizes" to itself (rounded to bf16 where it is)."""
+
+    def __init__(self, settings: Q4Settings, device: torch.device | str = "cpu", chunk: int | None = None) -> None:
+        super().__init__(settings, device, chunk)
+        self.dtype = torch.bfloat16 if settings.codec == "bf16" else torch.float32
+        self.size = settings.value_bytes
+
+    def padded(self, m: int) -> int:
+        return m
+
+    def blocks(self, codes: torch.Tensor, scales: torch.Tensor, start: int, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return codes[start * self.size : (start + padded) * self.size], scales[:0]
+
+    def quantize(self, m: int, codes_out: torch.Tensor, scales_out: torch.Tensor, *,
+                 residual_out: torch.Tensor | None = None, dequant_out: torch.Tensor | None = None,
+                 seed: int | None = None) -> None:
+        x = self.x[:m]
+        values = codes_out.view(self.dtype)
+        values.copy_(x)
+        if residual_out is not None:
+            residual_out.copy_(torch.sub(x, values.float(), out=self.d[:m]))
+        if dequant_out is not None:
+            dequant_out[:m].copy_(values)
+
+    def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, mp: int) -> torch.Tensor:
+        return self.d[:mp].copy_(codes.view(self.dtype))
+
+    def accumulate(self, codes: torch.Tensor, scales: torch.Tensor, m: int, acc: torch.Tensor, weight: float,
+                   assign: bool = False) -> None:
+        d = self.dequantize(codes, scales, m)
+        if assign:
+            torch.mul(d, weight, out=acc)
+        else:
+            acc.add_(d, alpha=weight)
+
+
+def make_kernels(settings: Q4Settings, device: torch.device | str = "cpu", chunk: int | None = None) -> Q4Kernels:
+    """The kernels of ``settings.codec``."""
+    return (Q4Kernels if settings.quantized else RawKernels)(settings, device, chunk)
 
 
 # -- whole tensors: loops over chunks -----------------------------------------------------------------------

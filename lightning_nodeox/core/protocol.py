@@ -93,6 +93,7 @@ class JoinReply:
     model_hash: str | None
     block_size: int
     scale_dtype: str
+    codec: str = "q4"
     provide_model: bool = False
     retry: bool = False
     complete: bool = False
@@ -103,7 +104,7 @@ class JoinReply:
     @classmethod
     def from_json(cls, d: dict) -> JoinReply:
         return cls(round=int(d["round"]), model_hash=d.get("model_hash"), block_size=int(d["block_size"]),
-                   scale_dtype=str(d["scale_dtype"]), provide_model=bool(d.get("provide_model")),
+                   scale_dtype=str(d["scale_dtype"]), codec=str(d.get("codec", "q4")), provide_model=bool(d.get("provide_model")),
                    retry=bool(d.get("retry")), complete=bool(d.get("complete")))
 
 

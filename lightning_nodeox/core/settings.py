@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+CODECS = ("q4", "bf16", "fp32")  # bf16 and fp32: unquantized, for ablations
 BLOCK_SIZES = (32, 64, 128, 256)
 SCALE_DTYPES = ("fp16", "fp32")
 ROUNDINGS = ("nearest", "stochastic")
@@ -33,6 +34,7 @@ class Q4Settings:
     """How deltas are quantized.
 
     Args:
+        codec: ``"q4"``; ``"bf16"`` or ``"fp32"`` send deltas unquantized (an ablation: what q4 costs).
         block_size: values per scale (32, 64, 128 or 256).
         scale_dtype: ``"fp16"`` (smaller payload) or ``"fp32"`` (any magnitude).
         rounding: ``"nearest"`` or ``"stochastic"`` (unbiased, noisier).
@@ -43,13 +45,33 @@ class Q4Settings:
     scale_dtype: str = "fp16"
     rounding: str = "nearest"
     error_feedback: bool = True
+    codec: str = "q4"
 
     def __post_init__(self) -> None:
+        if self.codec not in CODECS:
+            raise ValueError(f"codec={self.codec!r} is not supported; use one of {CODECS}")
         if self.block_size not in BLOCK_SIZES:
             raise ValueError(f"block_size={self.block_size} is not supported; use one of {BLOCK_SIZES}")
         if self.scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"scale_dtype={self.scale_dtype!r} is not supported; use 'fp16' or 'fp32'")
         check_rounding(self.rounding)
+
+    @property
+    def quantized(self) -> bool:
+        return self.codec == "q4"
+
+    @property
+    def value_bytes(self) -> int:
+        """Bytes a value takes in an unquantized message."""
+        return {"bf16": 2, "fp32": 4}[self.codec]
+
+    def scale_count(self, numel: int) -> int:
+        """Scales of a tensor of ``numel`` values (one per block; none unquantized)."""
+        return -(-numel // self.block_size) if self.quantized else 0
+
+    def code_bytes(self, numel: int) -> int:
+        """Bytes of a tensor's codes: two a byte over whole blocks, or the raw values unquantized."""
+        return self.scale_count(numel) * self.block_size // 2 if self.quantized else numel * self.value_bytes
 
     @property
     def torch_scale_dtype(self):

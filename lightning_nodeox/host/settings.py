@@ -10,6 +10,16 @@ from dataclasses import dataclass
 from ..core.settings import ENV_HOST_ID, ENV_TELEMETRY_URL, ENV_TOKEN, ENV_URL, check_rounding, check_url
 
 
+OVERLAP_MODES = (None, "eager", "delayed")
+
+
+def overlap_mode(overlap: bool | str) -> str | None:
+    """``NodeoxStrategy(overlap=...)`` as a mode: False -> None, True -> "eager", or the mode named."""
+    if overlap is True:
+        return "eager"
+    return None if overlap is False or overlap is None else overlap
+
+
 @dataclass(frozen=True)
 class HostSettings:
     """How one host trains and exchanges; NodeoxStrategy documents each argument."""
@@ -20,10 +30,16 @@ class HostSettings:
     codec_threads: int | None = None
     request_timeout: float = 120.0
     retry_for: float = 60.0
+    overlap: str | None = None  # None, "eager" or "delayed"
+    round_seconds: float | None = None
 
     def __post_init__(self) -> None:
         if self.local_steps < 1:
             raise ValueError(f"local_steps must be at least 1, got {self.local_steps}")
+        if self.overlap not in OVERLAP_MODES:
+            raise ValueError(f"overlap={self.overlap!r} is not known; use False, True (eager) or 'delayed'")
+        if self.round_seconds is not None and not self.round_seconds > 0:
+            raise ValueError(f"round_seconds must be positive seconds (or None for local_steps), got {self.round_seconds}")
         check_rounding(self.rounding)
         if self.codec_threads is not None and self.codec_threads < 1:
             raise ValueError(f"codec_threads must be at least 1 (or None for the CPU quota), got {self.codec_threads}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ from ..core.phases import PhaseLog, PhaseRecord
 from .client import HttpClient
 from .clock import ClockOffset
 from .round import HostRound, RoundResult
-from .settings import Connection, HostSettings
+from .settings import Connection, HostSettings, overlap_mode
 from .telemetry import TelemetryShipper
 from .tensors import HostTensors, shared_tensors
 from .worker import ExchangeWorker
@@ -62,6 +63,14 @@ class NodeoxStrategy(SingleDeviceStrategy):
         request_timeout: seconds to wait for one answer from the coordinator; raise it for very large models
             on slow links.
         retry_for: seconds to keep retrying while the coordinator does not answer.
+        overlap: keep training while a round's exchange is in flight. ``True`` (or ``"eager"``): training goes on
+            from this host's own result, and when the sync arrives the live model becomes the new shared model
+            plus the progress made since the boundary. ``"delayed"``: training goes on from the round's shared
+            model instead. A host waits only if the previous sync has not arrived by its next boundary; costs one
+            more copy of the model (the snapshot). The last round at ``fit`` end is never overlapped.
+        round_seconds: work to a time budget instead of ``local_steps``: a round closes at the first step after
+            this many seconds of training, so a fast host does more steps than a slow one and nobody idles at the
+            barrier (deltas are weighted by the samples they saw).
     """
 
     strategy_name = "nodeox"
@@ -80,6 +89,8 @@ class NodeoxStrategy(SingleDeviceStrategy):
         telemetry_url: str | None = None,
         request_timeout: float = 120.0,
         retry_for: float = 60.0,
+        overlap: bool | str = False,
+        round_seconds: float | None = None,
         accelerator=None,
         checkpoint_io=None,
         precision_plugin=None,
@@ -88,7 +99,7 @@ class NodeoxStrategy(SingleDeviceStrategy):
                          precision_plugin=precision_plugin)
         self.settings = HostSettings(local_steps=local_steps, rounding=rounding, error_feedback=error_feedback,
                                      codec_threads=codec_threads, request_timeout=request_timeout,
-                                     retry_for=retry_for)
+                                     retry_for=retry_for, overlap=overlap_mode(overlap), round_seconds=round_seconds)
         self._given = dict(coordinator_url=coordinator_url, host_id=host_id, token=token, telemetry_url=telemetry_url)
         if cpu_threads is not None and cpu_threads < 1:
             raise ValueError(f"cpu_threads must be at least 1 (or None for the CPU quota), got {cpu_threads}")
@@ -99,6 +110,8 @@ class NodeoxStrategy(SingleDeviceStrategy):
         self.last_result: RoundResult | None = None
         self._round: HostRound | None = None
         self._worker: ExchangeWorker | None = None
+        self._in_flight: Future | None = None  # overlap: the exchange of the round that closed last
+        self._in_flight_round = 0
         self._telemetry: TelemetryShipper | None = None
         self._phases: PhaseLog | None = None
         self._depth = 0
@@ -187,31 +200,61 @@ class NodeoxStrategy(SingleDeviceStrategy):
         return output
 
     def _at_batch_end(self) -> None:
-        """Count a batch that stepped (once, however many optimizers stepped); close the round when due."""
+        """Count a batch that stepped (once, however many optimizers stepped); fold an arrived sync into the live
+        model (overlap); close the round when due."""
         if self._depth or not self._stepped or self._worker is None:
             return
         self._stepped = False
         self._steps += 1
-        if self._steps >= self.settings.local_steps:
-            self._close_round(final=False)
+        if self._in_flight is not None and self._in_flight.done():
+            self._fold()
+        if self._round_due():
+            self._close_round()
 
-    def _close_round(self, final: bool) -> RoundResult:
+    def _round_due(self) -> bool:
+        if self.settings.round_seconds is not None:
+            return time.time() - self._round_start >= self.settings.round_seconds
+        return self._steps >= self.settings.local_steps
+
+    def _close_round(self, final: bool = False) -> None:
+        """Hand the round to the exchange worker; wait for it unless training overlaps (never for the final one)."""
+        if self._in_flight is not None:  # overlap: the previous round's sync has not been folded in yet
+            self._wait_and_fold()
         now = time.time()
         self._phases.emit(PhaseRecord(self._round.round, self.connection.host_id, P.TRAIN, self._round_start, now,
                                       extra={"steps": self._steps, "samples": self._samples}))
-        result = self._worker.submit(self._round.run_round, self._samples, final).result()
-        self.last_result = result
+        mode = self.settings.overlap
+        if mode is None or final:
+            self.last_result = self._worker.submit(self._round.run_round, self._samples, final).result()
+        else:
+            self._round.tensors.take_snapshot(restart_from_base=mode == "delayed")
+            self._in_flight_round = self._round.round
+            self._in_flight = self._worker.submit(self._round.run_overlapped, self._samples, mode == "delayed")
         self._steps = self._samples = 0
         self._round_start = time.time()
-        return result
+
+    def _wait_and_fold(self) -> None:
+        with self._phases.timed(self._in_flight_round, P.WAIT):
+            self._in_flight.result()
+        self._fold()
+
+    def _fold(self) -> None:
+        """The overlapped round's sync has arrived: the live model becomes it plus the progress made since."""
+        self.last_result = self._in_flight.result()
+        self._in_flight = None
+        with self._phases.timed(self.last_result.round, P.FOLD):
+            self._round.tensors.fold()
 
     @override
     def on_train_end(self) -> None:
-        """The last, partial round (possibly empty), then every remaining sync until all hosts finish."""
+        """The last, partial round (possibly empty), never overlapped, then every remaining sync until all hosts
+        finish."""
+        if self._in_flight is not None:
+            self._wait_and_fold()
         if self._worker is not None and not self._round.complete:
-            result = self._close_round(final=True)
+            self._close_round(final=True)
             log.info("NodeoxStrategy: host %s finished after round %d on model %s", self.connection.host_id,
-                     result.round, result.model_hash)
+                     self.last_result.round, self.last_result.model_hash)
         super().on_train_end()
 
     @override

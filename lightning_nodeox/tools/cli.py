@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from ..coordinator.config import DEFAULT_PORT, OUTER_OPTIMIZERS, CoordinatorConfig, OuterSettings
-from ..core.settings import BLOCK_SIZES, SCALE_DTYPES, Q4Settings
+from ..core.settings import BLOCK_SIZES, CODECS, SCALE_DTYPES, Q4Settings
 
 
 def _coordinator_options(p: argparse.ArgumentParser, *, for_launch: bool) -> None:
@@ -23,6 +23,8 @@ def _coordinator_options(p: argparse.ArgumentParser, *, for_launch: bool) -> Non
     p.add_argument("--token-file", type=Path, help="file holding the bearer token hosts must send")
     p.add_argument("--block-size", type=int, default=64, choices=BLOCK_SIZES, help="q4 values per scale")
     p.add_argument("--scale-dtype", default="fp16", choices=SCALE_DTYPES, help="q4 scale type")
+    p.add_argument("--codec", default="q4", choices=CODECS,
+                   help="q4 (default); bf16 or fp32 send deltas unquantized, to measure what q4 costs")
     p.add_argument("--outer-optimizer", default="average", choices=OUTER_OPTIMIZERS,
                    help="how the mean delta becomes the sync: plain averaging, or DiLoCo's Nesterov momentum")
     p.add_argument("--outer-lr", type=float, default=0.7, help="outer learning rate (nesterov; default 0.7)")
@@ -49,7 +51,7 @@ def _config(args: argparse.Namespace, bind: str) -> CoordinatorConfig:
         return CoordinatorConfig(
             hosts=args.hosts, run_dir=args.run_dir, bind=bind, min_hosts=args.min_hosts,
             round_timeout=args.round_timeout, token=_read_token(args.token_file),
-            q4=Q4Settings(block_size=args.block_size, scale_dtype=args.scale_dtype),
+            q4=Q4Settings(block_size=args.block_size, scale_dtype=args.scale_dtype, codec=args.codec),
             initial_model=args.initial_model, threads=args.threads, rss_interval=args.rss_interval,
             exit_when_done=not getattr(args, "keep_running", False),
             outer=OuterSettings(args.outer_optimizer, args.outer_lr, args.outer_momentum))
@@ -59,7 +61,7 @@ def _config(args: argparse.Namespace, bind: str) -> CoordinatorConfig:
 
 def _passthrough(args: argparse.Namespace) -> list[str]:
     """Coordinator options given to launch, as coordinator command-line arguments."""
-    out = ["--bind", args.bind, "--block-size", str(args.block_size), "--scale-dtype", args.scale_dtype,
+    out = ["--bind", args.bind, "--codec", args.codec, "--block-size", str(args.block_size), "--scale-dtype", args.scale_dtype,
            "--rss-interval", str(args.rss_interval), "--outer-optimizer", args.outer_optimizer,
            "--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum)]
     for flag, value in (("--min-hosts", args.min_hosts), ("--round-timeout", args.round_timeout),

@@ -86,6 +86,8 @@ def main() -> None:
     p.add_argument("--skip-sync-round", type=int, default=-1, help="host 1 skips applying this round's sync")
     p.add_argument("--stall-round", type=int, default=-1, help="host 1 stalls in this round (see --stall-seconds)")
     p.add_argument("--stall-seconds", type=float, default=0.0)
+    p.add_argument("--overlap", default="off", choices=("off", "eager", "delayed"))
+    p.add_argument("--round-seconds", type=float)
     args = p.parse_args()
     torch.set_num_threads(1)
     host = os.environ["NODEOX_HOST_ID"]
@@ -111,7 +113,8 @@ def main() -> None:
     callbacks = [PhaseMonitor(), DumpRounds(args.out, host)]
     if args.stall_round >= 0 and host == "1":
         callbacks.append(Stall(args.stall_round * args.local_steps + 1, args.stall_seconds))
-    strategy = NodeoxStrategy(local_steps=args.local_steps, cpu_threads=1, codec_threads=1)
+    strategy = NodeoxStrategy(local_steps=args.local_steps, cpu_threads=1, codec_threads=1,
+                              overlap=False if args.overlap == "off" else args.overlap, round_seconds=args.round_seconds)
     trainer = Trainer(strategy=strategy, max_steps=args.max_steps, logger=TensorBoardLogger(args.out / f"tb_host{host}"),
                       callbacks=callbacks, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
