@@ -264,9 +264,10 @@ def _stop(procs: list[subprocess.Popen], grace: float = 15.0) -> None:
         p.wait()
 
 
-def _wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
+def _wait_all(procs: list[subprocess.Popen], timeout: float, give_up=lambda: False) -> list[int]:
+    """Exit statuses once every process has ended, one has failed, or ``give_up()`` is true."""
     deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in procs):
+    while any(p.poll() is None for p in procs) and not give_up():
         if time.monotonic() > deadline:
             raise TimeoutError(f"run did not finish within {timeout:.0f} s")
         if any(p.returncode not in (None, 0) for p in procs):  # one failed: do not wait for the others' timeouts
@@ -358,7 +359,8 @@ def run_nodeox(args: argparse.Namespace, mode: str, seed: int, workdir: Path, ro
     started = time.time()
     proc = _spawn(cmd, env, log)
     try:
-        codes = _wait_all([proc], RUN_TIMEOUT)
+        refused = [out / f"host{i}.json" for i in range(HOSTS)]  # a host refused this mode's options: stop early
+        codes = _wait_all([proc], RUN_TIMEOUT, lambda: any(f.exists() and "unavailable" in f.read_text() for f in refused))
     finally:
         _stop([proc])
     text = log.read_text(errors="replace")
