@@ -11,7 +11,7 @@ host), each host on its own half of a fixed training split; the final model is e
     q4               Nodeox q4, the coordinator's default outer optimizer
     q4_average       Nodeox q4, --outer-optimizer average
     q4_nesterov      Nodeox q4, --outer-optimizer nesterov --outer-lr 0.7 --outer-momentum 0.9 (DiLoCo)
-    overlap          q4, NodeoxStrategy(overlap=True)        (also overlap_eager, overlap_delayed)
+    overlap_eager    q4, NodeoxStrategy(overlap=True)        (overlap_delayed: overlap="delayed")
     uneven           q4, host 1 slowed on purpose to about 2x host 0's step time
     uneven_budget    uneven, with NodeoxStrategy(round_seconds=host 0's time for local_steps steps)
     bf16             Nodeox, --codec bf16 (not run by default)
@@ -28,10 +28,10 @@ Definitions (see `ddp_bytes_per_host`, `nodeox_bytes_sent` and `wait_share`):
   the model from rank 0 is not counted (nor is Nodeox's first upload of the model, see below).
 - bytes per host, Nodeox: the `bytes` of the host's `upload` records in the run's events.jsonl (its deltas), mean
   over hosts. The full model host 0 provides at join is not an `upload` record, hence not counted.
-- wait share of a host: blocked time / the host's time from its first `train` start to its last record's end,
-  both from round 1 on (round 0 holds the hosts' different start-up times). Blocked time: the summed duration of
-  the host's records of every phase but `train`, less records flagged `"overlapped": true` (exchange work done
-  while training went on). Not measured for DDP.
+- wait share of a host: the share of its time, from its first `train` start to its last record's end, in which
+  its trainer did not train: that time less its `train` records, plus its `fold` records (a fold stops training
+  inside a round). From round 1 on (round 0 holds the hosts' different start-up times). Exchange work that runs
+  while training goes on (overlap) is not blocked time, whatever its phase. Not measured for DDP.
 - wall: the slowest host's `trainer.fit` (start-up of the interpreter, imports and the test evaluation excluded).
 """
 
@@ -73,7 +73,6 @@ MODES: dict[str, dict] = {
     "q4": {"kind": "nodeox"},
     "q4_average": {"kind": "nodeox", "coordinator": ["--outer-optimizer", "average"]},
     "q4_nesterov": {"kind": "nodeox", "coordinator": DILOCO},
-    "overlap": {"kind": "nodeox", "strategy": {"overlap": True}},
     "overlap_eager": {"kind": "nodeox", "strategy": {"overlap": "eager"}},
     "overlap_delayed": {"kind": "nodeox", "strategy": {"overlap": "delayed"}},
     "uneven": {"kind": "nodeox", "slow": True},
@@ -88,13 +87,12 @@ UNAVAILABLE_EXIT = 3  # a host's exit status when NodeoxStrategy refuses an opti
 
 
 def wait_share(records: list[dict], first_round: int = 1) -> float | None:
-    """Share of one host's time in which its training was blocked by the exchange.
+    """Share of one host's time in which its trainer did not train.
 
     ``records``: the host's phase records from events.jsonl; only rounds from ``first_round`` on count (round 0
     absorbs the hosts' different start-up times: the first host to join waits there for the others to start).
-    Blocked time is the summed duration of its records of every phase except ``train``, less those flagged
-    ``"overlapped": true`` (exchange work that ran while training went on); total time runs from the host's first
-    counted ``train`` start to its last record's end.
+    Total time runs from the host's first counted ``train`` start to its last record's end; trained time is its
+    ``train`` records less its ``fold`` records (with overlap, a fold stops training inside a round).
     """
     records = [r for r in records if r["round"] >= first_round]
     trains = [r for r in records if r["phase"] == "train"]
@@ -102,8 +100,9 @@ def wait_share(records: list[dict], first_round: int = 1) -> float | None:
         return None
     start = min(r["start"] for r in trains)
     end = max(r["end"] for r in records)
-    blocked = sum(r["end"] - r["start"] for r in records if r["phase"] != "train" and not r.get("overlapped"))
-    return blocked / (end - start) if end > start else None
+    trained = sum(r["end"] - r["start"] for r in trains) - sum(r["end"] - r["start"] for r in records
+                                                             if r["phase"] == "fold")
+    return max(0.0, 1.0 - trained / (end - start)) if end > start else None
 
 
 def host_records(events: list[dict], host: str) -> list[dict]:
@@ -480,7 +479,7 @@ def goals(modes: dict, local_steps: int) -> list[dict]:
                     "measured": f"{s['accuracy_vs_ddp_points']:+.2f} points, {ratio:.0f}x fewer bytes"})
     else:
         out.append({"goal": goal, "met": None, "measured": why})
-    for mode in ("overlap", "overlap_eager", "overlap_delayed"):
+    for mode in ("overlap_eager", "overlap_delayed"):
         s, why = summary(mode)
         goal = (f"{mode}: every host's wait share < {GOAL_OVERLAP_WAIT:.0%}, accuracy within {GOAL_ACC_POINTS:g} "
                 f"point of DDP")
@@ -488,7 +487,7 @@ def goals(modes: dict, local_steps: int) -> list[dict]:
             worst = max((w for w in s["wait_share"].values() if w is not None), default=float("nan"))
             out.append({"goal": goal, "met": close(s) and worst < GOAL_OVERLAP_WAIT,
                         "measured": f"{s['accuracy_vs_ddp_points']:+.2f} points, worst wait share {worst:.1%}"})
-        elif mode == "overlap" or mode in modes:
+        elif mode == "overlap_eager" or mode in modes:
             out.append({"goal": goal, "met": None, "measured": why})
     s, why = summary("uneven_budget")
     goal = (f"uneven hosts (one {SLOWDOWN:g}x slower) with the time budget: fast host's wait share < "

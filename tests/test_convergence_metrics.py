@@ -28,10 +28,10 @@ def test_wait_share_counts_every_exchange_phase_from_round_one():
     assert convergence.wait_share(records, first_round=0) == pytest.approx(8 / 15)
 
 
-def test_wait_share_leaves_out_overlapped_exchange_work():
-    records = [rec(1, "train", 0, 4), rec(1, "encode", 4, 5, overlapped=True), rec(1, "upload", 5, 6, overlapped=True),
-               rec(2, "train", 4, 8), rec(1, "wait", 8, 8.4), rec(2, "train", 8.4, 10)]
-    assert convergence.wait_share(records) == pytest.approx(0.4 / 10)
+def test_wait_share_leaves_out_exchange_work_that_overlaps_training():
+    records = [rec(1, "train", 0, 4), rec(1, "encode", 4, 5), rec(1, "upload", 5, 6), rec(1, "poll", 6, 7),
+               rec(2, "train", 4, 8), rec(1, "fold", 7, 7.1), rec(1, "wait", 8, 8.4), rec(3, "train", 8.4, 10)]
+    assert convergence.wait_share(records) == pytest.approx(0.5 / 10)
 
 
 def test_wait_share_without_training_is_unknown():
