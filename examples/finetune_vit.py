@@ -30,14 +30,13 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from lightning_nodeox import NodeoxStrategy, PhaseMonitor
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-TEST_IMAGES = 256  # held-out images each host evaluates the final model on
 MAX_WORKERS = 8
 
 # The settings of the E1 study's runs (full fine-tuning in fp32, batch 32, 20 local steps, Pet at 224x224).
-STUDY = dict(precision="32-true", batch_size=32, local_steps=20, image_size=224)
+STUDY = {"precision": "32-true", "batch_size": 32, "local_steps": 20, "image_size": 224}
 PRESETS = {
-    "vit-b-study": dict(STUDY, model="vit_base_patch16_224"),
-    "vit-h-study": dict(STUDY, model="vit_huge_patch14_224"),
+    "vit-b-study": {**STUDY, "model": "vit_base_patch16_224"},
+    "vit-h-study": {**STUDY, "model": "vit_huge_patch14_224"},
 }
 
 PET_FETCH = ('python -c "from torchvision.datasets import OxfordIIITPet; '
@@ -105,9 +104,9 @@ def pet_datasets(data_dir: Path, image_size: int) -> tuple[Dataset, Dataset, int
     pet = data_dir / "oxford-iiit-pet"
     if not ((pet / "images").is_dir() and (pet / "annotations").is_dir()):
         raise SystemExit(
-            f"finetune_vit.py: no Oxford-IIIT Pet in --data-dir {data_dir} (expected {pet}/images and {pet}/annotations;"
-            f" give the folder that holds oxford-iiit-pet). Fetch it once on a machine with internet: {PET_FETCH}, then"
-            " copy /data/oxford-iiit-pet into the data dir (see docs/finetune.md).")
+            f"finetune_vit.py: no Oxford-IIIT Pet in --data-dir {data_dir} (expected {pet}/images and "
+            f"{pet}/annotations; give the folder that holds oxford-iiit-pet). Fetch it once on a machine with "
+            f"internet: {PET_FETCH}, then copy /data/oxford-iiit-pet into the data dir (see docs/finetune.md).")
     train_tf = transforms.Compose([
         transforms.RandomResizedCrop(image_size, scale=(0.6, 1.0)), transforms.RandomHorizontalFlip(),
         transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
@@ -144,10 +143,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", default="vit_tiny_patch16_224", help="timm model name (e.g. vit_base_patch16_224)")
     p.add_argument("--data-dir", type=Path, help="folder holding torchvision's oxford-iiit-pet (else: digits)")
     p.add_argument("--pretrained", type=Path, help="timm weights file to start from (else random weights)")
-    p.add_argument("--image-size", type=int, help="default: 224 on Pet, 32 on the offline digits")
+    p.add_argument("--image-size", type=int, help="default: 224 on Pet and in presets, 32 on the offline digits")
     p.add_argument("--batch-size", type=int, default=32, help="per device")
     p.add_argument("--local-steps", type=int, default=20, help="optimizer steps per host between exchanges")
     p.add_argument("--max-steps", type=int, default=200)
+    p.add_argument("--test-images", type=int, default=256, help="held-out images to evaluate the final model on")
     p.add_argument("--lr", type=float, help="default: 1e-4 from pretrained weights, 1e-3 from scratch")
     p.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed", "16-mixed"],
                    help="Lightning precision; mixed precision on GPUs (16-mixed needs CUDA)")
@@ -159,6 +159,8 @@ def parse_args() -> argparse.Namespace:
     if preset:
         p.set_defaults(**PRESETS[preset])
     args = p.parse_args()
+    if args.test_images < 1:
+        p.error("--test-images must be at least 1")
     if args.pretrained is not None and not args.pretrained.is_file():
         p.error(f"--pretrained {args.pretrained}: no such file; save the weights once on a machine with internet "
                 "and copy the file here (see docs/finetune.md)")
@@ -191,10 +193,14 @@ def main() -> None:
     else:
         train, test, classes = digits_datasets(args.image_size)
     train = shard(train, host, hosts)
-    test = Subset(test, torch.randperm(len(test), generator=torch.Generator().manual_seed(0))[:TEST_IMAGES].tolist())
-    loader_args = dict(batch_size=args.batch_size, num_workers=args.workers, persistent_workers=args.workers > 0)
+    test_order = torch.randperm(len(test), generator=torch.Generator().manual_seed(0))
+    test = Subset(test, test_order[:args.test_images].tolist())
+    loader_args = {"batch_size": args.batch_size, "num_workers": args.workers, "persistent_workers": args.workers > 0}
     train_loader = DataLoader(train, shuffle=True, drop_last=True, **loader_args)
     test_loader = DataLoader(test, **loader_args)
+    if len(train_loader) == 0:
+        raise SystemExit(f"finetune_vit.py: host {host}'s shard holds {len(train)} images, fewer than one batch of "
+                         f"{args.batch_size}: lower --batch-size or run fewer hosts")
     print(f"host {host} of {hosts}: {args.model} on {'Pet' if args.data_dir else 'digits'} at {args.image_size}px, "
           f"{len(train)} training images here, batch {args.batch_size}, {args.local_steps} local steps, "
           f"{args.max_steps} steps, {args.precision}", flush=True)
@@ -213,15 +219,17 @@ def main() -> None:
         enable_checkpointing=False,  # no full-model saves inside rounds; the final model is saved below
         enable_model_summary=False,
         enable_progress_bar=args.progress_bar,  # `nodeox launch` prefixes lines, which a progress bar is not
-        log_every_n_steps=5,
+        log_every_n_steps=min(5, len(train_loader)),
     )
     trainer.fit(model, train_loader)
     if host == 0:  # every host ends on the same model; one copy is enough
         trainer.save_checkpoint(host_dir / "final.ckpt", weights_only=True)
+    if trainer.is_global_zero:
+        print(f"host {host}: evaluating the final model on {len(test)} held-out images", flush=True)
     metrics = trainer.test(model, test_loader, verbose=False)[0]
     if trainer.is_global_zero:
         print(f"host {host}: final model {trainer.strategy.model_hash}, test accuracy {metrics['test/acc']:.3f} "
-              f"(loss {metrics['test/loss']:.3f}, {len(test)} held-out images)", flush=True)
+              f"(loss {metrics['test/loss']:.3f})", flush=True)
 
 
 if __name__ == "__main__":
