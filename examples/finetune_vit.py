@@ -39,8 +39,7 @@ PRESETS = {
     "vit-h-study": {**STUDY, "model": "vit_huge_patch14_224"},
 }
 
-PET_FETCH = ('python -c "from torchvision.datasets import OxfordIIITPet; '
-             "OxfordIIITPet('/data', download=True)\"")
+PET_FETCH = "python -c \"from torchvision.datasets import OxfordIIITPet; OxfordIIITPet('/data', download=True)\""
 
 
 class ViTClassifier(LightningModule):
@@ -218,7 +217,7 @@ def main() -> None:
         callbacks=[PhaseMonitor()],
         enable_checkpointing=False,  # no full-model saves inside rounds; the final model is saved below
         enable_model_summary=False,
-        enable_progress_bar=args.progress_bar,  # `nodeox launch` prefixes lines, which a progress bar is not
+        enable_progress_bar=args.progress_bar,  # a bar redraws its line, which `nodeox launch`'s prefixes garble
         log_every_n_steps=min(5, len(train_loader)),
     )
     trainer.fit(model, train_loader)
