@@ -146,6 +146,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32, help="per device")
     p.add_argument("--local-steps", type=int, default=20, help="optimizer steps per host between exchanges")
     p.add_argument("--max-steps", type=int, default=200)
+    p.add_argument("--overlap", default="eager", choices=["off", "eager", "delayed"],
+                   help="keep training while a round's exchange is in flight (default eager; off: wait for each sync)")
     p.add_argument("--test-images", type=int, default=256, help="held-out images to evaluate the final model on")
     p.add_argument("--lr", type=float, help="default: 1e-4 from pretrained weights, 1e-3 from scratch")
     p.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed", "16-mixed"],
@@ -208,7 +210,7 @@ def main() -> None:
                           str(args.pretrained) if args.pretrained else None)
     host_dir = run_dir / "hosts" / f"host{host}"
     trainer = Trainer(
-        strategy=NodeoxStrategy(local_steps=args.local_steps),
+        strategy=NodeoxStrategy(local_steps=args.local_steps, overlap=False if args.overlap == "off" else args.overlap),
         devices=args.devices,
         max_steps=args.max_steps,
         precision=args.precision,
