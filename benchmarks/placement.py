@@ -4,11 +4,12 @@ Starts a `nodeox coordinator` and 2 synthetic hosts (the `--host` mode of benchm
 exchanges of a model with the real model's shapes, no training), each host talking to the coordinator through
 its own relay (benchmarks/relay.py) that emulates its link in both directions: near (1 ms one-way,
 10 Gbit/s), then far (30 ms, 200 Mbit/s). This kernel has no netem, so the links are emulated in user space;
-the relay copies at a few Gbit/s at best, which caps the near link. Prints per phase the median over rounds
-(round 0, which pays for first-touch allocations, left out) of the slowest host, near / far / far-near, and
-which phases moved with distance. Besides the phases: aggregation-to-sync (aggregate end to a host's download
-start) and its part after sync_prepare, sync-ready-to-download (the sync's way to the host). A placement that
-cannot run is reported and skipped.
+the relay, with the HTTP stacks at both ends, moves one to two Gbit/s here, which caps the near link.
+
+Prints per phase the median over rounds (round 0, which pays for first-touch allocations, left out) of the
+slowest host, near / far / far-near, and which phases moved with distance (far at least twice near). Besides
+the phases: aggregation-to-sync (aggregate end to a host's download start) and its part after sync_prepare,
+sync-ready-to-download (the sync's way to the host). A placement that cannot run is reported and skipped.
 
     python benchmarks/placement.py [--json] [--rounds 3] [--model vit_base_patch16_224] [--far-delay-ms 30]
         [--far-mbit 200] [--near-delay-ms 1] [--near-mbit 10000] [--run-dir DIR] [--timeout 900]
@@ -20,10 +21,12 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -43,7 +46,7 @@ class PlacementFailed(RuntimeError):
     """A placement could not run; the message says which part and why."""
 
 
-def report_build():
+def report_build() -> Callable[[list[dict]], dict]:
     """`build(records)` of `nodeox report` (lightning_nodeox/report.py, moving to lightning_nodeox/tools/)."""
     try:
         from lightning_nodeox.tools.report import build
@@ -67,6 +70,11 @@ async def wait_ready(ready: Path, coordinator: asyncio.subprocess.Process, timeo
             raise PlacementFailed("the coordinator did not start")
         await asyncio.sleep(0.05)
     return ready.read_text().strip()
+
+
+async def exited(procs: list[asyncio.subprocess.Process]) -> None:
+    for p in procs:
+        await p.wait()
 
 
 async def stop(procs: list[asyncio.subprocess.Process]) -> None:
@@ -107,12 +115,13 @@ async def run_placement(link: Link, args: argparse.Namespace, run_dir: Path) -> 
                 dict(env, NODEOX_HOST_ID=str(host), NODEOX_NUM_HOSTS=str(HOSTS),
                      NODEOX_COORDINATOR_URL=f"http://127.0.0.1:{port}")))
         try:
-            await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), args.timeout)
+            await asyncio.wait_for(exited(procs), args.timeout)
         except asyncio.TimeoutError:
             raise PlacementFailed(f"the run did not finish within {args.timeout:.0f} s") from None
-        failed = [log for p, log in zip(procs, ["coordinator", *(f"host{h}" for h in range(HOSTS))]) if p.returncode]
+        names = ["coordinator", *(f"host{h}" for h in range(HOSTS))]
+        failed = [f"{name} (status {p.returncode})" for name, p in zip(names, procs) if p.returncode]
         if failed:
-            raise PlacementFailed(f"{', '.join(failed)} exited with an error")
+            raise PlacementFailed(f"{', '.join(failed)} failed")
     finally:
         await stop(procs)
         for relay in relays:
@@ -146,9 +155,9 @@ def summarize(records: list[dict]) -> dict:
     seconds["sync_ready_to_download"] = median([
         r["aggregation_to_sync"]["max"] - r["coordinator_phases"]["sync_prepare"]
         for r in to_sync if "sync_prepare" in r["coordinator_phases"]])
-    moved = [b for r in rounds for b in r["bytes"].values()]
-    return {"median_s": seconds, "rounds": [r["round"] for r in rounds],
-            "delta_bytes": max(b["up"] for b in moved), "sync_bytes": max(b["down"] for b in moved)}
+    per_host = [b for r in rounds for b in r["bytes"].values()]
+    return {"median_s": seconds, "delta_bytes": max(b["up"] for b in per_host),
+            "sync_bytes": max(b["down"] for b in per_host)}
 
 
 def compare(placements: dict[str, dict], links: dict[str, Link]) -> dict:
@@ -172,8 +181,8 @@ def compare(placements: dict[str, dict], links: dict[str, Link]) -> dict:
 
 def render(result: dict) -> str:
     links, size = result["links"], result.get("sizes", {})
-    lines = [f"{result['model']}: {HOSTS} hosts, {result['rounds']} rounds; median over rounds 1.. of the slowest "
-             "host (timings on a small shared machine are noisy)"]
+    lines = [(f"{result['model']}: {HOSTS} hosts, {result['rounds']} rounds; median over rounds 1.. of the slowest "
+              "host (timings on a small shared machine are noisy)")]
     lines += [f"  {name:5} link per host, each direction: {v['delay_ms']:g} ms one-way, {v['mbit']:g} Mbit/s"
               for name, v in links.items()]
     if size:
@@ -207,6 +216,9 @@ def render(result: dict) -> str:
 
 
 async def run_all(args: argparse.Namespace, links: dict[str, Link], workdir: Path) -> dict:
+    main_task = asyncio.current_task()
+    assert main_task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main_task.cancel)  # so children are stopped
     placements, skipped = {}, {}
     for name, link in links.items():
         run_dir = workdir / name
@@ -239,11 +251,14 @@ def main() -> None:
     args = p.parse_args()
     links = {"near": Link(args.near_delay_ms / 1e3, args.near_mbit * 1e6),
              "far": Link(args.far_delay_ms / 1e3, args.far_mbit * 1e6)}
-    if args.run_dir is not None:
-        result = asyncio.run(run_all(args, links, args.run_dir))
-    else:
-        with tempfile.TemporaryDirectory(prefix="nodeox-placement-") as tmp:
-            result = asyncio.run(run_all(args, links, Path(tmp)))
+    try:
+        if args.run_dir is not None:
+            result = asyncio.run(run_all(args, links, args.run_dir))
+        else:
+            with tempfile.TemporaryDirectory(prefix="nodeox-placement-") as tmp:
+                result = asyncio.run(run_all(args, links, Path(tmp)))
+    except asyncio.CancelledError:  # SIGTERM; the processes it started are stopped
+        sys.exit("placement: terminated")
     print(json.dumps(result, indent=2) if args.json else render(result))
     if result["skipped"]:
         sys.exit(1)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from relay import Link, Relay  # noqa: E402
+from relay import Link, Relay
 
 LINK = Link(delay=0.005, rate=400e6)
 
