@@ -2,6 +2,8 @@
 
 After every round (and at the end) it writes its exchanged tensors and model hash to --out, so tests can
 check that hosts are bit-identical and agree with the coordinator. Started by `nodeox launch` in tests.
+With ``--devices K`` (or one K per host id, ``--devices 2,1``) the host runs DDP over K CPU ranks; the files of a
+rank other than 0 are named ``host<id>.rank<k>_*``.
 """
 
 from __future__ import annotations
@@ -45,10 +47,13 @@ class DumpRounds(Callback):
     def __init__(self, out: Path, host: str) -> None:
         self.out, self.host, self.seen, self.losses = out, host, -1, []
 
+    def _prefix(self, trainer) -> str:
+        return f"host{self.host}" + (f".rank{trainer.global_rank}" if trainer.global_rank else "")
+
     def _dump(self, trainer, name: str) -> None:
         result = trainer.strategy.last_result
         tensors = {n: t.detach().cpu().clone().contiguous() for n, t in shared_tensors(trainer.lightning_module)}
-        save_file(tensors, str(self.out / f"host{self.host}_{name}.safetensors"),
+        save_file(tensors, str(self.out / f"{self._prefix(trainer)}_{name}.safetensors"),
                   metadata={"model_hash": trainer.strategy.model_hash or "", "order": json.dumps(list(tensors)),
                             "round": str(result.round if result else -1)})
 
@@ -61,7 +66,7 @@ class DumpRounds(Callback):
 
     def on_fit_end(self, trainer, pl_module):
         self._dump(trainer, "final")
-        (self.out / f"host{self.host}_losses.json").write_text(json.dumps(self.losses))
+        (self.out / f"{self._prefix(trainer)}_losses.json").write_text(json.dumps(self.losses))
 
 
 class Stall(Callback):
@@ -77,6 +82,18 @@ class Stall(Callback):
             time.sleep(self.seconds)
 
 
+class Pace(Callback):
+    """Sleeps at every step (a host of known speed, for time-budget rounds)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        import time
+
+        time.sleep(self.seconds)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
@@ -88,6 +105,8 @@ def main() -> None:
     p.add_argument("--stall-seconds", type=float, default=0.0)
     p.add_argument("--overlap", default="off", choices=("off", "eager", "delayed"))
     p.add_argument("--round-seconds", type=float)
+    p.add_argument("--step-seconds", type=float, default=0.0, help="sleep this long at every step")
+    p.add_argument("--devices", default="1", help="devices (CPU ranks) of the host, or one number per host id: 2,1")
     args = p.parse_args()
     torch.set_num_threads(1)
     host = os.environ["NODEOX_HOST_ID"]
@@ -113,9 +132,14 @@ def main() -> None:
     callbacks = [PhaseMonitor(), DumpRounds(args.out, host)]
     if args.stall_round >= 0 and host == "1":
         callbacks.append(Stall(args.stall_round * args.local_steps + 1, args.stall_seconds))
+    if args.step_seconds:
+        callbacks.append(Pace(args.step_seconds))
     strategy = NodeoxStrategy(local_steps=args.local_steps, cpu_threads=1, codec_threads=1,
                               overlap=False if args.overlap == "off" else args.overlap, round_seconds=args.round_seconds)
-    trainer = Trainer(strategy=strategy, max_steps=args.max_steps, logger=TensorBoardLogger(args.out / f"tb_host{host}"),
+    per_host = [int(k) for k in args.devices.split(",")]
+    devices = per_host[int(host)] if len(per_host) > 1 else per_host[0]
+    trainer = Trainer(strategy=strategy, devices=devices, accelerator="cpu" if devices > 1 else "auto",
+                      max_steps=args.max_steps, logger=TensorBoardLogger(args.out / f"tb_host{host}"),
                       callbacks=callbacks, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
     trainer.fit(model, loader)
