@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from conftest import HOSTS, REPO, launch, read_events
 from lightning_nodeox import NodeoxStrategy
+from lightning_nodeox.tools.launch import gpu_sets
 
 BATCH, LOCAL_STEPS, MAX_STEPS = 32, 4, 12
 
@@ -117,3 +118,23 @@ def test_torchrun_host_of_two_ranks_with_a_time_budget(coordinator, tmp_path) ->
     steps = [e["steps"] for e in coord.events() if e["phase"] == "train" and e["host"] == "0"]
     assert sum(steps) == 20 and all(e["ranks"] == 2 for e in coord.events()
                                              if e["phase"] == "train" and e["host"] == "0")
+
+
+def test_a_failure_on_rank_0_stops_every_rank_of_the_host_with_its_message(tmp_path) -> None:
+    """Rank 0 cannot join (no coordinator URL): the other rank stops at once too, naming rank 0's error."""
+    env = {k: v for k, v in os.environ.items() if k != "NODEOX_COORDINATOR_URL"}
+    env.update(OMP_NUM_THREADS="1", NODEOX_HOST_ID="0",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(HOSTS / "digits_host.py"), "--out", str(tmp_path / "out"), "--devices", "2"],
+                            env=env, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "ValueError: NodeoxStrategy needs the coordinator's URL" in output
+    assert "rank 0 of this host stopped (ValueError: NodeoxStrategy needs the coordinator's URL" in output
+
+
+def test_launch_gives_each_host_its_own_gpus() -> None:
+    assert gpu_sets(8, 2, 4) == ["0,1,2,3", "4,5,6,7"]
+    assert gpu_sets(8, 8, 1) == [str(i) for i in range(8)]
+    assert gpu_sets(4, 2, 4) == [None, None]  # too few: every host sees every GPU

@@ -88,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("launch", help="a coordinator and N hosts on this machine: nodeox launch ... -- COMMAND")
     _coordinator_options(p, for_launch=True)
+    p.add_argument("--gpus-per-host", type=int, default=1,
+                   help="GPUs each host sees (CUDA_VISIBLE_DEVICES); the host command uses Trainer(devices=K)")
 
     p = sub.add_parser("report", help="per-round phase tables of a run directory")
     p.add_argument("run_dir", type=Path)
@@ -104,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         from .launch import launch
 
         config = _config(args, args.bind)  # validate before starting anything
-        return launch(args.hosts, args.run_dir, _passthrough(args), command, config.token)
+        if args.gpus_per_host < 1:
+            raise SystemExit(f"nodeox: --gpus-per-host must be at least 1, got {args.gpus_per_host}")
+        return launch(args.hosts, args.run_dir, _passthrough(args), command, config.token, args.gpus_per_host)
     if args.cmd == "report":
         from .report import main as report_main
 

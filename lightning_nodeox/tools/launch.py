@@ -1,10 +1,11 @@
 """``nodeox launch``: a coordinator and N host processes on this machine, outputs streamed with a prefix.
 
 Host i gets ``NODEOX_HOST_ID=i``, ``NODEOX_NUM_HOSTS``, ``NODEOX_COORDINATOR_URL``, ``NODEOX_TOKEN``
-(when set) and ``NODEOX_RUN_DIR``; when this machine has at least N GPUs each host sees only its own
-(``CUDA_VISIBLE_DEVICES``), and when it has at least N CPUs each host is pinned to its own share of them,
-so that the hosts do not oversubscribe the CPU. If any host fails, the others are stopped and launch
-exits non-zero.
+(when set) and ``NODEOX_RUN_DIR``; when this machine has at least N x ``gpus_per_host`` GPUs each host sees
+only its own (``CUDA_VISIBLE_DEVICES``), and when it has at least N CPUs each host is pinned to its own share of
+them, so that the hosts do not oversubscribe the CPU. A host of several GPUs runs ``Trainer(devices=K)``, and
+Lightning starts its other ranks (they share the host's output prefix and CPU share). If any host fails, the
+others are stopped and launch exits non-zero.
 """
 
 from __future__ import annotations
@@ -63,6 +64,14 @@ def _gpu_count() -> int:
         return 0
 
 
+def gpu_sets(gpus: int, hosts: int, per_host: int) -> list[str | None]:
+    """``CUDA_VISIBLE_DEVICES`` of each host: its own ``per_host`` GPUs when there are enough, else None (every
+    host sees every GPU)."""
+    if gpus < hosts * per_host:
+        return [None] * hosts
+    return [",".join(str(i * per_host + j) for j in range(per_host)) for i in range(hosts)]
+
+
 def cpu_shares(hosts: int) -> list[list[int] | None]:
     """Disjoint CPU sets for the hosts when there are enough CPUs; None (no pinning) otherwise."""
     try:
@@ -75,7 +84,8 @@ def cpu_shares(hosts: int) -> list[list[int] | None]:
     return [cpus[i * per : (i + 1) * per] for i in range(hosts)]
 
 
-def launch(hosts: int, run_dir: Path, coordinator_args: list[str], command: list[str], token: str | None) -> int:
+def launch(hosts: int, run_dir: Path, coordinator_args: list[str], command: list[str], token: str | None,
+           gpus_per_host: int = 1) -> int:
     """Run a coordinator and ``hosts`` copies of ``command``; returns the exit status."""
     if not command:
         print("nodeox launch: give the host command after --, e.g. "
@@ -97,6 +107,10 @@ def launch(hosts: int, run_dir: Path, coordinator_args: list[str], command: list
         time.sleep(0.05)
     url = ready.read_text().strip()
     gpus = _gpu_count()
+    visible = gpu_sets(gpus, hosts, gpus_per_host)
+    if 0 < gpus < hosts * gpus_per_host and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        print(f"nodeox launch: {gpus} GPUs for {hosts} hosts of {gpus_per_host}: every host sees every GPU",
+              flush=True)
     shares = cpu_shares(hosts)
     procs: list[subprocess.Popen] = []
     threads: list[threading.Thread] = []
@@ -105,8 +119,8 @@ def launch(hosts: int, run_dir: Path, coordinator_args: list[str], command: list
                         NODEOX_RUN_DIR=str(run_dir))
         if token:
             host_env["NODEOX_TOKEN"] = token
-        if gpus >= hosts and "CUDA_VISIBLE_DEVICES" not in os.environ:
-            host_env["CUDA_VISIBLE_DEVICES"] = str(i)
+        if visible[i] is not None and "CUDA_VISIBLE_DEVICES" not in os.environ:
+            host_env["CUDA_VISIBLE_DEVICES"] = visible[i]
         if shares[i] is not None and "OMP_NUM_THREADS" not in os.environ:
             host_env["OMP_NUM_THREADS"] = str(len(shares[i]))
         proc, thread = _start(command, host_env, f"[host {i}]", shares[i])
