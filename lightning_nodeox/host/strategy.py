@@ -30,8 +30,8 @@ from ..core import phases as P
 from ..core.cpu import choose_threads, granted_cpus
 from ..core.phases import PhaseLog, PhaseRecord
 from .client import HttpClient
-from .ranks import HostRanks, OneRank, WorldOfOne
 from .clock import ClockOffset
+from .ranks import HostRanks, OneRank, WorldOfOne
 from .round import HostRound, RoundResult
 from .settings import Connection, HostSettings, overlap_mode
 from .telemetry import TelemetryShipper
@@ -171,8 +171,8 @@ class NodeoxStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         """Size torch's CPU threads to this rank's share of the CPU quota; on several devices, join the host's
         process group."""
-        quota = max(1, granted_cpus() // len(self.parallel_devices or [None]))
-        threads = self.cpu_threads or min(torch.get_num_threads(), quota)
+        ranks = len(self.parallel_devices or ()) or 1  # the host's ranks share this machine's CPU quota
+        threads = self.cpu_threads or min(torch.get_num_threads(), max(1, granted_cpus() // ranks))
         if threads != torch.get_num_threads():
             log.info("NodeoxStrategy: torch CPU threads %d -> %d (CPU quota of this process)",
                      torch.get_num_threads(), threads)
@@ -220,9 +220,11 @@ class NodeoxStrategy(DDPStrategy):
             super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        module = self.lightning_module
-        self._ranks = OneRank() if self._one_device else HostRanks(
-            [t for _, t in shared_tensors(module)], per_step=self.settings.overlap is not None or self.settings.round_seconds is not None)
+        if self._one_device:
+            self._ranks = OneRank()
+        else:
+            per_step = self.settings.overlap is not None or self.settings.round_seconds is not None
+            self._ranks = HostRanks([t for _, t in shared_tensors(self.lightning_module)], per_step=per_step)
         self.connection, self._hash = self._ranks.lead(self._join)
         self._round_start = time.time()
 
