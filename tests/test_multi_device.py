@@ -27,7 +27,7 @@ BATCH, LOCAL_STEPS, MAX_STEPS = 32, 4, 12
 
 def load(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     with safe_open(str(path), "pt") as f:
-        return {k: f.get_tensor(k) for k in f}, f.metadata()
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()  # noqa: SIM118 - safe_open is not iterable
 
 
 def same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -84,15 +84,18 @@ def test_launch_a_host_of_two_ranks_and_one_of_one_rank_with_overlap(tmp_path) -
     losses0 = json.loads((out / "host0_losses.json").read_text())
     losses1 = json.loads((out / "host0.rank1_losses.json").read_text())
     assert len(losses0) == len(losses1) == MAX_STEPS and losses0 != losses1
+    # self.log(sync_dist=True) reduces across the host's ranks, as in DDP
+    for name, mean in (("host0", 0.5), ("host0.rank1", 0.5), ("host1", 0.0)):
+        assert json.loads((out / f"{name}_metrics.json").read_text())["rank_mean"] == mean
 
 
-def test_torchrun_host_of_two_ranks_with_a_time_budget(coordinator, tmp_path) -> None:
+def test_torchrun_host_of_two_ranks_with_a_time_budget_and_delayed_overlap(coordinator, tmp_path) -> None:
     """`torchrun --nproc-per-node 2` starts host 0 (Lightning finds torchrun's environment); rank 0 decides when
-    each round's time budget is spent, so both ranks close every round on the same step."""
+    each round's time budget is spent and when a sync is folded in, so both ranks do each on the same step."""
     coord = coordinator(2)
     out = tmp_path / "out"
     host = [str(HOSTS / "digits_host.py"), "--out", str(out), "--max-steps", "20", "--step-seconds", "0.02",
-            "--round-seconds", "0.1"]
+            "--round-seconds", "0.1", "--overlap", "delayed"]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", NODEOX_COORDINATOR_URL=coord.url,
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     commands = {"0": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *host,

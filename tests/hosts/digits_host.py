@@ -35,6 +35,7 @@ class DigitsNet(LightningModule):
         x, y = batch
         loss = nn.functional.cross_entropy(self.net(x), y)
         self.log("train_loss", loss, on_step=True, prog_bar=False)
+        self.log("rank_mean", float(self.global_rank), sync_dist=True)  # a host of K ranks: mean over its ranks
         return loss
 
     def configure_optimizers(self):
@@ -67,6 +68,8 @@ class DumpRounds(Callback):
     def on_fit_end(self, trainer, pl_module):
         self._dump(trainer, "final")
         (self.out / f"{self._prefix(trainer)}_losses.json").write_text(json.dumps(self.losses))
+        (self.out / f"{self._prefix(trainer)}_metrics.json").write_text(
+            json.dumps({k: float(v) for k, v in trainer.callback_metrics.items()}))
 
 
 class Stall(Callback):
