@@ -74,7 +74,10 @@ class HostRound:
         if reply.provide_model:
             self.model_hash = ours
             try:
-                theirs = self.client.put_model(self.tensors.model_file(self.round, ours))
+                with self.phases.timed(self.round, P.PROVIDE_MODEL) as rec:
+                    body = self.tensors.model_file(self.round, ours)
+                    rec.bytes = len(body)
+                    theirs = self.client.put_model(body)
             except Refusal as e:
                 if e.reason is not Reason.HAS_MODEL:
                     raise
