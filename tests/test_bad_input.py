@@ -18,7 +18,7 @@ from test_coordinator import MODEL, SPECS, body_bytes, delta_message, expected_a
 
 from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.modelfile import read_model
-from lightning_nodeox.core.protocol import CREDENTIAL_HEADER, OCTETS, SyncReady, Upload
+from lightning_nodeox.core.protocol import CREDENTIAL_HEADER, OCTETS, Reason, Refusal, SyncReady, Upload
 from lightning_nodeox.core.specs import spec_of
 from lightning_nodeox.core.wire import Q4Message, Q4Meta
 from lightning_nodeox.host.client import HttpClient
@@ -233,3 +233,60 @@ def test_after_the_bad_input_the_round_completes_with_the_good_deltas(run: Run) 
     records = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in events.jsonl")) for line in lines]
     assert {r["host"] for r in records} == {"coordinator"}  # no bad record was written
     assert sorted(p.name for p in (run.coord.run_dir / "tb").iterdir()) == ["coordinator"]
+
+
+def test_the_initial_model_must_fit_what_its_provider_declared(coordinator) -> None:
+    coord = coordinator(1)
+    a = HttpClient(coord.url, host="a", retry_for=5)
+    credential = a.join(TENSORS).credential
+    who = {CREDENTIAL_HEADER: credential}
+    status, body = declared_only(coord.url, "PUT", "/v1/model?host=a", who, 1 << 40)  # answered before any byte
+    assert (status, body["reason"]) == (400, "invalid") and "does not fit the 3 tensors host a declared" in body["error"]
+    other = model_file([("fc.weight", torch.zeros(30, 40)), *MODEL[1:]])  # as many bytes, other shapes
+    r = requests.put(f"{coord.url}/v1/model", params={"host": "a"}, data=other, headers=who, timeout=30)
+    assert r.status_code == 400 and "as declared at join" in r.json()["error"]
+    assert a.put_model(memoryview(model_file())) == model_hash(MODEL)
+
+
+def test_telemetry_beyond_its_byte_budget_waits(coordinator) -> None:
+    coord = coordinator(1)
+    a = HttpClient(coord.url, host="a", retry_for=5)
+    a.join(TENSORS)
+    a.put_model(memoryview(model_file()))
+    wordy = {f"note_{i}": "x" * 256 for i in range(16)}
+    batch = [{"round": 0, "host": "a", "phase": "encode", "start": 1.0, "end": 2.0, **wordy}] * 700
+    a.post_events(batch)  # about 3.3 MB: within the budget of 4 MiB a minute
+    with pytest.raises(Refusal) as refused:
+        a.post_events(batch)
+    assert refused.value.reason is Reason.RATE_LIMITED and "more than 4194304 bytes" in str(refused.value)
+    assert sum(1 for e in coord.events() if e["host"] == "a") == 700
+
+
+def test_a_round_that_would_overflow_the_fp16_model_is_refused_and_changes_nothing(coordinator) -> None:
+    named = [("w", torch.full((30, 20), 30000.0, dtype=torch.float16)), ("b", torch.zeros(20))]
+    specs = spec_of(named)
+    coord = coordinator(1)
+    a = HttpClient(coord.url, host="a", retry_for=5)
+    a.join([s.as_json() for s in specs])
+    initial = a.put_model(memoryview(model_file(named)))
+    huge = delta_message([torch.full((30, 20), 50000.0), torch.ones(20)], round_=0, host="a", base_hash=initial,
+                         samples=4, specs=specs)  # finite, and fine in fp16 scales; but 30000 + 50000 is not fp16
+    assert a.post_delta(0, huge.view()) is Upload.TAKEN
+    reply = a.wait_sync(0)
+    sync = Q4Message.parse(body_bytes(reply.body))
+    assert sync.meta.model_hash == sync.meta.base_hash == initial
+    round_, served_hash, _, tensors = read_model(body_bytes(a.get_model()))
+    assert (round_, served_hash) == (1, initial)
+    assert all(torch.equal(x.view(-1).view(torch.uint8), t.view(-1).view(torch.uint8))
+               for x, (_, t) in zip(tensors, named))
+    refused = [e for e in coord.events() if e["phase"] == "sync_prepare" and e["round"] == 0]
+    assert refused[0]["refused"] == "not finite: w" and refused[0]["model_hash"] == initial
+    assert "round 0 refused" in (coord.run_dir / "coordinator.log").read_text()
+    # the next round goes on from the unchanged model
+    small = [torch.full((30, 20), 0.5), torch.ones(20)]
+    message = delta_message(small, round_=1, host="a", base_hash=initial, samples=4, specs=specs)
+    message.write_header(Q4Meta("delta", 1, "a", initial, samples=4))
+    assert a.post_delta(1, message.view()) is Upload.TAKEN
+    expected = expected_after_round([t for _, t in named], [(small, 4)])
+    assert Q4Message.parse(body_bytes(a.wait_sync(1).body)).meta.model_hash == model_hash(
+        list(zip(["w", "b"], expected)))

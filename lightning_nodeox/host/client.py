@@ -32,6 +32,7 @@ from ..core.protocol import (
     Unreachable,
     Upload,
 )
+from ..core.settings import ENV_CA_FILE
 from .clock import ClockOffset
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,8 @@ class HttpClient:
                     headers=headers, **({"verify": self._verify} if self._verify else {}), **kwargs)
             except (requests.ConnectionError, requests.Timeout) as e:
                 problem: str = f"{type(e).__name__}: {e}"
+                if isinstance(e, requests.exceptions.SSLError):
+                    problem += f"; to trust a self-signed or private certificate, set {ENV_CA_FILE} to it"
             else:
                 stamp = response.headers.get(proto.TIME_HEADER)
                 if stamp:
