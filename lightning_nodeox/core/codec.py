@@ -322,7 +322,9 @@ def encode_sync(
 ) -> bool:
     """Coordinator, before anything is applied: quantize the sync delta as :func:`encode_sync_and_apply` does,
     leaving ``model`` untouched; returns whether ``model + dequantized`` stays finite in the model's dtype
-    (checked per chunk while it is in cache; False at the first chunk that does not)."""
+    (False at the first chunk that does not). Per chunk, while it is in cache: when ``max|model| + 7 * max
+    scale`` is below the dtype's largest value it is finite; only otherwise is the sum itself formed and looked at."""
+    limit = torch.finfo(model.dtype).max * (1 - 2**-10)  # room for the rounding of the bound itself
     for s, e in chunk_ranges(acc.numel(), k.chunk, start, stop):
         m = e - s
         mp = k.padded(m)
@@ -330,12 +332,17 @@ def encode_sync(
         if outer_step is not None:
             outer_step(x, s, e)
         d = k.d[:mp]
-        k.quantize(m, *k.blocks(codes, scales, s, mp), dequant_out=d)
+        chunk_codes, chunk_scales = k.blocks(codes, scales, s, mp)
+        k.quantize(m, chunk_codes, chunk_scales, dequant_out=d)
+        low, high = torch.aminmax(model[s:e])
+        if max(-float(low), float(high)) + LEVELS * float(chunk_scales.abs().max()) < limit:
+            continue
         size = m * model.element_size()
         probe = (k.y.view(torch.uint8)[:size].view(model.dtype) if size <= k.y.numel() * 4
                  else torch.empty(m, dtype=model.dtype, device=model.device))  # k.y is free once quantized
         apply_dequantized(model[s:e], d[:m], probe)
-        if not bool(torch.isfinite(probe).all()):
+        low, high = torch.aminmax(probe)
+        if not (math.isfinite(float(low)) and math.isfinite(float(high))):
             return False
     return True
 
