@@ -148,3 +148,21 @@ def test_a_failure_before_applying_leaves_the_model_untouched_and_the_round_retr
     clean = make(named, pool)
     clean.accumulate(delta(clean.specs, [torch.full(t.shape, 0.25) for _, t in named]), 2)
     assert closed.sync.meta.model_hash == clean.close_round(0).sync.meta.model_hash != before_hash
+
+
+def test_a_result_close_to_the_dtype_limit_but_finite_is_taken(pool) -> None:
+    """Where the quick bound cannot tell (max|θ| + 7·scale near 65504), the sum itself decides."""
+    named = [("w", torch.full((1000,), 65400.0, dtype=torch.float16))]
+    model = make(named, pool)
+    model.accumulate(delta(model.specs, [torch.full((1000,), 50.0)]), 1)
+    closed = model.close_round(0)
+    assert not closed.not_finite
+    model.publish(closed.sync)
+    reference = named[0][1].clone()
+    message = delta(model.specs, [torch.full((1000,), 50.0)])
+    acc = torch.zeros(1000)
+    model_module.accumulate_tensor(kernels(SETTINGS), message.codes(0), message.scales(0), acc, 1.0, assign=True)
+    codes, scales = torch.empty_like(message.codes(0)), torch.empty_like(message.scales(0))
+    encode_sync_and_apply(kernels(SETTINGS), acc, 1.0, reference, codes, scales)
+    assert torch.isfinite(model.tensors[0]).all() and torch.equal(model.tensors[0], reference)
+    assert float(model.tensors[0][0]) > 65400
