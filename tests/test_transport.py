@@ -110,3 +110,46 @@ def test_tls_needs_a_certificate_and_its_key(tmp_path) -> None:
         CoordinatorConfig(hosts=1, run_dir=tmp_path, tls_cert=tmp_path / "cert.pem")
     with pytest.raises(ValueError, match="--tls-key .* is not a file"):
         CoordinatorConfig(hosts=1, run_dir=tmp_path, tls_cert=tmp_path / "cert.pem", tls_key=tmp_path / "nope.pem")
+
+
+HTTPS_HOST = '''
+import os, sys, torch
+from lightning_nodeox.core.hashing import model_hash
+from lightning_nodeox.core.modelfile import model_header
+from lightning_nodeox.core.settings import Q4Settings
+from lightning_nodeox.core.specs import spec_of
+from lightning_nodeox.core.wire import Q4Layout, Q4Message, Q4Meta
+from lightning_nodeox.host.client import HttpClient
+
+url, ca = os.environ["NODEOX_COORDINATOR_URL"], os.environ["NODEOX_CA_FILE"]
+assert url.startswith("https://"), url
+named = [("w", torch.arange(12.0))]
+specs = spec_of(named)
+client = HttpClient(url, host=os.environ["NODEOX_HOST_ID"], token=os.environ["NODEOX_TOKEN"], ca_file=ca)
+reply = client.join([s.as_json() for s in specs])
+digest = model_hash(named)
+if reply.provide_model:
+    client.put_model(memoryview(model_header(specs, 0, digest) + named[0][1].numpy().tobytes()))
+final = Q4Message.allocate(Q4Layout.of(specs, Q4Settings()))
+final.buffer.fill_(0x88)
+final.scales(0).fill_(0.0)
+final.write_header(Q4Meta("delta", 0, client.host, digest, samples=0, final=True))
+client.post_delta(0, final.view())
+print("sync complete:", client.wait_sync(0).complete)
+client.leave()
+'''
+
+
+def test_launch_passes_tls_and_the_token_to_its_hosts(tmp_path) -> None:
+    cert, key = self_signed(tmp_path)
+    (tmp_path / "token").write_text("tok")
+    (tmp_path / "host.py").write_text(HTTPS_HOST)
+    env = {k: v for k, v in os.environ.items() if k != "NODEOX_CA_FILE"}
+    out = subprocess.run([sys.executable, "-m", "lightning_nodeox", "launch", "--hosts", "1", "--run-dir",
+                          str(tmp_path / "run"), "--threads", "1", "--token-file", str(tmp_path / "token"),
+                          "--tls-cert", str(cert), "--tls-key", str(key), "--elastic", "--",
+                          sys.executable, str(tmp_path / "host.py")],
+                         capture_output=True, text=True, timeout=180, env=dict(env, PYTHONUNBUFFERED="1"))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "[host 0] sync complete: True" in out.stdout
+    assert "listening on https://127.0.0.1:" in out.stdout
