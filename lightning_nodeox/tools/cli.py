@@ -101,9 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.cmd == "coordinator":
+        config = _config(args, args.bind)  # refuse a bad command line before importing torch
         from ..coordinator.server import serve
 
-        return asyncio.run(serve(_config(args, args.bind), args.ready_file))
+        return asyncio.run(serve(config, args.ready_file))
     if args.cmd == "launch":
         from .launch import launch
 
