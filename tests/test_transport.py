@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -82,6 +83,20 @@ def test_insecure_binds_everywhere_and_says_the_address_bound(tmp_path) -> None:
     finally:
         coord.stop()
     assert f"listening on {coord.url} " in (tmp_path / "run" / "coordinator.log").read_text()
+
+
+def test_an_ipv6_bind_is_printed_in_brackets_and_reachable(tmp_path) -> None:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    coord = Coordinator(tmp_path / "run", 1, "--bind", "[::1]:0")
+    try:
+        assert coord.url.startswith("http://[::1]:")
+        assert requests.get(f"{coord.url}/v1/health", timeout=10).json() == {"ok": True}
+    finally:
+        coord.stop()
 
 
 def test_the_url_printed_is_the_socket_bound() -> None:
