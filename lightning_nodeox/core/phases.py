@@ -60,13 +60,6 @@ class PhaseRecord:
         d.update({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in extra.items()})
         return d
 
-    @classmethod
-    def from_json(cls, d: dict) -> PhaseRecord:
-        known = {"round", "host", "phase", "start", "end", "bytes"}
-        return cls(int(d["round"]), str(d["host"]), str(d["phase"]), float(d["start"]), float(d["end"]),
-                   None if d.get("bytes") is None else int(d["bytes"]),
-                   {k: v for k, v in d.items() if k not in known})
-
 
 class PhaseLog:
     """Times the phases of one process and hands each finished record to its listeners."""

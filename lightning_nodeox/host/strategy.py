@@ -152,11 +152,11 @@ class NodeoxStrategy(SingleDeviceStrategy):
         settings = self.settings
         self.connection = conn = Connection.resolve(**self._given)
         clock = ClockOffset()
-        client = HttpClient(conn.coordinator_url, host=conn.host_id, token=conn.token,
+        client = HttpClient(conn.coordinator_url, host=conn.host_id, token=conn.token, ca_file=conn.ca_file,
                             read_timeout=settings.request_timeout, retry_for=settings.retry_for, clock=clock)
-        # the token goes to the coordinator only, never to another telemetry address
+        # the token and the host's credential go to the coordinator only, never to another telemetry address
         telemetry_client = client if conn.telemetry_url is None else HttpClient(
-            conn.telemetry_url, host=conn.host_id, retry_for=0.0)
+            conn.telemetry_url, host=conn.host_id, ca_file=conn.ca_file, retry_for=0.0)
         self._phases = PhaseLog(conn.host_id)
         self._telemetry = TelemetryShipper(telemetry_client, clock)
         self._phases.listeners += [self.phase_records.append, self._telemetry]
