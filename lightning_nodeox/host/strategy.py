@@ -119,6 +119,8 @@ class NodeoxStrategy(SingleDeviceStrategy):
         self._steps = 0
         self._samples = 0
         self._round_start = 0.0
+        self._deadline = 0.0  # with round_seconds: when the current round closes
+        self._closed_rounds = 0
         self._left = False
 
     # -- devices and ranks ------------------------------------------------------------------------------------
@@ -175,6 +177,7 @@ class NodeoxStrategy(SingleDeviceStrategy):
             raise
         self._worker = ExchangeWorker()
         self._round_start = time.time()
+        self._schedule_deadline(overlapped=False)
 
     # -- round boundaries -------------------------------------------------------------------------------------
     @override
@@ -213,25 +216,40 @@ class NodeoxStrategy(SingleDeviceStrategy):
 
     def _round_due(self) -> bool:
         if self.settings.round_seconds is not None:
-            return time.time() - self._round_start >= self.settings.round_seconds
+            return time.time() >= self._deadline
         return self._steps >= self.settings.local_steps
 
     def _close_round(self, final: bool = False) -> None:
-        """Hand the round to the exchange worker; wait for it unless training overlaps (never for the final one)."""
+        """Hand the round to the exchange worker; wait for it unless training overlaps. The first round is never
+        overlapped (the hosts' rounds start together after it, whatever their start-up took), nor the final one."""
         if self._in_flight is not None:  # overlap: the previous round's sync has not been folded in yet
             self._wait_and_fold()
         now = time.time()
         self._phases.emit(PhaseRecord(self._round.round, self.connection.host_id, P.TRAIN, self._round_start, now,
                                       extra={"steps": self._steps, "samples": self._samples}))
         mode = self.settings.overlap
-        if mode is None or final:
-            self.last_result = self._worker.submit(self._round.run_round, self._samples, final).result()
-        else:
+        overlapped = mode is not None and not final and self._closed_rounds > 0
+        if overlapped:
             self._round.tensors.take_snapshot(restart_from_base=mode == "delayed")
             self._in_flight_round = self._round.round
             self._in_flight = self._worker.submit(self._round.run_overlapped, self._samples, mode == "delayed")
+        else:
+            self.last_result = self._worker.submit(self._round.run_round, self._samples, final).result()
+        self._closed_rounds += 1
         self._steps = self._samples = 0
         self._round_start = time.time()
+        self._schedule_deadline(overlapped)
+
+    def _schedule_deadline(self, overlapped: bool) -> None:
+        """With ``round_seconds``: a round that waited for its sync starts a budget of its own; overlapped rounds
+        keep to a fixed schedule (boundaries ``round_seconds`` apart), so time lost at a boundary or to a step that
+        overran is made up and the hosts' boundaries do not drift apart."""
+        budget = self.settings.round_seconds
+        if budget is None:
+            return
+        self._deadline = self._deadline + budget if overlapped else self._round_start + budget
+        if self._deadline <= self._round_start:  # behind by a whole round: start afresh
+            self._deadline = self._round_start + budget
 
     def _wait_and_fold(self) -> None:
         with self._phases.timed(self._in_flight_round, P.WAIT):
