@@ -58,8 +58,9 @@ class CoordinatorModel:
         self.pool.over_ranges([a.numel() for a in self.acc], work)
         self.weight += samples
 
-    def close_round(self, round_: int) -> Q4Message:
-        """The outer step of the mean delta, quantized and applied to θ as hosts will; returns the sync."""
+    def close_round(self, round_: int, metrics: dict[str, list] | None = None) -> Q4Message:
+        """The outer step of the mean delta, quantized and applied to θ as hosts will; returns the sync (with
+        the round's ``metrics`` reduced across hosts)."""
         if self.weight == 0:
             for acc in self.acc:
                 acc.zero_()
@@ -78,7 +79,7 @@ class CoordinatorModel:
         self.pool.over_ranges([a.numel() for a in self.acc], work)
         self.pool.run([t for h in hashers if not h.fusable(self.pool.chunk) for t in h.tasks()])
         message.write_header(Q4Meta("sync", round_, "coordinator", base_hash, samples=self.weight,
-                                    model_hash=combine(self.named(), hashers)))
+                                    model_hash=combine(self.named(), hashers), metrics=metrics or {}))
         self.weight = 0
         return message
 

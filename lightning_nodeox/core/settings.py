@@ -15,6 +15,7 @@ ENV_TOKEN = "NODEOX_TOKEN"
 ENV_TELEMETRY_URL = "NODEOX_TELEMETRY_URL"
 ENV_NUM_HOSTS = "NODEOX_NUM_HOSTS"
 ENV_RUN_DIR = "NODEOX_RUN_DIR"
+ENV_LOCAL_RANK = "NODEOX_LOCAL_HOST_RANK"  # the host's position among the hosts on its machine (0 first)
 
 
 def check_rounding(rounding: str) -> None:

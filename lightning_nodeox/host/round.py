@@ -14,7 +14,7 @@ The rules, each in terms of the protocol's outcomes (never HTTP):
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..core import phases as P
 from ..core.phases import PhaseLog
@@ -35,6 +35,7 @@ class RoundResult:
     model_hash: str
     complete: bool  # the run has completed: no more rounds
     contributed: bool  # this host's delta was part of the round
+    metrics: dict[str, list] = field(default_factory=dict)  # the sync's sync_dist values, reduced across hosts
 
 
 class HostRound:
@@ -89,9 +90,10 @@ class HostRound:
             self.fetch_model()
 
     # -- a round --------------------------------------------------------------------------------------------------
-    def run_round(self, samples: int, final: bool) -> RoundResult:
-        """One whole exchange: encode, upload, then sync (following later rounds if this is the final one)."""
-        message = self.encode(self.tensors.live, samples, final)
+    def run_round(self, samples: int, final: bool, metrics: dict[str, list] | None = None) -> RoundResult:
+        """One whole exchange: encode, upload, then sync (following later rounds if this is the final one).
+        ``metrics``: this host's latest sync_dist values, ``{name: [value, reduction]}``."""
+        message = self.encode(self.tensors.live, samples, final, metrics)
         outcome = self.upload(message)
         result = self.synchronize(follow_to_end=final and outcome is not Upload.LATE)
         if final and outcome is Upload.LATE and not self.complete:
@@ -100,13 +102,13 @@ class HostRound:
         result.contributed = outcome is Upload.TAKEN and result.contributed
         return result
 
-    def encode(self, source, samples: int, final: bool) -> Q4Message:
+    def encode(self, source, samples: int, final: bool, metrics: dict[str, list] | None = None) -> Q4Message:
         tensors = self.tensors
         error = tensors.estimate_error(source) if samples > 0 else None
         seed = None if self.rounding == "nearest" else hash((self._seed, self.round)) & (2**62 - 1)
         with self.phases.timed(self.round, P.ENCODE, samples=samples, q4_rel_error=error) as rec:
             message = tensors.encode(source, Q4Meta("delta", self.round, self.host, self.model_hash,
-                                                    samples=samples, final=final), seed)
+                                                    samples=samples, final=final, metrics=metrics or {}), seed)
             rec.bytes = len(message)
         return message
 
@@ -196,7 +198,7 @@ class HostRound:
             self.fetch_model()
             return RoundResult(round_, self.model_hash, self.complete, False)
         self.model_hash = got
-        return RoundResult(round_, got, self.complete, True)
+        return RoundResult(round_, got, self.complete, True, sync.meta.metrics)
 
     # -- the full model ------------------------------------------------------------------------------------------------
     def fetch_model(self) -> None:

@@ -47,6 +47,11 @@ class Connection:
         if not 1 <= len(self.host_id) <= 64:
             raise ValueError(f"host_id must be 1 to 64 characters, got {self.host_id!r}; set {ENV_HOST_ID}")
 
+    @staticmethod
+    def host_id_from_env(host_id: str | None = None) -> str:
+        """The host id given, else ``NODEOX_HOST_ID``, else the machine's name."""
+        return host_id or os.environ.get(ENV_HOST_ID) or socket.gethostname()
+
     @classmethod
     def resolve(cls, *, coordinator_url: str | None = None, host_id: str | None = None, token: str | None = None,
                 telemetry_url: str | None = None) -> Connection:
@@ -56,6 +61,6 @@ class Connection:
             raise ValueError(
                 "NodeoxStrategy needs the coordinator's URL: pass NodeoxStrategy(coordinator_url='http://HOST:8470') "
                 f"or set {ENV_URL} (`nodeox launch` sets it for the hosts it starts)")
-        return cls(coordinator_url=url, host_id=host_id or os.environ.get(ENV_HOST_ID) or socket.gethostname(),
+        return cls(coordinator_url=url, host_id=cls.host_id_from_env(host_id),
                    token=token or os.environ.get(ENV_TOKEN) or None,
                    telemetry_url=telemetry_url or os.environ.get(ENV_TELEMETRY_URL) or None)

@@ -4,14 +4,19 @@ Each host is its own world of one: Lightning's barrier, broadcast and reduce nev
 and every host is its own rank zero (its loggers and checkpoints write). After every ``local_steps``
 optimizer steps the strategy closes a round; the round logic itself lives in :mod:`lightning_nodeox.host.round`.
 
-The last, partial round: when ``fit`` ends, each host sends what it trained since its last round (possibly
-nothing) as its final delta, then applies every remaining sync until all hosts have finished, so every host
-ends on the same final model.
+Stopping together: when ``fit`` ends on one host (max_steps, max_epochs, early stopping), it sends what it
+trained since its last round as its final delta, and that round completes the run: the other hosts stop at
+their next round boundary, and every host ends on the same final model (:mod:`lightning_nodeox.host.stopping`).
+Values logged with ``sync_dist=True`` are shared across hosts at round boundaries
+(:mod:`lightning_nodeox.host.metrics`); under ``nodeox launch`` each host writes into its own folder of the run
+directory (:mod:`lightning_nodeox.host.machine`); SIGTERM makes a host leave at once
+(:mod:`lightning_nodeox.host.signals`).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections import deque
 from typing import Any
@@ -27,10 +32,15 @@ from typing_extensions import override
 from ..core import phases as P
 from ..core.cpu import choose_threads, granted_cpus
 from ..core.phases import PhaseLog, PhaseRecord
+from . import machine
 from .client import HttpClient
 from .clock import ClockOffset
+from .metrics import SharedMetrics
+from .progress import RoundProgress
 from .round import HostRound, RoundResult
 from .settings import Connection, HostSettings
+from .signals import SigtermHandler, exit_code_for
+from .stopping import ends_after_this_batch
 from .telemetry import TelemetryShipper
 from .tensors import HostTensors, shared_tensors
 from .worker import ExchangeWorker
@@ -107,6 +117,9 @@ class NodeoxStrategy(SingleDeviceStrategy):
         self._samples = 0
         self._round_start = 0.0
         self._left = False
+        self.metrics = SharedMetrics()
+        self._progress: RoundProgress | None = None
+        self._sigterm = SigtermHandler(self._cancel_waits)
 
     # -- devices and ranks ------------------------------------------------------------------------------------
     @property
@@ -123,6 +136,8 @@ class NodeoxStrategy(SingleDeviceStrategy):
                 "use Trainer(devices=1, strategy=NodeoxStrategy()) and start one host per GPU "
                 "(`nodeox launch` gives each host its own GPU)")
         rank_zero_only.rank = 0
+        self.local_rank = machine.local_rank()  # prepare_data runs on local rank 0: one host per machine
+        machine.use_run_folder(self.lightning_module.trainer, Connection.host_id_from_env(self._given["host_id"]))
         threads = self.cpu_threads or min(torch.get_num_threads(), granted_cpus())
         if threads != torch.get_num_threads():
             log.info("NodeoxStrategy: torch CPU threads %d -> %d (CPU quota of this process)",
@@ -146,7 +161,8 @@ class NodeoxStrategy(SingleDeviceStrategy):
             conn.telemetry_url, host=conn.host_id, retry_for=0.0)
         self._phases = PhaseLog(conn.host_id)
         self._telemetry = TelemetryShipper(telemetry_client, clock)
-        self._phases.listeners += [self.phase_records.append, self._telemetry]
+        self._progress = RoundProgress(conn.host_id)
+        self._phases.listeners += [self.phase_records.append, self._telemetry, self._progress]
         codec_threads = 1 if self.root_device.type != "cpu" else choose_threads(settings.codec_threads,
                                                                                    purpose="host codec")
         tensors = HostTensors(shared_tensors(self.lightning_module))
@@ -193,34 +209,76 @@ class NodeoxStrategy(SingleDeviceStrategy):
         self._stepped = False
         self._steps += 1
         if self._steps >= self.settings.local_steps:
-            self._close_round(final=False)
+            trainer = self.lightning_module.trainer
+            self._close_round(final=ends_after_this_batch(trainer, not self.lightning_module.automatic_optimization))
 
     def _close_round(self, final: bool) -> RoundResult:
         now = time.time()
         self._phases.emit(PhaseRecord(self._round.round, self.connection.host_id, P.TRAIN, self._round_start, now,
                                       extra={"steps": self._steps, "samples": self._samples}))
-        result = self._worker.submit(self._round.run_round, self._samples, final).result()
+        result = self._sigterm.wait(self._worker.submit(self._round.run_round, self._samples, final,
+                                                        self.metrics.take()))
         self.last_result = result
+        self._after_round(result)
         self._steps = self._samples = 0
         self._round_start = time.time()
         return result
 
+    def _after_round(self, result: RoundResult) -> None:
+        """Take the run's shared values, show the round's progress line, and stop when the run is complete."""
+        trainer = self.lightning_module.trainer
+        self.metrics.update(result.metrics)
+        self._progress.show(trainer, self._progress.line(result.round, trainer.global_step, result.model_hash,
+                                                         trainer.callback_metrics, result.complete))
+        if result.complete:
+            trainer.should_stop = True  # a host's training ended: every host stops at this round
+
+    @override
+    def reduce(self, tensor, group: Any = None, reduce_op: Any = "mean"):
+        """A value logged with ``sync_dist=True``: returns at once, with the mean across hosts as of the last round
+        (this host's own value until the value was first shared); see :mod:`lightning_nodeox.host.metrics`."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return tensor  # validate/test/predict: no rounds, a world of one
+        return self.metrics.reduce(sys._getframe(1), tensor, reduce_op, recording=not trainer.sanity_checking)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        """Hosts never wait on each other; only at ``pre_setup`` do the hosts of one machine wait until its local
+        rank 0 has run ``prepare_data``."""
+        if name == "pre_setup":
+            machine.after_prepare_data(self.lightning_module.trainer, self.local_rank)
+
+    @override
+    def on_train_start(self) -> None:
+        self._sigterm.install()  # after Lightning's own SIGTERM handler, which it chains
+        super().on_train_start()
+
+    def _cancel_waits(self) -> None:
+        if self._round is not None:
+            self._round.client.cancel()
+
     @override
     def on_train_end(self) -> None:
-        """The last, partial round (possibly empty), then every remaining sync until all hosts finish."""
+        """This host's final round (what it trained since its last round), unless the run has completed already
+        (another host's training ended, or this host's last batch closed its final round); then the run's values
+        of the metrics logged with ``sync_dist=True`` go into ``trainer.callback_metrics``."""
         if self._worker is not None and not self._round.complete:
             result = self._close_round(final=True)
             log.info("NodeoxStrategy: host %s finished after round %d on model %s", self.connection.host_id,
                      result.round, result.model_hash)
+        self.metrics.publish(self.lightning_module.trainer.callback_metrics)
         super().on_train_end()
 
     @override
     def teardown(self) -> None:
+        self._sigterm.uninstall()
         self._leave()
         super().teardown()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        exit_code_for(exception)
         self._leave(interrupted=True)
         super().on_exception(exception)
 
