@@ -118,6 +118,7 @@ class NodeoxStrategy(SingleDeviceStrategy):
         self._round_start = 0.0
         self._left = False
         self.metrics = SharedMetrics()
+        self._batches_stepped = 0
         self._progress: RoundProgress | None = None
         self._sigterm = SigtermHandler(self._cancel_waits)
 
@@ -137,7 +138,10 @@ class NodeoxStrategy(SingleDeviceStrategy):
                 "(`nodeox launch` gives each host its own GPU)")
         rank_zero_only.rank = 0
         self.local_rank = machine.local_rank()  # prepare_data runs on local rank 0: one host per machine
-        machine.use_run_folder(self.lightning_module.trainer, Connection.host_id_from_env(self._given["host_id"]))
+        trainer = self.lightning_module.trainer
+        machine.use_run_folder(trainer, Connection.host_id_from_env(self._given["host_id"]))
+        # distributed for self.log(sync_dist=True) only: each host loads its own data, no DistributedSampler
+        trainer._accelerator_connector.use_distributed_sampler = False
         threads = self.cpu_threads or min(torch.get_num_threads(), granted_cpus())
         if threads != torch.get_num_threads():
             log.info("NodeoxStrategy: torch CPU threads %d -> %d (CPU quota of this process)",
@@ -228,10 +232,16 @@ class NodeoxStrategy(SingleDeviceStrategy):
         """Take the run's shared values, show the round's progress line, and stop when the run is complete."""
         trainer = self.lightning_module.trainer
         self.metrics.update(result.metrics)
-        self._progress.show(trainer, self._progress.line(result.round, trainer.global_step, result.model_hash,
+        self._batches_stepped += self._steps
+        self._progress.show(trainer, self._progress.line(result.round, self._batches_stepped, result.model_hash,
                                                          trainer.callback_metrics, result.complete))
         if result.complete:
             trainer.should_stop = True  # a host's training ended: every host stops at this round
+
+    @property
+    def is_distributed(self) -> bool:
+        """True, so that Lightning hands values logged with ``sync_dist=True`` to :meth:`reduce`."""
+        return True
 
     @override
     def reduce(self, tensor, group: Any = None, reduce_op: Any = "mean"):
