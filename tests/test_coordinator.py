@@ -209,3 +209,37 @@ def test_refused_and_malformed_requests_change_nothing(coordinator) -> None:
     assert r.status_code == 400 and "not joined" in r.json()["error"]
     r = requests.put(f"{coord.url}/v1/model?host=a", data=model_file(), timeout=10)
     assert r.status_code == 409 and "already has a model" in r.json()["error"]
+
+
+def test_a_final_delta_completes_the_run_with_its_round_and_later_deltas_are_late(coordinator) -> None:
+    """Stopping together: host a's training ended (final delta) while host b trains on; the round they share is
+    the run's last one, its sync says so and carries their sync_dist values reduced; b's next delta is late."""
+    coord = coordinator(2)
+    a = HttpClient(coord.url, host="a", retry_for=5)
+    b = HttpClient(coord.url, host="b", retry_for=5)
+    a.join([s.as_json() for s in SPECS])
+    h = a.put_model(memoryview(model_file()))
+    b.join([s.as_json() for s in SPECS])
+    zeros = [torch.zeros(t.shape) for _, t in MODEL]
+    for host, client, samples, final, value in (("a", a, 10, True, 1.0), ("b", b, 30, False, 3.0)):
+        message = delta_message(zeros, round_=0, host=host, base_hash=h, samples=samples)
+        message.write_header(Q4Meta("delta", 0, host, h, samples=samples, final=final,
+                                    metrics={"val_loss": [value, "mean"], "seen": [samples, "sum"]}))
+        assert client.post_delta(0, message.view()) is Upload.TAKEN
+    reply = b.wait_sync(0)
+    assert isinstance(reply, SyncReady) and reply.complete
+    buf = bytearray(reply.body.size)
+    read_fully(reply.body, memoryview(buf))
+    reply.body.close()
+    assert Q4Message.parse(buf).meta.metrics == {"val_loss": [2.5, "mean"], "seen": [40.0, "sum"]}
+    later = delta_message(zeros, round_=1, host="b", base_hash=h, samples=30)
+    assert b.post_delta(1, later.view()) is Upload.LATE
+
+
+def test_sync_dist_values_reduce_by_samples_and_by_their_reduction() -> None:
+    from lightning_nodeox.coordinator.metrics import reduce_metrics
+
+    reduced = reduce_metrics([(1, {"loss": [1.0, "mean"], "top": [5.0, "max"]}),
+                              (3, {"loss": [3.0, "mean"], "top": [2.0, "max"], "n": [4.0, "sum"]})])
+    assert reduced == {"loss": [2.5, "mean"], "top": [5.0, "max"], "n": [4.0, "sum"]}
+    assert reduce_metrics([(0, {"loss": [1.0, "mean"]}), (0, {"loss": [2.0, "mean"]})]) == {"loss": [1.5, "mean"]}

@@ -8,7 +8,9 @@ The rules, each in terms of the protocol's outcomes (never HTTP):
 - a sync that is gone (``SyncGone``), that cannot be parsed, or that does not fit this host's model makes the
   host fetch the full model; so does a model hash that differs after applying a sync;
 - a download that breaks off is asked for again (``DOWNLOAD_TRIES``);
-- a host whose last round was late still sends an empty final delta, so the coordinator knows it finished.
+- a host whose last round was late still sends an empty final delta, so the coordinator knows it finished;
+- a host that learns the run completed before its round closed (another host's training ended while its
+  delta was on the way) drops the local work no round took: it ends on the run's final model, like every host.
 """
 
 from __future__ import annotations
@@ -155,8 +157,9 @@ class HostRound:
         for attempt in range(1, DOWNLOAD_TRIES + 1):
             with self.phases.timed(round_, P.WAIT):
                 reply = self.client.wait_sync(round_)
-            if isinstance(reply, RunComplete):
+            if isinstance(reply, RunComplete):  # no later sync: this host's base is the run's final model
                 self.complete = True
+                self.tensors.restore_live()
                 return None
             if isinstance(reply, SyncGone):
                 self.fetch_model()
