@@ -13,11 +13,18 @@ from __future__ import annotations
 from lightning.pytorch import Trainer
 
 
-def ends_after_this_batch(trainer: Trainer, step_counted: bool) -> bool:
-    """Whether Lightning ends ``fit`` after the batch now stepping. ``step_counted``: the batch's optimizer step is
-    already in ``trainer.global_step`` (manual optimization; in automatic optimization it is counted after)."""
+def steps_taken(trainer: Trainer) -> int:
+    """``trainer.global_step``, counting an optimizer step in progress (Lightning counts it once it returns)."""
+    loop = trainer.fit_loop.epoch_loop
+    if trainer.lightning_module.automatic_optimization:
+        return loop.automatic_optimization.optim_progress.optimizer.step.total.ready
+    return loop.manual_optimization.optim_step_progress.total.ready
+
+
+def ends_after_this_batch(trainer: Trainer) -> bool:
+    """Whether Lightning ends ``fit`` after the batch now stepping."""
     loop = trainer.fit_loop
-    steps = trainer.global_step + (0 if step_counted else 1)
+    steps = steps_taken(trainer)
     if loop.max_steps not in (None, -1) and steps >= loop.max_steps:
         return True
     if trainer.should_stop and loop._can_stop_early:

@@ -40,7 +40,7 @@ from .progress import RoundProgress
 from .round import HostRound, RoundResult
 from .settings import Connection, HostSettings
 from .signals import SigtermHandler, exit_code_for
-from .stopping import ends_after_this_batch
+from .stopping import ends_after_this_batch, steps_taken
 from .telemetry import TelemetryShipper
 from .tensors import HostTensors, shared_tensors
 from .worker import ExchangeWorker
@@ -118,7 +118,6 @@ class NodeoxStrategy(SingleDeviceStrategy):
         self._round_start = 0.0
         self._left = False
         self.metrics = SharedMetrics()
-        self._batches_stepped = 0
         self._progress: RoundProgress | None = None
         self._sigterm = SigtermHandler(self._cancel_waits)
 
@@ -213,8 +212,7 @@ class NodeoxStrategy(SingleDeviceStrategy):
         self._stepped = False
         self._steps += 1
         if self._steps >= self.settings.local_steps:
-            trainer = self.lightning_module.trainer
-            self._close_round(final=ends_after_this_batch(trainer, not self.lightning_module.automatic_optimization))
+            self._close_round(final=ends_after_this_batch(self.lightning_module.trainer))
 
     def _close_round(self, final: bool) -> RoundResult:
         now = time.time()
@@ -232,8 +230,7 @@ class NodeoxStrategy(SingleDeviceStrategy):
         """Take the run's shared values, show the round's progress line, and stop when the run is complete."""
         trainer = self.lightning_module.trainer
         self.metrics.update(result.metrics)
-        self._batches_stepped += self._steps
-        self._progress.show(trainer, self._progress.line(result.round, self._batches_stepped, result.model_hash,
+        self._progress.show(trainer, self._progress.line(result.round, steps_taken(trainer), result.model_hash,
                                                          trainer.callback_metrics, result.complete))
         if result.complete:
             trainer.should_stop = True  # a host's training ended: every host stops at this round

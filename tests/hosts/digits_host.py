@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import EarlyStopping
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from safetensors.torch import save_file
 from sklearn.datasets import load_digits
@@ -102,6 +102,8 @@ def main() -> None:
     p.add_argument("--stop-host", type=int, default=-1,
                    help="EarlyStopping on every host, triggered on this host alone at its first epoch end; "
                         "also logs values with sync_dist=True")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="save OUT/host<id>.ckpt every N steps")
+    p.add_argument("--resume", type=Path, help="resume fit from this checkpoint")
     args = p.parse_args()
     torch.set_num_threads(1)
     host = os.environ["NODEOX_HOST_ID"]
@@ -128,13 +130,16 @@ def main() -> None:
     callbacks = [PhaseMonitor(), DumpRounds(args.out, host)]
     if args.stall_round >= 0 and host == args.stall_host:
         callbacks.append(Stall(args.stall_round * args.local_steps + 1, args.stall_seconds))
+    if args.checkpoint_every:
+        callbacks.append(ModelCheckpoint(dirpath=args.out, filename=f"host{host}", every_n_train_steps=args.checkpoint_every,
+                                         save_top_k=-1, enable_version_counter=False))
     if args.stop_host >= 0:
         callbacks.append(EarlyStopping("stop_signal", mode="min", stopping_threshold=0.5, check_on_train_epoch_end=True))
     strategy = NodeoxStrategy(local_steps=args.local_steps, cpu_threads=1, codec_threads=1)
     trainer = Trainer(strategy=strategy, max_steps=args.max_steps, logger=TensorBoardLogger(args.out / f"tb_host{host}"),
-                      callbacks=callbacks, enable_checkpointing=False,
+                      callbacks=callbacks, enable_checkpointing=bool(args.checkpoint_every),
                       enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
-    trainer.fit(model, loader)
+    trainer.fit(model, loader, ckpt_path=args.resume)
     after = {k: float(v) for k, v in trainer.callback_metrics.items()}
     (args.out / f"host{host}_after_fit.json").write_text(json.dumps(
         {"global_step": trainer.global_step, "model_hash": strategy.model_hash, "callback_metrics": after,
