@@ -16,7 +16,6 @@ After the last round, :meth:`publish` puts the run's values into ``trainer.callb
 from __future__ import annotations
 
 import logging
-import math
 from types import FrameType
 
 import torch
@@ -73,9 +72,8 @@ class SharedMetrics:
     def publish(self, callback_metrics: dict) -> None:
         """Put the run's latest values into ``trainer.callback_metrics`` (after the last round)."""
         for name, value in self.shared.items():
-            if name in callback_metrics and math.isfinite(value):
-                old = callback_metrics[name]
-                callback_metrics[name] = torch.tensor(value, dtype=getattr(old, "dtype", torch.float32))
+            if name in callback_metrics:
+                callback_metrics[name] = torch.tensor(value, dtype=getattr(callback_metrics[name], "dtype", None))
 
     def _warn_once(self, name: str) -> None:
         if not self._warned:

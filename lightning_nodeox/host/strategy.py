@@ -271,9 +271,7 @@ class NodeoxStrategy(SingleDeviceStrategy):
         (another host's training ended, or this host's last batch closed its final round); then the run's values
         of the metrics logged with ``sync_dist=True`` go into ``trainer.callback_metrics``."""
         if self._worker is not None and not self._round.complete:
-            result = self._close_round(final=True)
-            log.info("NodeoxStrategy: host %s finished after round %d on model %s", self.connection.host_id,
-                     result.round, result.model_hash)
+            self._close_round(final=True)
         self.metrics.publish(self.lightning_module.trainer.callback_metrics)
         super().on_train_end()
 
