@@ -79,9 +79,9 @@ def test_one_progress_line_per_host_per_round(early_stop_run) -> None:
 
 
 def test_sigterm_while_waiting_for_a_sync_leaves_at_once(tmp_path) -> None:
-    """Host 0 stalls in round 1 while host 1 waits for round 1's sync; SIGTERM to host 1 makes it exit 143 within
-    seconds; host 0 finishes alone (the round timeout closes the rounds host 1 no longer sends to), and launch
-    names the host that failed and exits non-zero."""
+    """Host 0 stalls in round 1 while host 1 waits for round 1's sync; SIGTERM to host 1 makes it stop waiting at
+    once (not when the round closes, 4 s later) and exit 143; host 0 finishes alone (the round timeout closes the
+    rounds host 1 no longer sends to), and launch names the host that failed and exits non-zero."""
     run_dir, out = tmp_path / "run", tmp_path / "out"
     cmd = [sys.executable, "-m", "lightning_nodeox", "launch", "--hosts", "2", "--run-dir", str(run_dir), "--threads",
            "1", "--round-timeout", "4", "--min-hosts", "1", "--", sys.executable, str(HOSTS / "digits_host.py"),
@@ -99,18 +99,20 @@ def test_sigterm_while_waiting_for_a_sync_leaves_at_once(tmp_path) -> None:
                     break
             time.sleep(0.05)
         pid = int((out / "host1.pid").read_text())
+        sent = time.time()
         os.kill(pid, signal.SIGTERM)
-        sent = time.monotonic()
-        while _alive(pid):
-            assert time.monotonic() - sent < 10, "host 1 did not exit within 10 s of SIGTERM"
+        while _alive(pid):  # then the interpreter's own exit: seconds on a busy machine
+            assert time.time() - sent < 30, "host 1 did not exit within 30 s of SIGTERM"
             time.sleep(0.05)
-        exited_after = time.monotonic() - sent
+        exited_after = time.time() - sent
         output, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert exited_after < 6, exited_after
+    interrupted = json.loads((out / "host1_interrupted.json").read_text())
+    print(f"host 1 left {interrupted['at'] - sent:.2f} s and exited {exited_after:.2f} s after SIGTERM")
+    assert interrupted["exception"] == "SIGTERMException" and interrupted["at"] - sent < 2.0
     assert proc.returncode == 143, output[-3000:]
     assert "nodeox launch: host 1 failed: exit status 143 (SIGTERM); the other hosts go on" in output
     after = json.loads((out / "host0_after_fit.json").read_text())

@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -70,6 +71,10 @@ class DumpRounds(Callback):
             self.seen = result.round
             self._dump(trainer, f"round{result.round}")
 
+    def on_exception(self, trainer, pl_module, exception):
+        (self.out / f"host{self.host}_interrupted.json").write_text(json.dumps(
+            {"at": time.time(), "exception": type(exception).__name__}))
+
     def on_fit_end(self, trainer, pl_module):
         self._dump(trainer, "final")
         (self.out / f"host{self.host}_losses.json").write_text(json.dumps(self.losses))
@@ -84,8 +89,6 @@ class Stall(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.step:
-            import time
-
             time.sleep(self.seconds)
 
 
