@@ -170,3 +170,25 @@ def test_round_timeout_drops_a_stalled_host_which_rejoins(tmp_path) -> None:
     t1, m1 = load(out / "host1_final.safetensors")
     assert m0["model_hash"] == m1["model_hash"]
     assert all(torch.equal(t0[k], t1[k]) for k in t0)
+
+
+def test_overlap_with_nesterov_ends_bit_identical_and_trains_while_exchanging(tmp_path) -> None:
+    """Hosts keep training while each round's exchange is in flight (poll, then fold into the live model); the
+    last round is not overlapped, so both end on the run's final model."""
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    result = launch(run_dir, 2, [sys.executable, str(HOSTS / "digits_host.py"), "--out", str(out), "--overlap", "eager",
+                                 "--max-steps", "40"], "--outer-optimizer", "nesterov")
+    assert result.returncode == 0, result.stdout[-5000:]
+    t0, m0 = load(out / "host0_final.safetensors")
+    t1, m1 = load(out / "host1_final.safetensors")
+    published = [e["model_hash"] for e in read_events(run_dir) if e["phase"] == "sync_prepare"]
+    assert m0["model_hash"] == m1["model_hash"] == published[-1]
+    assert all(torch.equal(t0[k], t1[k]) for k in t0)
+    seen = defaultdict(set)
+    for e in read_events(run_dir):
+        seen[(e["host"], e["phase"])].add(e["round"])
+    for host in ("0", "1"):
+        assert {0, 1, 2} <= seen[(host, "poll")] and {0, 1, 2} <= seen[(host, "fold")], host
+        assert 3 in seen[(host, "wait")], "the last round is waited for"
+    losses = json.loads((out / "host0_losses.json").read_text())
+    assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5

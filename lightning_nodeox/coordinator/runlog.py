@@ -3,7 +3,10 @@ TensorBoard scalars under ``tb/`` (one folder per host, one for the coordinator)
 
 The coordinator's own phases are ``nodeox/...`` (``nodeox/aggregate_s``); the hosts' phases, as the coordinator
 saw them round by round, are ``nodeox_round/...`` (``nodeox_round/wait_s``), so that they never overlay the
-``nodeox/...`` curves each host's PhaseMonitor logs against its global step."""
+``nodeox/...`` curves each host's PhaseMonitor logs against its global step.
+
+Records arrive checked (:mod:`~lightning_nodeox.coordinator.intake`: admitted host ids only, finite numbers);
+a line that would still hold NaN or Infinity is not written. Work per record is constant."""
 
 from __future__ import annotations
 
@@ -11,7 +14,6 @@ import json
 import logging
 import math
 import os
-import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -50,7 +52,7 @@ def peak_rss_bytes() -> int:
 
 
 def tb_folder(host: str) -> str:
-    return "coordinator" if host == COORDINATOR else "host_" + re.sub(r"[^A-Za-z0-9_.-]", "_", host)
+    return "coordinator" if host == COORDINATOR else f"host_{host}"  # ids are [A-Za-z0-9_.-]
 
 
 class RunLog:
@@ -61,12 +63,17 @@ class RunLog:
         run_dir.mkdir(parents=True, exist_ok=True)
         self._events = open(run_dir / "events.jsonl", "a", encoding="utf-8")
         self._writers: dict[str, object] = {}
-        self._sync_parts: dict[tuple[str, int], dict[str, float]] = {}
+        self._sync_parts: dict[str, dict[int, dict[str, float]]] = {}  # host -> round -> sync part -> seconds
 
     def write(self, records: Iterable[PhaseRecord]) -> None:
         lines = []
         for r in records:
-            lines.append(json.dumps(r.to_json(), separators=(",", ":")))
+            try:
+                lines.append(json.dumps(r.to_json(), separators=(",", ":"), allow_nan=False))
+            except ValueError:
+                log.error("nodeox coordinator: a %s record of %s holds a non-finite number; not written", r.phase,
+                          r.host)
+                continue
             self._scalars(r)
         if lines:
             self._events.write("\n".join(lines) + "\n")
@@ -86,13 +93,14 @@ class RunLog:
         if isinstance(error, (int, float)) and math.isfinite(error):
             writer.add_scalar(f"{HOST_PREFIX}/q4_rel_error", error, r.round, walltime=r.end)
         if r.phase in SYNC_PARTS:
-            parts = self._sync_parts.setdefault((r.host, r.round), {})
+            rounds = self._sync_parts.setdefault(r.host, {})
+            parts = rounds.setdefault(r.round, {})
             parts[r.phase] = r.seconds
             if len(parts) == len(SYNC_PARTS):
                 writer.add_scalar(tag(r.host, "sync"), sum(parts.values()), r.round, walltime=r.end)
-                del self._sync_parts[(r.host, r.round)]
-            for key in [k for k in self._sync_parts if k[0] == r.host and k[1] < r.round - 2]:
-                del self._sync_parts[key]  # a round whose sync never completed (a fallback fetch instead)
+                del rounds[r.round]
+            if len(rounds) > 3:  # rounds whose sync never completed (a fallback fetch instead): keep the last 3
+                del rounds[min(rounds)]
 
     def _writer(self, host: str):
         if host not in self._writers:

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from . import safetensors
-from .codec import block_count, code_bytes
 from .settings import Q4Settings
 from .specs import PayloadError, TensorSpec, specs_from_json
 
@@ -74,6 +73,7 @@ class Q4Meta:
     final: bool = False  # delta: the host's last round
     block_size: int = 64
     scale_dtype: str = "fp16"
+    codec: str = "q4"
     tensors: tuple[TensorSpec, ...] = field(default=(), repr=False)
     metrics: dict[str, list] = field(default_factory=dict)  # {name: [value, reduction]} (see fit_metrics)
 
@@ -82,7 +82,7 @@ class Q4Meta:
             "format": FORMAT, "version": str(VERSION), "kind": self.kind, "round": str(self.round),
             "host": self.host, "base_hash": self.base_hash, "model_hash": self.model_hash,
             "samples": str(self.samples), "final": "1" if self.final else "0",
-            "block_size": str(self.block_size), "scale_dtype": self.scale_dtype,
+            "block_size": str(self.block_size), "scale_dtype": self.scale_dtype, "codec": self.codec,
             "tensors": json.dumps([s.as_json() for s in self.tensors], separators=(",", ":")),
         }
         if self.metrics:
@@ -102,9 +102,8 @@ def regions_for(specs: tuple[TensorSpec, ...], settings: Q4Settings) -> list[Reg
     scale_size = settings.torch_scale_dtype.itemsize
     out, pos = [], 0
     for s in specs:
-        nb = block_count(s.numel, settings.block_size)
-        sc = (pos, pos + nb * scale_size)
-        cd = (sc[1], sc[1] + code_bytes(s.numel, settings.block_size))
+        sc = (pos, pos + settings.scale_count(s.numel) * scale_size)
+        cd = (sc[1], sc[1] + settings.code_bytes(s.numel))
         out.append(Region(sc, cd))
         pos = cd[1]
     return out
@@ -134,7 +133,7 @@ class Q4Layout:
     def of(cls, specs: tuple[TensorSpec, ...], settings: Q4Settings) -> Q4Layout:
         regions = tuple(regions_for(specs, settings))
         longest = Q4Meta("delta", 2**63 - 1, "h" * 64, "f" * 32, 2**63 - 1, "f" * 32, True,
-                         settings.block_size, settings.scale_dtype, specs)
+                         settings.block_size, settings.scale_dtype, settings.codec, specs)
         reserved = len(_header_json(longest, list(regions), settings, _CRC_PLACEHOLDER).encode()) + 64
         reserved += METRICS_BYTES + len(',"metrics":""')
         reserved += -reserved % 8
@@ -159,7 +158,7 @@ class Q4Message:
     def allocate(cls, layout: Q4Layout, *, pin_memory: bool = False) -> Q4Message:
         buffer = torch.empty(layout.total, dtype=torch.uint8, pin_memory=pin_memory)
         meta = Q4Meta("delta", 0, "", "", block_size=layout.settings.block_size,
-                      scale_dtype=layout.settings.scale_dtype, tensors=layout.specs)
+                      scale_dtype=layout.settings.scale_dtype, codec=layout.settings.codec, tensors=layout.specs)
         return cls(buffer, layout, meta)
 
     def __len__(self) -> int:
@@ -181,7 +180,7 @@ class Q4Message:
         """Write the header for ``meta`` and the CRC over header and data (after the data is in place)."""
         layout = self.layout
         meta = replace(meta, block_size=layout.settings.block_size, scale_dtype=layout.settings.scale_dtype,
-                       tensors=layout.specs)
+                       codec=layout.settings.codec, tensors=layout.specs)
         text = _header_json(meta, list(layout.regions), layout.settings, _CRC_PLACEHOLDER).encode()
         framed = safetensors.frame(text, reserve=layout.data_start - safetensors.PREFIX_BYTES)
         if len(framed) != layout.data_start:
@@ -218,13 +217,14 @@ class Q4Message:
             raise PayloadError(f"payload uses q4 format version {version}; this build reads version {VERSION}. "
                                "Run the same lightning-nodeox version on every host and the coordinator.")
         try:
-            settings = Q4Settings(block_size=int(md["block_size"]), scale_dtype=md["scale_dtype"])
+            settings = Q4Settings(block_size=int(md["block_size"]), scale_dtype=md["scale_dtype"],
+                                  codec=md.get("codec", "q4"))
             specs = specs_from_json(json.loads(md["tensors"]))
             meta = Q4Meta(kind=md["kind"], round=int(md["round"]), host=str(md["host"]),
                           base_hash=str(md["base_hash"]), samples=int(md["samples"]),
                           model_hash=str(md.get("model_hash", "")), final=md["final"] == "1",
-                          block_size=settings.block_size, scale_dtype=settings.scale_dtype, tensors=specs,
-                          metrics=_parse_metrics(md.get("metrics") or "{}"))
+                          block_size=settings.block_size, scale_dtype=settings.scale_dtype, codec=settings.codec,
+                          tensors=specs, metrics=_parse_metrics(md.get("metrics") or "{}"))
             crc_text = str(md["crc32"])
             expected_crc = int(crc_text, 16)
         except PayloadError:
@@ -257,9 +257,15 @@ class Q4Message:
         return message
 
     def scale_maxima(self) -> list[float]:
-        """Each tensor's largest scale magnitude (NaN or Inf when any of its scales is), one pass over the scales."""
-        return [float(self.scales(i).abs().max()) if self.scales(i).numel() else 0.0
-                for i in range(len(self.layout.specs))]
+        """Each tensor's largest scale magnitude (NaN or Inf when any of its scales is), one pass over the scales;
+        unquantized, its largest value magnitude."""
+        settings = self.layout.settings
+        dtype = torch.bfloat16 if settings.codec == "bf16" else torch.float32
+        peaks = []
+        for i in range(len(self.layout.specs)):
+            values = self.scales(i) if settings.quantized else self.codes(i).view(dtype)
+            peaks.append(float(values.abs().max()) if values.numel() else 0.0)
+        return peaks
 
     def check_scales(self) -> None:
         """Refuse NaN or Inf scales; remember the largest scale for :meth:`weighted_scales_finite`."""

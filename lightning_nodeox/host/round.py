@@ -54,6 +54,7 @@ class HostRound:
         self.round = 0
         self.model_hash = ""
         self.complete = False
+        self.into_live = True  # syncs and fetched models go into the live model; False while training overlaps
         self._seed = int.from_bytes(client.host.encode()[:8].ljust(8, b"\0"), "little")
 
     @property
@@ -68,15 +69,18 @@ class HostRound:
             reply = self.client.join([s.as_json() for s in self.tensors.specs])
         if reply.complete:
             raise RuntimeError(f"the run at {self.client.url} has already completed; start a new coordinator")
-        settings = Q4Settings(block_size=reply.block_size, scale_dtype=reply.scale_dtype, rounding=self.rounding,
-                              error_feedback=self.error_feedback)
+        settings = Q4Settings(block_size=reply.block_size, scale_dtype=reply.scale_dtype, codec=reply.codec,
+                              rounding=self.rounding, error_feedback=self.error_feedback)
         self.tensors.allocate(settings, self.codec_threads)
         self.round = reply.round
-        ours = self.tensors.live_hash()
+        ours = self.tensors.model_hash()
         if reply.provide_model:
             self.model_hash = ours
             try:
-                theirs = self.client.put_model(self.tensors.model_file(self.round, ours))
+                with self.phases.timed(self.round, P.PROVIDE_MODEL) as rec:
+                    body = self.tensors.model_file(self.round, ours)
+                    rec.bytes = len(body)
+                    theirs = self.client.put_model(body)
             except Refusal as e:
                 if e.reason is not Reason.HAS_MODEL:
                     raise
@@ -93,9 +97,22 @@ class HostRound:
 
     # -- a round --------------------------------------------------------------------------------------------------
     def run_round(self, samples: int, final: bool, metrics: dict[str, list] | None = None) -> RoundResult:
-        """One whole exchange: encode, upload, then sync (following later rounds if this is the final one).
-        ``metrics``: this host's latest sync_dist values, ``{name: [value, reduction]}``."""
+        """One whole exchange while training waits: encode, upload, then sync (following later rounds if this
+        is the final one). ``metrics``: this host's latest sync_dist values, ``{name: [value, reduction]}``."""
+        self.into_live = True
         message = self.encode(self.tensors.live, samples, final, metrics)
+        return self._finish_round(message, final)
+
+    def run_overlapped(self, samples: int, delayed: bool, metrics: dict[str, list] | None = None) -> RoundResult:
+        """One exchange while training goes on: the delta is the snapshot's, and the sync goes into ``base``
+        only; the training side folds it into the live model (:meth:`HostTensors.fold`)."""
+        self.into_live = False
+        message = self.encode(self.tensors.snapshot, samples, False, metrics)
+        if delayed:
+            self.tensors.snapshot_base()
+        return self._finish_round(message, False)
+
+    def _finish_round(self, message: Q4Message, final: bool) -> RoundResult:
         outcome = self.upload(message)
         result = self.synchronize(follow_to_end=final and outcome is not Upload.LATE)
         if final and outcome is Upload.LATE and not self.complete:
@@ -129,15 +146,15 @@ class HostRound:
         return outcome
 
     def _send_empty(self, final: bool) -> None:
-        """Take part in the current round without a contribution (base == live: an all-zero delta)."""
+        """Take part in the current round without a contribution (no samples: it adds nothing)."""
         with self.phases.timed(self.round, P.UPLOAD, empty=True) as rec:
-            message = self.tensors.encode(self.tensors.live, Q4Meta("delta", self.round, self.host, self.model_hash,
+            message = self.tensors.encode(self.tensors.base, Q4Meta("delta", self.round, self.host, self.model_hash,
                                                                     samples=0, final=final), None)
             rec.bytes = len(message)
             self.client.post_delta(self.round, message.view())
 
     # -- syncs -------------------------------------------------------------------------------------------------------
-    def synchronize(self, *, follow_to_end: bool = False, into_live: bool = True) -> RoundResult:
+    def synchronize(self, *, follow_to_end: bool = False) -> RoundResult:
         """Wait for the round's sync, apply it and verify the model hash (fetching the model if needed).
         With ``follow_to_end`` keep applying later rounds' syncs until the run completes."""
         while True:
@@ -146,7 +163,7 @@ class HostRound:
             if sync is None:
                 result = RoundResult(round_, self.model_hash, self.complete, False)
             else:
-                result = self.apply(sync, into_live)
+                result = self.apply(sync)
             if result.complete or not follow_to_end:
                 return result
 
@@ -155,11 +172,12 @@ class HostRound:
         fetched the model instead)."""
         round_ = self.round
         for attempt in range(1, DOWNLOAD_TRIES + 1):
-            with self.phases.timed(round_, P.WAIT):
+            with self.phases.timed(round_, P.WAIT if self.into_live else P.POLL):
                 reply = self.client.wait_sync(round_)
             if isinstance(reply, RunComplete):  # no later sync: this host's base is the run's final model
                 self.complete = True
-                self.tensors.restore_live()
+                if self.into_live:  # (overlapped, the training side does it between two steps)
+                    self.tensors.restore_live()
                 return None
             if isinstance(reply, SyncGone):
                 self.fetch_model()
@@ -187,11 +205,11 @@ class HostRound:
         self.fetch_model()
         return None
 
-    def apply(self, sync: Q4Message, into_live: bool = True) -> RoundResult:
+    def apply(self, sync: Q4Message) -> RoundResult:
         """Apply a downloaded sync and check the resulting model hash against the coordinator's."""
         round_ = sync.meta.round
         with self.phases.timed(round_, P.APPLY):
-            hashers = self.tensors.apply(sync, into_live)
+            hashers = self.tensors.apply(sync, self.into_live)
         with self.phases.timed(round_, P.VERIFY):
             got = self.tensors.digest(hashers)
         self.round = round_ + 1
@@ -208,12 +226,13 @@ class HostRound:
         """Replace this host's model with the coordinator's (the fallback when a sync cannot be applied),
         streamed straight into the model's tensors; a download that breaks off is asked for again."""
         tensors = self.tensors
+        target = tensors.live if self.into_live else tensors.base
         with self.phases.timed(self.round, P.FALLBACK_FETCH) as rec:
             for attempt in range(1, DOWNLOAD_TRIES + 1):
                 body = self.client.get_model()
                 rec.bytes = body.size
                 try:
-                    round_, remote_hash = tensors.read_model(body, tensors.live)
+                    round_, remote_hash = tensors.read_model(body, target)
                     break
                 except ModelMismatchError:
                     raise
@@ -221,8 +240,8 @@ class HostRound:
                     if attempt == DOWNLOAD_TRIES:
                         raise
                     log.warning("nodeox: host %s: model download failed (%s); retrying", self.host, e)
-            tensors.reset_base()
-            got = tensors.live_hash()
+            tensors.after_fetch(self.into_live)
+            got = tensors.model_hash(target)
             if got != remote_hash:
                 raise RuntimeError(f"the fetched model hashes to {got}, not the coordinator's {remote_hash}")
             self.round, self.model_hash = round_, got

@@ -19,6 +19,7 @@ import logging
 import sys
 import time
 from collections import deque
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -38,7 +39,7 @@ from .clock import ClockOffset
 from .metrics import SharedMetrics
 from .progress import RoundProgress
 from .round import HostRound, RoundResult
-from .settings import Connection, HostSettings
+from .settings import Connection, HostSettings, overlap_mode
 from .signals import SigtermHandler, exit_code_for
 from .stopping import ends_after_this_batch, steps_taken
 from .telemetry import TelemetryShipper
@@ -72,6 +73,14 @@ class NodeoxStrategy(SingleDeviceStrategy):
         request_timeout: seconds to wait for one answer from the coordinator; raise it for very large models
             on slow links.
         retry_for: seconds to keep retrying while the coordinator does not answer.
+        overlap: keep training while a round's exchange is in flight. ``True`` (or ``"eager"``): training goes on
+            from this host's own result, and when the sync arrives the live model becomes the new shared model
+            plus the progress made since the boundary. ``"delayed"``: training goes on from the round's shared
+            model instead. A host waits only if the previous sync has not arrived by its next boundary; costs one
+            more copy of the model (the snapshot). The last round at ``fit`` end is never overlapped.
+        round_seconds: work to a time budget instead of ``local_steps``: a round closes at the first step after
+            this many seconds of training, so a fast host does more steps than a slow one and nobody idles at the
+            barrier (deltas are weighted by the samples they saw).
     """
 
     strategy_name = "nodeox"
@@ -90,6 +99,8 @@ class NodeoxStrategy(SingleDeviceStrategy):
         telemetry_url: str | None = None,
         request_timeout: float = 120.0,
         retry_for: float = 60.0,
+        overlap: bool | str = False,
+        round_seconds: float | None = None,
         accelerator=None,
         checkpoint_io=None,
         precision_plugin=None,
@@ -98,7 +109,7 @@ class NodeoxStrategy(SingleDeviceStrategy):
                          precision_plugin=precision_plugin)
         self.settings = HostSettings(local_steps=local_steps, rounding=rounding, error_feedback=error_feedback,
                                      codec_threads=codec_threads, request_timeout=request_timeout,
-                                     retry_for=retry_for)
+                                     retry_for=retry_for, overlap=overlap_mode(overlap), round_seconds=round_seconds)
         self._given = dict(coordinator_url=coordinator_url, host_id=host_id, token=token, telemetry_url=telemetry_url)
         if cpu_threads is not None and cpu_threads < 1:
             raise ValueError(f"cpu_threads must be at least 1 (or None for the CPU quota), got {cpu_threads}")
@@ -109,6 +120,8 @@ class NodeoxStrategy(SingleDeviceStrategy):
         self.last_result: RoundResult | None = None
         self._round: HostRound | None = None
         self._worker: ExchangeWorker | None = None
+        self._in_flight: Future | None = None  # overlap: the exchange of the round that closed last
+        self._in_flight_round = 0
         self._telemetry: TelemetryShipper | None = None
         self._phases: PhaseLog | None = None
         self._depth = 0
@@ -157,11 +170,11 @@ class NodeoxStrategy(SingleDeviceStrategy):
         settings = self.settings
         self.connection = conn = Connection.resolve(**self._given)
         clock = ClockOffset()
-        client = HttpClient(conn.coordinator_url, host=conn.host_id, token=conn.token,
+        client = HttpClient(conn.coordinator_url, host=conn.host_id, token=conn.token, ca_file=conn.ca_file,
                             read_timeout=settings.request_timeout, retry_for=settings.retry_for, clock=clock)
-        # the token goes to the coordinator only, never to another telemetry address
+        # the token and the host's credential go to the coordinator only, never to another telemetry address
         telemetry_client = client if conn.telemetry_url is None else HttpClient(
-            conn.telemetry_url, host=conn.host_id, retry_for=0.0)
+            conn.telemetry_url, host=conn.host_id, ca_file=conn.ca_file, retry_for=0.0)
         self._phases = PhaseLog(conn.host_id)
         self._telemetry = TelemetryShipper(telemetry_client, clock)
         self._progress = RoundProgress(conn.host_id)
@@ -206,25 +219,58 @@ class NodeoxStrategy(SingleDeviceStrategy):
         return output
 
     def _at_batch_end(self) -> None:
-        """Count a batch that stepped (once, however many optimizers stepped); close the round when due."""
+        """Count a batch that stepped (once, however many optimizers stepped); fold an arrived sync into the live
+        model (overlap); close the round when due."""
         if self._depth or not self._stepped or self._worker is None:
             return
         self._stepped = False
         self._steps += 1
-        if self._steps >= self.settings.local_steps:
+        if self._in_flight is not None and self._in_flight.done():
+            self._fold()
+        if self._round_due():
             self._close_round(final=ends_after_this_batch(self.lightning_module.trainer))
 
-    def _close_round(self, final: bool) -> RoundResult:
+    def _round_due(self) -> bool:
+        if self.settings.round_seconds is not None:
+            return time.time() - self._round_start >= self.settings.round_seconds
+        return self._steps >= self.settings.local_steps
+
+    def _close_round(self, final: bool = False) -> None:
+        """Hand the round to the exchange worker; wait for it unless training overlaps (never for the final one)."""
+        if self._in_flight is not None:  # overlap: the previous round's sync has not been folded in yet
+            self._wait_and_fold()
         now = time.time()
         self._phases.emit(PhaseRecord(self._round.round, self.connection.host_id, P.TRAIN, self._round_start, now,
                                       extra={"steps": self._steps, "samples": self._samples}))
-        result = self._sigterm.wait(self._worker.submit(self._round.run_round, self._samples, final,
-                                                        self.metrics.take()))
-        self.last_result = result
-        self._after_round(result)
+        mode = self.settings.overlap
+        if mode is None or final:
+            self.last_result = self._sigterm.wait(self._worker.submit(self._round.run_round, self._samples, final,
+                                                                      self.metrics.take()))
+            self._after_round(self.last_result)
+        else:
+            self._round.tensors.take_snapshot(restart_from_base=mode == "delayed")
+            self._in_flight_round = self._round.round
+            self._in_flight = self._worker.submit(self._round.run_overlapped, self._samples, mode == "delayed",
+                                                  self.metrics.take())
         self._steps = self._samples = 0
         self._round_start = time.time()
-        return result
+
+    def _wait_and_fold(self) -> None:
+        with self._phases.timed(self._in_flight_round, P.WAIT):
+            self._sigterm.wait(self._in_flight)
+        self._fold()
+
+    def _fold(self) -> None:
+        """The overlapped round's sync has arrived: the live model becomes it plus the progress made since (or
+        just it, when the run completed with that round: every host ends on the same model)."""
+        self.last_result = self._in_flight.result()
+        self._in_flight = None
+        with self._phases.timed(self.last_result.round, P.FOLD):
+            if self.last_result.complete:
+                self._round.tensors.restore_live()
+            else:
+                self._round.tensors.fold()
+        self._after_round(self.last_result)
 
     def _after_round(self, result: RoundResult) -> None:
         """Take the run's shared values, show the round's progress line, and stop when the run is complete."""
@@ -267,9 +313,11 @@ class NodeoxStrategy(SingleDeviceStrategy):
 
     @override
     def on_train_end(self) -> None:
-        """This host's final round (what it trained since its last round), unless the run has completed already
-        (another host's training ended, or this host's last batch closed its final round); then the run's values
-        of the metrics logged with ``sync_dist=True`` go into ``trainer.callback_metrics``."""
+        """This host's final round (what it trained since its last round; never overlapped), unless the run has
+        completed already (another host's training ended, or this host's last batch closed its final round); then
+        the run's values of the metrics logged with ``sync_dist=True`` go into ``trainer.callback_metrics``."""
+        if self._in_flight is not None:
+            self._wait_and_fold()
         if self._worker is not None and not self._round.complete:
             self._close_round(final=True)
         self.metrics.publish(self.lightning_module.trainer.callback_metrics)

@@ -1,9 +1,11 @@
 """``nodeox launch``: a coordinator and N host processes on this machine, outputs streamed with a prefix.
 
 Host i gets ``NODEOX_HOST_ID=i``, ``NODEOX_LOCAL_HOST_RANK=i`` (its place on this machine), ``NODEOX_NUM_HOSTS``,
-``NODEOX_COORDINATOR_URL``, ``NODEOX_TOKEN`` (when set) and ``NODEOX_RUN_DIR``; when this machine has at least
-N GPUs each host sees only its own (``CUDA_VISIBLE_DEVICES``), and when it has at least N CPUs each host is
-pinned to its own share of them, so that the hosts do not oversubscribe the CPU.
+``NODEOX_COORDINATOR_URL``, ``NODEOX_TOKEN`` (when set), ``NODEOX_RUN_DIR``, and with ``--tls-cert``
+``NODEOX_CA_FILE`` set to that certificate unless the environment sets it (right for a self-signed
+certificate); when this machine has at least N GPUs each host sees only its own (``CUDA_VISIBLE_DEVICES``), and
+when it has at least N CPUs each host is pinned to its own share of them, so that the hosts do not
+oversubscribe the CPU.
 
 Outputs are shown line by line with a prefix; a progress bar, which redraws its line with carriage returns,
 shows as its line ends rather than once per refresh. A host that fails (exits non-zero, e.g. after a SIGTERM)
@@ -22,6 +24,7 @@ import time
 from pathlib import Path
 
 from ..core.cpu import granted_cpus
+from ..core.settings import ENV_CA_FILE
 
 STOP_GRACE = 10.0
 
@@ -103,7 +106,8 @@ def cpu_shares(hosts: int) -> list[list[int] | None]:
     return [cpus[i * per : (i + 1) * per] for i in range(hosts)]
 
 
-def launch(hosts: int, run_dir: Path, coordinator_args: list[str], command: list[str], token: str | None) -> int:
+def launch(hosts: int, run_dir: Path, coordinator_args: list[str], command: list[str], token: str | None,
+           tls_cert: Path | None = None) -> int:
     """Run a coordinator and ``hosts`` copies of ``command``; returns the exit status."""
     if not command:
         print("nodeox launch: give the host command after --, e.g. "
@@ -133,6 +137,8 @@ def launch(hosts: int, run_dir: Path, coordinator_args: list[str], command: list
                         NODEOX_COORDINATOR_URL=url, NODEOX_RUN_DIR=str(run_dir))
         if token:
             host_env["NODEOX_TOKEN"] = token
+        if tls_cert is not None and ENV_CA_FILE not in os.environ:
+            host_env[ENV_CA_FILE] = str(Path(tls_cert).resolve())
         if gpus >= hosts and "CUDA_VISIBLE_DEVICES" not in os.environ:
             host_env["CUDA_VISIBLE_DEVICES"] = str(i)
         if shares[i] is not None and "OMP_NUM_THREADS" not in os.environ:

@@ -107,6 +107,8 @@ def main() -> None:
                         "also logs values with sync_dist=True")
     p.add_argument("--checkpoint-every", type=int, default=0, help="save OUT/host<id>.ckpt every N steps")
     p.add_argument("--resume", type=Path, help="resume fit from this checkpoint")
+    p.add_argument("--overlap", default="off", choices=("off", "eager", "delayed"))
+    p.add_argument("--round-seconds", type=float)
     args = p.parse_args()
     torch.set_num_threads(1)
     host = os.environ["NODEOX_HOST_ID"]
@@ -138,7 +140,8 @@ def main() -> None:
                                          save_top_k=-1, enable_version_counter=False))
     if args.stop_host >= 0:
         callbacks.append(EarlyStopping("stop_signal", mode="min", stopping_threshold=0.5, check_on_train_epoch_end=True))
-    strategy = NodeoxStrategy(local_steps=args.local_steps, cpu_threads=1, codec_threads=1)
+    strategy = NodeoxStrategy(local_steps=args.local_steps, cpu_threads=1, codec_threads=1,
+                              overlap=False if args.overlap == "off" else args.overlap, round_seconds=args.round_seconds)
     trainer = Trainer(strategy=strategy, max_steps=args.max_steps, logger=TensorBoardLogger(args.out / f"tb_host{host}"),
                       callbacks=callbacks, enable_checkpointing=bool(args.checkpoint_every),
                       enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
