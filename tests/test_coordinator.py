@@ -11,7 +11,7 @@ from reference_q4 import kernels
 
 from lightning_nodeox.core.codec import Q4Settings, accumulate_tensor, encode_sync_and_apply, encode_tensor
 from lightning_nodeox.core.modelfile import model_header
-from lightning_nodeox.core.protocol import SyncReady, Unreachable, read_fully
+from lightning_nodeox.core.protocol import SyncReady, Unreachable, Upload, read_fully
 from lightning_nodeox.core.specs import spec_of
 from lightning_nodeox.core.wire import Q4Layout, Q4Message, Q4Meta
 from lightning_nodeox.host.client import HttpClient
@@ -117,3 +117,37 @@ def test_a_host_that_never_returns_does_not_hold_the_end_of_the_run(coordinator)
     assert isinstance(reply, SyncReady) and reply.complete
     reply.body.close()
     assert requests.get(f"{coord.url}/v1/status", timeout=10).json()["complete"]
+
+
+def test_a_final_delta_completes_the_run_with_its_round_and_later_deltas_are_late(coordinator) -> None:
+    """Stopping together: host a's training ended (final delta) while host b trains on; the round they share is
+    the run's last one, its sync says so and carries their sync_dist values reduced; b's next delta is late."""
+    coord = coordinator(2)
+    a = HttpClient(coord.url, host="a", retry_for=5)
+    b = HttpClient(coord.url, host="b", retry_for=5)
+    a.join([s.as_json() for s in SPECS])
+    h = a.put_model(memoryview(model_file()))
+    b.join([s.as_json() for s in SPECS])
+    zeros = [torch.zeros(t.shape) for _, t in MODEL]
+    for host, client, samples, final, value in (("a", a, 10, True, 1.0), ("b", b, 30, False, 3.0)):
+        message = delta_message(zeros, round_=0, host=host, base_hash=h, samples=samples)
+        message.write_header(Q4Meta("delta", 0, host, h, samples=samples, final=final,
+                                    metrics={"val_loss": [value, "mean"], "seen": [samples, "sum"]}))
+        assert client.post_delta(0, message.view()) is Upload.TAKEN
+    reply = b.wait_sync(0)
+    assert isinstance(reply, SyncReady) and reply.complete
+    buf = bytearray(reply.body.size)
+    read_fully(reply.body, memoryview(buf))
+    reply.body.close()
+    assert Q4Message.parse(buf).meta.metrics == {"val_loss": [2.5, "mean"], "seen": [40.0, "sum"]}
+    later = delta_message(zeros, round_=1, host="b", base_hash=h, samples=30)
+    assert b.post_delta(1, later.view()) is Upload.LATE
+
+
+def test_sync_dist_values_reduce_by_samples_and_by_their_reduction() -> None:
+    from lightning_nodeox.coordinator.metrics import reduce_metrics
+
+    reduced = reduce_metrics([(1, {"loss": [1.0, "mean"], "top": [5.0, "max"]}),
+                              (3, {"loss": [3.0, "mean"], "top": [2.0, "max"], "n": [4.0, "sum"]})])
+    assert reduced == {"loss": [2.5, "mean"], "top": [5.0, "max"], "n": [4.0, "sum"]}
+    assert reduce_metrics([(0, {"loss": [1.0, "mean"]}), (0, {"loss": [2.0, "mean"]})]) == {"loss": [1.5, "mean"]}

@@ -40,7 +40,7 @@ def test_unreachable_telemetry_does_not_stop_training(coordinator, tmp_path, cap
             logger=False)
         trainer.fit(model, data())
     published = [e for e in coord.events() if e["phase"] == "sync_prepare"]
-    assert [e["round"] for e in published] == [0, 1, 2]  # rounds of 3, 3 and an empty final round
+    assert [e["round"] for e in published] == [0, 1]  # rounds of 3 batches; the last batch closes the final one
     assert model_hash(shared_tensors(model)) == published[-1]["model_hash"]
     assert not [e for e in coord.events() if e["host"] == "h"], "no host record could have arrived"
     warnings = [r.getMessage() for r in caplog.records if "phase records could not be sent" in r.getMessage()]

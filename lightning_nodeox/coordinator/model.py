@@ -70,7 +70,7 @@ class CoordinatorModel:
         self.pool.over_ranges([a.numel() for a in self.acc], work)
         self.weight += samples
 
-    def close_round(self, round_: int) -> ClosedRound:
+    def close_round(self, round_: int, metrics: dict[str, list] | None = None) -> ClosedRound:
         """The outer step of the mean delta, quantized, then applied to θ as hosts will, in two passes: the first
         quantizes the sync and checks per chunk that θ + sync stays finite without writing θ; only then the
         second applies it (and the outer step's state) and digests θ's hash. A result that is not finite is
@@ -78,7 +78,9 @@ class CoordinatorModel:
         value's bits as they are), so hosts keep the same model too.
 
         A failure half-way through the second pass leaves θ partly applied; the hash is then recomputed, so
-        model and hash always agree (hosts will find the next sync's base differs and fetch the model)."""
+        model and hash always agree (hosts will find the next sync's base differs and fetch the model).
+
+        The sync also carries ``metrics``: the round's sync_dist values, reduced across hosts."""
         if self.weight == 0:
             for acc in self.acc:
                 acc.zero_()
@@ -100,7 +102,8 @@ class CoordinatorModel:
             for i in range(len(self.specs)):
                 message.codes(i).fill_(NOOP_CODE)
                 message.scales(i).fill_(-0.0)
-            message.write_header(Q4Meta("sync", round_, "coordinator", base_hash, samples=0, model_hash=base_hash))
+            message.write_header(Q4Meta("sync", round_, "coordinator", base_hash, samples=0, model_hash=base_hash,
+                                        metrics=metrics or {}))
             self.weight = 0
             return ClosedRound(message, sorted(self.specs[i].name for i in not_finite))
         try:
@@ -110,7 +113,7 @@ class CoordinatorModel:
             self.weight = 0
             raise
         message.write_header(Q4Meta("sync", round_, "coordinator", base_hash, samples=self.weight,
-                                    model_hash=new_hash))
+                                    model_hash=new_hash, metrics=metrics or {}))
         self.weight = 0
         return ClosedRound(message)
 

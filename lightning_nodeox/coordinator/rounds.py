@@ -1,5 +1,9 @@
 """The round state machine: who takes part, when a round closes, what is published.
 
+Stopping together: a host's final delta (its training ended: max_steps, max_epochs, early stopping) makes
+its round the run's last one. That round's sync completes the run, so every host ends on the same model
+after the same round, and a host that is still training stops at its next round boundary.
+
 Runs on the event loop; tensor work goes to two threads (one parses and checks uploads, one accumulates
 and prepares syncs, in order), so the loop keeps answering while a round is aggregated. A rejected
 upload changes nothing: it is checked completely before its first byte reaches the accumulator.
@@ -30,9 +34,10 @@ from ..core.phases import AGGREGATE, COORDINATOR, RECEIVE, RSS, SYNC_PREPARE, Ph
 from ..core.pool import WorkerPool
 from ..core.protocol import JoinReply, Reason, Refusal
 from ..core.specs import PayloadError, TensorSpec, check_same_model
-from ..core.wire import Q4Message
+from ..core.wire import Q4Message, fit_metrics
 from .config import CoordinatorConfig
 from .intake import MAX_SAMPLES, model_bytes
+from .metrics import reduce_metrics
 from .model import CoordinatorModel
 from .runlog import RunLog, peak_rss_bytes, rss_bytes
 
@@ -67,6 +72,8 @@ class Rounds:
         self.published_round = -1
         self.hosts: dict[str, Host] = {}
         self.received: dict[str, int] = {}
+        self.metrics: dict[str, dict[str, list]] = {}  # the round's deltas' sync_dist values, by host
+        self.stopping = False  # a final delta came in this round: it is the run's last
         self.closing = False
         self.complete = False
         self.round_opened = time.time()
@@ -246,6 +253,9 @@ class Rounds:
         model = self.require_model()
         if host not in self.hosts:
             raise Refusal(Reason.NOT_JOINED, f"host {host} has not joined; POST /v1/join first")
+        if self.complete:
+            raise Refusal(Reason.LATE, f"the run completed at round {self.published_round}; apply its last sync",
+                          round=self.round)
         if round_ == self.round and host in self.received:
             raise Refusal(Reason.DUPLICATE, f"host {host} already sent its delta for round {round_}")
         if round_ != self.round or self.closing:
@@ -291,6 +301,8 @@ class Rounds:
                                   f"{round_} started from {model.hash}; fetch the model and rejoin",
                           model_hash=model.hash)
         self.received[host] = meta.samples
+        self.metrics[host] = meta.metrics
+        self.stopping = self.stopping or meta.final
         entry = self.hosts[host]
         entry.state = HostState.FINISHED if meta.final else HostState.TRAINING
         future = asyncio.ensure_future(self._in(self._work, model.accumulate, message, meta.samples))
@@ -349,7 +361,7 @@ class Rounds:
         self.record(PhaseRecord(round_, COORDINATOR, AGGREGATE, start, aggregated,
                                 extra={"hosts": sorted(self.received), "samples": sum(self.received.values())}))
         async with self.model_lock:
-            closed = await self._in(self._work, model.close_round, round_)
+            closed = await self._in(self._work, model.close_round, round_, self._round_metrics())
             message = closed.sync
             refused = {}
             if closed.not_finite:
@@ -367,14 +379,23 @@ class Rounds:
                     log.exception("nodeox coordinator: before_publish of round %d failed", round_)
             # the round's state changes together, on the loop, after the last await
             model.publish(message)
-            self.received = {}
+            self.received, self.metrics = {}, {}
+            self.complete = self.complete or self.stopping
             self.published_round = round_
             self.round = round_ + 1
             self.round_opened = time.time()
         self._check_finished()
         if self.complete:
-            log.info("nodeox coordinator: every host has finished; final model %s after round %d", model.hash, round_)
+            log.info("nodeox coordinator: the run completed after round %d (a host's training ended); final model %s",
+                     round_, model.hash)
         self.sample_memory()
+
+    def _round_metrics(self) -> dict[str, list]:
+        reduced = reduce_metrics([(self.received[h], m) for h, m in self.metrics.items() if m])
+        kept, dropped = fit_metrics(reduced)
+        if dropped:
+            log.warning("nodeox coordinator: round %d's sync has no room for metrics %s", self.round, dropped)
+        return kept
 
     # -- syncs ------------------------------------------------------------------------------------------------
     async def wait_sync(self, round_: int, wait: float, host: str | None = None) -> Q4Message | None:

@@ -1,5 +1,9 @@
 """The run directory: ``events.jsonl`` (every phase record of every host and the coordinator) and
-TensorBoard scalars under ``tb/`` (one folder per host, one for the coordinator).
+TensorBoard scalars under ``tb/`` (one folder per host, one for the coordinator), with the round as the step.
+
+The coordinator's own phases are ``nodeox/...`` (``nodeox/aggregate_s``); the hosts' phases, as the coordinator
+saw them round by round, are ``nodeox_round/...`` (``nodeox_round/wait_s``), so that they never overlay the
+``nodeox/...`` curves each host's PhaseMonitor logs against its global step.
 
 Records arrive checked (:mod:`~lightning_nodeox.coordinator.intake`: admitted host ids only, finite numbers);
 a line that would still hold NaN or Infinity is not written. Work per record is constant."""
@@ -18,6 +22,13 @@ from ..core.phases import COORDINATOR, RSS, SYNC_PARTS, PhaseRecord, metric_name
 log = logging.getLogger(__name__)
 
 RSS_METRIC = "nodeox/coordinator_rss_bytes"
+HOST_PREFIX = "nodeox_round"
+
+
+def tag(host: str, phase: str, unit: str = "s") -> str:
+    """The TensorBoard tag of a phase's seconds or bytes in the run directory (see the module's docstring)."""
+    name = metric_name(phase, unit)
+    return name if host == COORDINATOR else name.replace("nodeox/", HOST_PREFIX + "/", 1)
 
 
 def rss_bytes() -> int:
@@ -75,18 +86,18 @@ class RunLog:
         if r.phase == RSS:
             writer.add_scalar(RSS_METRIC, r.extra.get("rss_bytes", 0), r.round, walltime=r.end)
             return
-        writer.add_scalar(metric_name(r.phase), r.seconds, r.round, walltime=r.end)
+        writer.add_scalar(tag(r.host, r.phase), r.seconds, r.round, walltime=r.end)
         if r.bytes is not None:
-            writer.add_scalar(metric_name(r.phase, "bytes"), r.bytes, r.round, walltime=r.end)
+            writer.add_scalar(tag(r.host, r.phase, "bytes"), r.bytes, r.round, walltime=r.end)
         error = r.extra.get("q4_rel_error")
         if isinstance(error, (int, float)) and math.isfinite(error):
-            writer.add_scalar("nodeox/q4_rel_error", error, r.round, walltime=r.end)
+            writer.add_scalar(f"{HOST_PREFIX}/q4_rel_error", error, r.round, walltime=r.end)
         if r.phase in SYNC_PARTS:
             rounds = self._sync_parts.setdefault(r.host, {})
             parts = rounds.setdefault(r.round, {})
             parts[r.phase] = r.seconds
             if len(parts) == len(SYNC_PARTS):
-                writer.add_scalar(metric_name("sync"), sum(parts.values()), r.round, walltime=r.end)
+                writer.add_scalar(tag(r.host, "sync"), sum(parts.values()), r.round, walltime=r.end)
                 del rounds[r.round]
             if len(rounds) > 3:  # rounds whose sync never completed (a fallback fetch instead): keep the last 3
                 del rounds[min(rounds)]

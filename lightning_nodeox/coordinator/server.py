@@ -380,7 +380,7 @@ async def serve(config: CoordinatorConfig, ready_file: Path | None = None, befor
     rounds.close()
     pool.close()
     runlog.close()
-    status = "complete" if rounds.complete else "stopped before the run completed"
-    print(f"nodeox coordinator: run {status} at round {rounds.round}; peak RSS {rounds.peak_rss / 2**20:.0f} MiB",
-          flush=True)
+    status = (f"complete after round {rounds.published_round}" if rounds.complete
+              else f"stopped before the run completed, at round {rounds.round}")
+    print(f"nodeox coordinator: run {status}; peak RSS {rounds.peak_rss / 2**20:.0f} MiB", flush=True)
     return 0 if rounds.complete else 1

@@ -18,6 +18,7 @@ ENV_TELEMETRY_URL = "NODEOX_TELEMETRY_URL"
 ENV_NUM_HOSTS = "NODEOX_NUM_HOSTS"
 ENV_RUN_DIR = "NODEOX_RUN_DIR"
 ENV_CA_FILE = "NODEOX_CA_FILE"
+ENV_LOCAL_RANK = "NODEOX_LOCAL_HOST_RANK"  # the host's position among the hosts on its machine (0 first)
 
 HOST_ID_RULE = "1 to 64 of A-Z a-z 0-9 _ . - (not '.', '..' or 'coordinator')"
 _HOST_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")

@@ -38,6 +38,7 @@ from .clock import ClockOffset
 log = logging.getLogger(__name__)
 
 READ_CHUNK = 8 << 20
+SYNC_POLL = 2.0  # seconds a sync long-poll lasts: a cancelled host (SIGTERM) stops waiting within about this
 _REASON_OF_STATUS = {400: Reason.INVALID, 401: Reason.UNAUTHORIZED, 403: Reason.FORBIDDEN, 404: Reason.INVALID,
                      405: Reason.INVALID, 409: Reason.NOT_OPEN, 410: Reason.GONE, 411: Reason.LENGTH_REQUIRED,
                      413: Reason.TOO_LARGE, 429: Reason.RATE_LIMITED}
@@ -164,7 +165,7 @@ class HttpClient:
             raise
         return Upload.TAKEN
 
-    def wait_sync(self, round_: int, poll: float = 30.0) -> SyncReply:
+    def wait_sync(self, round_: int, poll: float = SYNC_POLL) -> SyncReply:
         """Long-poll until round ``round_``'s sync is ready (or the run completed, or the sync is gone)."""
         path = proto.SYNC.format(round=round_)
         while True:

@@ -85,6 +85,11 @@ class Connection:
             raise ValueError(f"{ENV_CA_FILE}={self.ca_file} is not a file; point it at the PEM certificate (or CA) "
                              "the coordinator serves")
 
+    @staticmethod
+    def host_id_from_env(host_id: str | None = None) -> str:
+        """The host id given, else ``NODEOX_HOST_ID``, else the machine's name."""
+        return host_id or os.environ.get(ENV_HOST_ID) or default_host_id()
+
     @classmethod
     def resolve(cls, *, coordinator_url: str | None = None, host_id: str | None = None, token: str | None = None,
                 telemetry_url: str | None = None) -> Connection:
@@ -94,7 +99,7 @@ class Connection:
             raise ValueError(
                 "NodeoxStrategy needs the coordinator's URL: pass NodeoxStrategy(coordinator_url='http://HOST:8470') "
                 f"or set {ENV_URL} (`nodeox launch` sets it for the hosts it starts)")
-        return cls(coordinator_url=url, host_id=host_id or os.environ.get(ENV_HOST_ID) or default_host_id(),
+        return cls(coordinator_url=url, host_id=cls.host_id_from_env(host_id),
                    token=token or os.environ.get(ENV_TOKEN) or None,
                    telemetry_url=telemetry_url or os.environ.get(ENV_TELEMETRY_URL) or None,
                    ca_file=os.environ.get(ENV_CA_FILE) or None)

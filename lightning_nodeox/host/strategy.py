@@ -4,14 +4,19 @@ Each host is its own world of one: Lightning's barrier, broadcast and reduce nev
 and every host is its own rank zero (its loggers and checkpoints write). After every ``local_steps``
 optimizer steps the strategy closes a round; the round logic itself lives in :mod:`lightning_nodeox.host.round`.
 
-The last, partial round: when ``fit`` ends, each host sends what it trained since its last round (possibly
-nothing) as its final delta, then applies every remaining sync until all hosts have finished, so every host
-ends on the same final model.
+Stopping together: when ``fit`` ends on one host (max_steps, max_epochs, early stopping), it sends what it
+trained since its last round as its final delta, and that round completes the run: the other hosts stop at
+their next round boundary, and every host ends on the same final model (:mod:`lightning_nodeox.host.stopping`).
+Values logged with ``sync_dist=True`` are shared across hosts at round boundaries
+(:mod:`lightning_nodeox.host.metrics`); under ``nodeox launch`` each host writes into its own folder of the run
+directory (:mod:`lightning_nodeox.host.machine`); SIGTERM makes a host leave at once
+(:mod:`lightning_nodeox.host.signals`).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections import deque
 from concurrent.futures import Future
@@ -28,10 +33,15 @@ from typing_extensions import override
 from ..core import phases as P
 from ..core.cpu import choose_threads, granted_cpus
 from ..core.phases import PhaseLog, PhaseRecord
+from . import machine
 from .client import HttpClient
 from .clock import ClockOffset
+from .metrics import SharedMetrics
+from .progress import RoundProgress
 from .round import HostRound, RoundResult
 from .settings import Connection, HostSettings, overlap_mode
+from .signals import SigtermHandler, exit_code_for
+from .stopping import ends_after_this_batch, steps_taken
 from .telemetry import TelemetryShipper
 from .tensors import HostTensors, shared_tensors
 from .worker import ExchangeWorker
@@ -122,6 +132,9 @@ class NodeoxStrategy(SingleDeviceStrategy):
         self._deadline = 0.0  # with round_seconds: when the current round closes
         self._closed_rounds = 0
         self._left = False
+        self.metrics = SharedMetrics()
+        self._progress: RoundProgress | None = None
+        self._sigterm = SigtermHandler(self._cancel_waits)
 
     # -- devices and ranks ------------------------------------------------------------------------------------
     @property
@@ -138,6 +151,11 @@ class NodeoxStrategy(SingleDeviceStrategy):
                 "use Trainer(devices=1, strategy=NodeoxStrategy()) and start one host per GPU "
                 "(`nodeox launch` gives each host its own GPU)")
         rank_zero_only.rank = 0
+        self.local_rank = machine.local_rank()  # prepare_data runs on local rank 0: one host per machine
+        trainer = self.lightning_module.trainer
+        machine.use_run_folder(trainer, Connection.host_id_from_env(self._given["host_id"]))
+        # distributed for self.log(sync_dist=True) only: each host loads its own data, no DistributedSampler
+        trainer._accelerator_connector.use_distributed_sampler = False
         threads = self.cpu_threads or min(torch.get_num_threads(), granted_cpus())
         if threads != torch.get_num_threads():
             log.info("NodeoxStrategy: torch CPU threads %d -> %d (CPU quota of this process)",
@@ -161,7 +179,8 @@ class NodeoxStrategy(SingleDeviceStrategy):
             conn.telemetry_url, host=conn.host_id, ca_file=conn.ca_file, retry_for=0.0)
         self._phases = PhaseLog(conn.host_id)
         self._telemetry = TelemetryShipper(telemetry_client, clock)
-        self._phases.listeners += [self.phase_records.append, self._telemetry]
+        self._progress = RoundProgress(conn.host_id)
+        self._phases.listeners += [self.phase_records.append, self._telemetry, self._progress]
         codec_threads = 1 if self.root_device.type != "cpu" else choose_threads(settings.codec_threads,
                                                                                    purpose="host codec")
         tensors = HostTensors(shared_tensors(self.lightning_module))
@@ -212,7 +231,7 @@ class NodeoxStrategy(SingleDeviceStrategy):
         if self._in_flight is not None and self._in_flight.done():
             self._fold()
         if self._round_due():
-            self._close_round()
+            self._close_round(final=ends_after_this_batch(self.lightning_module.trainer))
 
     def _round_due(self) -> bool:
         if self.settings.round_seconds is not None:
@@ -232,9 +251,12 @@ class NodeoxStrategy(SingleDeviceStrategy):
         if overlapped:
             self._round.tensors.take_snapshot(restart_from_base=mode == "delayed")
             self._in_flight_round = self._round.round
-            self._in_flight = self._worker.submit(self._round.run_overlapped, self._samples, mode == "delayed")
+            self._in_flight = self._worker.submit(self._round.run_overlapped, self._samples, mode == "delayed",
+                                                  self.metrics.take())
         else:
-            self.last_result = self._worker.submit(self._round.run_round, self._samples, final).result()
+            self.last_result = self._sigterm.wait(self._worker.submit(self._round.run_round, self._samples, final,
+                                                                      self.metrics.take()))
+            self._after_round(self.last_result)
         self._closed_rounds += 1
         self._steps = self._samples = 0
         self._round_start = time.time()
@@ -253,35 +275,81 @@ class NodeoxStrategy(SingleDeviceStrategy):
 
     def _wait_and_fold(self) -> None:
         with self._phases.timed(self._in_flight_round, P.WAIT):
-            self._in_flight.result()
+            self._sigterm.wait(self._in_flight)
         self._fold()
 
     def _fold(self) -> None:
-        """The overlapped round's sync has arrived: the live model becomes it plus the progress made since."""
+        """The overlapped round's sync has arrived: the live model becomes it plus the progress made since (or
+        just it, when the run completed with that round: every host ends on the same model)."""
         self.last_result = self._in_flight.result()
         self._in_flight = None
         with self._phases.timed(self.last_result.round, P.FOLD):
-            self._round.tensors.fold()
+            if self.last_result.complete:
+                self._round.tensors.restore_live()
+            else:
+                self._round.tensors.fold()
+        self._after_round(self.last_result)
+
+    def _after_round(self, result: RoundResult) -> None:
+        """Take the run's shared values, show the round's progress line, and stop when the run is complete."""
+        trainer = self.lightning_module.trainer
+        self.metrics.update(result.metrics)
+        self._progress.show(trainer, self._progress.line(result.round, steps_taken(trainer), result.model_hash,
+                                                         trainer.callback_metrics, result.complete))
+        if result.complete:
+            trainer.should_stop = True  # a host's training ended: every host stops at this round
+
+    @property
+    def is_distributed(self) -> bool:
+        """True, so that Lightning hands values logged with ``sync_dist=True`` to :meth:`reduce`."""
+        return True
+
+    @override
+    def reduce(self, tensor, group: Any = None, reduce_op: Any = "mean"):
+        """A value logged with ``sync_dist=True``: returns at once, with the mean across hosts as of the last round
+        (this host's own value until the value was first shared); see :mod:`lightning_nodeox.host.metrics`."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return tensor  # validate/test/predict: no rounds, a world of one
+        return self.metrics.reduce(sys._getframe(1), tensor, reduce_op, recording=not trainer.sanity_checking)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        """Hosts never wait on each other; only at ``pre_setup`` do the hosts of one machine wait until its local
+        rank 0 has run ``prepare_data``."""
+        if name == "pre_setup":
+            machine.after_prepare_data(self.lightning_module.trainer, self.local_rank)
+
+    @override
+    def on_train_start(self) -> None:
+        self._sigterm.install()  # after Lightning's own SIGTERM handler, which it chains
+        super().on_train_start()
+
+    def _cancel_waits(self) -> None:
+        if self._round is not None:
+            self._round.client.cancel()
 
     @override
     def on_train_end(self) -> None:
-        """The last, partial round (possibly empty), never overlapped, then every remaining sync until all hosts
-        finish."""
+        """This host's final round (what it trained since its last round; never overlapped), unless the run has
+        completed already (another host's training ended, or this host's last batch closed its final round); then
+        the run's values of the metrics logged with ``sync_dist=True`` go into ``trainer.callback_metrics``."""
         if self._in_flight is not None:
             self._wait_and_fold()
         if self._worker is not None and not self._round.complete:
             self._close_round(final=True)
-            log.info("NodeoxStrategy: host %s finished after round %d on model %s", self.connection.host_id,
-                     self.last_result.round, self.last_result.model_hash)
+        self.metrics.publish(self.lightning_module.trainer.callback_metrics)
         super().on_train_end()
 
     @override
     def teardown(self) -> None:
+        self._sigterm.uninstall()
         self._leave()
         super().teardown()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        exit_code_for(exception)
         self._leave(interrupted=True)
         super().on_exception(exception)
 
