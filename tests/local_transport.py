@@ -16,6 +16,7 @@ from lightning_nodeox.coordinator.config import CoordinatorConfig
 from lightning_nodeox.coordinator.rounds import Rounds
 from lightning_nodeox.coordinator.runlog import RunLog
 from lightning_nodeox.core.pool import WorkerPool
+from lightning_nodeox.core.specs import specs_from_json
 from lightning_nodeox.core.protocol import (
     JoinReply, Reason, Refusal, RunComplete, SyncGone, SyncReady, SyncReply, Upload,
 )
@@ -82,7 +83,7 @@ class LocalClient:
         pass
 
     def join(self, tensors: list) -> JoinReply:
-        return self.coordinator.call(self.rounds.join(self.host, tensors))
+        return self.coordinator.call(self.rounds.join(self.host, specs_from_json(tensors)))
 
     def put_model(self, body) -> str:
         data = bytearray()

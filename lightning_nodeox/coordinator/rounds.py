@@ -1,15 +1,27 @@
 """The round state machine: who takes part, when a round closes, what is published.
 
+Stopping together: a host's final delta (its training ended: max_steps, max_epochs, early stopping) makes
+its round the run's last one. That round's sync completes the run, so every host ends on the same model
+after the same round, and a host that is still training stops at its next round boundary.
+
 Runs on the event loop; tensor work goes to two threads (one parses and checks uploads, one accumulates
 and prepares syncs, in order), so the loop keeps answering while a round is aggregated. A rejected
 upload changes nothing: it is checked completely before its first byte reaches the accumulator.
+
+Identity: a join admits a host id (at most ``--hosts`` distinct ids unless ``--elastic``) and returns a
+credential that every later call of that host must present (:meth:`Rounds.authenticate`). An id already held
+by a live host is refused (``ID_IN_USE``); it can be taken again once its holder has left or was dropped by a
+round timeout, or by a join presenting the holder's credential. Taking it issues a new credential, so the
+previous holder, should it still run, is refused from then on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import hmac
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -17,21 +29,20 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.modelfile import read_model
+from ..core.modelfile import model_header, read_model
 from ..core.phases import AGGREGATE, COORDINATOR, RECEIVE, RSS, SYNC_PREPARE, PhaseRecord
 from ..core.pool import WorkerPool
 from ..core.protocol import JoinReply, Reason, Refusal
-from ..core.specs import PayloadError, check_same_model, specs_from_json
-from ..core.wire import Q4Message
+from ..core.specs import PayloadError, TensorSpec, check_same_model
+from ..core.wire import Q4Message, fit_metrics
 from .config import CoordinatorConfig
+from .intake import MAX_SAMPLES, model_bytes
+from .metrics import reduce_metrics
 from .model import CoordinatorModel
 from .runlog import RunLog, peak_rss_bytes, rss_bytes
 
 log = logging.getLogger(__name__)
 
-
-MAX_SAMPLES = 2**31  # per host and round
-MAX_MODEL_BYTES = 1 << 40
 
 
 class HostState(enum.Enum):
@@ -44,7 +55,9 @@ class HostState(enum.Enum):
 @dataclass
 class Host:
     id: str
+    credential: str
     state: HostState = HostState.TRAINING
+    joined: float = 0.0
 
 
 class Rounds:
@@ -59,11 +72,14 @@ class Rounds:
         self.published_round = -1
         self.hosts: dict[str, Host] = {}
         self.received: dict[str, int] = {}
+        self.metrics: dict[str, dict[str, list]] = {}  # the round's deltas' sync_dist values, by host
+        self.stopping = False  # a final delta came in this round: it is the run's last
         self.closing = False
         self.complete = False
         self.round_opened = time.time()
         self.provider: str | None = None
         self.provider_since = 0.0
+        self.provider_specs: tuple[TensorSpec, ...] = ()
         self.changed = asyncio.Condition()
         self.finished = asyncio.Event()
         self.model_lock = asyncio.Lock()  # full-model downloads versus the round's apply
@@ -122,14 +138,19 @@ class Rounds:
                  self.model.nbytes / 1e6, self.model.hash)
 
     def check_model_upload(self, host: str, size: int) -> None:
-        """Refuse an initial-model upload before its body is read: only the chosen provider, only once."""
+        """Refuse an initial-model upload before its body is read (or allocated for): only the chosen provider,
+        only once, and only of the size its join's tensor specs give."""
         if self.model is not None:
             raise Refusal(Reason.HAS_MODEL, "the run already has a model; fetch it with GET /v1/model",
                              model_hash=self.model.hash)
         if host != self.provider:
             raise Refusal(Reason.NOT_PROVIDER, f"host {self.provider} provides the initial model, not host {host}; join again")
-        if size > MAX_MODEL_BYTES:
-            raise Refusal(Reason.TOO_LARGE, f"model upload of {size} bytes is larger than {MAX_MODEL_BYTES}")
+        data = model_bytes(self.provider_specs)
+        header = len(model_header(self.provider_specs, self.round, "f" * 128))  # at most: metadata varies a little
+        if not data < size <= data + header:
+            raise Refusal(Reason.INVALID, f"model upload of {size} bytes does not fit the {len(self.provider_specs)} "
+                                          f"tensors host {host} declared at join ({data} bytes and a header of at "
+                                          f"most {header})")
 
     async def put_model(self, host: str, data: torch.Tensor) -> dict:
         """The providing host's initial model."""
@@ -140,6 +161,10 @@ class Rounds:
             _, _, specs, tensors = await self._in(self._parse, read_model, data)
         except PayloadError as e:
             raise Refusal(Reason.INVALID, f"initial model rejected: {e}") from None
+        try:
+            check_same_model(self.provider_specs, specs, "the initial model")
+        except PayloadError as e:
+            raise Refusal(Reason.INVALID, f"{e} (as declared at join)") from None
         model = await self._in(self._work, CoordinatorModel, specs, tensors, self.config.q4, self.pool,
                                  self.config.outer)
         if self.model is not None:  # another upload won the race while this one was read
@@ -153,35 +178,56 @@ class Rounds:
         return {"model_hash": model.hash, "round": self.round}
 
     # -- hosts ------------------------------------------------------------------------------------------------
-    async def join(self, host: str, tensors: list | None) -> JoinReply:
-        """Register a host; tell it the round, the model hash, or that it must provide the model.
-        A host whose model does not fit the run is refused and not registered."""
-        if not host or len(host) > 64 or host == COORDINATOR:
-            raise Refusal(Reason.INVALID, "host id must be 1 to 64 characters (and not 'coordinator'); set NODEOX_HOST_ID")
-        try:
-            specs = specs_from_json(tensors) if tensors is not None else None
-        except PayloadError as e:
-            raise Refusal(Reason.INVALID, f"join: {e}") from None
+    async def join(self, host: str, specs: tuple[TensorSpec, ...], credential: str = "") -> JoinReply:
+        """Admit a host (see the module's rules on ids); tell it the round, the model hash and its credential, or
+        that it must provide the model. A host whose model does not fit the run is refused and not registered."""
+        self._check_admission(host, credential)
         if self.model is None:
             now = time.time()
             if self.provider in (None, host) or now - self.provider_since > self.config.provider_timeout:
-                self.provider, self.provider_since = host, now
-                self._register(host)
-                return self._reply(model_hash=None, provide_model=True)
+                self.provider, self.provider_since, self.provider_specs = host, now, specs
+                return self._reply(model_hash=None, provide_model=True, credential=self._register(host, credential))
             await self._wait(lambda: self.model is not None, self.config.long_poll)
             if self.model is None:
                 return self._reply(model_hash=None, retry=True)
-        if specs is not None:
-            try:
-                check_same_model(self.model.specs, specs, f"host {host}'s model")
-            except PayloadError as e:
-                raise Refusal(Reason.INVALID, str(e)) from None
-        self._register(host)
+        try:
+            check_same_model(self.model.specs, specs, f"host {host}'s model")
+        except PayloadError as e:
+            raise Refusal(Reason.INVALID, str(e)) from None
+        issued = self._register(host, credential)
         await self._notify()
-        return self._reply(model_hash=self.model.hash, complete=self.complete)
+        return self._reply(model_hash=self.model.hash, complete=self.complete, credential=issued)
 
-    def _register(self, host: str) -> None:
-        self.hosts.setdefault(host, Host(host)).state = HostState.TRAINING
+    def _check_admission(self, host: str, credential: str) -> None:
+        entry = self.hosts.get(host)
+        if entry is None:
+            if len(self.hosts) >= self.config.hosts and not self.config.elastic:
+                raise Refusal(Reason.FULL, f"host {host} cannot join: the run already has its {self.config.hosts} "
+                                           "hosts (--hosts). A restarted host must keep its NODEOX_HOST_ID to take its "
+                                           "place; start the coordinator with --elastic to admit more hosts")
+        elif entry.state not in (HostState.LEFT, HostState.DROPPED) and not _same(credential, entry.credential):
+            raise Refusal(Reason.ID_IN_USE, f"host id {host} is in use by another live process (joined "
+                                            f"{time.time() - entry.joined:.0f} s ago, {entry.state.value}). Give this "
+                                            "process its own NODEOX_HOST_ID, or stop the other one first (a stopped "
+                                            "host leaves; one that died is free again once a round times it out)")
+
+    def _register(self, host: str, credential: str) -> str:
+        """Admit ``host`` (checked again: no await since) and return its new credential."""
+        self._check_admission(host, credential)
+        entry = self.hosts[host] = Host(host, secrets.token_urlsafe(24), joined=time.time())
+        log.info("nodeox coordinator: host %s joined", host)
+        return entry.credential
+
+    def authenticate(self, host: str, credential: str) -> Host:
+        """The host ``host``, if ``credential`` is its credential (from its join)."""
+        entry = self.hosts.get(host)
+        if entry is None:
+            raise Refusal(Reason.NOT_JOINED, f"host {host} has not joined; POST /v1/join first")
+        if not _same(credential, entry.credential):
+            raise Refusal(Reason.FORBIDDEN, f"missing or wrong credential for host {host}: only the process that "
+                                            f"joined as {host} may act for it (if that process restarted, it joins "
+                                            "again)")
+        return entry
 
     async def leave(self, host: str) -> None:
         """A host stops taking part (training ended or failed); rounds no longer wait for it."""
@@ -207,6 +253,9 @@ class Rounds:
         model = self.require_model()
         if host not in self.hosts:
             raise Refusal(Reason.NOT_JOINED, f"host {host} has not joined; POST /v1/join first")
+        if self.complete:
+            raise Refusal(Reason.LATE, f"the run completed at round {self.published_round}; apply its last sync",
+                          round=self.round)
         if round_ == self.round and host in self.received:
             raise Refusal(Reason.DUPLICATE, f"host {host} already sent its delta for round {round_}")
         if round_ != self.round or self.closing:
@@ -240,7 +289,10 @@ class Rounds:
             check_same_model(model.specs, meta.tensors, "delta")
         except PayloadError as e:
             raise Refusal(Reason.INVALID, f"delta rejected: {e}") from None
-        if meta.samples > MAX_SAMPLES or not message.weighted_scales_finite(meta.samples):
+        if meta.samples > MAX_SAMPLES:
+            raise Refusal(Reason.INVALID, f"delta rejected: {meta.samples} samples in one round; at most {MAX_SAMPLES} "
+                                          "(2^24) are taken from one host")
+        if not message.weighted_scales_finite(meta.samples):
             raise Refusal(Reason.INVALID, f"delta rejected: {meta.samples} samples with scales up to "
                                   f"{message.max_scale:.3g} would overflow the accumulator; the host's training "
                                   "diverged or its sample count is wrong")
@@ -249,6 +301,8 @@ class Rounds:
                                   f"{round_} started from {model.hash}; fetch the model and rejoin",
                           model_hash=model.hash)
         self.received[host] = meta.samples
+        self.metrics[host] = meta.metrics
+        self.stopping = self.stopping or meta.final
         entry = self.hosts[host]
         entry.state = HostState.FINISHED if meta.final else HostState.TRAINING
         future = asyncio.ensure_future(self._in(self._work, model.accumulate, message, meta.samples))
@@ -287,6 +341,8 @@ class Rounds:
         self.closing = True
         try:
             await self._close()
+        except Exception:  # noqa: BLE001 - the model and its hash still agree (close_round); tried again later
+            log.exception("nodeox coordinator: closing round %d failed; it is tried again", self.round)
         finally:
             self.closing = False
         await self._notify()
@@ -305,21 +361,41 @@ class Rounds:
         self.record(PhaseRecord(round_, COORDINATOR, AGGREGATE, start, aggregated,
                                 extra={"hosts": sorted(self.received), "samples": sum(self.received.values())}))
         async with self.model_lock:
-            message = await self._in(self._work, model.close_round, round_)
+            closed = await self._in(self._work, model.close_round, round_, self._round_metrics())
+            message = closed.sync
+            refused = {}
+            if closed.not_finite:
+                refused = {"refused": f"not finite: {', '.join(closed.not_finite[:5])}"}
+                log.error("nodeox coordinator: round %d refused: its result would make %s NaN or Inf; the model stays "
+                          "%s and hosts get a sync that changes nothing. A host's training diverged, or a delta is too "
+                          "large for the model's dtype (lower the learning rate, clip gradients)", round_,
+                          ", ".join(closed.not_finite[:5]), message.meta.model_hash)
             self.record(PhaseRecord(round_, COORDINATOR, SYNC_PREPARE, aggregated, time.time(), len(message),
-                                    extra={"model_hash": message.meta.model_hash}))
+                                    extra={"model_hash": message.meta.model_hash, **refused}))
             if self.before_publish is not None:  # a comparison hook: benchmarks/exchange.py saves the model here
-                await self.before_publish(self, round_, message)
+                try:
+                    await self.before_publish(self, round_, message)
+                except Exception:  # noqa: BLE001 - the round is applied: publish it regardless
+                    log.exception("nodeox coordinator: before_publish of round %d failed", round_)
             # the round's state changes together, on the loop, after the last await
             model.publish(message)
-            self.received = {}
+            self.received, self.metrics = {}, {}
+            self.complete = self.complete or self.stopping
             self.published_round = round_
             self.round = round_ + 1
             self.round_opened = time.time()
         self._check_finished()
         if self.complete:
-            log.info("nodeox coordinator: every host has finished; final model %s after round %d", model.hash, round_)
+            log.info("nodeox coordinator: the run completed after round %d (a host's training ended); final model %s",
+                     round_, model.hash)
         self.sample_memory()
+
+    def _round_metrics(self) -> dict[str, list]:
+        reduced = reduce_metrics([(self.received[h], m) for h, m in self.metrics.items() if m])
+        kept, dropped = fit_metrics(reduced)
+        if dropped:
+            log.warning("nodeox coordinator: round %d's sync has no room for metrics %s", self.round, dropped)
+        return kept
 
     # -- syncs ------------------------------------------------------------------------------------------------
     async def wait_sync(self, round_: int, wait: float, host: str | None = None) -> Q4Message | None:
@@ -361,3 +437,7 @@ class Rounds:
     def close(self) -> None:
         self._parse.shutdown(wait=True)
         self._work.shutdown(wait=True)
+
+
+def _same(given: str, expected: str) -> bool:
+    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), expected.encode())

@@ -358,6 +358,39 @@ def encode_sync_and_apply(
             hasher.values(s, e)
 
 
+def encode_sync(
+    k: Q4Kernels, acc: torch.Tensor, inv_weight: float, model: torch.Tensor, codes: torch.Tensor,
+    scales: torch.Tensor, *, start: int = 0, stop: int | None = None,
+    outer_step: Callable[[torch.Tensor, int, int], None] | None = None,
+) -> bool:
+    """Coordinator, before anything is applied: quantize the sync delta as :func:`encode_sync_and_apply` does,
+    leaving ``model`` untouched; returns whether ``model + dequantized`` stays finite in the model's dtype
+    (False at the first chunk that does not). Per chunk, while it is in cache: when ``max|model| + 7 * max
+    scale`` is below the dtype's largest value it is finite; only otherwise is the sum itself formed and looked at."""
+    limit = torch.finfo(model.dtype).max * (1 - 2**-10)  # room for the rounding of the bound itself
+    for s, e in chunk_ranges(acc.numel(), k.chunk, start, stop):
+        m = e - s
+        mp = k.padded(m)
+        x = torch.mul(acc[s:e], inv_weight, out=k.x[:m])
+        if outer_step is not None:
+            outer_step(x, s, e)
+        d = k.d[:mp]
+        chunk_codes, chunk_scales = k.blocks(codes, scales, s, mp)
+        k.quantize(m, chunk_codes, chunk_scales, dequant_out=d)
+        low, high = torch.aminmax(model[s:e])
+        peak = LEVELS * float(chunk_scales.abs().max()) if chunk_scales.numel() else float(d[:m].abs().max())
+        if max(-float(low), float(high)) + peak < limit:
+            continue
+        size = m * model.element_size()
+        probe = (k.y.view(torch.uint8)[:size].view(model.dtype) if size <= k.y.numel() * 4
+                 else torch.empty(m, dtype=model.dtype, device=model.device))  # k.y is free once quantized
+        apply_dequantized(model[s:e], d[:m], probe)
+        low, high = torch.aminmax(probe)
+        if not (math.isfinite(float(low)) and math.isfinite(float(high))):
+            return False
+    return True
+
+
 def relative_error(reference: torch.Tensor, approx: torch.Tensor) -> float:
     """``||reference - approx|| / ||reference||`` (0 for an all-zero reference that is matched exactly)."""
     ref = reference.float()

@@ -4,7 +4,8 @@ Host phases: ``train`` (from the round's start to its boundary), ``encode``, ``u
 waits for a sync: the whole long poll without overlap; with overlap only when the previous round's sync has not
 arrived by the next boundary), ``poll`` (with overlap: the exchange worker's long poll while training goes on),
 ``download``, ``apply``, ``verify`` (``sync`` = download + apply + verify), ``fold`` (with overlap: the sync
-folded into the live model) and ``fallback_fetch`` when the host fetches the full model. Coordinator phases: ``receive`` (per host),
+folded into the live model), ``provide_model`` when the host uploads the initial model at join, and
+``fallback_fetch`` when the host fetches the full model (at join too, when its model is not the run's). Coordinator phases: ``receive`` (per host),
 ``aggregate``, ``sync_prepare`` (outer step, quantize, apply, hash) and ``model_materialize`` (serving the
 full model on demand). ``rss`` records are memory samples.
 """
@@ -17,9 +18,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
-TRAIN, ENCODE, UPLOAD, WAIT, POLL, DOWNLOAD, APPLY, VERIFY, FOLD, FALLBACK_FETCH = (
-    "train", "encode", "upload", "wait", "poll", "download", "apply", "verify", "fold", "fallback_fetch")
-HOST_PHASES = (TRAIN, ENCODE, UPLOAD, WAIT, POLL, DOWNLOAD, APPLY, VERIFY, FOLD, FALLBACK_FETCH)
+TRAIN, ENCODE, UPLOAD, WAIT, POLL, DOWNLOAD, APPLY, VERIFY, FOLD, PROVIDE_MODEL, FALLBACK_FETCH = (
+    "train", "encode", "upload", "wait", "poll", "download", "apply", "verify", "fold", "provide_model",
+    "fallback_fetch")
+HOST_PHASES = (TRAIN, ENCODE, UPLOAD, WAIT, POLL, DOWNLOAD, APPLY, VERIFY, FOLD, PROVIDE_MODEL, FALLBACK_FETCH)
 SYNC_PARTS = (DOWNLOAD, APPLY, VERIFY)
 
 RECEIVE, AGGREGATE, SYNC_PREPARE, MODEL_MATERIALIZE, RSS = (
@@ -57,13 +59,6 @@ class PhaseRecord:
             del d["bytes"]
         d.update({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in extra.items()})
         return d
-
-    @classmethod
-    def from_json(cls, d: dict) -> PhaseRecord:
-        known = {"round", "host", "phase", "start", "end", "bytes"}
-        return cls(int(d["round"]), str(d["host"]), str(d["phase"]), float(d["start"]), float(d["end"]),
-                   None if d.get("bytes") is None else int(d["bytes"]),
-                   {k: v for k, v in d.items() if k not in known})
 
 
 class PhaseLog:

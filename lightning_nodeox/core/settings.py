@@ -3,6 +3,7 @@ that ``nodeox launch`` sets for hosts, and the checks of values that hosts and t
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 CODECS = ("q4", "bf16", "fp32")  # bf16 and fp32: unquantized, for ablations
@@ -16,11 +17,24 @@ ENV_TOKEN = "NODEOX_TOKEN"
 ENV_TELEMETRY_URL = "NODEOX_TELEMETRY_URL"
 ENV_NUM_HOSTS = "NODEOX_NUM_HOSTS"
 ENV_RUN_DIR = "NODEOX_RUN_DIR"
+ENV_CA_FILE = "NODEOX_CA_FILE"
+ENV_LOCAL_RANK = "NODEOX_LOCAL_HOST_RANK"  # the host's position among the hosts on its machine (0 first)
+
+HOST_ID_RULE = "1 to 64 of A-Z a-z 0-9 _ . - (not '.', '..' or 'coordinator')"
+_HOST_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_RESERVED_IDS = (".", "..", "coordinator")  # path segments, and the coordinator's own records
 
 
 def check_rounding(rounding: str) -> None:
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding={rounding!r} is not supported; use 'nearest' or 'stochastic'")
+
+
+def check_host_id(host_id: object, what: str = "host id") -> str:
+    """A valid host id (returned), or a ValueError naming the rule."""
+    if not isinstance(host_id, str) or not _HOST_ID.fullmatch(host_id) or host_id in _RESERVED_IDS:
+        raise ValueError(f"{what} {host_id!r} is not valid: use {HOST_ID_RULE}")
+    return host_id
 
 
 def check_url(url: str, what: str) -> None:

@@ -109,7 +109,12 @@ class HostRanks:
 
 class WorldOfOne(ClusterEnvironment):
     """The cluster environment of a host with one device: rank 0 of a world of one, whatever launched it (so
-    ``torchrun --nproc-per-node 8`` with ``devices=1`` makes 8 hosts, not one DDP world)."""
+    ``torchrun --nproc-per-node 8`` with ``devices=1`` makes 8 hosts, not one DDP world). Its local rank is the
+    host's place among the hosts of its machine (:func:`lightning_nodeox.host.machine.local_rank`), so Lightning
+    runs ``prepare_data`` on one host per machine."""
+
+    def __init__(self, local_rank: int = 0) -> None:
+        self._local_rank = local_rank
 
     @property
     def creates_processes_externally(self) -> bool:
@@ -140,7 +145,7 @@ class WorldOfOne(ClusterEnvironment):
         pass
 
     def local_rank(self) -> int:
-        return 0
+        return self._local_rank
 
     def node_rank(self) -> int:
         return 0

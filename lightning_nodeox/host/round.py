@@ -8,13 +8,15 @@ The rules, each in terms of the protocol's outcomes (never HTTP):
 - a sync that is gone (``SyncGone``), that cannot be parsed, or that does not fit this host's model makes the
   host fetch the full model; so does a model hash that differs after applying a sync;
 - a download that breaks off is asked for again (``DOWNLOAD_TRIES``);
-- a host whose last round was late still sends an empty final delta, so the coordinator knows it finished.
+- a host whose last round was late still sends an empty final delta, so the coordinator knows it finished;
+- a host that learns the run completed before its round closed (another host's training ended while its
+  delta was on the way) drops the local work no round took: it ends on the run's final model, like every host.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..core import phases as P
 from ..core.phases import PhaseLog
@@ -35,6 +37,7 @@ class RoundResult:
     model_hash: str
     complete: bool  # the run has completed: no more rounds
     contributed: bool  # this host's delta was part of the round
+    metrics: dict[str, list] = field(default_factory=dict)  # the sync's sync_dist values, reduced across hosts
 
 
 class HostRound:
@@ -74,7 +77,10 @@ class HostRound:
         if reply.provide_model:
             self.model_hash = ours
             try:
-                theirs = self.client.put_model(self.tensors.model_file(self.round, ours))
+                with self.phases.timed(self.round, P.PROVIDE_MODEL) as rec:
+                    body = self.tensors.model_file(self.round, ours)
+                    rec.bytes = len(body)
+                    theirs = self.client.put_model(body)
             except Refusal as e:
                 if e.reason is not Reason.HAS_MODEL:
                     raise
@@ -90,18 +96,18 @@ class HostRound:
             self.fetch_model()
 
     # -- a round --------------------------------------------------------------------------------------------------
-    def run_round(self, samples: int, final: bool) -> RoundResult:
+    def run_round(self, samples: int, final: bool, metrics: dict[str, list] | None = None) -> RoundResult:
         """One whole exchange while training waits: encode, upload, then sync (following later rounds if this
-        is the final one)."""
+        is the final one). ``metrics``: this host's latest sync_dist values, ``{name: [value, reduction]}``."""
         self.into_live = True
-        message = self.encode(self.tensors.live, samples, final)
+        message = self.encode(self.tensors.live, samples, final, metrics)
         return self._finish_round(message, final)
 
-    def run_overlapped(self, samples: int, delayed: bool) -> RoundResult:
+    def run_overlapped(self, samples: int, delayed: bool, metrics: dict[str, list] | None = None) -> RoundResult:
         """One exchange while training goes on: the delta is the snapshot's, and the sync goes into ``base``
         only; the training side folds it into the live model (:meth:`HostTensors.fold`)."""
         self.into_live = False
-        message = self.encode(self.tensors.snapshot, samples, False)
+        message = self.encode(self.tensors.snapshot, samples, False, metrics)
         if delayed:
             self.tensors.snapshot_base()
         return self._finish_round(message, False)
@@ -115,13 +121,13 @@ class HostRound:
         result.contributed = outcome is Upload.TAKEN and result.contributed
         return result
 
-    def encode(self, source, samples: int, final: bool) -> Q4Message:
+    def encode(self, source, samples: int, final: bool, metrics: dict[str, list] | None = None) -> Q4Message:
         tensors = self.tensors
         error = tensors.estimate_error(source) if samples > 0 else None
         seed = None if self.rounding == "nearest" else hash((self._seed, self.round)) & (2**62 - 1)
         with self.phases.timed(self.round, P.ENCODE, samples=samples, q4_rel_error=error) as rec:
             message = tensors.encode(source, Q4Meta("delta", self.round, self.host, self.model_hash,
-                                                    samples=samples, final=final), seed)
+                                                    samples=samples, final=final, metrics=metrics or {}), seed)
             rec.bytes = len(message)
         return message
 
@@ -168,8 +174,10 @@ class HostRound:
         for attempt in range(1, DOWNLOAD_TRIES + 1):
             with self.phases.timed(round_, P.WAIT if self.into_live else P.POLL):
                 reply = self.client.wait_sync(round_)
-            if isinstance(reply, RunComplete):
+            if isinstance(reply, RunComplete):  # no later sync: this host's base is the run's final model
                 self.complete = True
+                if self.into_live:  # (overlapped, the training side does it between two steps)
+                    self.tensors.restore_live()
                 return None
             if isinstance(reply, SyncGone):
                 self.fetch_model()
@@ -211,7 +219,7 @@ class HostRound:
             self.fetch_model()
             return RoundResult(round_, self.model_hash, self.complete, False)
         self.model_hash = got
-        return RoundResult(round_, got, self.complete, True)
+        return RoundResult(round_, got, self.complete, True, sync.meta.metrics)
 
     # -- the full model ------------------------------------------------------------------------------------------------
     def fetch_model(self) -> None:

@@ -4,10 +4,21 @@ connects (resolved when training starts, from the arguments given or the environ
 from __future__ import annotations
 
 import os
+import re
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
-from ..core.settings import ENV_HOST_ID, ENV_TELEMETRY_URL, ENV_TOKEN, ENV_URL, check_rounding, check_url
+from ..core.settings import (
+    ENV_CA_FILE,
+    ENV_HOST_ID,
+    ENV_TELEMETRY_URL,
+    ENV_TOKEN,
+    ENV_URL,
+    check_host_id,
+    check_rounding,
+    check_url,
+)
 
 
 OVERLAP_MODES = (None, "eager", "delayed")
@@ -47,21 +58,37 @@ class HostSettings:
             raise ValueError("request_timeout must be positive and retry_for non-negative seconds")
 
 
+def default_host_id() -> str:
+    """This process's id when none is given: the machine's name and the local rank (``LOCAL_RANK``, set by
+    torchrun and Lightning's launchers), else the process id, so that two processes never share one."""
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())[:48] or "host"
+    return f"{name}-{os.environ.get('LOCAL_RANK') or os.getpid()}"
+
+
 @dataclass(frozen=True)
 class Connection:
-    """Where a host connects and as whom."""
+    """Where a host connects, as whom, and which certificate authority it trusts (``ca_file``; None: the
+    system's, or ``REQUESTS_CA_BUNDLE``)."""
 
     coordinator_url: str
     host_id: str
     token: str | None = None
     telemetry_url: str | None = None
+    ca_file: str | None = None
 
     def __post_init__(self) -> None:
         check_url(self.coordinator_url, f"coordinator URL (NodeoxStrategy(coordinator_url=...) or {ENV_URL})")
         if self.telemetry_url is not None:
             check_url(self.telemetry_url, f"telemetry URL ({ENV_TELEMETRY_URL})")
-        if not 1 <= len(self.host_id) <= 64:
-            raise ValueError(f"host_id must be 1 to 64 characters, got {self.host_id!r}; set {ENV_HOST_ID}")
+        check_host_id(self.host_id, f"host_id (NodeoxStrategy(host_id=...) or {ENV_HOST_ID})")
+        if self.ca_file is not None and not Path(self.ca_file).is_file():
+            raise ValueError(f"{ENV_CA_FILE}={self.ca_file} is not a file; point it at the PEM certificate (or CA) "
+                             "the coordinator serves")
+
+    @staticmethod
+    def host_id_from_env(host_id: str | None = None) -> str:
+        """The host id given, else ``NODEOX_HOST_ID``, else the machine's name."""
+        return host_id or os.environ.get(ENV_HOST_ID) or default_host_id()
 
     @classmethod
     def resolve(cls, *, coordinator_url: str | None = None, host_id: str | None = None, token: str | None = None,
@@ -72,6 +99,7 @@ class Connection:
             raise ValueError(
                 "NodeoxStrategy needs the coordinator's URL: pass NodeoxStrategy(coordinator_url='http://HOST:8470') "
                 f"or set {ENV_URL} (`nodeox launch` sets it for the hosts it starts)")
-        return cls(coordinator_url=url, host_id=host_id or os.environ.get(ENV_HOST_ID) or socket.gethostname(),
+        return cls(coordinator_url=url, host_id=cls.host_id_from_env(host_id),
                    token=token or os.environ.get(ENV_TOKEN) or None,
-                   telemetry_url=telemetry_url or os.environ.get(ENV_TELEMETRY_URL) or None)
+                   telemetry_url=telemetry_url or os.environ.get(ENV_TELEMETRY_URL) or None,
+                   ca_file=os.environ.get(ENV_CA_FILE) or None)

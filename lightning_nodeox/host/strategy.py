@@ -6,14 +6,19 @@ host's rank 0 is its own rank zero (its loggers and checkpoints write). A host o
 with the coordinator and the others follow it (:mod:`lightning_nodeox.host.ranks`). After every ``local_steps``
 optimizer steps the strategy closes a round; the round logic itself lives in :mod:`lightning_nodeox.host.round`.
 
-The last, partial round: when ``fit`` ends, each host sends what it trained since its last round (possibly
-nothing) as its final delta, then applies every remaining sync until all hosts have finished, so every host
-ends on the same final model.
+Stopping together: when ``fit`` ends on one host (max_steps, max_epochs, early stopping), it sends what it
+trained since its last round as its final delta, and that round completes the run: the other hosts stop at
+their next round boundary, and every host ends on the same final model (:mod:`lightning_nodeox.host.stopping`).
+Values logged with ``sync_dist=True`` are shared across hosts at round boundaries
+(:mod:`lightning_nodeox.host.metrics`; on a host of several devices, first reduced across its ranks); under
+``nodeox launch`` each host writes into its own folder of the run directory (:mod:`lightning_nodeox.host.machine`);
+SIGTERM makes a host leave at once (:mod:`lightning_nodeox.host.signals`).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections import deque
 from concurrent.futures import Future
@@ -29,11 +34,16 @@ from typing_extensions import override
 from ..core import phases as P
 from ..core.cpu import choose_threads, granted_cpus
 from ..core.phases import PhaseLog, PhaseRecord
+from . import machine
 from .client import HttpClient
 from .clock import ClockOffset
+from .metrics import SharedMetrics
+from .progress import RoundProgress
 from .ranks import HostRanks, OneRank, WorldOfOne
 from .round import HostRound, RoundResult
 from .settings import Connection, HostSettings, overlap_mode
+from .signals import SigtermHandler, exit_code_for
+from .stopping import ends_after_this_batch, steps_taken
 from .telemetry import TelemetryShipper
 from .tensors import HostTensors, shared_tensors
 from .worker import ExchangeWorker
@@ -131,7 +141,12 @@ class NodeoxStrategy(DDPStrategy):
         self._steps = 0
         self._samples = 0
         self._round_start = 0.0
+        self._deadline = 0.0  # with round_seconds: when the current round closes
+        self._closed_rounds = 0
         self._left = False
+        self.metrics = SharedMetrics()
+        self._progress: RoundProgress | None = None  # rank 0
+        self._sigterm = SigtermHandler(self._cancel_waits)
 
     # -- devices and ranks ------------------------------------------------------------------------------------
     @property
@@ -150,8 +165,8 @@ class NodeoxStrategy(DDPStrategy):
     def set_world_ranks(self) -> None:
         """One device: rank 0 of a world of one, whatever launched this process. Several: the ranks of Lightning's
         DDP world, which must be this one machine."""
-        if self._one_device:
-            self.cluster_environment = WorldOfOne()
+        if self._one_device:  # its local rank: its place among the hosts on this machine (prepare_data)
+            self.cluster_environment = WorldOfOne(machine.local_rank())
         elif self.num_nodes != 1:
             raise ValueError(
                 f"NodeoxStrategy joins machines through its coordinator: a host is one machine, got "
@@ -169,8 +184,12 @@ class NodeoxStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        """Size torch's CPU threads to this rank's share of the CPU quota; on several devices, join the host's
-        process group."""
+        """Use the run folder, size torch's CPU threads to this rank's share of the CPU quota; on several devices,
+        join the host's process group."""
+        trainer = self.lightning_module.trainer
+        machine.use_run_folder(trainer, Connection.host_id_from_env(self._given["host_id"]))
+        if self._one_device:  # each host loads its own data: no DistributedSampler (Lightning has no public switch)
+            trainer._accelerator_connector.use_distributed_sampler = False
         ranks = len(self.parallel_devices or ()) or 1  # the host's ranks share this machine's CPU quota
         threads = self.cpu_threads or min(torch.get_num_threads(), max(1, granted_cpus() // ranks))
         if threads != torch.get_num_threads():
@@ -187,17 +206,36 @@ class NodeoxStrategy(DDPStrategy):
             super().setup_distributed()
 
     @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
+    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
+        """Hosts never wait on each other. One device: only at ``pre_setup`` do the hosts of one machine wait until
+        its local rank 0 has run ``prepare_data``. Several: the host's ranks wait for each other (DDP)."""
         if not self._one_device:
-            super().barrier(*args, **kwargs)
+            super().barrier(name, *args, **kwargs)
+        elif name == "pre_setup":
+            machine.after_prepare_data(self.lightning_module.trainer, self.local_rank)
 
     @override
     def broadcast(self, obj, src: int = 0):
         return obj if self._one_device else super().broadcast(obj, src)
 
+    @property
+    def is_distributed(self) -> bool:
+        """True, so that Lightning hands values logged with ``sync_dist=True`` to :meth:`reduce`."""
+        return True
+
     @override
     def reduce(self, tensor, group: Any = None, reduce_op: Any = "mean"):
-        return tensor if self._one_device else super().reduce(tensor, group, reduce_op)
+        """A value logged with ``sync_dist=True``: returns at once, with the mean across hosts as of the last round
+        (this host's own value until the value was first shared); see :mod:`lightning_nodeox.host.metrics`. On a
+        host of several devices the value is first reduced across its ranks (so every rank holds the host's)."""
+        def across_ranks(t):
+            return t if self._one_device else DDPStrategy.reduce(self, t, group, reduce_op)
+
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return across_ranks(tensor)  # validate/test/predict: no rounds
+        return self.metrics.reduce(sys._getframe(1), tensor, reduce_op, recording=not trainer.sanity_checking,
+                                   sync=across_ranks)
 
     @override
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
@@ -214,7 +252,6 @@ class NodeoxStrategy(DDPStrategy):
         Several: as DDP does (the model wrapped, a DistributedSampler splitting the host's data among its ranks).
         Then, when fitting, rank 0 joins the run and every rank takes its model."""
         if self._one_device:
-            trainer._accelerator_connector.use_distributed_sampler = False  # Lightning has no public switch
             Strategy.setup(self, trainer)
         else:
             super().setup(trainer)
@@ -227,20 +264,22 @@ class NodeoxStrategy(DDPStrategy):
             self._ranks = HostRanks([t for _, t in shared_tensors(self.lightning_module)], per_step=per_step)
         self.connection, self._hash = self._ranks.lead(self._join)
         self._round_start = time.time()
+        self._schedule_deadline(overlapped=False)
 
     def _join(self) -> tuple[Connection, str]:
         """Rank 0: join the run and agree on the starting model."""
         settings = self.settings
         conn = Connection.resolve(**self._given)
         clock = ClockOffset()
-        client = HttpClient(conn.coordinator_url, host=conn.host_id, token=conn.token,
+        client = HttpClient(conn.coordinator_url, host=conn.host_id, token=conn.token, ca_file=conn.ca_file,
                             read_timeout=settings.request_timeout, retry_for=settings.retry_for, clock=clock)
-        # the token goes to the coordinator only, never to another telemetry address
+        # the token and the host's credential go to the coordinator only, never to another telemetry address
         telemetry_client = client if conn.telemetry_url is None else HttpClient(
-            conn.telemetry_url, host=conn.host_id, retry_for=0.0)
+            conn.telemetry_url, host=conn.host_id, ca_file=conn.ca_file, retry_for=0.0)
         self._phases = PhaseLog(conn.host_id)
         self._telemetry = TelemetryShipper(telemetry_client, clock)
-        self._phases.listeners += [self.phase_records.append, self._telemetry]
+        self._progress = RoundProgress(conn.host_id)
+        self._phases.listeners += [self.phase_records.append, self._telemetry, self._progress]
         codec_threads = 1 if self.root_device.type != "cpu" else choose_threads(settings.codec_threads,
                                                                                    purpose="host codec")
         tensors = HostTensors(shared_tensors(self.lightning_module))
@@ -293,29 +332,45 @@ class NodeoxStrategy(DDPStrategy):
         if arrived:
             self._fold()
         if due:
-            self._close_round()
+            self._close_round(final=ends_after_this_batch(self.lightning_module.trainer))
 
     def _round_due(self) -> bool:
         if self.settings.round_seconds is not None:
-            return time.time() - self._round_start >= self.settings.round_seconds
+            return time.time() >= self._deadline
         return self._steps >= self.settings.local_steps
 
     def _close_round(self, final: bool = False) -> None:
-        """Hand the round to the exchange worker; wait for it unless training overlaps (never for the final one).
+        """Hand the round to the exchange worker; wait for it unless training overlaps. The first round is never
+        overlapped (the hosts' rounds start together after it, whatever their start-up took), nor the final one.
         On a host of several devices rank 0 does this, with the samples of all ranks, and the others take its
         result and model."""
         if self._pending:  # overlap: the previous round's sync has not been folded in yet
             self._wait_and_fold()
         samples = self._ranks.total(self._samples)
         mode = self.settings.overlap
-        if mode is None or final:
-            self.last_result = self._ranks.lead(lambda: self._run_round(samples, final))
-            self._hash = self.last_result.model_hash
-        else:
+        overlapped = mode is not None and not final and self._closed_rounds > 0
+        if overlapped:
             self._ranks.lead(lambda: self._start_round(samples, mode), model=mode == "delayed")
             self._pending = True
+        else:
+            self.last_result = self._ranks.lead(lambda: self._run_round(samples, final))
+            self._hash = self.last_result.model_hash
+            self._after_round(self.last_result)
+        self._closed_rounds += 1
         self._steps = self._samples = 0
         self._round_start = time.time()
+        self._schedule_deadline(overlapped)
+
+    def _schedule_deadline(self, overlapped: bool) -> None:
+        """With ``round_seconds``: a round that waited for its sync starts a budget of its own; overlapped rounds
+        keep to a fixed schedule (boundaries ``round_seconds`` apart), so time lost at a boundary or to a step that
+        overran is made up and the hosts' boundaries do not drift apart."""
+        budget = self.settings.round_seconds
+        if budget is None:
+            return
+        self._deadline = self._deadline + budget if overlapped else self._round_start + budget
+        if self._deadline <= self._round_start:  # behind by a whole round: start afresh
+            self._deadline = self._round_start + budget
 
     def _emit_train(self, samples: int) -> None:
         self._phases.emit(PhaseRecord(self._round.round, self.connection.host_id, P.TRAIN, self._round_start,
@@ -325,50 +380,76 @@ class NodeoxStrategy(DDPStrategy):
     def _run_round(self, samples: int, final: bool) -> RoundResult:
         """Rank 0: the whole exchange, while training waits."""
         self._emit_train(samples)
-        return self._worker.submit(self._round.run_round, samples, final).result()
+        return self._sigterm.wait(self._worker.submit(self._round.run_round, samples, final, self.metrics.take()))
 
     def _start_round(self, samples: int, mode: str) -> None:
         """Rank 0: set the round's snapshot aside and start its exchange; training goes on."""
         self._emit_train(samples)
         self._round.tensors.take_snapshot(restart_from_base=mode == "delayed")
         self._in_flight_round = self._round.round
-        self._in_flight = self._worker.submit(self._round.run_overlapped, samples, mode == "delayed")
+        self._in_flight = self._worker.submit(self._round.run_overlapped, samples, mode == "delayed",
+                                              self.metrics.take())
 
     def _wait_and_fold(self) -> None:
         self._fold(wait=True)
 
     def _fold(self, wait: bool = False) -> None:
         """The overlapped round's sync has arrived (``wait``: training waits for it first): the live model becomes
-        it plus the progress made since. Rank 0 folds; the other ranks take its folded model."""
+        it plus the progress made since (or just it, when the run completed with that round: every host ends on
+        the same model). Rank 0 folds; the other ranks take its folded model."""
         self.last_result = self._ranks.lead(lambda: self._fold_in(wait))
         self._hash = self.last_result.model_hash
         self._pending = False
+        self._after_round(self.last_result)
 
     def _fold_in(self, wait: bool) -> RoundResult:
         if wait:
             with self._phases.timed(self._in_flight_round, P.WAIT):
-                self._in_flight.result()
+                self._sigterm.wait(self._in_flight)
         result = self._in_flight.result()
         self._in_flight = None
         with self._phases.timed(result.round, P.FOLD):
-            self._round.tensors.fold()
+            if result.complete:
+                self._round.tensors.restore_live()
+            else:
+                self._round.tensors.fold()
         return result
+
+    def _after_round(self, result: RoundResult) -> None:
+        """Every rank: take the run's shared values, show the round's progress line (rank 0), and stop when the
+        run is complete."""
+        trainer = self.lightning_module.trainer
+        self.metrics.update(result.metrics)
+        if self._progress is not None:
+            self._progress.show(trainer, self._progress.line(result.round, steps_taken(trainer), result.model_hash,
+                                                             trainer.callback_metrics, result.complete))
+        if result.complete:
+            trainer.should_stop = True  # a host's training ended: every host stops at this round
+
+    @override
+    def on_train_start(self) -> None:
+        self._sigterm.install()  # after Lightning's own SIGTERM handler, which it chains
+        super().on_train_start()
+
+    def _cancel_waits(self) -> None:
+        if self._round is not None:
+            self._round.client.cancel()
 
     @override
     def on_train_end(self) -> None:
-        """The last, partial round (possibly empty), never overlapped, then every remaining sync until all hosts
-        finish."""
+        """This host's final round (what it trained since its last round; never overlapped), unless the run has
+        completed already (another host's training ended, or this host's last batch closed its final round); then
+        the run's values of the metrics logged with ``sync_dist=True`` go into ``trainer.callback_metrics``."""
         if self._pending:
             self._wait_and_fold()
         if self._ranks is not None and not self._ranks.lead(lambda: self._round.complete, model=False):
             self._close_round(final=True)
-            if self._ranks.leader:
-                log.info("NodeoxStrategy: host %s finished after round %d on model %s", self.connection.host_id,
-                         self.last_result.round, self.last_result.model_hash)
+        self.metrics.publish(self.lightning_module.trainer.callback_metrics)
         super().on_train_end()
 
     @override
     def teardown(self) -> None:
+        self._sigterm.uninstall()
         self._leave()
         if self._ranks is not None:
             self._ranks.close()
@@ -377,6 +458,7 @@ class NodeoxStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        exit_code_for(exception)
         self._leave(interrupted=True)
         super().on_exception(exception)
 
@@ -393,7 +475,8 @@ class NodeoxStrategy(DDPStrategy):
         try:
             self._round.client.leave()
         except Exception as e:  # noqa: BLE001 - leaving is a courtesy; the coordinator times hosts out
-            log.warning("NodeoxStrategy: could not tell the coordinator that host %s left: %s", self._round.host, e)
+            log.warning("NodeoxStrategy: could not tell the coordinator that host %s left: %s",
+                        self.connection.host_id, e)
 
     @property
     def model_hash(self) -> str | None:

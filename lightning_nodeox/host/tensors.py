@@ -102,6 +102,12 @@ class HostTensors:
             for r in self.residual or []:
                 r.zero_()
 
+    def restore_live(self) -> None:
+        """The live model := θ_r (``base``): local progress that no round took is dropped."""
+        with torch.no_grad():
+            for t, b in zip(self.live, self.base):
+                t.copy_(b)
+
     # -- tensors on the codec's device -------------------------------------------------------------------------
     def _region(self, message: Q4Message, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Where the codec reads and writes tensor ``i``'s codes and scales: the message, or device staging."""

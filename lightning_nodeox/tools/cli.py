@@ -21,6 +21,11 @@ def _coordinator_options(p: argparse.ArgumentParser, *, for_launch: bool) -> Non
     p.add_argument("--min-hosts", type=int, help="with --round-timeout: fewest deltas a late round closes with")
     p.add_argument("--round-timeout", type=float, help="seconds a round waits for its last hosts (default: forever)")
     p.add_argument("--token-file", type=Path, help="file holding the bearer token hosts must send")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a --bind beyond loopback without --token-file (a network you trust entirely)")
+    p.add_argument("--tls-cert", type=Path, help="PEM certificate to serve HTTPS with (with --tls-key)")
+    p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    p.add_argument("--elastic", action="store_true", help="admit more than --hosts distinct host ids")
     p.add_argument("--block-size", type=int, default=64, choices=BLOCK_SIZES, help="q4 values per scale")
     p.add_argument("--scale-dtype", default="fp16", choices=SCALE_DTYPES, help="q4 scale type")
     p.add_argument("--codec", default="q4", choices=CODECS,
@@ -50,7 +55,8 @@ def _config(args: argparse.Namespace, bind: str) -> CoordinatorConfig:
     try:
         return CoordinatorConfig(
             hosts=args.hosts, run_dir=args.run_dir, bind=bind, min_hosts=args.min_hosts,
-            round_timeout=args.round_timeout, token=_read_token(args.token_file),
+            round_timeout=args.round_timeout, token=_read_token(args.token_file), insecure=args.insecure,
+            elastic=args.elastic, tls_cert=args.tls_cert, tls_key=args.tls_key,
             q4=Q4Settings(block_size=args.block_size, scale_dtype=args.scale_dtype, codec=args.codec),
             initial_model=args.initial_model, threads=args.threads, rss_interval=args.rss_interval,
             exit_when_done=not getattr(args, "keep_running", False),
@@ -66,10 +72,10 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
            "--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum)]
     for flag, value in (("--min-hosts", args.min_hosts), ("--round-timeout", args.round_timeout),
                         ("--token-file", args.token_file), ("--initial-model", args.initial_model),
-                        ("--threads", args.threads)):
+                        ("--threads", args.threads), ("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
         if value is not None:
             out += [flag, str(value)]
-    return out
+    return out + [flag for flag in ("--insecure", "--elastic") if getattr(args, flag[2:])]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,16 +105,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.cmd == "coordinator":
+        config = _config(args, args.bind)  # refuse a bad command line before importing torch
         from ..coordinator.server import serve
 
-        return asyncio.run(serve(_config(args, args.bind), args.ready_file))
+        return asyncio.run(serve(config, args.ready_file))
     if args.cmd == "launch":
         from .launch import launch
 
         config = _config(args, args.bind)  # validate before starting anything
         if args.gpus_per_host < 1:
             raise SystemExit(f"nodeox: --gpus-per-host must be at least 1, got {args.gpus_per_host}")
-        return launch(args.hosts, args.run_dir, _passthrough(args), command, config.token, args.gpus_per_host)
+        return launch(args.hosts, args.run_dir, _passthrough(args), command, config.token, args.gpus_per_host,
+                      config.tls_cert)
     if args.cmd == "report":
         from .report import main as report_main
 

@@ -20,7 +20,8 @@ from ..core import phases as P
 HOST_COLUMNS = (*P.HOST_PHASES[:-1], "sync", P.FALLBACK_FETCH)
 PHASE_COLOURS = {
     P.TRAIN: "#9ecae1", P.ENCODE: "#e6550d", P.UPLOAD: "#fd8d3c", P.WAIT: "#d9d9d9", P.DOWNLOAD: "#31a354",
-    P.APPLY: "#74c476", P.VERIFY: "#a1d99b", P.POLL: "#f0f0f0", P.FOLD: "#c7e9c0", P.FALLBACK_FETCH: "#de2d26",
+    P.APPLY: "#74c476", P.VERIFY: "#a1d99b", P.POLL: "#f0f0f0", P.FOLD: "#c7e9c0", P.PROVIDE_MODEL: "#fdd0a2",
+    P.FALLBACK_FETCH: "#de2d26",
     P.RECEIVE: "#756bb1",
     P.AGGREGATE: "#9e9ac8", P.SYNC_PREPARE: "#3182bd", P.MODEL_MATERIALIZE: "#636363",
 }

@@ -1,20 +1,23 @@
 """A test host: a small BatchNorm MLP on scikit-learn's digits, trained under NodeoxStrategy.
 
 After every round (and at the end) it writes its exchanged tensors and model hash to --out, so tests can
-check that hosts are bit-identical and agree with the coordinator. Started by `nodeox launch` in tests.
-With ``--devices K`` (or one K per host id, ``--devices 2,1``) the host runs DDP over K CPU ranks; the files of a
-rank other than 0 are named ``host<id>.rank<k>_*``.
+check that hosts are bit-identical and agree with the coordinator; after fit, its callback metrics and step.
+Started by `nodeox launch` in tests. With ``--devices K`` (or one K per host id, ``--devices 2,1``) the host runs
+DDP over K CPU ranks; the files of a rank other than 0 are named ``host<id>.rank<k>_*``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import time
 from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from safetensors.torch import save_file
 from sklearn.datasets import load_digits
@@ -26,16 +29,23 @@ from lightning_nodeox.host.tensors import shared_tensors
 
 
 class DigitsNet(LightningModule):
-    def __init__(self, lr: float = 0.05) -> None:
+    def __init__(self, lr: float = 0.05, host: int = 0, stop_host: int = -1) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 10))
         self.lr = lr
+        self.host = host
+        self.stop_host = stop_host
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = nn.functional.cross_entropy(self.net(x), y)
         self.log("train_loss", loss, on_step=True, prog_bar=False)
-        self.log("rank_mean", float(self.global_rank), sync_dist=True)  # a host of K ranks: mean over its ranks
+        self.log("rank_mean", float(self.global_rank), sync_dist=True)  # across the host's ranks, then the hosts
+        if self.stop_host >= 0:
+            self.log("stop_signal", 0.0 if self.host == self.stop_host else 1.0)  # this host's own, not shared
+            value = torch.tensor(10.0 * (self.host + 1))  # differs between hosts: 10, 20, ...
+            self.log("shared_step", value, sync_dist=True)
+            self.log("shared_epoch", value, on_step=False, on_epoch=True, sync_dist=True)
         return loss
 
     def configure_optimizers(self):
@@ -46,7 +56,7 @@ class DumpRounds(Callback):
     """Writes the shared tensors after each completed round, and the losses seen."""
 
     def __init__(self, out: Path, host: str) -> None:
-        self.out, self.host, self.seen, self.losses = out, host, -1, []
+        self.out, self.host, self.seen, self.losses, self.shared = out, host, -1, [], []
 
     def _prefix(self, trainer) -> str:
         return f"host{self.host}" + (f".rank{trainer.global_rank}" if trainer.global_rank else "")
@@ -60,14 +70,20 @@ class DumpRounds(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))
+        self.shared.append(float(trainer.callback_metrics.get("shared_step", math.nan)))
         result = trainer.strategy.last_result
         if result is not None and result.round != self.seen:
             self.seen = result.round
             self._dump(trainer, f"round{result.round}")
 
+    def on_exception(self, trainer, pl_module, exception):
+        (self.out / f"{self._prefix(trainer)}_interrupted.json").write_text(json.dumps(
+            {"at": time.time(), "exception": type(exception).__name__}))
+
     def on_fit_end(self, trainer, pl_module):
         self._dump(trainer, "final")
         (self.out / f"{self._prefix(trainer)}_losses.json").write_text(json.dumps(self.losses))
+        (self.out / f"{self._prefix(trainer)}_shared.json").write_text(json.dumps(self.shared))
         (self.out / f"{self._prefix(trainer)}_metrics.json").write_text(
             json.dumps({k: float(v) for k, v in trainer.callback_metrics.items()}))
 
@@ -80,8 +96,6 @@ class Stall(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.step:
-            import time
-
             time.sleep(self.seconds)
 
 
@@ -104,8 +118,14 @@ def main() -> None:
     p.add_argument("--local-steps", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--skip-sync-round", type=int, default=-1, help="host 1 skips applying this round's sync")
-    p.add_argument("--stall-round", type=int, default=-1, help="host 1 stalls in this round (see --stall-seconds)")
+    p.add_argument("--stall-round", type=int, default=-1, help="--stall-host stalls in this round (--stall-seconds)")
     p.add_argument("--stall-seconds", type=float, default=0.0)
+    p.add_argument("--stall-host", default="1")
+    p.add_argument("--stop-host", type=int, default=-1,
+                   help="EarlyStopping on every host, triggered on this host alone at its first epoch end; "
+                        "also logs values with sync_dist=True")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="save OUT/host<id>.ckpt every N steps")
+    p.add_argument("--resume", type=Path, help="resume fit from this checkpoint")
     p.add_argument("--overlap", default="off", choices=("off", "eager", "delayed"))
     p.add_argument("--round-seconds", type=float)
     p.add_argument("--step-seconds", type=float, default=0.0, help="sleep this long at every step")
@@ -114,12 +134,13 @@ def main() -> None:
     torch.set_num_threads(1)
     host = os.environ["NODEOX_HOST_ID"]
     args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"host{host}.pid").write_text(str(os.getpid()))
     torch.manual_seed(1234 + int(host))  # hosts start different: the run's first host provides the model
     x, y = load_digits(return_X_y=True)
     data = TensorDataset(torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y))
     gen = torch.Generator().manual_seed(int(host))
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=True, generator=gen, drop_last=True)
-    model = DigitsNet()
+    model = DigitsNet(host=int(host), stop_host=args.stop_host)
     if args.skip_sync_round >= 0 and host == "1":
         from lightning_nodeox.core.hashing import RowHasher
         from lightning_nodeox.host.tensors import HostTensors
@@ -133,19 +154,29 @@ def main() -> None:
 
         HostTensors.apply = skip_once
     callbacks = [PhaseMonitor(), DumpRounds(args.out, host)]
-    if args.stall_round >= 0 and host == "1":
+    if args.stall_round >= 0 and host == args.stall_host:
         callbacks.append(Stall(args.stall_round * args.local_steps + 1, args.stall_seconds))
     if args.step_seconds:
         callbacks.append(Pace(args.step_seconds))
+    if args.checkpoint_every:
+        callbacks.append(ModelCheckpoint(dirpath=args.out, filename=f"host{host}", every_n_train_steps=args.checkpoint_every,
+                                         save_top_k=-1, enable_version_counter=False))
+    if args.stop_host >= 0:
+        callbacks.append(EarlyStopping("stop_signal", mode="min", stopping_threshold=0.5, check_on_train_epoch_end=True))
     strategy = NodeoxStrategy(local_steps=args.local_steps, cpu_threads=1, codec_threads=1,
                               overlap=False if args.overlap == "off" else args.overlap, round_seconds=args.round_seconds)
     per_host = [int(k) for k in args.devices.split(",")]
     devices = per_host[int(host)] if len(per_host) > 1 else per_host[0]
     trainer = Trainer(strategy=strategy, devices=devices, accelerator="cpu" if devices > 1 else "auto",
                       max_steps=args.max_steps, logger=TensorBoardLogger(args.out / f"tb_host{host}"),
-                      callbacks=callbacks, enable_checkpointing=False,
+                      callbacks=callbacks, enable_checkpointing=bool(args.checkpoint_every),
                       enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
-    trainer.fit(model, loader)
+    trainer.fit(model, loader, ckpt_path=args.resume)
+    after = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    prefix = f"host{host}" + (f".rank{trainer.global_rank}" if trainer.global_rank else "")
+    (args.out / f"{prefix}_after_fit.json").write_text(json.dumps(
+        {"global_step": trainer.global_step, "model_hash": strategy.model_hash, "callback_metrics": after,
+         "last_round": strategy.last_result.round if strategy.last_result else -1}))
 
 
 if __name__ == "__main__":
