@@ -1,8 +1,19 @@
-"""The round state machine: who takes part, when a round closes, what is published.
+"""The round state machine: who takes part, when a round closes, what is published, what is saved.
 
-Runs on the event loop; tensor work goes to two threads (one parses and checks uploads, one accumulates
-and prepares syncs, in order), so the loop keeps answering while a round is aggregated. A rejected
-upload changes nothing: it is checked completely before its first byte reaches the accumulator.
+Runs on the event loop; tensor work goes to threads (one parses and checks uploads, one accumulates and
+prepares syncs, in order, one writes the run's state), so the loop keeps answering while a round is
+aggregated. A rejected upload changes nothing: it is checked completely before its first byte reaches the
+accumulator.
+
+When a round closes (the rule, also in docs/clusters.md):
+- round 0 waits until ``--hosts`` hosts have joined (or for ``--round-timeout``);
+- a round closes once every *live* host has sent its delta: a host is live while it is training and has been
+  heard from within ``--lease`` seconds (hosts send heartbeats); a host whose lease expires is dropped (no
+  longer waited for) until it is heard from again;
+- with ``--round-timeout S``, a round also closes after S seconds without the live hosts still missing;
+- never with fewer than ``--min-hosts`` deltas (default 1), lowered to the number of hosts still in the run
+  (neither finished nor left), so finishing hosts never block the end. While it cannot close, the
+  coordinator says every ``status_interval`` seconds whom it waits for, and why.
 """
 
 from __future__ import annotations
@@ -13,19 +24,20 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..core.modelfile import read_model
-from ..core.phases import AGGREGATE, COORDINATOR, RECEIVE, RSS, SYNC_PREPARE, PhaseRecord
+from ..core.phases import AGGREGATE, COORDINATOR, PERSIST, RECEIVE, RESTART, RSS, SYNC_PREPARE, PhaseRecord
 from ..core.pool import WorkerPool
 from ..core.protocol import JoinReply, Reason, Refusal
 from ..core.specs import PayloadError, check_same_model, specs_from_json
 from ..core.wire import Q4Message
 from .config import CoordinatorConfig
-from .model import CoordinatorModel
+from .model import CoordinatorModel, ModelStream
 from .runlog import RunLog, peak_rss_bytes, rss_bytes
+from .state import RunStore, SavedRun
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +47,8 @@ MAX_MODEL_BYTES = 1 << 40
 
 
 class HostState(enum.Enum):
-    TRAINING = "training"  # expected in every round
-    DROPPED = "dropped"  # missed a round's deadline; expected again once it fetches a sync
+    TRAINING = "training"  # expected in every round while its lease holds
+    DROPPED = "dropped"  # its lease expired; expected again once heard from
     FINISHED = "finished"  # sent its final delta
     LEFT = "left"  # said goodbye (or failed): takes no further part
 
@@ -45,15 +57,28 @@ class HostState(enum.Enum):
 class Host:
     id: str
     state: HostState = HostState.TRAINING
+    seen: float = field(default_factory=time.monotonic)  # last heard from (heartbeat, join, upload, sync)
+
+
+@dataclass
+class Resumed:
+    """A run read back from its saved state, until its model is back (from a snapshot or a host)."""
+
+    saved: SavedRun
+    sync: Q4Message | None
+    outer: dict[str, torch.Tensor]
+    since: float  # time.time() when resumed
 
 
 class Rounds:
     """Everything the coordinator knows about the run, changed only on the event loop."""
 
-    def __init__(self, config: CoordinatorConfig, runlog: RunLog, pool: WorkerPool) -> None:
+    def __init__(self, config: CoordinatorConfig, runlog: RunLog, pool: WorkerPool,
+                 store: RunStore | None = None) -> None:
         self.config = config
         self.runlog = runlog
         self.pool = pool
+        self.store = store
         self.model: CoordinatorModel | None = None
         self.round = 0
         self.published_round = -1
@@ -64,12 +89,18 @@ class Rounds:
         self.round_opened = time.time()
         self.provider: str | None = None
         self.provider_since = 0.0
+        self.resumed: Resumed | None = None
+        self.wanted: tuple[int, str] | None = None  # resumed run: (round, hash) of the model being given back
+        self.downloads: set[ModelStream] = set()
         self.changed = asyncio.Condition()
         self.finished = asyncio.Event()
-        self.model_lock = asyncio.Lock()  # full-model downloads versus the round's apply
         self._parse = ThreadPoolExecutor(1, thread_name_prefix="nodeox-parse")
         self._work = ThreadPoolExecutor(1, thread_name_prefix="nodeox-work")
+        self._persist = ThreadPoolExecutor(1, thread_name_prefix="nodeox-persist")
+        self._persisting: asyncio.Future | None = None
+        self._saved: SavedRun | None = None
         self._accumulating: list[asyncio.Future] = []
+        self._last_status = 0.0
         self.peak_rss = 0
         self.before_publish: Callable[[Rounds, int, Q4Message], Awaitable[None]] | None = None
 
@@ -100,7 +131,8 @@ class Rounds:
         now, rss = time.time(), rss_bytes()
         self.peak_rss = max(self.peak_rss, rss, peak_rss_bytes())
         self.record(PhaseRecord(self.round, COORDINATOR, RSS, now, now,
-                                extra={"rss_bytes": rss, "peak_rss_bytes": self.peak_rss}))
+                                extra={"rss_bytes": rss, "peak_rss_bytes": self.peak_rss,
+                                       "cpu_s": time.process_time()}))
         return rss
 
     def _reply(self, **fields) -> JoinReply:
@@ -109,50 +141,120 @@ class Rounds:
 
     def require_model(self) -> CoordinatorModel:
         if self.model is None:
-            raise Refusal(Reason.NO_MODEL, "the run has no model yet: join first (the first host provides it)")
+            raise Refusal(Reason.NO_MODEL, "the run has no model yet: join (again); a host that holds it provides it")
         return self.model
 
     # -- model ----------------------------------------------------------------------------------------------
     async def load_initial_model(self, data: torch.Tensor) -> None:
         _, _, specs, tensors = read_model(data)
-        self.model = await self._in(self._work, CoordinatorModel, specs, tensors, self.config.q4, self.pool,
-                                 self.config.outer)
-        log.info("nodeox coordinator: model of %d tensors (%.1f MB), hash %s", len(specs),
-                 self.model.nbytes / 1e6, self.model.hash)
+        await self._set_model(await self._in(self._work, CoordinatorModel, specs, tensors, self.config.q4,
+                                             self.pool, self.config.outer), "--initial-model")
 
     def check_model_upload(self, host: str, size: int) -> None:
-        """Refuse an initial-model upload before its body is read: only the chosen provider, only once."""
+        """Refuse a model upload before its body is read: only the chosen provider, only when the run has none."""
         if self.model is not None:
             raise Refusal(Reason.HAS_MODEL, "the run already has a model; fetch it with GET /v1/model",
-                             model_hash=self.model.hash)
+                          model_hash=self.model.hash)
         if host != self.provider:
-            raise Refusal(Reason.NOT_PROVIDER, f"host {self.provider} provides the initial model, not host {host}; join again")
+            raise Refusal(Reason.NOT_PROVIDER, f"host {self.provider} provides the model, not host {host}; join again")
         if size > MAX_MODEL_BYTES:
             raise Refusal(Reason.TOO_LARGE, f"model upload of {size} bytes is larger than {MAX_MODEL_BYTES}")
 
     async def put_model(self, host: str, data: torch.Tensor) -> dict:
-        """The providing host's initial model."""
-        if self.model is not None:
-            raise Refusal(Reason.HAS_MODEL, "the run already has a model; fetch it with GET /v1/model",
-                             model_hash=self.model.hash)
+        """The providing host's model: the run's initial model, or a resumed run's model given back."""
+        self.check_model_upload(host, data.numel())
         try:
             _, _, specs, tensors = await self._in(self._parse, read_model, data)
         except PayloadError as e:
-            raise Refusal(Reason.INVALID, f"initial model rejected: {e}") from None
+            raise Refusal(Reason.INVALID, f"model rejected: {e}") from None
         model = await self._in(self._work, CoordinatorModel, specs, tensors, self.config.q4, self.pool,
-                                 self.config.outer)
-        if self.model is not None:  # another upload won the race while this one was read
-            raise Refusal(Reason.HAS_MODEL, "the run already has a model; fetch it with GET /v1/model", model_hash=self.model.hash)
-        self.model = model
-        log.info("nodeox coordinator: initial model from host %s: %d tensors (%.1f MB), hash %s", host,
-                 len(specs), model.nbytes / 1e6, model.hash)
-        self.round_opened = time.time()
-        self.sample_memory()
-        await self._notify()
+                               self.config.outer)
+        self.check_model_upload(host, data.numel())  # another upload may have won while this one was read
+        if self.wanted is not None and model.hash != self.wanted[1]:
+            self.provider = None
+            raise Refusal(Reason.INVALID, f"host {host}'s model hashes to {model.hash}, not the {self.wanted[1]} it "
+                                          "said it holds")
+        await self._set_model(model, f"host {host}")
         return {"model_hash": model.hash, "round": self.round}
 
+    async def _set_model(self, model: CoordinatorModel, source: str) -> None:
+        if self.resumed is not None:
+            await self._adopt(model)
+        self.model = model
+        log.info("nodeox coordinator: model from %s: %d tensors (%.1f MB), hash %s, round %d", source,
+                 len(model.specs), model.nbytes / 1e6, model.hash, self.round)
+        self.round_opened = time.time()
+        self._persist_round()
+        self.sample_memory()
+        await self._notify()
+
+    # -- resuming a saved run ---------------------------------------------------------------------------------------
+    def resume(self, saved: SavedRun) -> None:
+        """Take up a saved, unfinished run: its round, hosts and saved tensors. The model follows: from its
+        snapshot (:meth:`restore`) or from the first host that gives it back (:meth:`join`, :meth:`put_model`)."""
+        assert self.store is not None
+        self.round, self.published_round = saved.round, saved.round - 1
+        now = time.monotonic()
+        self.hosts = {h: Host(h, HostState(state), now) for h, state in saved.hosts.items()}
+        outer = self.store.read_tensors(saved, "outer")
+        self.resumed = Resumed(saved, self.store.read_sync(saved),
+                               {} if outer is None else {s.name: t for s, t in zip(*outer)}, time.time())
+        self._saved = saved
+
+    async def restore(self, *, fallback: bool = False) -> bool:
+        """Load the saved snapshot as the model: when it is the model the run stopped at, or (``fallback``) when
+        no host gave that model back in time; returns whether a model was loaded."""
+        saved = self.resumed.saved
+        if saved.snapshot_hash is None or (saved.snapshot_hash != saved.model_hash and not fallback):
+            return False
+        specs, tensors = self.store.read_tensors(saved, "model")
+        model = await self._in(self._work, CoordinatorModel, specs, tensors, self.config.q4, self.pool,
+                               self.config.outer)
+        if model.hash != saved.snapshot_hash:
+            raise ValueError(f"the snapshot {saved.files['model']} hashes to {model.hash}, not {saved.snapshot_hash}; "
+                             "start with --fresh")
+        if saved.snapshot_hash != saved.model_hash:
+            log.warning("nodeox coordinator: no host gave back the model of round %d within %.0f s; going on from "
+                        "the snapshot of round %d (the rounds since are lost; hosts fetch it)", saved.round,
+                        self.config.provider_timeout, saved.snapshot_round)
+        self.wanted = (saved.round, model.hash)
+        await self._set_model(model, f"the snapshot of round {saved.snapshot_round}")
+        return True
+
+    async def fall_back_to_snapshot(self) -> None:
+        """A resumed run whose model no host gave back within ``provider_timeout`` goes on from its snapshot."""
+        resumed = self.resumed
+        if resumed is None or self.model is not None:
+            return
+        if time.time() - max(resumed.since, self.provider_since) > self.config.provider_timeout:
+            await self.restore(fallback=True)
+
+    async def _adopt(self, model: CoordinatorModel) -> None:
+        """A resumed run's model is back: its outer state and last sync go with it."""
+        resumed, (round_, _) = self.resumed, self.wanted
+        if resumed.outer:
+            await self._in(self._work, model.restore_outer, resumed.outer)
+        if model.hash == resumed.saved.model_hash and resumed.sync is not None:
+            model.adopt_sync(resumed.sync)
+        if round_ != resumed.saved.round:
+            log.warning("nodeox coordinator: the saved state was of round %d, hosts were at round %d: going on from "
+                        "theirs (the outer-optimizer state is one round behind)", resumed.saved.round, round_)
+        self.round, self.published_round = round_, round_ - 1
+        self.resumed = self.wanted = None
+
+    def _promise(self, model_hash: str | None, round_: int | None) -> tuple[int, str] | None:
+        """What a joining host of a resumed run can give back: the saved model, or the next one (the state on
+        disk was a round behind the hosts: the coordinator stopped before it was written); None if neither."""
+        saved = self.resumed.saved
+        if model_hash == saved.model_hash:
+            return saved.round, model_hash
+        if model_hash and round_ == saved.round + 1:
+            return round_, model_hash
+        return None
+
     # -- hosts ------------------------------------------------------------------------------------------------
-    async def join(self, host: str, tensors: list | None) -> JoinReply:
+    async def join(self, host: str, tensors: list | None, model_hash: str | None = None,
+                   round_: int | None = None) -> JoinReply:
         """Register a host; tell it the round, the model hash, or that it must provide the model.
         A host whose model does not fit the run is refused and not registered."""
         if not host or len(host) > 64 or host == COORDINATOR:
@@ -163,8 +265,10 @@ class Rounds:
             raise Refusal(Reason.INVALID, f"join: {e}") from None
         if self.model is None:
             now = time.time()
-            if self.provider in (None, host) or now - self.provider_since > self.config.provider_timeout:
-                self.provider, self.provider_since = host, now
+            free = self.provider in (None, host) or now - self.provider_since > self.config.provider_timeout
+            promise = None if self.resumed is None else self._promise(model_hash, round_)
+            if free and (self.resumed is None or promise is not None):
+                self.provider, self.provider_since, self.wanted = host, now, promise
                 self._register(host)
                 return self._reply(model_hash=None, provide_model=True)
             await self._wait(lambda: self.model is not None, self.config.long_poll)
@@ -180,7 +284,27 @@ class Rounds:
         return self._reply(model_hash=self.model.hash, complete=self.complete)
 
     def _register(self, host: str) -> None:
-        self.hosts.setdefault(host, Host(host)).state = HostState.TRAINING
+        entry = self.hosts.setdefault(host, Host(host))
+        entry.seen = time.monotonic()
+        if entry.state is not HostState.FINISHED:  # a finished host that joins again stays finished
+            entry.state = HostState.TRAINING
+
+    def _known(self, host: str) -> Host:
+        entry = self.hosts.get(host)
+        if entry is None or entry.state is HostState.LEFT:
+            raise Refusal(Reason.NOT_JOINED, f"host {host} is not in the run{' (it left)' if entry else ''}; "
+                                             "POST /v1/join first")
+        return entry
+
+    def _seen(self, entry: Host) -> None:
+        entry.seen = time.monotonic()
+        if entry.state is HostState.DROPPED:
+            entry.state = HostState.TRAINING
+            log.info("nodeox coordinator: host %s is back; rounds wait for it again", entry.id)
+
+    async def heartbeat(self, host: str) -> dict:
+        self._seen(self._known(host))
+        return {"lease": self.config.lease, "round": self.round}
 
     async def leave(self, host: str) -> None:
         """A host stops taking part (training ended or failed); rounds no longer wait for it."""
@@ -191,21 +315,37 @@ class Rounds:
         self._check_finished()
         await self._notify()
 
+    async def check_leases(self) -> None:
+        """Drop training hosts not heard from within the lease (rounds stop waiting for them); the run may have
+        finished (every host gone)."""
+        now = time.monotonic()
+        expired = [h for h in self.hosts.values()
+                   if h.state is HostState.TRAINING and now - h.seen > self.config.lease]
+        for h in expired:
+            h.state = HostState.DROPPED
+            log.warning("nodeox coordinator: host %s: no heartbeat for %.1f s (--lease %g); round %d no longer "
+                        "waits for it", h.id, now - h.seen, self.config.lease, self.round)
+        if expired:
+            await self.maybe_close()
+            await self._notify()
+        self._check_finished()
+
     def _check_finished(self) -> None:
-        """The run is complete once every host has finished, or finished hosts are all that is left (hosts
-        dropped by a round timeout that never came back do not hold the end of the run)."""
+        """The run is complete once no host is still training (dropped hosts do not hold the end of the run);
+        the coordinator may stop once every host has left or is not heard from any more."""
         everyone = len(self.hosts) >= self.config.hosts
         if everyone and not self.received and all(h.state is not HostState.TRAINING for h in self.hosts.values()):
             self.complete = True
-        if self.complete and all(h.state is HostState.LEFT for h in self.hosts.values()):
+        now = time.monotonic()
+        if self.complete and all(h.state is HostState.LEFT or now - h.seen > self.config.lease
+                                 for h in self.hosts.values()):
             self.finished.set()
 
     # -- deltas ------------------------------------------------------------------------------------------------
     def check_upload(self, host: str, round_: int, size: int | None) -> CoordinatorModel:
         """Refuse an upload before its body is read, where its headers already show it is wrong."""
         model = self.require_model()
-        if host not in self.hosts:
-            raise Refusal(Reason.NOT_JOINED, f"host {host} has not joined; POST /v1/join first")
+        entry = self._known(host)
         if round_ == self.round and host in self.received:
             raise Refusal(Reason.DUPLICATE, f"host {host} already sent its delta for round {round_}")
         if round_ != self.round or self.closing:
@@ -217,6 +357,7 @@ class Rounds:
         if size is not None and size != model.layout.total:
             raise Refusal(Reason.INVALID, f"delta is {size} bytes but this model's q4 delta is {model.layout.total} bytes "
                                   f"(block size {self.config.q4.block_size}, {self.config.q4.scale_dtype} scales)")
+        self._seen(entry)
         return model
 
     async def accept_delta(self, host: str, round_: int, buffer: torch.Tensor, received_at: float) -> dict:
@@ -268,16 +409,20 @@ class Rounds:
         return [h for h in self.hosts.values()
                 if h.state is HostState.TRAINING or (h.state is HostState.FINISHED and h.id in self.received)]
 
+    def _needed(self) -> int:
+        """The fewest deltas this round closes with: --min-hosts, lowered to the hosts still in the run."""
+        in_run = [h for h in self.hosts.values()
+                  if h.state in (HostState.TRAINING, HostState.DROPPED) or h.id in self.received]
+        return max(1, min(self.config.quorum, len(in_run)))
+
     def _ready_to_close(self) -> bool:
         if self.model is None or self.closing or not self.received:
             return False
-        if any(not f.done() for f in self._accumulating):
+        if any(not f.done() for f in self._accumulating) or len(self.received) < self._needed():
             return False
         everyone = len(self.hosts) >= self.config.hosts and all(h.id in self.received for h in self._expected())
         timeout = self.config.round_timeout
-        timed_out = (timeout is not None and time.time() - self.round_opened >= timeout
-                     and len(self.received) >= self.config.quorum)
-        return everyone or timed_out
+        return everyone or (timeout is not None and time.time() - self.round_opened >= timeout)
 
     async def maybe_close(self) -> None:
         if not self._ready_to_close():
@@ -292,69 +437,185 @@ class Rounds:
     async def _close(self) -> None:
         model = self.require_model()
         round_ = self.round
-        for h in self.hosts.values():
-            if h.state is HostState.TRAINING and h.id not in self.received:
-                log.warning("nodeox coordinator: round %d closes without host %s (timed out)", round_, h.id)
-                h.state = HostState.DROPPED
+        late = sorted(h.id for h in self._expected() if h.id not in self.received)
+        if late:  # alive but slow: still in the run, so the next round waits for them again
+            log.warning("nodeox coordinator: round %d closes on its --round-timeout without host(s) %s", round_,
+                        ", ".join(late))
         start = time.time()
         await asyncio.gather(*self._accumulating)
         self._accumulating = []
         aggregated = time.time()
         self.record(PhaseRecord(round_, COORDINATOR, AGGREGATE, start, aggregated,
                                 extra={"hosts": sorted(self.received), "samples": sum(self.received.values())}))
-        async with self.model_lock:
-            message = await self._in(self._work, model.close_round, round_)
-            self.record(PhaseRecord(round_, COORDINATOR, SYNC_PREPARE, aggregated, time.time(), len(message),
-                                    extra={"model_hash": message.meta.model_hash}))
-            if self.before_publish is not None:  # a comparison hook: benchmarks/exchange.py saves the model here
-                await self.before_publish(self, round_, message)
-            # the round's state changes together, on the loop, after the last await
-            model.publish(message)
-            self.received = {}
-            self.published_round = round_
-            self.round = round_ + 1
-            self.round_opened = time.time()
+        if self._persisting is not None:  # the last round's state is on disk before θ changes again
+            await self._persisting
+        await self._keep_downloads(model)
+        message = await self._in(self._work, model.close_round, round_)
+        self.record(PhaseRecord(round_, COORDINATOR, SYNC_PREPARE, aggregated, time.time(), len(message),
+                                extra={"model_hash": message.meta.model_hash}))
+        if self.before_publish is not None:  # a comparison hook: benchmarks/exchange.py saves the model here
+            await self.before_publish(self, round_, message)
+        # the round's state changes together, on the loop, after the last await
+        model.publish(message)
+        self.received = {}
+        self.published_round = round_
+        self.round = round_ + 1
+        self.round_opened = time.time()
         self._check_finished()
         if self.complete:
             log.info("nodeox coordinator: every host has finished; final model %s after round %d", model.hash, round_)
+        self._persist_round()
         self.sample_memory()
+
+    async def wait_stable(self) -> None:
+        """Return once no round's close is changing θ (a full-model download starts only then)."""
+        while self.closing:
+            await self._wait(lambda: not self.closing, self.config.long_poll)
+
+    async def _keep_downloads(self, model: CoordinatorModel) -> None:
+        """Copy-on-publish: full-model downloads in flight keep the θ they started with."""
+        streams = list(self.downloads)
+        if streams:
+            copies = await self._in(self._work, lambda: [s.unsent() for s in streams])
+            for stream, kept in zip(streams, copies):
+                stream.keep(kept)
+
+    # -- the run's state on disk ------------------------------------------------------------------------------
+    def _persist_round(self, *, snapshot: bool = False) -> None:
+        """Start writing the run's state (the round, hosts, last sync, outer state; the model every
+        ``snapshot_every`` rounds); not awaited: the next round's close waits for it before changing θ."""
+        model = self.model
+        if self.store is None or model is None:
+            return
+        saved = SavedRun(round=self.round, model_hash=model.hash, complete=self.complete,
+                         hosts={h.id: h.state.value for h in self.hosts.values()},
+                         q4={"block_size": self.config.q4.block_size, "scale_dtype": self.config.q4.scale_dtype},
+                         outer={"name": self.config.outer.name, "lr": self.config.outer.lr,
+                                "momentum": self.config.outer.momentum})
+        if self._saved is not None:
+            saved.files = dict(self._saved.files)
+            saved.snapshot_round, saved.snapshot_hash = self._saved.snapshot_round, self._saved.snapshot_hash
+        self._saved = saved
+        snapshot = (snapshot or self.round % self.config.snapshot_every == 0) and saved.snapshot_hash != model.hash
+        sync = model.latest_sync if model.latest_sync is not None and model.latest_sync.meta.round == self.round - 1 \
+            else None
+        chunks = model.model_chunks(self.round) if snapshot else None
+        start, after_round = time.time(), max(self.published_round, 0)
+        future = asyncio.ensure_future(self._in(self._persist, lambda: self.store.save(
+            saved, sync=sync, outer=dict(model.outer.state), model_chunks=chunks)))
+
+        def done(f: asyncio.Future) -> None:
+            if f.cancelled() or f.exception() is not None:
+                log.error("nodeox coordinator: could not save the run's state in %s: %r", self.store.dir,
+                          None if f.cancelled() else f.exception())
+                return
+            self.record(PhaseRecord(after_round, COORDINATOR, PERSIST, start, time.time(), f.result(),
+                                    extra={"snapshot": snapshot}))
+
+        future.add_done_callback(done)
+        self._persisting = future
+
+    async def save_at_shutdown(self) -> None:
+        """Wait for the state being written, then write it with a snapshot of the model."""
+        if self._persisting is not None:
+            await self._persisting
+        if self.model is not None and not self.closing:
+            self._persist_round(snapshot=True)
+            await self._persisting
 
     # -- syncs ------------------------------------------------------------------------------------------------
     async def wait_sync(self, round_: int, wait: float, host: str | None = None) -> Q4Message | None:
         """Round ``round_``'s sync once published; None if not within ``wait`` seconds or if the run completed
         before that round closed (``self.complete`` tells which)."""
-        model = self.require_model()
+        entry = self.hosts.get(host or "")
+        if entry is not None and entry.state is HostState.LEFT:
+            self._known(host)
         if round_ < self.published_round:
             raise Refusal(Reason.GONE, f"the sync of round {round_} is gone; the model is at round {self.round}: "
                                   "fetch GET /v1/model", round=self.round)
         if round_ > self.round:
             raise Refusal(Reason.NOT_OPEN, f"round {round_} has not started; the coordinator is at round {self.round}",
                              round=self.round)
-        if not await self._wait(lambda: self.published_round >= round_ or self.complete, wait):
+        if (round_ == self.round and not self.closing and entry is not None and host not in self.received
+                and entry.state in (HostState.TRAINING, HostState.DROPPED)):
+            raise Refusal(Reason.NO_DELTA, f"the coordinator holds no delta of host {host} for round {round_} (it "
+                                           "restarted, or the delta was never sent): send it again")
+        if entry is not None:
+            entry.seen = time.monotonic()
+        left = lambda: entry is not None and entry.state is HostState.LEFT  # noqa: E731
+        if not await self._wait(lambda: self.published_round >= round_ or self.complete or left(), wait):
             return None
+        if left():
+            self._known(host)
         if self.published_round < round_:
             return None  # complete: no more rounds
-        if self.published_round != round_:
+        sync = self.model.latest_sync if self.model is not None else self.resumed.sync if self.resumed else None
+        if self.published_round != round_ or sync is None or sync.meta.round != round_:
             raise Refusal(Reason.GONE, f"the sync of round {round_} is gone; fetch GET /v1/model", round=self.round)
-        entry = self.hosts.get(host or "")
-        if entry is not None and entry.state is HostState.DROPPED:
-            entry.state = HostState.TRAINING  # back: the next round waits for it again
-        return model.latest_sync
+        if entry is not None:
+            self._seen(entry)  # a dropped host that fetches a sync is back: the next round waits for it again
+        return sync
 
     async def accumulated(self) -> None:
         """Wait until every delta accepted so far has been accumulated."""
         if self._accumulating:
             await asyncio.gather(*list(self._accumulating), return_exceptions=True)
 
+    # -- saying what the run waits for ------------------------------------------------------------------------
+    def waiting_for(self) -> tuple[int, str] | None:
+        """A log level and a line saying why the run has not moved on (None when it is not waiting)."""
+        if self.complete or self.closing:
+            return None
+        if self.model is None:
+            if self.resumed is not None:
+                saved = self.resumed.saved
+                return logging.WARNING, (
+                    f"resumed run at round {saved.round} waits for a host holding its model {saved.model_hash} to "
+                    "join again and give it back" + (f" (falls back to the snapshot of round {saved.snapshot_round} "
+                    f"after {self.config.provider_timeout:.0f} s)" if saved.snapshot_hash else
+                    "; no snapshot was saved to fall back to"))
+            who = f"host {self.provider}" if self.provider else "the first host to join"
+            return logging.INFO, f"waiting for the initial model from {who}"
+        joined = len(self.hosts)
+        if joined < self.config.hosts:
+            return logging.INFO, (f"round {self.round} waits for {self.config.hosts - joined} more host(s) to join "
+                                  f"(--hosts {self.config.hosts}); joined: {', '.join(sorted(self.hosts)) or 'none'}")
+        missing = sorted(h.id for h in self._expected() if h.id not in self.received)
+        now = time.monotonic()
+        dropped = ", ".join(f"{h.id} (not heard from for {now - h.seen:.0f} s)" for h in self.hosts.values()
+                            if h.state is HostState.DROPPED)
+        got = f"deltas from {', '.join(sorted(self.received)) or 'no host'}"
+        needed = self._needed()
+        if len(self.received) + len(missing) < needed:
+            return logging.WARNING, (
+                f"round {self.round} cannot close: it needs {needed} deltas (--min-hosts) and has {got}; "
+                f"live hosts still to send: {', '.join(missing) or 'none'}; dropped: {dropped or 'none'}. Start the "
+                "missing hosts again, or stop this coordinator and start it with a lower --min-hosts (the run resumes)")
+        if missing:
+            return logging.INFO, f"round {self.round} waits for {', '.join(missing)} ({got}; dropped: {dropped or 'none'})"
+        return None
+
+    def log_waiting(self) -> None:
+        """Every ``status_interval`` seconds of a round that has not closed, say whom it waits for."""
+        now = time.time()
+        if now - max(self.round_opened, self._last_status) < self.config.status_interval:
+            return
+        said = self.waiting_for()
+        if said is not None:
+            self._last_status = now
+            log.log(said[0], "nodeox coordinator: %s", said[1])
+
     def status(self) -> dict:
         return {
             "round": self.round, "published_round": self.published_round, "complete": self.complete,
             "model_hash": None if self.model is None else self.model.hash,
             "hosts": {h.id: h.state.value for h in self.hosts.values()},
-            "received": sorted(self.received), "peak_rss_bytes": self.peak_rss,
+            "received": sorted(self.received), "peak_rss_bytes": self.peak_rss, "lease": self.config.lease,
+            "downloads": len(self.downloads),
             "block_size": self.config.q4.block_size, "scale_dtype": self.config.q4.scale_dtype,
         }
 
     def close(self) -> None:
         self._parse.shutdown(wait=True)
         self._work.shutdown(wait=True)
+        self._persist.shutdown(wait=True)

@@ -3,8 +3,10 @@
 Host phases: ``train`` (from the round's start to its boundary), ``encode``, ``upload``, ``wait`` (until the
 sync is ready), ``download``, ``apply``, ``verify`` (``sync`` = download + apply + verify), and
 ``fallback_fetch`` when the host fetches the full model. Coordinator phases: ``receive`` (per host),
-``aggregate``, ``sync_prepare`` (outer step, quantize, apply, hash) and ``model_materialize`` (serving the
-full model on demand). ``rss`` records are memory samples.
+``aggregate``, ``sync_prepare`` (outer step, quantize, apply, hash), ``model_materialize`` (serving the
+full model on demand) and ``persist`` (writing the run's state after a round, off the critical path).
+``rss`` records are memory samples (with the coordinator's CPU seconds so far); a ``restart`` record marks
+where a coordinator resumed the run.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ TRAIN, ENCODE, UPLOAD, WAIT, DOWNLOAD, APPLY, VERIFY, FALLBACK_FETCH = (
 HOST_PHASES = (TRAIN, ENCODE, UPLOAD, WAIT, DOWNLOAD, APPLY, VERIFY, FALLBACK_FETCH)
 SYNC_PARTS = (DOWNLOAD, APPLY, VERIFY)
 
-RECEIVE, AGGREGATE, SYNC_PREPARE, MODEL_MATERIALIZE, RSS = (
-    "receive", "aggregate", "sync_prepare", "model_materialize", "rss")
-COORDINATOR_PHASES = (RECEIVE, AGGREGATE, SYNC_PREPARE, MODEL_MATERIALIZE)
+RECEIVE, AGGREGATE, SYNC_PREPARE, MODEL_MATERIALIZE, PERSIST, RSS, RESTART = (
+    "receive", "aggregate", "sync_prepare", "model_materialize", "persist", "rss", "restart")
+COORDINATOR_PHASES = (RECEIVE, AGGREGATE, SYNC_PREPARE, MODEL_MATERIALIZE, PERSIST)
 COORDINATOR = "coordinator"
 
 
