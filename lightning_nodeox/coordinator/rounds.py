@@ -85,6 +85,7 @@ class Rounds:
         self.hosts: dict[str, Host] = {}
         self.received: dict[str, int] = {}
         self.closing = False
+        self.stopping = False  # shutting down: no round starts closing
         self.complete = False
         self.round_opened = time.time()
         self.provider: str | None = None
@@ -416,7 +417,7 @@ class Rounds:
         return max(1, min(self.config.quorum, len(in_run)))
 
     def _ready_to_close(self) -> bool:
-        if self.model is None or self.closing or not self.received:
+        if self.model is None or self.closing or self.stopping or not self.received:
             return False
         if any(not f.done() for f in self._accumulating) or len(self.received) < self._needed():
             return False
@@ -516,10 +517,13 @@ class Rounds:
         self._persisting = future
 
     async def save_at_shutdown(self) -> None:
-        """Wait for the state being written, then write it with a snapshot of the model."""
+        """Let a round that is closing publish (no other starts closing), wait for its state, then write the state
+        with a snapshot."""
+        self.stopping = True
+        await self.wait_stable()
         if self._persisting is not None:
             await self._persisting
-        if self.model is not None and not self.closing:
+        if self.model is not None:
             self._persist_round(snapshot=True)
             await self._persisting
 
@@ -534,8 +538,9 @@ class Rounds:
             raise Refusal(Reason.GONE, f"the sync of round {round_} is gone; the model is at round {self.round}: "
                                   "fetch GET /v1/model", round=self.round)
         if round_ > self.round:
+            self.require_model()  # a resumed run whose saved state is behind this host: it gives its model back
             raise Refusal(Reason.NOT_OPEN, f"round {round_} has not started; the coordinator is at round {self.round}",
-                             round=self.round)
+                          round=self.round)
         if (round_ == self.round and not self.closing and entry is not None and host not in self.received
                 and entry.state in (HostState.TRAINING, HostState.DROPPED)):
             raise Refusal(Reason.NO_DELTA, f"the coordinator holds no delta of host {host} for round {round_} (it "

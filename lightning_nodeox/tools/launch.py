@@ -3,8 +3,9 @@
 Host i gets ``NODEOX_HOST_ID=i``, ``NODEOX_NUM_HOSTS``, ``NODEOX_COORDINATOR_URL``, ``NODEOX_TOKEN``
 (when set) and ``NODEOX_RUN_DIR``; when this machine has at least N GPUs each host sees only its own
 (``CUDA_VISIBLE_DEVICES``), and when it has at least N CPUs each host is pinned to its own share of them,
-so that the hosts do not oversubscribe the CPU. If any host fails, the others are stopped and launch
-exits non-zero.
+so that the hosts do not oversubscribe the CPU. A host that fails does not stop the others (as on a cluster,
+the run goes on without it: it left, or its lease expires); launch exits non-zero once they are done. If the
+coordinator fails, the hosts are stopped.
 """
 
 from __future__ import annotations
@@ -128,11 +129,8 @@ def launch(hosts: int, run_dir: Path, coordinator_args: list[str], command: list
                     continue
                 pending.discard(i)
                 if code != 0:
-                    print(f"nodeox launch: host {i} exited with status {code}; stopping the others", flush=True)
-                    status = code if code > 0 else 1
-                    _stop(procs)
-                    pending.clear()
-                    break
+                    print(f"nodeox launch: host {i} exited with status {code}; the run goes on without it", flush=True)
+                    status = status or (code if code > 0 else 1)
             if coordinator.poll() not in (None, 0) and pending:  # 0: the run completed, hosts are exiting
                 print(f"nodeox launch: the coordinator failed (status {coordinator.returncode}); stopping the hosts",
                       flush=True)
@@ -141,7 +139,7 @@ def launch(hosts: int, run_dir: Path, coordinator_args: list[str], command: list
                 break
             time.sleep(0.1)
         try:
-            coordinator.wait(30 if status == 0 else 0.1)
+            coordinator.wait(30 if status == 0 else 5)  # it stops by itself once the run is complete
         except subprocess.TimeoutExpired:
             pass
         _stop([coordinator])

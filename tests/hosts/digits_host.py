@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -24,12 +25,15 @@ from lightning_nodeox.host.tensors import shared_tensors
 
 
 class DigitsNet(LightningModule):
-    def __init__(self, lr: float = 0.05) -> None:
+    def __init__(self, lr: float = 0.05, fail_at_step: int = -1) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 10))
         self.lr = lr
+        self.fail_at_step = fail_at_step
 
     def training_step(self, batch, batch_idx):
+        if self.global_step == self.fail_at_step:
+            raise RuntimeError(f"injected failure in training_step at step {self.global_step}")
         x, y = batch
         loss = nn.functional.cross_entropy(self.net(x), y)
         self.log("train_loss", loss, on_step=True, prog_bar=False)
@@ -43,7 +47,7 @@ class DumpRounds(Callback):
     """Writes the shared tensors after each completed round, and the losses seen."""
 
     def __init__(self, out: Path, host: str) -> None:
-        self.out, self.host, self.seen, self.losses = out, host, -1, []
+        self.out, self.host, self.seen, self.losses, self.times = out, host, -1, [], []
 
     def _dump(self, trainer, name: str) -> None:
         result = trainer.strategy.last_result
@@ -54,6 +58,7 @@ class DumpRounds(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))
+        self.times.append(time.time())
         result = trainer.strategy.last_result
         if result is not None and result.round != self.seen:
             self.seen = result.round
@@ -62,6 +67,7 @@ class DumpRounds(Callback):
     def on_fit_end(self, trainer, pl_module):
         self._dump(trainer, "final")
         (self.out / f"host{self.host}_losses.json").write_text(json.dumps(self.losses))
+        (self.out / f"host{self.host}_loss_times.json").write_text(json.dumps(self.times))
 
 
 class Stall(Callback):
@@ -72,9 +78,17 @@ class Stall(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.step:
-            import time
-
             time.sleep(self.seconds)
+
+
+class Pace(Callback):
+    """Sleeps at every training step, so that a run lasts long enough to be interrupted."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        time.sleep(self.seconds)
 
 
 def main() -> None:
@@ -86,6 +100,8 @@ def main() -> None:
     p.add_argument("--skip-sync-round", type=int, default=-1, help="host 1 skips applying this round's sync")
     p.add_argument("--stall-round", type=int, default=-1, help="host 1 stalls in this round (see --stall-seconds)")
     p.add_argument("--stall-seconds", type=float, default=0.0)
+    p.add_argument("--fail-round", type=int, default=-1, help="host 1's training_step raises mid-way through this round")
+    p.add_argument("--step-seconds", type=float, default=0.0, help="sleep this long at every step (pacing)")
     args = p.parse_args()
     torch.set_num_threads(1)
     host = os.environ["NODEOX_HOST_ID"]
@@ -95,7 +111,8 @@ def main() -> None:
     data = TensorDataset(torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y))
     gen = torch.Generator().manual_seed(int(host))
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=True, generator=gen, drop_last=True)
-    model = DigitsNet()
+    fail = args.fail_round * args.local_steps + args.local_steps // 2 if args.fail_round >= 0 and host == "1" else -1
+    model = DigitsNet(fail_at_step=fail)
     if args.skip_sync_round >= 0 and host == "1":
         from lightning_nodeox.core.hashing import RowHasher
         from lightning_nodeox.host.tensors import HostTensors
@@ -111,6 +128,8 @@ def main() -> None:
     callbacks = [PhaseMonitor(), DumpRounds(args.out, host)]
     if args.stall_round >= 0 and host == "1":
         callbacks.append(Stall(args.stall_round * args.local_steps + 1, args.stall_seconds))
+    if args.step_seconds > 0:
+        callbacks.append(Pace(args.step_seconds))
     strategy = NodeoxStrategy(local_steps=args.local_steps, cpu_threads=1, codec_threads=1)
     trainer = Trainer(strategy=strategy, max_steps=args.max_steps, logger=TensorBoardLogger(args.out / f"tb_host{host}"),
                       callbacks=callbacks, enable_checkpointing=False,
