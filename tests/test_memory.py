@@ -9,6 +9,7 @@ import time
 import weakref
 
 import torch
+from test_coordinator import MODEL, SPECS, delta_message, model_file
 
 from lightning_nodeox.coordinator.config import CoordinatorConfig
 from lightning_nodeox.coordinator.rounds import Rounds
@@ -16,7 +17,6 @@ from lightning_nodeox.coordinator.runlog import RunLog
 from lightning_nodeox.coordinator.state import RunStore
 from lightning_nodeox.core.pool import WorkerPool
 from lightning_nodeox.core.wire import Q4Message
-from test_coordinator import MODEL, SPECS, delta_message, model_file
 
 ROUNDS = 4
 

@@ -51,7 +51,7 @@ def run(url: str, interrupt=None, at_round: int = 2) -> list[str]:
                 assert h.upload(h.encode(h.tensors.live, 16, final)).value == "taken"
                 if (r, h.host) == (at_round, "a") and interrupt is not None:
                     interrupt()
-            results = list(pool.map(lambda h: h.synchronize(follow_to_end=final), hosts))
+            results = list(pool.map(lambda h, f=final: h.synchronize(follow_to_end=f), hosts))
             assert [res.round for res in results] == [r, r]
     for h in hosts:
         h.client.leave()

@@ -10,6 +10,7 @@ import time
 
 import requests
 import torch
+from test_coordinator import body_bytes, model_file
 
 from lightning_nodeox.core.codec import Q4Kernels, encode_tensor
 from lightning_nodeox.core.hashing import model_hash
@@ -20,7 +21,6 @@ from lightning_nodeox.core.specs import spec_of
 from lightning_nodeox.core.wire import Q4Layout, Q4Message, Q4Meta
 from lightning_nodeox.host.client import HttpClient
 from lightning_nodeox.host.heartbeat import Heartbeat
-from test_coordinator import body_bytes, model_file
 
 SETTINGS = Q4Settings()
 

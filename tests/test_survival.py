@@ -12,8 +12,7 @@ import time
 from pathlib import Path
 
 import torch
-
-from conftest import HOSTS, REPO, Coordinator, launch, read_events
+from conftest import HOSTS, REPO, launch, read_events
 from test_end_to_end import load
 
 DIGITS = [sys.executable, str(HOSTS / "digits_host.py")]

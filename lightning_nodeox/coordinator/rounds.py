@@ -19,45 +19,32 @@ When a round closes (the rule, also in docs/clusters.md):
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ..core.modelfile import read_model
-from ..core.phases import AGGREGATE, COORDINATOR, PERSIST, RECEIVE, RESTART, RSS, SYNC_PREPARE, PhaseRecord
+from ..core.phases import AGGREGATE, COORDINATOR, PERSIST, RECEIVE, RSS, SYNC_PREPARE, PhaseRecord
 from ..core.pool import WorkerPool
 from ..core.protocol import JoinReply, Reason, Refusal
 from ..core.specs import PayloadError, check_same_model, specs_from_json
 from ..core.wire import Q4Message
 from .config import CoordinatorConfig
+from .hosts import Hosts, HostState
 from .model import CoordinatorModel, ModelStream
 from .runlog import RunLog, peak_rss_bytes, rss_bytes
 from .state import RunStore, SavedRun
+from .waiting import waiting_for
 
 log = logging.getLogger(__name__)
 
 
 MAX_SAMPLES = 2**31  # per host and round
 MAX_MODEL_BYTES = 1 << 40
-
-
-class HostState(enum.Enum):
-    TRAINING = "training"  # expected in every round while its lease holds
-    DROPPED = "dropped"  # its lease expired; expected again once heard from
-    FINISHED = "finished"  # sent its final delta
-    LEFT = "left"  # said goodbye (or failed): takes no further part
-
-
-@dataclass
-class Host:
-    id: str
-    state: HostState = HostState.TRAINING
-    seen: float = field(default_factory=time.monotonic)  # last heard from (heartbeat, join, upload, sync)
 
 
 @dataclass
@@ -82,7 +69,7 @@ class Rounds:
         self.model: CoordinatorModel | None = None
         self.round = 0
         self.published_round = -1
-        self.hosts: dict[str, Host] = {}
+        self.hosts = Hosts(config.lease)
         self.received: dict[str, int] = {}
         self.closing = False
         self.stopping = False  # shutting down: no round starts closing
@@ -195,8 +182,7 @@ class Rounds:
         snapshot (:meth:`restore`) or from the first host that gives it back (:meth:`join`, :meth:`put_model`)."""
         assert self.store is not None
         self.round, self.published_round = saved.round, saved.round - 1
-        now = time.monotonic()
-        self.hosts = {h: Host(h, HostState(state), now) for h, state in saved.hosts.items()}
+        self.hosts.restore(saved.hosts)
         outer = self.store.read_tensors(saved, "outer")
         self.resumed = Resumed(saved, self.store.read_sync(saved),
                                {} if outer is None else {s.name: t for s, t in zip(*outer)}, time.time())
@@ -243,16 +229,6 @@ class Rounds:
         self.round, self.published_round = round_, round_ - 1
         self.resumed = self.wanted = None
 
-    def _promise(self, model_hash: str | None, round_: int | None) -> tuple[int, str] | None:
-        """What a joining host of a resumed run can give back: the saved model, or the next one (the state on
-        disk was a round behind the hosts: the coordinator stopped before it was written); None if neither."""
-        saved = self.resumed.saved
-        if model_hash == saved.model_hash:
-            return saved.round, model_hash
-        if model_hash and round_ == saved.round + 1:
-            return round_, model_hash
-        return None
-
     # -- hosts ------------------------------------------------------------------------------------------------
     async def join(self, host: str, tensors: list | None, model_hash: str | None = None,
                    round_: int | None = None) -> JoinReply:
@@ -267,10 +243,10 @@ class Rounds:
         if self.model is None:
             now = time.time()
             free = self.provider in (None, host) or now - self.provider_since > self.config.provider_timeout
-            promise = None if self.resumed is None else self._promise(model_hash, round_)
+            promise = None if self.resumed is None else self.resumed.saved.promise(model_hash, round_)
             if free and (self.resumed is None or promise is not None):
                 self.provider, self.provider_since, self.wanted = host, now, promise
-                self._register(host)
+                self.hosts.register(host)
                 return self._reply(model_hash=None, provide_model=True)
             await self._wait(lambda: self.model is not None, self.config.long_poll)
             if self.model is None:
@@ -280,31 +256,12 @@ class Rounds:
                 check_same_model(self.model.specs, specs, f"host {host}'s model")
             except PayloadError as e:
                 raise Refusal(Reason.INVALID, str(e)) from None
-        self._register(host)
+        self.hosts.register(host)
         await self._notify()
         return self._reply(model_hash=self.model.hash, complete=self.complete)
 
-    def _register(self, host: str) -> None:
-        entry = self.hosts.setdefault(host, Host(host))
-        entry.seen = time.monotonic()
-        if entry.state is not HostState.FINISHED:  # a finished host that joins again stays finished
-            entry.state = HostState.TRAINING
-
-    def _known(self, host: str) -> Host:
-        entry = self.hosts.get(host)
-        if entry is None or entry.state is HostState.LEFT:
-            raise Refusal(Reason.NOT_JOINED, f"host {host} is not in the run{' (it left)' if entry else ''}; "
-                                             "POST /v1/join first")
-        return entry
-
-    def _seen(self, entry: Host) -> None:
-        entry.seen = time.monotonic()
-        if entry.state is HostState.DROPPED:
-            entry.state = HostState.TRAINING
-            log.info("nodeox coordinator: host %s is back; rounds wait for it again", entry.id)
-
     async def heartbeat(self, host: str) -> dict:
-        self._seen(self._known(host))
+        self.hosts.seen(self.hosts.known(host))
         return {"lease": self.config.lease, "round": self.round}
 
     async def leave(self, host: str) -> None:
@@ -319,14 +276,7 @@ class Rounds:
     async def check_leases(self) -> None:
         """Drop training hosts not heard from within the lease (rounds stop waiting for them); the run may have
         finished (every host gone)."""
-        now = time.monotonic()
-        expired = [h for h in self.hosts.values()
-                   if h.state is HostState.TRAINING and now - h.seen > self.config.lease]
-        for h in expired:
-            h.state = HostState.DROPPED
-            log.warning("nodeox coordinator: host %s: no heartbeat for %.1f s (--lease %g); round %d no longer "
-                        "waits for it", h.id, now - h.seen, self.config.lease, self.round)
-        if expired:
+        if self.hosts.expire():
             await self.maybe_close()
             await self._notify()
         self._check_finished()
@@ -335,18 +285,16 @@ class Rounds:
         """The run is complete once no host is still training (dropped hosts do not hold the end of the run);
         the coordinator may stop once every host has left or is not heard from any more."""
         everyone = len(self.hosts) >= self.config.hosts
-        if everyone and not self.received and all(h.state is not HostState.TRAINING for h in self.hosts.values()):
+        if everyone and not self.received and not self.hosts.still_training():
             self.complete = True
-        now = time.monotonic()
-        if self.complete and all(h.state is HostState.LEFT or now - h.seen > self.config.lease
-                                 for h in self.hosts.values()):
+        if self.complete and self.hosts.all_gone():
             self.finished.set()
 
     # -- deltas ------------------------------------------------------------------------------------------------
     def check_upload(self, host: str, round_: int, size: int | None) -> CoordinatorModel:
         """Refuse an upload before its body is read, where its headers already show it is wrong."""
         model = self.require_model()
-        entry = self._known(host)
+        entry = self.hosts.known(host)
         if round_ == self.round and host in self.received:
             raise Refusal(Reason.DUPLICATE, f"host {host} already sent its delta for round {round_}")
         if round_ != self.round or self.closing:
@@ -358,7 +306,7 @@ class Rounds:
         if size is not None and size != model.layout.total:
             raise Refusal(Reason.INVALID, f"delta is {size} bytes but this model's q4 delta is {model.layout.total} bytes "
                                   f"(block size {self.config.q4.block_size}, {self.config.q4.scale_dtype} scales)")
-        self._seen(entry)
+        self.hosts.seen(entry)
         return model
 
     async def accept_delta(self, host: str, round_: int, buffer: torch.Tensor, received_at: float) -> dict:
@@ -406,22 +354,16 @@ class Rounds:
         asyncio.ensure_future(self.maybe_close())
 
     # -- closing a round ------------------------------------------------------------------------------------
-    def _expected(self) -> list[Host]:
-        return [h for h in self.hosts.values()
-                if h.state is HostState.TRAINING or (h.state is HostState.FINISHED and h.id in self.received)]
-
-    def _needed(self) -> int:
+    def needed(self) -> int:
         """The fewest deltas this round closes with: --min-hosts, lowered to the hosts still in the run."""
-        in_run = [h for h in self.hosts.values()
-                  if h.state in (HostState.TRAINING, HostState.DROPPED) or h.id in self.received]
-        return max(1, min(self.config.quorum, len(in_run)))
+        return max(1, min(self.config.quorum, self.hosts.in_run(self.received)))
 
     def _ready_to_close(self) -> bool:
         if self.model is None or self.closing or self.stopping or not self.received:
             return False
-        if any(not f.done() for f in self._accumulating) or len(self.received) < self._needed():
+        if any(not f.done() for f in self._accumulating) or len(self.received) < self.needed():
             return False
-        everyone = len(self.hosts) >= self.config.hosts and all(h.id in self.received for h in self._expected())
+        everyone = len(self.hosts) >= self.config.hosts and all(h.id in self.received for h in self.hosts.expected(self.received))
         timeout = self.config.round_timeout
         return everyone or (timeout is not None and time.time() - self.round_opened >= timeout)
 
@@ -438,7 +380,7 @@ class Rounds:
     async def _close(self) -> None:
         model = self.require_model()
         round_ = self.round
-        late = sorted(h.id for h in self._expected() if h.id not in self.received)
+        late = sorted(h.id for h in self.hosts.expected(self.received) if h.id not in self.received)
         if late:  # alive but slow: still in the run, so the next round waits for them again
             log.warning("nodeox coordinator: round %d closes on its --round-timeout without host(s) %s", round_,
                         ", ".join(late))
@@ -533,7 +475,7 @@ class Rounds:
         before that round closed (``self.complete`` tells which)."""
         entry = self.hosts.get(host or "")
         if entry is not None and entry.state is HostState.LEFT:
-            self._known(host)
+            self.hosts.known(host)
         if round_ < self.published_round:
             raise Refusal(Reason.GONE, f"the sync of round {round_} is gone; the model is at round {self.round}: "
                                   "fetch GET /v1/model", round=self.round)
@@ -547,18 +489,21 @@ class Rounds:
                                            "restarted, or the delta was never sent): send it again")
         if entry is not None:
             entry.seen = time.monotonic()
-        left = lambda: entry is not None and entry.state is HostState.LEFT  # noqa: E731
+
+        def left() -> bool:
+            return entry is not None and entry.state is HostState.LEFT
+
         if not await self._wait(lambda: self.published_round >= round_ or self.complete or left(), wait):
             return None
         if left():
-            self._known(host)
+            self.hosts.known(host)
         if self.published_round < round_:
             return None  # complete: no more rounds
         sync = self.model.latest_sync if self.model is not None else self.resumed.sync if self.resumed else None
         if self.published_round != round_ or sync is None or sync.meta.round != round_:
             raise Refusal(Reason.GONE, f"the sync of round {round_} is gone; fetch GET /v1/model", round=self.round)
         if entry is not None:
-            self._seen(entry)  # a dropped host that fetches a sync is back: the next round waits for it again
+            self.hosts.seen(entry)  # a dropped host that fetches a sync is back: the next round waits for it again
         return sync
 
     async def accumulated(self) -> None:
@@ -566,46 +511,12 @@ class Rounds:
         if self._accumulating:
             await asyncio.gather(*list(self._accumulating), return_exceptions=True)
 
-    # -- saying what the run waits for ------------------------------------------------------------------------
-    def waiting_for(self) -> tuple[int, str] | None:
-        """A log level and a line saying why the run has not moved on (None when it is not waiting)."""
-        if self.complete or self.closing:
-            return None
-        if self.model is None:
-            if self.resumed is not None:
-                saved = self.resumed.saved
-                return logging.WARNING, (
-                    f"resumed run at round {saved.round} waits for a host holding its model {saved.model_hash} to "
-                    "join again and give it back" + (f" (falls back to the snapshot of round {saved.snapshot_round} "
-                    f"after {self.config.provider_timeout:.0f} s)" if saved.snapshot_hash else
-                    "; no snapshot was saved to fall back to"))
-            who = f"host {self.provider}" if self.provider else "the first host to join"
-            return logging.INFO, f"waiting for the initial model from {who}"
-        joined = len(self.hosts)
-        if joined < self.config.hosts:
-            return logging.INFO, (f"round {self.round} waits for {self.config.hosts - joined} more host(s) to join "
-                                  f"(--hosts {self.config.hosts}); joined: {', '.join(sorted(self.hosts)) or 'none'}")
-        missing = sorted(h.id for h in self._expected() if h.id not in self.received)
-        now = time.monotonic()
-        dropped = ", ".join(f"{h.id} (not heard from for {now - h.seen:.0f} s)" for h in self.hosts.values()
-                            if h.state is HostState.DROPPED)
-        got = f"deltas from {', '.join(sorted(self.received)) or 'no host'}"
-        needed = self._needed()
-        if len(self.received) + len(missing) < needed:
-            return logging.WARNING, (
-                f"round {self.round} cannot close: it needs {needed} deltas (--min-hosts) and has {got}; "
-                f"live hosts still to send: {', '.join(missing) or 'none'}; dropped: {dropped or 'none'}. Start the "
-                "missing hosts again, or stop this coordinator and start it with a lower --min-hosts (the run resumes)")
-        if missing:
-            return logging.INFO, f"round {self.round} waits for {', '.join(missing)} ({got}; dropped: {dropped or 'none'})"
-        return None
-
     def log_waiting(self) -> None:
         """Every ``status_interval`` seconds of a round that has not closed, say whom it waits for."""
         now = time.time()
         if now - max(self.round_opened, self._last_status) < self.config.status_interval:
             return
-        said = self.waiting_for()
+        said = waiting_for(self)
         if said is not None:
             self._last_status = now
             log.log(said[0], "nodeox coordinator: %s", said[1])

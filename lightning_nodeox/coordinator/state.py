@@ -56,6 +56,15 @@ class SavedRun:
     snapshot_round: int | None = None  # the round whose starting model "model" holds
     snapshot_hash: str | None = None
 
+    def promise(self, model_hash: str | None, round_: int | None) -> tuple[int, str] | None:
+        """What a host that rejoins holding ``model_hash`` at ``round_`` can give back: this model, or the next one
+        (the coordinator stopped between publishing a round and saving it); None if neither."""
+        if model_hash == self.model_hash:
+            return self.round, model_hash
+        if model_hash and round_ == self.round + 1:
+            return round_, model_hash
+        return None
+
     def to_json(self) -> dict:
         return {"format": FORMAT, "version": VERSION, "saved_at": time.time(), **asdict(self)}
 
