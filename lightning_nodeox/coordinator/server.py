@@ -226,9 +226,9 @@ async def get_model(request: web.Request) -> web.StreamResponse:
     rounds.require_model()
     if host not in rounds.hosts:
         raise Refusal(Reason.NOT_JOINED, f"host {host} has not joined; POST /v1/join first")
+    await rounds.wait_stable()  # θ is not being changed by a round's close
     if len(rounds.downloads) >= MAX_MODEL_DOWNLOADS:
         raise Refusal(Reason.BUSY, f"{MAX_MODEL_DOWNLOADS} model downloads are in flight; try again shortly")
-    await rounds.wait_stable()  # θ is not being changed by a round's close
     start, round_ = time.time(), rounds.round
     stream = rounds.model.stream(round_)
     rounds.downloads.add(stream)

@@ -91,6 +91,17 @@ class Pace(Callback):
         time.sleep(self.seconds)
 
 
+class StopWhen(Callback):
+    """Ends training (gracefully: the final round follows) once a file exists."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.path.exists():
+            trainer.should_stop = True
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
@@ -102,6 +113,7 @@ def main() -> None:
     p.add_argument("--stall-seconds", type=float, default=0.0)
     p.add_argument("--fail-round", type=int, default=-1, help="host 1's training_step raises mid-way through this round")
     p.add_argument("--step-seconds", type=float, default=0.0, help="sleep this long at every step (pacing)")
+    p.add_argument("--stop-file", type=Path, help="end training once this file exists")
     args = p.parse_args()
     torch.set_num_threads(1)
     host = os.environ["NODEOX_HOST_ID"]
@@ -130,6 +142,8 @@ def main() -> None:
         callbacks.append(Stall(args.stall_round * args.local_steps + 1, args.stall_seconds))
     if args.step_seconds > 0:
         callbacks.append(Pace(args.step_seconds))
+    if args.stop_file is not None:
+        callbacks.append(StopWhen(args.stop_file))
     strategy = NodeoxStrategy(local_steps=args.local_steps, cpu_threads=1, codec_threads=1)
     trainer = Trainer(strategy=strategy, max_steps=args.max_steps, logger=TensorBoardLogger(args.out / f"tb_host{host}"),
                       callbacks=callbacks, enable_checkpointing=False,
