@@ -132,7 +132,7 @@ def test_a_stalled_model_download_does_not_delay_the_round(coordinator) -> None:
     while not [e for e in coord.events() if e["phase"] == "model_materialize"]:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    kept = [e["kept_bytes"] for e in coord.events() if e["phase"] == "model_materialize"][0]
+    kept = next(e["kept_bytes"] for e in coord.events() if e["phase"] == "model_materialize")
     assert 0 < kept <= size  # what copy-on-publish kept for the stalled download: at most the model
 
 
