@@ -80,7 +80,12 @@ def host_main(args: argparse.Namespace) -> None:
         with torch.no_grad():
             for i, (_, t) in enumerate(named):
                 t.mul_(1.0 + 1e-3 * (int(host) + 1)).add_(1e-4 * (i % 7))  # this round's "training"
-        exchange.run_round(samples=32, final=r == args.rounds - 1)
+        if args.overlap and r < args.rounds - 1:  # the exchange as overlap runs it (memory: the snapshot)
+            exchange.tensors.take_snapshot(restart_from_base=False)
+            exchange.run_overlapped(32, delayed=False)
+            exchange.tensors.fold()
+        else:
+            exchange.run_round(samples=32, final=r == args.rounds - 1)
     wall = time.time() - start
     beat.stop()
     shipper.close()
@@ -144,10 +149,11 @@ def saving_coordinator_main(args: argparse.Namespace) -> None:
     raise SystemExit(asyncio.run(serve(config, Path(args.ready_file), before_publish=save)))
 
 
-def run(model: str, rounds: int, save: bool, workdir: Path) -> dict:
+def run(model: str, rounds: int, save: bool, workdir: Path, overlap: bool = False) -> dict:
     run_dir, out = workdir / f"{model}{'-save' if save else ''}", workdir / f"out-{model}{'-save' if save else ''}"
     out.mkdir(parents=True, exist_ok=True)
-    host = [sys.executable, __file__, "--host", "--model", model, "--rounds", str(rounds), "--out", str(out)]
+    host = [sys.executable, __file__, "--host", "--model", model, "--rounds", str(rounds), "--out", str(out),
+            *(["--overlap"] if overlap else [])]
     if save:
         coordinator = [sys.executable, __file__, "--saving-coordinator", "--run-dir", str(run_dir)]
     else:
@@ -258,6 +264,7 @@ def main() -> None:
     p.add_argument("--json", action="store_true")
     p.add_argument("--models", default="vit_base_patch16_224,vit_huge_patch14_224")
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--overlap", action="store_true", help="hosts exchange as overlap mode does (snapshot and fold)")
     p.add_argument("--no-save-comparison", action="store_true", help="skip the runs with a forced full-model save")
     p.add_argument("--host", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--saving-coordinator", action="store_true", help=argparse.SUPPRESS)
@@ -276,7 +283,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="nodeox-exchange-") as tmp:
         for model in args.models.split(","):
             for save in (False,) if args.no_save_comparison else (False, True):
-                result = run(model, args.rounds, save, Path(tmp))
+                result = run(model, args.rounds, save, Path(tmp), args.overlap)
                 results.append(result)
                 if not save:
                     goals += goals_for(result)

@@ -9,6 +9,7 @@ Rooms: ``host/`` (the Lightning side), ``coordinator/`` (the HTTP coordinator), 
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
@@ -35,6 +36,18 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'lightning_nodeox' has no attribute {name!r}")
 
 
+def _show_host_logs() -> None:
+    """A host's own lines (joining, one per round, warnings) show like Lightning's: at INFO, on stderr, unless
+    the application configured logging itself."""
+    logger = logging.getLogger(__name__)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    if not logging.getLogger().hasHandlers() and not logger.handlers:
+        logger.addHandler(logging.StreamHandler())
+        logger.propagate = False
+
+
 if not _running_the_nodeox_command():  # importing the strategy registers Trainer(strategy="nodeox")
+    _show_host_logs()
     from .host.callbacks import PhaseMonitor
     from .host.strategy import NodeoxStrategy

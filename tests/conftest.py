@@ -75,12 +75,12 @@ def coordinator(tmp_path):
 
 
 def launch(run_dir: Path, hosts: int, command: list[str], *coordinator_args: str, timeout: float = 240,
-           env: dict | None = None) -> subprocess.CompletedProcess:
-    """`nodeox launch` a run on this machine, bounded by ``timeout`` seconds."""
+           env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """`nodeox launch` a run on this machine (in ``cwd``), bounded by ``timeout`` seconds."""
     return subprocess.run(
         [sys.executable, "-m", "lightning_nodeox", "launch", "--hosts", str(hosts), "--run-dir", str(run_dir),
          "--threads", "1", *coordinator_args, "--", *command],
-        capture_output=True, text=True, timeout=timeout, cwd=REPO,
+        capture_output=True, text=True, timeout=timeout, cwd=cwd,
         env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {})))
 
 

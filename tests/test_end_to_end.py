@@ -15,7 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from conftest import HOSTS, launch, read_events
 from lightning_nodeox.core.hashing import model_hash
 
-ROUNDS = 3  # max_steps 30, local_steps 10; then the (empty) final round 3
+ROUNDS = 2  # max_steps 30, local_steps 10: rounds 0, 1 and 2, the last batch closing the final round
 
 
 def load(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -80,7 +80,9 @@ def test_tensorboard_scalars_on_hosts_and_coordinator(two_host_run) -> None:
     for host in (0, 1):
         host_tags = tags(next((out / f"tb_host{host}").rglob("events.out.tfevents*")).parent)
         assert {"nodeox/encode_s", "nodeox/upload_s", "nodeox/sync_s", "nodeox/upload_bytes"} <= host_tags
-        assert {"nodeox/encode_s", "nodeox/sync_s"} <= tags(run_dir / "tb" / f"host_{host}")
+        run_tags = tags(run_dir / "tb" / f"host_{host}")  # per round: tags of their own, never overlaying
+        assert {"nodeox_round/encode_s", "nodeox_round/sync_s"} <= run_tags and not run_tags & host_tags
+        assert "nodeox/round" not in host_tags
     assert {"nodeox/aggregate_s", "nodeox/sync_prepare_s", "nodeox/coordinator_rss_bytes"} <= tags(
         run_dir / "tb" / "coordinator")
 
@@ -168,3 +170,26 @@ def test_round_timeout_drops_a_stalled_host_which_rejoins(tmp_path) -> None:
     t1, m1 = load(out / "host1_final.safetensors")
     assert m0["model_hash"] == m1["model_hash"]
     assert all(torch.equal(t0[k], t1[k]) for k in t0)
+
+
+def test_overlap_with_nesterov_ends_bit_identical_and_trains_while_exchanging(tmp_path) -> None:
+    """Hosts keep training while each round's exchange is in flight (poll, then fold into the live model); the
+    last round is not overlapped, so both end on the run's final model."""
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    result = launch(run_dir, 2, [sys.executable, str(HOSTS / "digits_host.py"), "--out", str(out), "--overlap", "eager",
+                                 "--max-steps", "40"], "--outer-optimizer", "nesterov")
+    assert result.returncode == 0, result.stdout[-5000:]
+    t0, m0 = load(out / "host0_final.safetensors")
+    t1, m1 = load(out / "host1_final.safetensors")
+    published = [e["model_hash"] for e in read_events(run_dir) if e["phase"] == "sync_prepare"]
+    assert m0["model_hash"] == m1["model_hash"] == published[-1]
+    assert all(torch.equal(t0[k], t1[k]) for k in t0)
+    seen = defaultdict(set)
+    for e in read_events(run_dir):
+        seen[(e["host"], e["phase"])].add(e["round"])
+    for host in ("0", "1"):
+        assert {1, 2} <= seen[(host, "poll")] and {1, 2} <= seen[(host, "fold")], host
+        assert 0 not in seen[(host, "poll")] and 0 in seen[(host, "wait")], "the first round is not overlapped"
+        assert max(seen[(host, "wait")]) > 2, "the last round is waited for"
+    losses = json.loads((out / "host0_losses.json").read_text())
+    assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5

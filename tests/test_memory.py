@@ -41,7 +41,7 @@ async def scenario(tmp_path, monkeypatch) -> list[int]:
     monkeypatch.setattr(Q4Message, "parse", staticmethod(parse_and_watch))
     await rounds.load_initial_model(torch.frombuffer(bytearray(model_file()), dtype=torch.uint8))
     for host in "ab":
-        await rounds.join(host, [s.as_json() for s in SPECS])
+        await rounds.join(host, SPECS)
     buffers: list[tuple[int, weakref.ref]] = []
     counts = []
     gen = torch.Generator().manual_seed(0)

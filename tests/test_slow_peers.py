@@ -15,7 +15,7 @@ from test_coordinator import body_bytes, model_file
 from lightning_nodeox.core.codec import Q4Kernels, encode_tensor
 from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.modelfile import read_model
-from lightning_nodeox.core.protocol import SyncReady, Upload
+from lightning_nodeox.core.protocol import CREDENTIAL_HEADER, SyncReady, Upload
 from lightning_nodeox.core.settings import Q4Settings
 from lightning_nodeox.core.specs import spec_of
 from lightning_nodeox.core.wire import Q4Layout, Q4Message, Q4Meta
@@ -64,7 +64,7 @@ def test_a_trickling_upload_is_cut_at_its_time_limit_and_frees_its_slot(coordina
     (a,), initial = joined(coord.url, named, "a")
     body = bytes(delta(named, [torch.randn(64, 64) * 0.01, torch.zeros(64)], round_=0, host="a",
                        base_hash=initial).view())
-    sock = raw_request(coord.url, f"POST /v1/rounds/0/delta?host=a HTTP/1.1\r\nHost: x\r\n"
+    sock = raw_request(coord.url, f"POST /v1/rounds/0/delta?host=a HTTP/1.1\r\nHost: x\r\n{CREDENTIAL_HEADER}: {a._credential}\r\n"
                                   f"Content-Type: application/octet-stream\r\nContent-Length: {len(body)}\r\n\r\n")
     cut = threading.Event()
 
@@ -97,7 +97,8 @@ def test_a_stalled_model_download_does_not_delay_the_round(coordinator) -> None:
     gen = torch.Generator().manual_seed(0)
     named = [("big", torch.randn(4 << 20, generator=gen)), ("small", torch.randn(1000, generator=gen))]
     (a, b), initial = joined(coord.url, named, "ab")
-    sock = raw_request(coord.url, "GET /v1/model?host=b HTTP/1.1\r\nHost: x\r\n\r\n", rcvbuf=64 << 10)
+    sock = raw_request(coord.url, f"GET /v1/model?host=b HTTP/1.1\r\nHost: x\r\n{CREDENTIAL_HEADER}: {b._credential}\r\n\r\n",
+                       rcvbuf=64 << 10)
     head = sock.recv(4096)  # the headers and a little of the body; then this reader stalls
     assert b" 200 " in head.split(b"\r\n")[0]
     deadline = time.monotonic() + 10

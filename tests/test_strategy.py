@@ -99,3 +99,11 @@ def test_two_optimizers_checkpoints_and_the_final_partial_round(coordinator, tmp
     assert (tmp_path / "ckpt" / "last.ckpt").exists()
     assert "loss_a" in trainer.logged_metrics
     assert coord.wait(30) == 0  # the coordinator exits once its only host has finished and left
+
+
+def test_lightning_cli_takes_the_strategy_by_name(tmp_path) -> None:
+    from lightning.pytorch.cli import LightningCLI
+
+    cli = LightningCLI(TwoOptimizers, run=False, args=["--trainer.strategy=nodeox", "--trainer.logger=false",
+                                                       f"--trainer.default_root_dir={tmp_path}"])
+    assert isinstance(cli.trainer.strategy, NodeoxStrategy) and cli.trainer.strategy.settings.local_steps == 20

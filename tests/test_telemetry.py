@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import http.server
 import logging
+import threading
 
 import pytest
 
@@ -38,9 +40,48 @@ def test_unreachable_telemetry_does_not_stop_training(coordinator, tmp_path, cap
             logger=False)
         trainer.fit(model, data())
     published = [e for e in coord.events() if e["phase"] == "sync_prepare"]
-    assert [e["round"] for e in published] == [0, 1, 2]  # rounds of 3, 3 and an empty final round
+    assert [e["round"] for e in published] == [0, 1]  # rounds of 3 batches; the last batch closes the final one
     assert model_hash(shared_tensors(model)) == published[-1]["model_hash"]
     assert not [e for e in coord.events() if e["host"] == "h"], "no host record could have arrived"
     warnings = [r.getMessage() for r in caplog.records if "phase records could not be sent" in r.getMessage()]
     assert len(warnings) == 1 and f"127.0.0.1:{port}" in warnings[0]
     assert torch.isfinite(torch.cat([t.view(-1) for _, t in shared_tensors(model)])).all()
+
+
+class Capture(http.server.BaseHTTPRequestHandler):
+    """A telemetry server that keeps the headers of every request it gets."""
+
+    seen: list[dict] = []
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        Capture.seen.append({"path": self.path, **{k.lower(): v for k, v in self.headers.items()}})
+        body = b"{}"
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_the_token_and_credential_never_go_to_another_telemetry_address(coordinator, tmp_path) -> None:
+    (tmp_path / "token").write_text("tok-123")
+    coord = coordinator(1, "--token-file", str(tmp_path / "token"))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Capture)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        trainer = Trainer(
+            strategy=NodeoxStrategy(coordinator_url=coord.url, host_id="h", token="tok-123", local_steps=3,
+                                    telemetry_url=f"http://127.0.0.1:{server.server_address[1]}"),
+            max_steps=2 * 6, default_root_dir=tmp_path, enable_progress_bar=False, logger=False)
+        trainer.fit(TwoOptimizers(), data())
+    finally:
+        server.shutdown()
+        thread.join(10)
+    assert Capture.seen and all(r["path"] == "/v1/events?host=h" for r in Capture.seen)
+    assert not [r for r in Capture.seen if "authorization" in r or "x-nodeox-credential" in r]
+    assert trainer.strategy.last_result.complete

@@ -12,7 +12,7 @@ from safetensors.torch import load as safetensors_load
 from lightning_nodeox.core.codec import Q4Settings, encode_tensor
 from lightning_nodeox.core.modelfile import model_header, read_model
 from lightning_nodeox.core.specs import PayloadError, TensorSpec, check_same_model, spec_of
-from lightning_nodeox.core.wire import Q4Layout, Q4Message, Q4Meta
+from lightning_nodeox.core.wire import Q4Layout, Q4Message, Q4Meta, fit_metrics
 from reference_q4 import kernels
 
 NAMED = [("layer.weight", torch.randn(33, 7)), ("layer.bias", torch.randn(33)), ("bn.running_var", torch.rand(5))]
@@ -145,3 +145,29 @@ def test_spec_of_refuses_integer_tensors() -> None:
     with pytest.raises(ValueError, match="floating-point"):
         spec_of([("steps", torch.tensor(3))])
     assert TensorSpec("a", "float32", (2, 3)).numel == 6
+
+
+def test_metrics_travel_in_the_header_without_changing_the_layout() -> None:
+    plain = make_message()
+    metrics = {"val_loss": [0.25, "mean"], "count": [3.0, "sum"]}
+    message = make_message(metrics=metrics)
+    assert len(message) == len(plain)
+    assert Q4Message.parse(bytes(message.view())).meta.metrics == metrics
+    assert Q4Message.parse(bytes(plain.view())).meta.metrics == {}
+
+
+def test_metrics_that_do_not_fit_are_named_and_the_rest_still_travels() -> None:
+    metrics = {f"metric_{i:03d}_" + "x" * 40: [float(i), "mean"] for i in range(200)}
+    kept, dropped = fit_metrics(metrics)
+    assert 40 < len(kept) < 200 and dropped == list(metrics)[len(kept):]
+    message = make_message(metrics=kept)
+    assert Q4Message.parse(bytes(message.view())).meta.metrics == kept
+    with pytest.raises(ValueError, match="fit_metrics"):
+        make_message(metrics=metrics)
+
+
+def test_malformed_metrics_are_refused() -> None:
+    message = make_message(metrics={"a": [1.0, "mean"]})
+    bad = bytes(message.view()).replace(b'[1.0,\\"mean\\"]', b'\\"one point\\"  ')
+    with pytest.raises(PayloadError, match="metrics must be"):
+        Q4Message.parse(bad)

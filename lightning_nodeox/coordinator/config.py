@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +43,16 @@ def parse_bind(bind: str) -> tuple[str, int]:
     return (host.strip("[]") or "0.0.0.0"), int(port)
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a bind address) is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: assume other machines can reach it
+
+
 @dataclass(frozen=True)
 class CoordinatorConfig:
     """How the coordinator runs.
@@ -58,7 +69,12 @@ class CoordinatorConfig:
             restarted coordinator takes the model back from a host that holds it.
         transfer_timeout: seconds any upload or download may take, plus one second per MB of it.
         fresh: start a new run even if ``run_dir`` holds an unfinished one (its records are moved aside).
-        token: bearer token every request must carry (None: no authentication).
+        token: bearer token every request must carry (None: no authentication; then ``bind`` must be a
+            loopback address unless ``insecure``).
+        insecure: allow binding beyond loopback without a token (a network you trust entirely).
+        elastic: admit more than ``hosts`` distinct host ids (by default a join beyond them is refused).
+        tls_cert: PEM certificate (chain) to serve HTTPS with; needs ``tls_key``.
+        tls_key: PEM private key of ``tls_cert``.
         q4: codec of the run (block size and scale type; hosts follow it).
         initial_model: a safetensors file to start from (None: the first host to join provides the model).
         threads: codec threads (None: the CPU quota granted to this process).
@@ -73,6 +89,10 @@ class CoordinatorConfig:
     min_hosts: int | None = None
     round_timeout: float | None = None
     token: str | None = None
+    insecure: bool = False
+    elastic: bool = False
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
     q4: Q4Settings = field(default_factory=Q4Settings)
     initial_model: Path | None = None
     threads: int | None = None
@@ -104,7 +124,21 @@ class CoordinatorConfig:
             raise ValueError(f"--rss-interval must be positive seconds, got {self.rss_interval}")
         if self.initial_model is not None and not Path(self.initial_model).is_file():
             raise ValueError(f"--initial-model {self.initial_model} is not a file; pass a safetensors file")
-        parse_bind(self.bind)
+        host, _ = parse_bind(self.bind)
+        if not self.token and not self.insecure and not is_loopback(host):
+            raise ValueError(
+                f"--bind {self.bind} listens beyond this machine, but no token is set: anyone who reaches it could "
+                "join and send deltas. Pass --token-file F (and give hosts NODEOX_TOKEN), or --insecure on a network "
+                "you trust entirely")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together: pass both (the certificate and its private key)")
+        for flag, path in (("--tls-cert", self.tls_cert), ("--tls-key", self.tls_key)):
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{flag} {path} is not a file; pass a PEM file")
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls_cert is not None else "http"
 
     @property
     def quorum(self) -> int:

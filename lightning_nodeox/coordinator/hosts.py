@@ -28,8 +28,10 @@ class HostState(enum.Enum):
 @dataclass
 class Host:
     id: str
+    credential: str  # what every call of this host presents (from its join)
     state: HostState = HostState.TRAINING
     seen: float = field(default_factory=time.monotonic)  # when last heard from
+    joined: float = field(default_factory=time.time)
 
 
 class Hosts(dict[str, Host]):
@@ -39,16 +41,22 @@ class Hosts(dict[str, Host]):
         super().__init__()
         self.lease = lease
 
-    def restore(self, states: dict[str, str]) -> None:
-        """Hosts of a resumed run, each with a fresh lease."""
+    def restore(self, saved: dict[str, dict]) -> None:
+        """Hosts of a resumed run (``{"state", "credential"}`` each), each with a fresh lease."""
         now = time.monotonic()
-        self.update({h: Host(h, HostState(state), now) for h, state in states.items()})
+        self.update({h: Host(h, str(d["credential"]), HostState(d["state"]), now) for h, d in saved.items()})
 
-    def register(self, host: str) -> None:
-        entry = self.setdefault(host, Host(host))
-        entry.seen = time.monotonic()
+    def saved(self) -> dict[str, dict]:
+        """What :meth:`restore` takes back."""
+        return {h.id: {"state": h.state.value, "credential": h.credential} for h in self.values()}
+
+    def register(self, host: str, credential: str) -> Host:
+        """(Re)admit ``host`` with a new ``credential``; returns its entry."""
+        entry = self.setdefault(host, Host(host, credential))
+        entry.credential, entry.seen, entry.joined = credential, time.monotonic(), time.time()
         if entry.state is not HostState.FINISHED:  # a finished host that joins again stays finished
             entry.state = HostState.TRAINING
+        return entry
 
     def known(self, host: str) -> Host:
         """The host's entry, or NOT_JOINED for a host that never joined or left."""

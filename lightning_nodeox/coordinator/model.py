@@ -8,10 +8,11 @@ on the loop, a chunk at a time.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 
 import torch
 
-from ..core.codec import accumulate_tensor, encode_sync_and_apply
+from ..core.codec import CODE_OFFSET, accumulate_tensor, apply_sync, chunk_ranges, encode_sync
 from ..core.hashing import RowHasher, combine, model_hash
 from ..core.modelfile import model_header
 from ..core.pool import WorkerPool
@@ -19,6 +20,17 @@ from ..core.settings import Q4Settings
 from ..core.specs import TensorSpec
 from ..core.wire import Q4Layout, Q4Message, Q4Meta
 from .outer import OuterSettings, make_outer
+
+NOOP_CODE = CODE_OFFSET | CODE_OFFSET << 4  # two zero codes a byte
+
+
+@dataclass
+class ClosedRound:
+    """A round's sync; ``not_finite`` names the tensors that would have left it NaN or Inf (the round was then
+    refused: the sync changes nothing)."""
+
+    sync: Q4Message
+    not_finite: list[str] = field(default_factory=list)
 
 
 class CoordinatorModel:
@@ -60,33 +72,72 @@ class CoordinatorModel:
         self.pool.over_ranges([a.numel() for a in self.acc], work)
         self.weight += samples
 
-    def close_round(self, round_: int) -> Q4Message:
-        """The outer step of the mean delta, quantized and applied to θ as hosts will; returns the sync."""
+    def close_round(self, round_: int, metrics: dict[str, list] | None = None) -> ClosedRound:
+        """The outer step of the mean delta, quantized, then applied to θ as hosts will, in two passes: the first
+        quantizes the sync and checks per chunk that θ + sync stays finite without writing θ; only then the
+        second applies it (and the outer step's state) and digests θ's hash. A result that is not finite is
+        refused: θ, its hash and the outer state stay as they were, and the sync adds -0.0 (which leaves every
+        value's bits as they are), so hosts keep the same model too.
+
+        A failure half-way through the second pass leaves θ partly applied; the hash is then recomputed, so
+        model and hash always agree (hosts will find the next sync's base differs and fetch the model).
+
+        The sync also carries ``metrics``: the round's sync_dist values, reduced across hosts."""
         if self.weight == 0:
             for acc in self.acc:
                 acc.zero_()
         inv_weight = 1.0 / max(self.weight, 1)
         base_hash = self.hash
         message = self._free_sync_buffer()
-        hashers = [RowHasher(t) for t in self.tensors]
         stepping = self.weight > 0 and bool(self.outer.state)  # no contribution: no outer step, a zero sync
+        sizes = [a.numel() for a in self.acc]
+        not_finite: set[int] = set()
+
+        def quantize(k, i: int, start: int, stop: int) -> None:
+            if not encode_sync(k, self.acc[i], inv_weight, self.tensors[i].view(-1), message.codes(i),
+                               message.scales(i), start=start, stop=stop,
+                               outer_step=(lambda x, a, b: self.outer.step(i, x, a, b)) if stepping else None):
+                not_finite.add(i)
+
+        self.pool.over_ranges(sizes, quantize)
+        if not_finite:
+            for i in range(len(self.specs)):
+                message.codes(i).fill_(NOOP_CODE)
+                message.scales(i).fill_(-0.0)
+            message.write_header(Q4Meta("sync", round_, "coordinator", base_hash, samples=0, model_hash=base_hash,
+                                        metrics=metrics or {}))
+            self.weight = 0
+            return ClosedRound(message, sorted(self.specs[i].name for i in not_finite))
+        try:
+            new_hash = self._apply(message, inv_weight, stepping)
+        except BaseException:
+            self.hash = model_hash(self.named(), self.pool)
+            self.weight = 0
+            raise
+        message.write_header(Q4Meta("sync", round_, "coordinator", base_hash, samples=self.weight,
+                                    model_hash=new_hash, metrics=metrics or {}))
+        self.weight = 0
+        return ClosedRound(message)
+
+    def _apply(self, message: Q4Message, inv_weight: float, stepping: bool) -> str:
+        """θ += the dequantized sync (and the outer step's state update); returns θ's new hash."""
+        hashers = [RowHasher(t) for t in self.tensors]
 
         def work(k, i: int, start: int, stop: int) -> None:
+            if stepping:
+                for s, e in chunk_ranges(self.acc[i].numel(), k.chunk, start, stop):
+                    self.outer.commit(i, torch.mul(self.acc[i][s:e], inv_weight, out=k.x[: e - s]), s, e)
             fused = hashers[i] if hashers[i].fusable(self.pool.chunk) else None
-            encode_sync_and_apply(k, self.acc[i], inv_weight, self.tensors[i].view(-1), message.codes(i),
-                                  message.scales(i), start=start, stop=stop, hasher=fused,
-                                  outer_step=(lambda x, a, b: self.outer.step(i, x, a, b)) if stepping else None)
+            theta = self.tensors[i].view(-1)
+            apply_sync(k, message.codes(i), message.scales(i), theta, theta, start=start, stop=stop, hasher=fused)
 
         self.pool.over_ranges([a.numel() for a in self.acc], work)
         self.pool.run([t for h in hashers if not h.fusable(self.pool.chunk) for t in h.tasks()])
-        message.write_header(Q4Meta("sync", round_, "coordinator", base_hash, samples=self.weight,
-                                    model_hash=combine(self.named(), hashers)))
-        self.weight = 0
-        return message
+        return combine(self.named(), hashers)
 
     def publish(self, message: Q4Message) -> None:
         """Make ``message`` the latest sync and its resulting model hash the model's (on the event loop)."""
-        self.latest_sync = message
+        self._spare_sync, self.latest_sync = self.latest_sync, message
         self.hash = message.meta.model_hash
 
     def adopt_sync(self, message: Q4Message) -> None:
@@ -103,10 +154,12 @@ class CoordinatorModel:
 
     # -- sync buffers: reused, unless a slow download still reads one ------------------------------------------
     def _free_sync_buffer(self) -> Q4Message:
-        spare, self._spare_sync = self._spare_sync, self.latest_sync
-        if spare is not None and spare.layout is self.layout and self._readers.get(id(spare), 0) == 0:
-            return spare
-        return Q4Message.allocate(self.layout)
+        """The buffer for the next sync: never the published one, nor one a download still reads, nor one of
+        another layout (a sync read back from saved state)."""
+        spare = self._spare_sync
+        if spare is None or spare.layout is not self.layout or self._readers.get(id(spare), 0):
+            self._spare_sync = Q4Message.allocate(self.layout)
+        return self._spare_sync
 
     def reading(self, message: Q4Message, delta: int) -> None:
         """Count downloads in flight of ``message`` (+1 when one starts, -1 when it ends)."""

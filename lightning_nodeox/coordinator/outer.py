@@ -12,6 +12,10 @@ The state lives in fp32 on the coordinator only; hosts apply the quantized sync,
 bit-identical model. torchft's DiLoCo instead feeds the pseudo-gradient to an ordinary torch optimizer through
 ``.grad``; that costs a gradient buffer and a copy of θ_r (2x the model in fp32) beyond the momentum, where this
 chunked form costs the momentum alone (1x).
+
+A step comes in two calls, so that a round whose result is refused (not finite) leaves the state as it was:
+``step`` turns the mean into the sync without changing the state, ``commit`` updates the state once the round
+is applied.
 """
 
 from __future__ import annotations
@@ -28,7 +32,11 @@ class OuterOptimizer:
         self.state: dict[str, torch.Tensor] = {}
 
     def step(self, i: int, mean: torch.Tensor, start: int, stop: int) -> None:
-        """Turn values ``[start, stop)`` of tensor ``i``'s mean delta (``mean``, in place) into the sync delta."""
+        """Turn values ``[start, stop)`` of tensor ``i``'s mean delta (``mean``, in place) into the sync delta;
+        the state is not changed."""
+
+    def commit(self, i: int, mean: torch.Tensor, start: int, stop: int) -> None:
+        """Update the state with values ``[start, stop)`` of tensor ``i``'s mean delta (the round was applied)."""
 
 
 class Nesterov(OuterOptimizer):
@@ -41,9 +49,11 @@ class Nesterov(OuterOptimizer):
         self.state = {f"momentum/{s.name}": b for s, b in zip(specs, self.buffers)}
 
     def step(self, i: int, mean: torch.Tensor, start: int, stop: int) -> None:
-        m = self.buffers[i][start:stop]
-        m.mul_(self.momentum).add_(mean)
+        m = torch.mul(self.buffers[i][start:stop], self.momentum).add_(mean)  # what commit will store
         mean.add_(m, alpha=self.momentum).mul_(self.lr)
+
+    def commit(self, i: int, mean: torch.Tensor, start: int, stop: int) -> None:
+        self.buffers[i][start:stop].mul_(self.momentum).add_(mean)
 
 
 def make_outer(settings: OuterSettings, specs: tuple[TensorSpec, ...]) -> OuterOptimizer:

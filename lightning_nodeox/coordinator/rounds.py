@@ -14,12 +14,25 @@ When a round closes (the rule, also in docs/clusters.md):
 - never with fewer than ``--min-hosts`` deltas (default 1), lowered to the number of hosts still in the run
   (neither finished nor left), so finishing hosts never block the end. While it cannot close, the
   coordinator says every ``status_interval`` seconds whom it waits for, and why.
+
+Stopping together: a host's final delta (its training ended: max_steps, max_epochs, early stopping) makes
+its round the run's last one. That round's sync completes the run, so every host ends on the same model
+after the same round, and a host that is still training stops at its next round boundary.
+
+Identity: a join admits a host id (at most ``--hosts`` distinct ids unless ``--elastic``) and returns a
+credential that every later call of that host must present (:meth:`Rounds.authenticate`). An id already held
+by a live host is refused (``ID_IN_USE``); it can be taken again once its holder has left or was dropped (its
+lease expired), or by a join presenting the holder's credential. Taking it issues a new credential, so the
+previous holder, should it still run, is refused from then on. Credentials are part of the saved run state,
+so hosts keep acting (and rejoin) with theirs across a coordinator restart.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -27,14 +40,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.modelfile import read_model
+from ..core.modelfile import model_header, read_model
 from ..core.phases import AGGREGATE, COORDINATOR, PERSIST, RECEIVE, RSS, SYNC_PREPARE, PhaseRecord
 from ..core.pool import WorkerPool
 from ..core.protocol import JoinReply, Reason, Refusal
-from ..core.specs import PayloadError, check_same_model, specs_from_json
-from ..core.wire import Q4Message
+from ..core.specs import PayloadError, TensorSpec, check_same_model
+from ..core.wire import Q4Message, fit_metrics
 from .config import CoordinatorConfig
-from .hosts import Hosts, HostState
+from .hosts import Host, Hosts, HostState
+from .intake import MAX_SAMPLES, model_bytes
+from .metrics import reduce_metrics
 from .model import CoordinatorModel, ModelStream
 from .runlog import RunLog, peak_rss_bytes, rss_bytes
 from .state import RunStore, SavedRun
@@ -42,9 +57,6 @@ from .waiting import waiting_for
 
 log = logging.getLogger(__name__)
 
-
-MAX_SAMPLES = 2**31  # per host and round
-MAX_MODEL_BYTES = 1 << 40
 
 
 @dataclass
@@ -71,8 +83,10 @@ class Rounds:
         self.published_round = -1
         self.hosts = Hosts(config.lease)
         self.received: dict[str, int] = {}
+        self.metrics: dict[str, dict[str, list]] = {}  # the round's deltas' sync_dist values, by host
+        self.stopping = False  # a final delta came in this round: it is the run's last
         self.closing = False
-        self.stopping = False  # shutting down: no round starts closing
+        self.shutting_down = False  # no round starts closing
         self.complete = False
         self.round_opened = time.time()
         self.provider: str | None = None
@@ -80,6 +94,7 @@ class Rounds:
         self.resumed: Resumed | None = None
         self.wanted: tuple[int, str] | None = None  # resumed run: (round, hash) of the model being given back
         self.downloads: set[ModelStream] = set()
+        self.provider_specs: tuple[TensorSpec, ...] = ()
         self.changed = asyncio.Condition()
         self.finished = asyncio.Event()
         self._parse = ThreadPoolExecutor(1, thread_name_prefix="nodeox-parse")
@@ -124,8 +139,9 @@ class Rounds:
         return rss
 
     def _reply(self, **fields) -> JoinReply:
-        return JoinReply(round=self.round, block_size=self.config.q4.block_size,
-                         scale_dtype=self.config.q4.scale_dtype, **fields)
+        q4 = self.config.q4
+        return JoinReply(round=self.round, block_size=q4.block_size, scale_dtype=q4.scale_dtype, codec=q4.codec,
+                         **fields)
 
     def require_model(self) -> CoordinatorModel:
         if self.model is None:
@@ -139,14 +155,19 @@ class Rounds:
                                              self.pool, self.config.outer), "--initial-model")
 
     def check_model_upload(self, host: str, size: int) -> None:
-        """Refuse a model upload before its body is read: only the chosen provider, only when the run has none."""
+        """Refuse a model upload before its body is read (or allocated for): only the chosen provider, only when
+        the run has none, and only of the size its join's tensor specs give."""
         if self.model is not None:
             raise Refusal(Reason.HAS_MODEL, "the run already has a model; fetch it with GET /v1/model",
                           model_hash=self.model.hash)
         if host != self.provider:
             raise Refusal(Reason.NOT_PROVIDER, f"host {self.provider} provides the model, not host {host}; join again")
-        if size > MAX_MODEL_BYTES:
-            raise Refusal(Reason.TOO_LARGE, f"model upload of {size} bytes is larger than {MAX_MODEL_BYTES}")
+        data = model_bytes(self.provider_specs)
+        header = len(model_header(self.provider_specs, self.round, "f" * 128))  # at most: metadata varies a little
+        if not data < size <= data + header:
+            raise Refusal(Reason.INVALID, f"model upload of {size} bytes does not fit the {len(self.provider_specs)} "
+                                          f"tensors host {host} declared at join ({data} bytes and a header of at "
+                                          f"most {header})")
 
     async def put_model(self, host: str, data: torch.Tensor) -> dict:
         """The providing host's model: the run's initial model, or a resumed run's model given back."""
@@ -155,6 +176,10 @@ class Rounds:
             _, _, specs, tensors = await self._in(self._parse, read_model, data)
         except PayloadError as e:
             raise Refusal(Reason.INVALID, f"model rejected: {e}") from None
+        try:
+            check_same_model(self.provider_specs, specs, "the model")
+        except PayloadError as e:
+            raise Refusal(Reason.INVALID, f"{e} (as declared at join)") from None
         model = await self._in(self._work, CoordinatorModel, specs, tensors, self.config.q4, self.pool,
                                self.config.outer)
         self.check_model_upload(host, data.numel())  # another upload may have won while this one was read
@@ -230,39 +255,65 @@ class Rounds:
         self.resumed = self.wanted = None
 
     # -- hosts ------------------------------------------------------------------------------------------------
-    async def join(self, host: str, tensors: list | None, model_hash: str | None = None,
-                   round_: int | None = None) -> JoinReply:
-        """Register a host; tell it the round, the model hash, or that it must provide the model.
-        A host whose model does not fit the run is refused and not registered."""
-        if not host or len(host) > 64 or host == COORDINATOR:
-            raise Refusal(Reason.INVALID, "host id must be 1 to 64 characters (and not 'coordinator'); set NODEOX_HOST_ID")
-        try:
-            specs = specs_from_json(tensors) if tensors is not None else None
-        except PayloadError as e:
-            raise Refusal(Reason.INVALID, f"join: {e}") from None
+    async def join(self, host: str, specs: tuple[TensorSpec, ...], credential: str = "",
+                   model_hash: str | None = None, round_: int | None = None) -> JoinReply:
+        """Admit a host (see the module's rules on ids); tell it the round, the model hash and its credential, or
+        that it must provide the model. A host that rejoins a resumed run says which model and round it holds
+        (``model_hash``, ``round_``), so that it can give the model back. A host whose model does not fit the run
+        is refused and not registered."""
+        self._check_admission(host, credential)
         if self.model is None:
             now = time.time()
             free = self.provider in (None, host) or now - self.provider_since > self.config.provider_timeout
             promise = None if self.resumed is None else self.resumed.saved.promise(model_hash, round_)
             if free and (self.resumed is None or promise is not None):
-                self.provider, self.provider_since, self.wanted = host, now, promise
-                self.hosts.register(host)
-                return self._reply(model_hash=None, provide_model=True)
+                self.provider, self.provider_since, self.provider_specs, self.wanted = host, now, specs, promise
+                return self._reply(model_hash=None, provide_model=True, credential=self._register(host, credential))
             await self._wait(lambda: self.model is not None, self.config.long_poll)
             if self.model is None:
                 return self._reply(model_hash=None, retry=True)
-        if specs is not None:
-            try:
-                check_same_model(self.model.specs, specs, f"host {host}'s model")
-            except PayloadError as e:
-                raise Refusal(Reason.INVALID, str(e)) from None
-        self.hosts.register(host)
+        try:
+            check_same_model(self.model.specs, specs, f"host {host}'s model")
+        except PayloadError as e:
+            raise Refusal(Reason.INVALID, str(e)) from None
+        issued = self._register(host, credential)
         await self._notify()
-        return self._reply(model_hash=self.model.hash, complete=self.complete)
+        return self._reply(model_hash=self.model.hash, complete=self.complete, credential=issued)
 
     async def heartbeat(self, host: str) -> dict:
         self.hosts.seen(self.hosts.known(host))
         return {"lease": self.config.lease, "round": self.round}
+
+    def _check_admission(self, host: str, credential: str) -> None:
+        entry = self.hosts.get(host)
+        if entry is None:
+            if len(self.hosts) >= self.config.hosts and not self.config.elastic:
+                raise Refusal(Reason.FULL, f"host {host} cannot join: the run already has its {self.config.hosts} "
+                                           "hosts (--hosts). A restarted host must keep its NODEOX_HOST_ID to take its "
+                                           "place; start the coordinator with --elastic to admit more hosts")
+        elif entry.state not in (HostState.LEFT, HostState.DROPPED) and not _same(credential, entry.credential):
+            raise Refusal(Reason.ID_IN_USE, f"host id {host} is in use by another live process (joined "
+                                            f"{time.time() - entry.joined:.0f} s ago, {entry.state.value}). Give this "
+                                            "process its own NODEOX_HOST_ID, or stop the other one first (a stopped "
+                                            "host leaves; one that died is free again once its --lease expires)")
+
+    def _register(self, host: str, credential: str) -> str:
+        """Admit ``host`` (checked again: no await since) and return its new credential."""
+        self._check_admission(host, credential)
+        entry = self.hosts.register(host, secrets.token_urlsafe(24))
+        log.info("nodeox coordinator: host %s joined", host)
+        return entry.credential
+
+    def authenticate(self, host: str, credential: str) -> Host:
+        """The host ``host``, if ``credential`` is its credential (from its join)."""
+        entry = self.hosts.get(host)
+        if entry is None:
+            raise Refusal(Reason.NOT_JOINED, f"host {host} has not joined; POST /v1/join first")
+        if not _same(credential, entry.credential):
+            raise Refusal(Reason.FORBIDDEN, f"missing or wrong credential for host {host}: only the process that "
+                                            f"joined as {host} may act for it (if that process restarted, it joins "
+                                            "again)")
+        return entry
 
     async def leave(self, host: str) -> None:
         """A host stops taking part (training ended or failed); rounds no longer wait for it."""
@@ -295,6 +346,9 @@ class Rounds:
         """Refuse an upload before its body is read, where its headers already show it is wrong."""
         model = self.require_model()
         entry = self.hosts.known(host)
+        if self.complete:
+            raise Refusal(Reason.LATE, f"the run completed at round {self.published_round}; apply its last sync",
+                          round=self.round)
         if round_ == self.round and host in self.received:
             raise Refusal(Reason.DUPLICATE, f"host {host} already sent its delta for round {round_}")
         if round_ != self.round or self.closing:
@@ -322,13 +376,17 @@ class Rounds:
             if meta.kind != "delta" or meta.round != round_ or meta.host != host:
                 raise PayloadError(f"payload says kind={meta.kind} round={meta.round} host={meta.host}, "
                                    f"but was sent as round {round_}'s delta of host {host}")
-            if (meta.block_size, meta.scale_dtype) != (self.config.q4.block_size, self.config.q4.scale_dtype):
-                raise PayloadError(f"payload uses block size {meta.block_size} with {meta.scale_dtype} scales; "
-                                   f"this run uses {self.config.q4.block_size} with {self.config.q4.scale_dtype}")
+            q4 = self.config.q4
+            if (meta.codec, meta.block_size, meta.scale_dtype) != (q4.codec, q4.block_size, q4.scale_dtype):
+                raise PayloadError(f"payload uses {meta.codec}, block size {meta.block_size} with {meta.scale_dtype} "
+                                   f"scales; this run uses {q4.codec}, {q4.block_size} with {q4.scale_dtype}")
             check_same_model(model.specs, meta.tensors, "delta")
         except PayloadError as e:
             raise Refusal(Reason.INVALID, f"delta rejected: {e}") from None
-        if meta.samples > MAX_SAMPLES or not message.weighted_scales_finite(meta.samples):
+        if meta.samples > MAX_SAMPLES:
+            raise Refusal(Reason.INVALID, f"delta rejected: {meta.samples} samples in one round; at most {MAX_SAMPLES} "
+                                          "(2^24) are taken from one host")
+        if not message.weighted_scales_finite(meta.samples):
             raise Refusal(Reason.INVALID, f"delta rejected: {meta.samples} samples with scales up to "
                                   f"{message.max_scale:.3g} would overflow the accumulator; the host's training "
                                   "diverged or its sample count is wrong")
@@ -337,6 +395,8 @@ class Rounds:
                                   f"{round_} started from {model.hash}; fetch the model and rejoin",
                           model_hash=model.hash)
         self.received[host] = meta.samples
+        self.metrics[host] = meta.metrics
+        self.stopping = self.stopping or meta.final
         entry = self.hosts[host]
         entry.state = HostState.FINISHED if meta.final else HostState.TRAINING
         future = asyncio.ensure_future(self._in(self._work, model.accumulate, message, meta.samples))
@@ -359,7 +419,7 @@ class Rounds:
         return max(1, min(self.config.quorum, self.hosts.in_run(self.received)))
 
     def _ready_to_close(self) -> bool:
-        if self.model is None or self.closing or self.stopping or not self.received:
+        if self.model is None or self.closing or self.shutting_down or not self.received:
             return False
         if any(not f.done() for f in self._accumulating) or len(self.received) < self.needed():
             return False
@@ -373,6 +433,8 @@ class Rounds:
         self.closing = True
         try:
             await self._close()
+        except Exception:  # noqa: BLE001 - the model and its hash still agree (close_round); tried again later
+            log.exception("nodeox coordinator: closing round %d failed; it is tried again", self.round)
         finally:
             self.closing = False
         await self._notify()
@@ -393,22 +455,41 @@ class Rounds:
         if self._persisting is not None:  # the last round's state is on disk before θ changes again
             await self._persisting
         await self._keep_downloads(model)
-        message = await self._in(self._work, model.close_round, round_)
+        closed = await self._in(self._work, model.close_round, round_, self._round_metrics())
+        message = closed.sync
+        refused = {}
+        if closed.not_finite:
+            refused = {"refused": f"not finite: {', '.join(closed.not_finite[:5])}"}
+            log.error("nodeox coordinator: round %d refused: its result would make %s NaN or Inf; the model stays "
+                      "%s and hosts get a sync that changes nothing. A host's training diverged, or a delta is too "
+                      "large for the model's dtype (lower the learning rate, clip gradients)", round_,
+                      ", ".join(closed.not_finite[:5]), message.meta.model_hash)
         self.record(PhaseRecord(round_, COORDINATOR, SYNC_PREPARE, aggregated, time.time(), len(message),
-                                extra={"model_hash": message.meta.model_hash}))
+                                extra={"model_hash": message.meta.model_hash, **refused}))
         if self.before_publish is not None:  # a comparison hook: benchmarks/exchange.py saves the model here
-            await self.before_publish(self, round_, message)
+            try:
+                await self.before_publish(self, round_, message)
+            except Exception:  # noqa: BLE001 - the round is applied: publish it regardless
+                log.exception("nodeox coordinator: before_publish of round %d failed", round_)
         # the round's state changes together, on the loop, after the last await
         model.publish(message)
-        self.received = {}
+        self.received, self.metrics = {}, {}
+        self.complete = self.complete or self.stopping
         self.published_round = round_
         self.round = round_ + 1
         self.round_opened = time.time()
         self._check_finished()
         if self.complete:
-            log.info("nodeox coordinator: every host has finished; final model %s after round %d", model.hash, round_)
+            log.info("nodeox coordinator: the run completed after round %d; final model %s", round_, model.hash)
         self._persist_round()
         self.sample_memory()
+
+    def _round_metrics(self) -> dict[str, list]:
+        reduced = reduce_metrics([(self.received[h], m) for h, m in self.metrics.items() if m])
+        kept, dropped = fit_metrics(reduced)
+        if dropped:
+            log.warning("nodeox coordinator: round %d's sync has no room for metrics %s", self.round, dropped)
+        return kept
 
     async def wait_stable(self) -> None:
         """Return once no round's close is changing θ (a full-model download starts only then)."""
@@ -431,8 +512,9 @@ class Rounds:
         if self.store is None or model is None:
             return
         saved = SavedRun(round=self.round, model_hash=model.hash, complete=self.complete,
-                         hosts={h.id: h.state.value for h in self.hosts.values()},
-                         q4={"block_size": self.config.q4.block_size, "scale_dtype": self.config.q4.scale_dtype},
+                         hosts=self.hosts.saved(),
+                         q4={"codec": self.config.q4.codec, "block_size": self.config.q4.block_size,
+                             "scale_dtype": self.config.q4.scale_dtype},
                          outer={"name": self.config.outer.name, "lr": self.config.outer.lr,
                                 "momentum": self.config.outer.momentum})
         if self._saved is not None:
@@ -461,7 +543,7 @@ class Rounds:
     async def save_at_shutdown(self) -> None:
         """Let a round that is closing publish (no other starts closing), wait for its state, then write the state
         with a snapshot."""
-        self.stopping = True
+        self.shutting_down = True
         await self.wait_stable()
         if self._persisting is not None:
             await self._persisting
@@ -527,7 +609,7 @@ class Rounds:
             "model_hash": None if self.model is None else self.model.hash,
             "hosts": {h.id: h.state.value for h in self.hosts.values()},
             "received": sorted(self.received), "peak_rss_bytes": self.peak_rss, "lease": self.config.lease,
-            "downloads": len(self.downloads),
+            "downloads": len(self.downloads), "codec": self.config.q4.codec,
             "block_size": self.config.q4.block_size, "scale_dtype": self.config.q4.scale_dtype,
         }
 
@@ -535,3 +617,7 @@ class Rounds:
         self._parse.shutdown(wait=True)
         self._work.shutdown(wait=True)
         self._persist.shutdown(wait=True)
+
+
+def _same(given: str, expected: str) -> bool:
+    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), expected.encode())

@@ -1,5 +1,12 @@
 """The run directory: ``events.jsonl`` (every phase record of every host and the coordinator) and
-TensorBoard scalars under ``tb/`` (one folder per host, one for the coordinator)."""
+TensorBoard scalars under ``tb/`` (one folder per host, one for the coordinator), with the round as the step.
+
+The coordinator's own phases are ``nodeox/...`` (``nodeox/aggregate_s``); the hosts' phases, as the coordinator
+saw them round by round, are ``nodeox_round/...`` (``nodeox_round/wait_s``), so that they never overlay the
+``nodeox/...`` curves each host's PhaseMonitor logs against its global step.
+
+Records arrive checked (:mod:`~lightning_nodeox.coordinator.intake`: admitted host ids only, finite numbers);
+a line that would still hold NaN or Infinity is not written. Work per record is constant."""
 
 from __future__ import annotations
 
@@ -7,7 +14,6 @@ import json
 import logging
 import math
 import os
-import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -16,6 +22,13 @@ from ..core.phases import COORDINATOR, RSS, SYNC_PARTS, PhaseRecord, metric_name
 log = logging.getLogger(__name__)
 
 RSS_METRIC = "nodeox/coordinator_rss_bytes"
+HOST_PREFIX = "nodeox_round"
+
+
+def tag(host: str, phase: str, unit: str = "s") -> str:
+    """The TensorBoard tag of a phase's seconds or bytes in the run directory (see the module's docstring)."""
+    name = metric_name(phase, unit)
+    return name if host == COORDINATOR else name.replace("nodeox/", HOST_PREFIX + "/", 1)
 
 
 def rss_bytes() -> int:
@@ -39,7 +52,7 @@ def peak_rss_bytes() -> int:
 
 
 def tb_folder(host: str) -> str:
-    return "coordinator" if host == COORDINATOR else "host_" + re.sub(r"[^A-Za-z0-9_.-]", "_", host)
+    return "coordinator" if host == COORDINATOR else f"host_{host}"  # ids are [A-Za-z0-9_.-]
 
 
 class RunLog:
@@ -50,12 +63,17 @@ class RunLog:
         run_dir.mkdir(parents=True, exist_ok=True)
         self._events = open(run_dir / "events.jsonl", "a", encoding="utf-8")
         self._writers: dict[str, object] = {}
-        self._sync_parts: dict[tuple[str, int], dict[str, float]] = {}
+        self._sync_parts: dict[str, dict[int, dict[str, float]]] = {}  # host -> round -> sync part -> seconds
 
     def write(self, records: Iterable[PhaseRecord]) -> None:
         lines = []
         for r in records:
-            lines.append(json.dumps(r.to_json(), separators=(",", ":")))
+            try:
+                lines.append(json.dumps(r.to_json(), separators=(",", ":"), allow_nan=False))
+            except ValueError:
+                log.error("nodeox coordinator: a %s record of %s holds a non-finite number; not written", r.phase,
+                          r.host)
+                continue
             self._scalars(r)
         if lines:
             self._events.write("\n".join(lines) + "\n")
@@ -68,20 +86,21 @@ class RunLog:
         if r.phase == RSS:
             writer.add_scalar(RSS_METRIC, r.extra.get("rss_bytes", 0), r.round, walltime=r.end)
             return
-        writer.add_scalar(metric_name(r.phase), r.seconds, r.round, walltime=r.end)
+        writer.add_scalar(tag(r.host, r.phase), r.seconds, r.round, walltime=r.end)
         if r.bytes is not None:
-            writer.add_scalar(metric_name(r.phase, "bytes"), r.bytes, r.round, walltime=r.end)
+            writer.add_scalar(tag(r.host, r.phase, "bytes"), r.bytes, r.round, walltime=r.end)
         error = r.extra.get("q4_rel_error")
         if isinstance(error, (int, float)) and math.isfinite(error):
-            writer.add_scalar("nodeox/q4_rel_error", error, r.round, walltime=r.end)
+            writer.add_scalar(f"{HOST_PREFIX}/q4_rel_error", error, r.round, walltime=r.end)
         if r.phase in SYNC_PARTS:
-            parts = self._sync_parts.setdefault((r.host, r.round), {})
+            rounds = self._sync_parts.setdefault(r.host, {})
+            parts = rounds.setdefault(r.round, {})
             parts[r.phase] = r.seconds
             if len(parts) == len(SYNC_PARTS):
-                writer.add_scalar(metric_name("sync"), sum(parts.values()), r.round, walltime=r.end)
-                del self._sync_parts[(r.host, r.round)]
-            for key in [k for k in self._sync_parts if k[0] == r.host and k[1] < r.round - 2]:
-                del self._sync_parts[key]  # a round whose sync never completed (a fallback fetch instead)
+                writer.add_scalar(tag(r.host, "sync"), sum(parts.values()), r.round, walltime=r.end)
+                del rounds[r.round]
+            if len(rounds) > 3:  # rounds whose sync never completed (a fallback fetch instead): keep the last 3
+                del rounds[min(rounds)]
 
     def _writer(self, host: str):
         if host not in self._writers:

@@ -1,7 +1,9 @@
 """The coordinator's HTTP server (aiohttp): the protocol's routes (:mod:`lightning_nodeox.core.protocol`), mapped
 onto the round state machine; refusals become JSON errors with the status their reason maps to.
 
-Every response carries the coordinator's clock in ``X-Nodeox-Time``, for clock alignment.
+Every response carries the coordinator's clock in ``X-Nodeox-Time``, for clock alignment. Calls that name a
+host are authenticated by that host's credential (:meth:`Rounds.authenticate`); request bodies go through
+:mod:`~lightning_nodeox.coordinator.intake` before anything else sees them. With ``--tls-cert`` it serves HTTPS.
 
 Slow and stuck peers cannot hold the run: every body read and every response write has a time limit of
 ``--transfer-timeout`` plus one second per MB (then the connection is cut and its buffer released); a receive
@@ -15,11 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import json
 import logging
-import math
 import os
 import signal
+import ssl
 import sys
 import time
 from pathlib import Path
@@ -33,8 +36,9 @@ from ..core.phases import COORDINATOR, MODEL_MATERIALIZE, RESTART, PhaseRecord
 from ..core.pool import WorkerPool
 from ..core.protocol import HTTP_STATUS, Reason, Refusal
 from ..core.specs import PayloadError
+from . import intake
 from .config import CoordinatorConfig, parse_bind
-from .rounds import Rounds
+from .rounds import Host, Rounds
 from .runlog import RunLog
 from .state import RunStore, take_up
 
@@ -44,7 +48,7 @@ ROUNDS = web.AppKey("rounds", Rounds)
 TOKEN = web.AppKey("token", str)
 BUFFERS = web.AppKey("buffers", object)
 UPLOADS = web.AppKey("uploads", object)
-MAX_EVENTS_BODY = 16 << 20
+BUDGET = web.AppKey("budget", intake.TelemetryBudget)
 SEND_CHUNK = 8 << 20  # bytes handed to the transport at a time, so its buffer never holds a whole payload
 MIN_RATE = 1e6  # bytes/s: a transfer slower than this (after --transfer-timeout) is cut off
 MAX_UPLOADS = 8  # delta bodies read at once (each needs a receive buffer of the delta's size)
@@ -123,12 +127,13 @@ def error(reason: Reason, message: str, **extra) -> web.Response:
 
 @web.middleware
 async def errors_and_auth(request: web.Request, handler):
-    token = request.app[TOKEN]
-    if token and request.path != proto.HEALTH:
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-            return error(Reason.UNAUTHORIZED, "missing or wrong bearer token: set NODEOX_TOKEN to the coordinator's token")
     try:
+        token = request.app[TOKEN]
+        if token and request.path != proto.HEALTH:
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(given, f"Bearer {token}".encode()):
+                raise Refusal(Reason.UNAUTHORIZED, "missing or wrong bearer token: set NODEOX_TOKEN to the "
+                                                   "coordinator's token")
         return await handler(request)
     except Refusal as e:
         return error(e.reason, str(e), **e.extra)
@@ -136,7 +141,8 @@ async def errors_and_auth(request: web.Request, handler):
         return error(Reason.INVALID, str(e))
     except web.HTTPException as e:
         if e.status >= 400:
-            return web.json_response({"error": e.reason, "reason": Reason.INVALID.value}, status=e.status)
+            reason = Reason.TOO_LARGE if e.status == 413 else Reason.INVALID
+            return web.json_response({"error": e.reason, "reason": reason.value}, status=e.status)
         raise
     except (ConnectionResetError, asyncio.CancelledError):
         raise
@@ -149,11 +155,20 @@ async def stamp_time(request: web.Request, response: web.StreamResponse) -> None
     response.headers[proto.TIME_HEADER] = repr(time.time())
 
 
-def _host(request: web.Request) -> str:
-    host = request.query.get("host", "")
+def _caller(request: web.Request, host: str | None = None) -> Host:
+    """The host a call names (``?host=ID`` unless given), authenticated by its credential."""
+    host = request.query.get("host", "") if host is None else host
     if not host:
         raise Refusal(Reason.INVALID, "query parameter host=ID is missing")
-    return host
+    credential = request.headers.get(proto.CREDENTIAL_HEADER, "")
+    return request.app[ROUNDS].authenticate(intake.host_id(host), credential)
+
+
+async def _body(request: web.Request, limit: int) -> bytes:
+    """A JSON request's body, at most ``limit`` bytes."""
+    if (request.content_length or 0) > limit:
+        raise Refusal(Reason.TOO_LARGE, f"request body of {request.content_length} bytes is larger than {limit}")
+    return await request.read()
 
 
 def _int(text: str, what: str) -> int:
@@ -189,24 +204,19 @@ async def status(request: web.Request) -> web.Response:
 
 
 async def join(request: web.Request) -> web.Response:
-    try:
-        body = await request.json()
-        host = str(body["host"])
-        model_hash = body.get("model_hash")
-        round_ = None if body.get("round") is None else int(body["round"])
-    except (ValueError, KeyError, TypeError):
-        raise Refusal(Reason.INVALID, 'join needs a JSON body {"host": ID, "tensors": [...]}') from None
-    reply = await request.app[ROUNDS].join(host, body.get("tensors"), None if model_hash is None else str(model_hash),
-                                           round_)
+    host, specs, held = intake.parse_join(await _body(request, intake.MAX_JSON_BYTES))
+    credential = request.headers.get(proto.CREDENTIAL_HEADER, "")  # a rejoin may present its old one
+    reply = await request.app[ROUNDS].join(host, specs, credential, *held)
     return web.json_response(reply.to_json())
 
 
 async def heartbeat(request: web.Request) -> web.Response:
-    return web.json_response(await request.app[ROUNDS].heartbeat(request.match_info["host"]))
+    host = _caller(request, request.match_info["host"]).id
+    return web.json_response(await request.app[ROUNDS].heartbeat(host))
 
 
 async def put_model(request: web.Request) -> web.Response:
-    host = _host(request)
+    host = _caller(request).id
     rounds = request.app[ROUNDS]
     size = request.content_length
     if size is None:
@@ -222,10 +232,8 @@ async def get_model(request: web.Request) -> web.StreamResponse:
     """The full model, streamed from θ's tensors; a round that closes meanwhile copies aside what is not sent
     yet (copy-on-publish) instead of waiting for the download."""
     rounds = request.app[ROUNDS]
-    host = _host(request)
+    host = _caller(request).id
     rounds.require_model()
-    if host not in rounds.hosts:
-        raise Refusal(Reason.NOT_JOINED, f"host {host} has not joined; POST /v1/join first")
     await rounds.wait_stable()  # θ is not being changed by a round's close
     if len(rounds.downloads) >= MAX_MODEL_DOWNLOADS:
         raise Refusal(Reason.BUSY, f"{MAX_MODEL_DOWNLOADS} model downloads are in flight; try again shortly")
@@ -253,7 +261,7 @@ async def get_model(request: web.Request) -> web.StreamResponse:
 
 async def post_delta(request: web.Request) -> web.Response:
     rounds = request.app[ROUNDS]
-    host, round_ = _host(request), _int(request.match_info["round"], "round")
+    host, round_ = _caller(request).id, _int(request.match_info["round"], "round")
     start = time.time()
     rounds.check_upload(host, round_, request.content_length)  # a buffer only for an expected host ...
     uploads: Uploads = request.app[UPLOADS]
@@ -284,6 +292,7 @@ async def _recycle_after(rounds: Rounds, buffers: ReceiveBuffers, buf: torch.Ten
 
 async def get_sync(request: web.Request) -> web.StreamResponse:
     rounds = request.app[ROUNDS]
+    host = _caller(request).id
     round_ = _int(request.match_info["round"], "round")
     try:
         wait = float(request.query.get("wait", 0) or 0)
@@ -292,7 +301,6 @@ async def get_sync(request: web.Request) -> web.StreamResponse:
     if not 0 <= wait < float("inf"):
         raise Refusal(Reason.INVALID, f"wait must be a number of seconds, got {request.query.get('wait')!r}")
     wait = min(wait, rounds.config.long_poll)
-    host = request.query.get("host")
     message = await rounds.wait_sync(round_, wait, host)
     if message is None:
         return web.Response(status=204, headers={proto.COMPLETE_HEADER: "1" if rounds.complete else "0"})
@@ -320,34 +328,32 @@ async def get_sync(request: web.Request) -> web.StreamResponse:
 
 
 async def post_events(request: web.Request) -> web.Response:
-    if (request.content_length or 0) > MAX_EVENTS_BODY:
-        raise Refusal(Reason.TOO_LARGE, f"event batch is larger than {MAX_EVENTS_BODY} bytes; send smaller batches")
-    rounds = request.app[ROUNDS]
-    try:
-        body = await request.json()
-        records = [PhaseRecord.from_json(r) for r in body["records"]]
-    except (ValueError, KeyError, TypeError, OverflowError) as e:
-        raise Refusal(Reason.INVALID, f'events need {{"records": [{{round, host, phase, start, end}}, ...]}}: {e}') from None
-    strangers = {r.host for r in records} - set(rounds.hosts)
-    if strangers:
-        raise Refusal(Reason.INVALID, f"events of hosts that have not joined this run: {sorted(strangers)[:5]}")
-    if not all(0 <= r.round < 2**62 and math.isfinite(r.start) and math.isfinite(r.end) for r in records):
-        raise Refusal(Reason.INVALID, "event rounds must be non-negative integers and times finite numbers")
-    rounds.record(*records)
+    host = _caller(request).id
+    size = request.content_length
+    if size is None:
+        raise Refusal(Reason.LENGTH_REQUIRED, "an event batch needs a Content-Length")
+    if size > intake.MAX_EVENTS_BYTES:
+        raise Refusal(Reason.TOO_LARGE, f"event batch of {size} bytes is larger than {intake.MAX_EVENTS_BYTES}; "
+                                        "send smaller batches")
+    request.app[BUDGET].charge(host, size)  # before reading: a flood costs its sender's budget, not our time
+    records = intake.parse_records(await request.read(), host)
+    request.app[ROUNDS].record(*records)
     return web.json_response({"written": len(records)})
 
 
 async def leave(request: web.Request) -> web.Response:
-    await request.app[ROUNDS].leave(request.match_info["host"])
+    host = _caller(request, request.match_info["host"]).id
+    await request.app[ROUNDS].leave(host)
     return web.json_response({"left": True})
 
 
 def make_app(rounds: Rounds, token: str | None) -> web.Application:
-    app = web.Application(middlewares=[errors_and_auth], client_max_size=MAX_EVENTS_BODY)
+    app = web.Application(middlewares=[errors_and_auth], client_max_size=intake.MAX_JSON_BYTES)
     app[ROUNDS] = rounds
     app[TOKEN] = token or ""
     app[BUFFERS] = ReceiveBuffers()
     app[UPLOADS] = Uploads()
+    app[BUDGET] = intake.TelemetryBudget()
     app.on_response_prepare.append(stamp_time)
     app.router.add_get(proto.HEALTH, health)
     app.router.add_get(proto.STATUS, status)
@@ -363,6 +369,29 @@ def make_app(rounds: Rounds, token: str | None) -> web.Application:
 
 
 # -- the process --------------------------------------------------------------------------------------------------
+
+
+def tls_context(config: CoordinatorConfig) -> ssl.SSLContext | None:
+    if config.tls_cert is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(str(config.tls_cert), str(config.tls_key))
+    except (ssl.SSLError, OSError) as e:
+        raise SystemExit(f"nodeox: cannot use --tls-cert {config.tls_cert} with --tls-key {config.tls_key}: {e}") from None
+    return context
+
+
+def bound_url(scheme: str, bind_host: str, sockname: tuple) -> str:
+    """The URL of the socket really bound: its address (the name given, when a name was given) and port,
+    IPv6 literals in brackets."""
+    address, port = sockname[0], sockname[1]
+    try:
+        ipaddress.ip_address(bind_host)
+    except ValueError:
+        address = bind_host  # a name (a TLS certificate names it, not its address)
+    return f"{scheme}://[{address}]:{port}" if ":" in address else f"{scheme}://{address}:{port}"
+
 
 
 async def serve(config: CoordinatorConfig, ready_file: Path | None = None, before_publish=None) -> int:
@@ -397,10 +426,9 @@ async def serve(config: CoordinatorConfig, ready_file: Path | None = None, befor
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     host, port = parse_bind(config.bind)
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, ssl_context=tls_context(config))
     await site.start()
-    bound = runner.addresses[0][1] if runner.addresses else port
-    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{bound}"
+    url = bound_url(config.scheme, host, runner.addresses[0])
     info = {"url": url, "pid": os.getpid(), "started": time.time()}
     (Path(config.run_dir) / "coordinator.json").write_text(json.dumps(info))
     if ready_file is not None:
@@ -444,7 +472,7 @@ async def serve(config: CoordinatorConfig, ready_file: Path | None = None, befor
     rounds.close()
     pool.close()
     runlog.close()
-    status = "complete" if rounds.complete else "stopped before the run completed"
-    print(f"nodeox coordinator: run {status} at round {rounds.round}; peak RSS {rounds.peak_rss / 2**20:.0f} MiB",
-          flush=True)
+    status = (f"complete after round {rounds.published_round}" if rounds.complete
+              else f"stopped before the run completed, at round {rounds.round}")
+    print(f"nodeox coordinator: run {status}; peak RSS {rounds.peak_rss / 2**20:.0f} MiB", flush=True)
     return 0 if rounds.complete else 1

@@ -8,8 +8,11 @@ sync), the coordinator writes:
   Nesterov), which belongs to the model after round R;
 - every ``--snapshot-every`` rounds and at shutdown, ``model-R.safetensors``: the model itself (between
   snapshots, a host that rejoins gives the model back, checked against the saved hash);
-- ``run.json`` last: the open round, the model hash, the host registry, the codec and outer-optimizer
-  settings and the names of the files above. It only ever names complete files.
+- ``run.json`` last: the open round, the model hash, the host registry (each host's state and credential, so
+  hosts keep theirs across a restart), the codec and outer-optimizer settings and the names of the files
+  above. It only ever names complete files.
+
+Files are created readable by their owner only (``run.json`` holds the hosts' credentials).
 
 Each file is written under a temporary name, synced and renamed, so a crash at any moment leaves the previous
 state whole; files that ``run.json`` no longer names are removed once it is replaced. Nothing is pickled:
@@ -49,8 +52,8 @@ class SavedRun:
     round: int
     model_hash: str
     complete: bool
-    hosts: dict[str, str]  # host id -> HostState value
-    q4: dict  # block_size, scale_dtype
+    hosts: dict[str, dict]  # host id -> {"state": HostState value, "credential": its credential}
+    q4: dict  # codec, block_size, scale_dtype
     outer: dict  # name, lr, momentum
     files: dict[str, str] = field(default_factory=dict)  # "sync", "outer", "model" -> file name in state/
     snapshot_round: int | None = None  # the round whose starting model "model" holds
@@ -73,7 +76,7 @@ class SavedRun:
         if d.get("format") != FORMAT or int(d.get("version", -1)) != VERSION:
             raise ValueError(f"not a {FORMAT} version {VERSION} file")
         return cls(round=int(d["round"]), model_hash=str(d["model_hash"]), complete=bool(d["complete"]),
-                   hosts={str(k): str(v) for k, v in d["hosts"].items()}, q4=dict(d["q4"]), outer=dict(d["outer"]),
+                   hosts={str(k): dict(v) for k, v in d["hosts"].items()}, q4=dict(d["q4"]), outer=dict(d["outer"]),
                    files={str(k): str(v) for k, v in d.get("files", {}).items()},
                    snapshot_round=d.get("snapshot_round"), snapshot_hash=d.get("snapshot_hash"))
 
@@ -82,7 +85,7 @@ def write_atomic(path: Path, chunks: Iterable[bytes | memoryview]) -> int:
     """Write ``chunks`` to ``path`` so that it is either the old file or the whole new one; returns the size."""
     tmp = path.with_name(path.name + ".tmp")
     size = 0
-    with open(tmp, "wb") as f:
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
         for chunk in chunks:
             size += f.write(chunk)
         f.flush()
@@ -197,11 +200,12 @@ def take_up(config: CoordinatorConfig, keep: Iterable[str] = ()) -> tuple[Coordi
     store = RunStore(config.run_dir)
     saved = None if config.fresh else store.load()
     if saved is not None and not saved.complete:
-        q4 = replace(config.q4, block_size=int(saved.q4["block_size"]), scale_dtype=str(saved.q4["scale_dtype"]))
+        q4 = replace(config.q4, codec=str(saved.q4.get("codec", "q4")), block_size=int(saved.q4["block_size"]),
+                     scale_dtype=str(saved.q4["scale_dtype"]))
         outer = OuterSettings(**saved.outer)
         if (q4, outer) != (config.q4, config.outer):
-            log.warning("nodeox coordinator: the resumed run keeps its codec (block size %d, %s scales) and outer "
-                        "optimizer (%s); start with --fresh to change them", q4.block_size, q4.scale_dtype, outer)
+            log.warning("nodeox coordinator: the resumed run keeps its codec (%s, block size %d, %s scales) and outer "
+                        "optimizer (%s); start with --fresh to change them", q4.codec, q4.block_size, q4.scale_dtype, outer)
         if config.initial_model is not None:
             log.warning("nodeox coordinator: --initial-model is ignored: the run in %s is resumed", config.run_dir)
         return replace(config, q4=q4, outer=outer), saved

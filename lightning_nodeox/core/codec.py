@@ -44,7 +44,7 @@ def block_count(numel: int, block_size: int) -> int:
 
 
 def code_bytes(numel: int, block_size: int) -> int:
-    return block_count(numel, block_size) * block_size // 2
+    return Q4Settings(block_size=block_size).code_bytes(numel)
 
 
 def default_chunk(device: torch.device, block_size: int) -> int:
@@ -201,6 +201,49 @@ class Q4Kernels:
             acc.view(nb, bs).addcmul_(f.view(nb, bs), weighted[:, None])
 
 
+class RawKernels(Q4Kernels):
+    """The unquantized ablation codecs (bf16, fp32) behind the same interface: a tensor's "codes" are its values
+    in the codec's dtype, it has no scales, and a value "dequantizes" to itself (rounded to bf16 where it is)."""
+
+    def __init__(self, settings: Q4Settings, device: torch.device | str = "cpu", chunk: int | None = None) -> None:
+        super().__init__(settings, device, chunk)
+        self.dtype = torch.bfloat16 if settings.codec == "bf16" else torch.float32
+        self.size = settings.value_bytes
+
+    def padded(self, m: int) -> int:
+        return m
+
+    def blocks(self, codes: torch.Tensor, scales: torch.Tensor, start: int, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return codes[start * self.size : (start + padded) * self.size], scales[:0]
+
+    def quantize(self, m: int, codes_out: torch.Tensor, scales_out: torch.Tensor, *,
+                 residual_out: torch.Tensor | None = None, dequant_out: torch.Tensor | None = None,
+                 seed: int | None = None) -> None:
+        x = self.x[:m]
+        values = codes_out.view(self.dtype)
+        values.copy_(x)
+        if residual_out is not None:
+            residual_out.copy_(torch.sub(x, values.float(), out=self.d[:m]))
+        if dequant_out is not None:
+            dequant_out[:m].copy_(values)
+
+    def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, mp: int) -> torch.Tensor:
+        return self.d[:mp].copy_(codes.view(self.dtype))
+
+    def accumulate(self, codes: torch.Tensor, scales: torch.Tensor, m: int, acc: torch.Tensor, weight: float,
+                   assign: bool = False) -> None:
+        d = self.dequantize(codes, scales, m)
+        if assign:
+            torch.mul(d, weight, out=acc)
+        else:
+            acc.add_(d, alpha=weight)
+
+
+def make_kernels(settings: Q4Settings, device: torch.device | str = "cpu", chunk: int | None = None) -> Q4Kernels:
+    """The kernels of ``settings.codec``."""
+    return (Q4Kernels if settings.quantized else RawKernels)(settings, device, chunk)
+
+
 # -- whole tensors: loops over chunks -----------------------------------------------------------------------
 
 
@@ -313,6 +356,39 @@ def encode_sync_and_apply(
         apply_dequantized(model[s:e], d[:m], model[s:e])
         if hasher is not None:
             hasher.values(s, e)
+
+
+def encode_sync(
+    k: Q4Kernels, acc: torch.Tensor, inv_weight: float, model: torch.Tensor, codes: torch.Tensor,
+    scales: torch.Tensor, *, start: int = 0, stop: int | None = None,
+    outer_step: Callable[[torch.Tensor, int, int], None] | None = None,
+) -> bool:
+    """Coordinator, before anything is applied: quantize the sync delta as :func:`encode_sync_and_apply` does,
+    leaving ``model`` untouched; returns whether ``model + dequantized`` stays finite in the model's dtype
+    (False at the first chunk that does not). Per chunk, while it is in cache: when ``max|model| + 7 * max
+    scale`` is below the dtype's largest value it is finite; only otherwise is the sum itself formed and looked at."""
+    limit = torch.finfo(model.dtype).max * (1 - 2**-10)  # room for the rounding of the bound itself
+    for s, e in chunk_ranges(acc.numel(), k.chunk, start, stop):
+        m = e - s
+        mp = k.padded(m)
+        x = torch.mul(acc[s:e], inv_weight, out=k.x[:m])
+        if outer_step is not None:
+            outer_step(x, s, e)
+        d = k.d[:mp]
+        chunk_codes, chunk_scales = k.blocks(codes, scales, s, mp)
+        k.quantize(m, chunk_codes, chunk_scales, dequant_out=d)
+        low, high = torch.aminmax(model[s:e])
+        peak = LEVELS * float(chunk_scales.abs().max()) if chunk_scales.numel() else float(d[:m].abs().max())
+        if max(-float(low), float(high)) + peak < limit:
+            continue
+        size = m * model.element_size()
+        probe = (k.y.view(torch.uint8)[:size].view(model.dtype) if size <= k.y.numel() * 4
+                 else torch.empty(m, dtype=model.dtype, device=model.device))  # k.y is free once quantized
+        apply_dequantized(model[s:e], d[:m], probe)
+        low, high = torch.aminmax(probe)
+        if not (math.isfinite(float(low)) and math.isfinite(float(high))):
+            return False
+    return True
 
 
 def relative_error(reference: torch.Tensor, approx: torch.Tensor) -> float:

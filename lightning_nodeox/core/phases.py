@@ -1,12 +1,15 @@
 """The one timing vocabulary of a round, shared by hosts, coordinator, PhaseMonitor and report.
 
-Host phases: ``train`` (from the round's start to its boundary), ``encode``, ``upload``, ``wait`` (until the
-sync is ready), ``download``, ``apply``, ``verify`` (``sync`` = download + apply + verify), and
-``fallback_fetch`` when the host fetches the full model. Coordinator phases: ``receive`` (per host),
-``aggregate``, ``sync_prepare`` (outer step, quantize, apply, hash), ``model_materialize`` (serving the
-full model on demand) and ``persist`` (writing the run's state after a round, off the critical path).
-``rss`` records are memory samples (with the coordinator's CPU seconds so far); a ``restart`` record marks
-where a coordinator resumed the run.
+Host phases: ``train`` (from the round's start to its boundary), ``encode``, ``upload``, ``wait`` (training
+waits for a sync: the whole long poll without overlap; with overlap only when the previous round's sync has not
+arrived by the next boundary), ``poll`` (with overlap: the exchange worker's long poll while training goes on),
+``download``, ``apply``, ``verify`` (``sync`` = download + apply + verify), ``fold`` (with overlap: the sync
+folded into the live model), ``provide_model`` when the host uploads the initial model at join, and
+``fallback_fetch`` when the host fetches the full model (at join too, when its model is not the run's).
+Coordinator phases: ``receive`` (per host), ``aggregate``, ``sync_prepare`` (outer step, quantize, apply,
+hash), ``model_materialize`` (serving the full model on demand) and ``persist`` (writing the run's state after
+a round, off the critical path). ``rss`` records are memory samples (with the coordinator's CPU seconds so
+far); a ``restart`` record marks where a coordinator resumed the run.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
-TRAIN, ENCODE, UPLOAD, WAIT, DOWNLOAD, APPLY, VERIFY, FALLBACK_FETCH = (
-    "train", "encode", "upload", "wait", "download", "apply", "verify", "fallback_fetch")
-HOST_PHASES = (TRAIN, ENCODE, UPLOAD, WAIT, DOWNLOAD, APPLY, VERIFY, FALLBACK_FETCH)
+TRAIN, ENCODE, UPLOAD, WAIT, POLL, DOWNLOAD, APPLY, VERIFY, FOLD, PROVIDE_MODEL, FALLBACK_FETCH = (
+    "train", "encode", "upload", "wait", "poll", "download", "apply", "verify", "fold", "provide_model",
+    "fallback_fetch")
+HOST_PHASES = (TRAIN, ENCODE, UPLOAD, WAIT, POLL, DOWNLOAD, APPLY, VERIFY, FOLD, PROVIDE_MODEL, FALLBACK_FETCH)
 SYNC_PARTS = (DOWNLOAD, APPLY, VERIFY)
 
 RECEIVE, AGGREGATE, SYNC_PREPARE, MODEL_MATERIALIZE, PERSIST, RSS, RESTART = (
@@ -57,13 +61,6 @@ class PhaseRecord:
             del d["bytes"]
         d.update({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in extra.items()})
         return d
-
-    @classmethod
-    def from_json(cls, d: dict) -> PhaseRecord:
-        known = {"round", "host", "phase", "start", "end", "bytes"}
-        return cls(int(d["round"]), str(d["host"]), str(d["phase"]), float(d["start"]), float(d["end"]),
-                   None if d.get("bytes") is None else int(d["bytes"]),
-                   {k: v for k, v in d.items() if k not in known})
 
 
 class PhaseLog:

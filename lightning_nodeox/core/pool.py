@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
-from .codec import CPU_CHUNK_SINGLE_THREADED, CUDA_CHUNK, Q4Kernels
+from .codec import CPU_CHUNK_SINGLE_THREADED, CUDA_CHUNK, Q4Kernels, make_kernels
 from .settings import Q4Settings
 
 TASK_ELEMENTS = 1 << 20  # work unit handed to one worker
@@ -50,7 +50,7 @@ class WorkerPool:
     def kernels(self) -> Q4Kernels:
         k = getattr(self._local, "kernels", None)
         if k is None:
-            k = self._local.kernels = Q4Kernels(self.settings, self.device, self.chunk)
+            k = self._local.kernels = make_kernels(self.settings, self.device, self.chunk)
         return k
 
     def run(self, tasks: Sequence[Task]) -> None:

@@ -7,14 +7,19 @@ HTTP lives only in the host's client (``host/client.py``) and the coordinator's 
 
     GET  /v1/health                          liveness (no token needed)
     GET  /v1/status                          round, hosts, model hash
-    POST /v1/join                            {"host", "tensors", "model_hash", "round"} -> JoinReply
+    POST /v1/join                            {"host", "tensors", "model_hash", "round"} -> JoinReply (with the
+                                             host's credential)
     PUT  /v1/model?host=H                    the initial model (only the host told to provide it)
     GET  /v1/model?host=H                    the full model, materialized only on this request
     POST /v1/rounds/{r}/delta?host=H         a delta (accepted once checked; aggregation goes on behind)
     GET  /v1/rounds/{r}/sync?wait=S&host=H   round r's sync (not ready within S seconds: try again)
-    POST /v1/events                          {"records": [...]} phase records of a host
+    POST /v1/events?host=H                   {"records": [...]} phase records of host H only
     POST /v1/hosts/{h}/leave                 the host takes no further part
     POST /v1/hosts/{h}/heartbeat             the host is alive -> {"lease": seconds}
+
+Every call but health carries the run's bearer token when one is configured; every call that names a host
+(all but health, status and a first join) also carries that host's credential, which its join returned, in
+``X-Nodeox-Credential``: a token holder cannot act as another host.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ LEAVE = API + "/hosts/{host}/leave"
 HEARTBEAT = API + "/hosts/{host}/heartbeat"
 
 TIME_HEADER = "X-Nodeox-Time"  # the coordinator's clock, on every response (hosts align their records to it)
+CREDENTIAL_HEADER = "X-Nodeox-Credential"  # the host's credential, from its join reply
 COMPLETE_HEADER = "X-Nodeox-Complete"  # "1" on a sync reply: the run completed with this round (or before it)
 OCTETS = "application/octet-stream"
 
@@ -44,6 +50,9 @@ class Reason(enum.Enum):
 
     INVALID = "invalid"  # malformed or inconsistent request: the caller's bug, not retried
     UNAUTHORIZED = "unauthorized"  # missing or wrong token
+    FORBIDDEN = "forbidden"  # missing or wrong credential of the host named: only that host may act for it
+    ID_IN_USE = "id_in_use"  # another live process joined with this host id
+    FULL = "full"  # the run already has its --hosts hosts (and is not --elastic)
     NOT_JOINED = "not_joined"  # the host must join first
     NO_MODEL = "no_model"  # the run has no model yet
     HAS_MODEL = "has_model"  # an initial model was offered but the run already has one
@@ -58,6 +67,7 @@ class Reason(enum.Enum):
     TOO_SLOW = "too_slow"  # a transfer took longer than its time limit (base + size at 1 MB/s)
     LENGTH_REQUIRED = "length_required"
     TOO_LARGE = "too_large"
+    RATE_LIMITED = "rate_limited"  # over a budget (telemetry bytes per minute): send less, later
 
 
 HTTP_STATUS = {
@@ -65,6 +75,7 @@ HTTP_STATUS = {
     Reason.HAS_MODEL: 409, Reason.NOT_PROVIDER: 409, Reason.NOT_OPEN: 409, Reason.LATE: 409,
     Reason.STALE_BASE: 409, Reason.DUPLICATE: 409, Reason.GONE: 410, Reason.LENGTH_REQUIRED: 411,
     Reason.TOO_LARGE: 413, Reason.NO_DELTA: 409, Reason.BUSY: 503, Reason.TOO_SLOW: 408,
+    Reason.FORBIDDEN: 403, Reason.ID_IN_USE: 409, Reason.FULL: 409, Reason.RATE_LIMITED: 429,
 }
 
 
@@ -91,16 +102,19 @@ class Cancelled(RuntimeError):
 
 @dataclass(frozen=True)
 class JoinReply:
-    """What a host learns when it joins: the round, the model's hash, the codec, and whether it must provide
-    the initial model (``provide_model``) or ask again later (``retry``: another host is providing it)."""
+    """What a host learns when it joins: the round, the model's hash, the codec, whether it must provide
+    the initial model (``provide_model``) or ask again later (``retry``: another host is providing it), and the
+    ``credential`` its later calls must carry (empty on ``retry``: it has not joined yet)."""
 
     round: int
     model_hash: str | None
     block_size: int
     scale_dtype: str
+    codec: str = "q4"
     provide_model: bool = False
     retry: bool = False
     complete: bool = False
+    credential: str = ""
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -108,8 +122,9 @@ class JoinReply:
     @classmethod
     def from_json(cls, d: dict) -> JoinReply:
         return cls(round=int(d["round"]), model_hash=d.get("model_hash"), block_size=int(d["block_size"]),
-                   scale_dtype=str(d["scale_dtype"]), provide_model=bool(d.get("provide_model")),
-                   retry=bool(d.get("retry")), complete=bool(d.get("complete")))
+                   scale_dtype=str(d["scale_dtype"]), codec=str(d.get("codec", "q4")),
+                   provide_model=bool(d.get("provide_model")), retry=bool(d.get("retry")),
+                   complete=bool(d.get("complete")), credential=str(d.get("credential") or ""))
 
 
 class Upload(enum.Enum):

@@ -3,8 +3,10 @@ that ``nodeox launch`` sets for hosts, and the checks of values that hosts and t
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
+CODECS = ("q4", "bf16", "fp32")  # bf16 and fp32: unquantized, for ablations
 BLOCK_SIZES = (32, 64, 128, 256)
 SCALE_DTYPES = ("fp16", "fp32")
 ROUNDINGS = ("nearest", "stochastic")
@@ -15,11 +17,24 @@ ENV_TOKEN = "NODEOX_TOKEN"
 ENV_TELEMETRY_URL = "NODEOX_TELEMETRY_URL"
 ENV_NUM_HOSTS = "NODEOX_NUM_HOSTS"
 ENV_RUN_DIR = "NODEOX_RUN_DIR"
+ENV_CA_FILE = "NODEOX_CA_FILE"
+ENV_LOCAL_RANK = "NODEOX_LOCAL_HOST_RANK"  # the host's position among the hosts on its machine (0 first)
+
+HOST_ID_RULE = "1 to 64 of A-Z a-z 0-9 _ . - (not '.', '..' or 'coordinator')"
+_HOST_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_RESERVED_IDS = (".", "..", "coordinator")  # path segments, and the coordinator's own records
 
 
 def check_rounding(rounding: str) -> None:
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding={rounding!r} is not supported; use 'nearest' or 'stochastic'")
+
+
+def check_host_id(host_id: object, what: str = "host id") -> str:
+    """A valid host id (returned), or a ValueError naming the rule."""
+    if not isinstance(host_id, str) or not _HOST_ID.fullmatch(host_id) or host_id in _RESERVED_IDS:
+        raise ValueError(f"{what} {host_id!r} is not valid: use {HOST_ID_RULE}")
+    return host_id
 
 
 def check_url(url: str, what: str) -> None:
@@ -33,6 +48,7 @@ class Q4Settings:
     """How deltas are quantized.
 
     Args:
+        codec: ``"q4"``; ``"bf16"`` or ``"fp32"`` send deltas unquantized (an ablation: what q4 costs).
         block_size: values per scale (32, 64, 128 or 256).
         scale_dtype: ``"fp16"`` (smaller payload) or ``"fp32"`` (any magnitude).
         rounding: ``"nearest"`` or ``"stochastic"`` (unbiased, noisier).
@@ -43,13 +59,33 @@ class Q4Settings:
     scale_dtype: str = "fp16"
     rounding: str = "nearest"
     error_feedback: bool = True
+    codec: str = "q4"
 
     def __post_init__(self) -> None:
+        if self.codec not in CODECS:
+            raise ValueError(f"codec={self.codec!r} is not supported; use one of {CODECS}")
         if self.block_size not in BLOCK_SIZES:
             raise ValueError(f"block_size={self.block_size} is not supported; use one of {BLOCK_SIZES}")
         if self.scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"scale_dtype={self.scale_dtype!r} is not supported; use 'fp16' or 'fp32'")
         check_rounding(self.rounding)
+
+    @property
+    def quantized(self) -> bool:
+        return self.codec == "q4"
+
+    @property
+    def value_bytes(self) -> int:
+        """Bytes a value takes in an unquantized message."""
+        return {"bf16": 2, "fp32": 4}[self.codec]
+
+    def scale_count(self, numel: int) -> int:
+        """Scales of a tensor of ``numel`` values (one per block; none unquantized)."""
+        return -(-numel // self.block_size) if self.quantized else 0
+
+    def code_bytes(self, numel: int) -> int:
+        """Bytes of a tensor's codes: two a byte over whole blocks, or the raw values unquantized."""
+        return self.scale_count(numel) * self.block_size // 2 if self.quantized else numel * self.value_bytes
 
     @property
     def torch_scale_dtype(self):

@@ -6,6 +6,11 @@ with spaces to a fixed reserved size, then for each model tensor ``NAME/scales``
 host, base-model hash, resulting-model hash (sync only), sample count, tensor specs and ``crc32``. The
 CRC covers the header (with its ``crc32`` digits read as zeros) and all data.
 
+An optional ``metrics`` key holds values logged with ``self.log(..., sync_dist=True)``, as JSON
+``{name: [value, reduction]}``: in a delta the host's latest values, in a sync their reduction across hosts.
+The header reserves :data:`METRICS_BYTES` for it, so every message of a run keeps one layout;
+:func:`fit_metrics` says which values fit. Readers that do not know the key ignore it.
+
 Every problem with a received message raises :class:`PayloadError`, whose message names the problem.
 """
 
@@ -19,7 +24,6 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from . import safetensors
-from .codec import block_count, code_bytes
 from .settings import Q4Settings
 from .specs import PayloadError, TensorSpec, specs_from_json
 
@@ -27,6 +31,33 @@ FORMAT = "nodeox-q4"
 VERSION = 1
 _CRC_PLACEHOLDER = "00000000"
 _DTYPE_NAMES = {torch.float16: "F16", torch.float32: "F32", torch.uint8: "U8"}
+METRICS_BYTES = 4096  # room for the metrics JSON, as escaped inside the header
+
+
+def metrics_json(metrics: dict) -> str:
+    return json.dumps(metrics, separators=(",", ":"))
+
+
+def fit_metrics(metrics: dict) -> tuple[dict, list[str]]:
+    """The metrics that fit in a message's header (in order), and the names of those that do not."""
+    kept: dict = {}
+    dropped = []
+    for name, value in metrics.items():
+        trial = {**kept, name: value}
+        if len(json.dumps(metrics_json(trial))) <= METRICS_BYTES:
+            kept = trial
+        else:
+            dropped.append(name)
+    return kept, dropped
+
+
+def _parse_metrics(text: str) -> dict[str, list]:
+    metrics = json.loads(text)
+    if not isinstance(metrics, dict) or not all(
+            isinstance(v, list) and len(v) == 2 and isinstance(v[0], (int, float)) and isinstance(v[1], str)
+            for v in metrics.values()):
+        raise PayloadError('payload metrics must be {"name": [value, "reduction"], ...}')
+    return metrics
 
 
 @dataclass(frozen=True)
@@ -42,17 +73,22 @@ class Q4Meta:
     final: bool = False  # delta: the host's last round
     block_size: int = 64
     scale_dtype: str = "fp16"
+    codec: str = "q4"
     tensors: tuple[TensorSpec, ...] = field(default=(), repr=False)
+    metrics: dict[str, list] = field(default_factory=dict)  # {name: [value, reduction]} (see fit_metrics)
 
     def metadata(self, crc: str) -> dict[str, str]:
-        return {
+        md = {
             "format": FORMAT, "version": str(VERSION), "kind": self.kind, "round": str(self.round),
             "host": self.host, "base_hash": self.base_hash, "model_hash": self.model_hash,
             "samples": str(self.samples), "final": "1" if self.final else "0",
-            "block_size": str(self.block_size), "scale_dtype": self.scale_dtype,
+            "block_size": str(self.block_size), "scale_dtype": self.scale_dtype, "codec": self.codec,
             "tensors": json.dumps([s.as_json() for s in self.tensors], separators=(",", ":")),
-            "crc32": crc,
         }
+        if self.metrics:
+            md["metrics"] = metrics_json(self.metrics)
+        md["crc32"] = crc
+        return md
 
 
 @dataclass(frozen=True)
@@ -66,9 +102,8 @@ def regions_for(specs: tuple[TensorSpec, ...], settings: Q4Settings) -> list[Reg
     scale_size = settings.torch_scale_dtype.itemsize
     out, pos = [], 0
     for s in specs:
-        nb = block_count(s.numel, settings.block_size)
-        sc = (pos, pos + nb * scale_size)
-        cd = (sc[1], sc[1] + code_bytes(s.numel, settings.block_size))
+        sc = (pos, pos + settings.scale_count(s.numel) * scale_size)
+        cd = (sc[1], sc[1] + settings.code_bytes(s.numel))
         out.append(Region(sc, cd))
         pos = cd[1]
     return out
@@ -98,8 +133,9 @@ class Q4Layout:
     def of(cls, specs: tuple[TensorSpec, ...], settings: Q4Settings) -> Q4Layout:
         regions = tuple(regions_for(specs, settings))
         longest = Q4Meta("delta", 2**63 - 1, "h" * 64, "f" * 32, 2**63 - 1, "f" * 32, True,
-                         settings.block_size, settings.scale_dtype, specs)
+                         settings.block_size, settings.scale_dtype, settings.codec, specs)
         reserved = len(_header_json(longest, list(regions), settings, _CRC_PLACEHOLDER).encode()) + 64
+        reserved += METRICS_BYTES + len(',"metrics":""')
         reserved += -reserved % 8
         data_bytes = regions[-1].codes[1] if regions else 0
         return cls(specs, settings, regions, 8 + reserved, 8 + reserved + data_bytes)
@@ -122,7 +158,7 @@ class Q4Message:
     def allocate(cls, layout: Q4Layout, *, pin_memory: bool = False) -> Q4Message:
         buffer = torch.empty(layout.total, dtype=torch.uint8, pin_memory=pin_memory)
         meta = Q4Meta("delta", 0, "", "", block_size=layout.settings.block_size,
-                      scale_dtype=layout.settings.scale_dtype, tensors=layout.specs)
+                      scale_dtype=layout.settings.scale_dtype, codec=layout.settings.codec, tensors=layout.specs)
         return cls(buffer, layout, meta)
 
     def __len__(self) -> int:
@@ -144,11 +180,12 @@ class Q4Message:
         """Write the header for ``meta`` and the CRC over header and data (after the data is in place)."""
         layout = self.layout
         meta = replace(meta, block_size=layout.settings.block_size, scale_dtype=layout.settings.scale_dtype,
-                       tensors=layout.specs)
+                       codec=layout.settings.codec, tensors=layout.specs)
         text = _header_json(meta, list(layout.regions), layout.settings, _CRC_PLACEHOLDER).encode()
         framed = safetensors.frame(text, reserve=layout.data_start - safetensors.PREFIX_BYTES)
         if len(framed) != layout.data_start:
-            raise ValueError("q4 header does not fit its reserved space: host ids are at most 64 characters")
+            raise ValueError("q4 header does not fit its reserved space: host ids are at most 64 characters "
+                             "and metrics must pass fit_metrics")
         raw = self.buffer.numpy()
         raw[: layout.data_start] = memoryview(framed)
         crc = zlib.crc32(raw[layout.data_start :], zlib.crc32(raw[: layout.data_start]))
@@ -180,12 +217,14 @@ class Q4Message:
             raise PayloadError(f"payload uses q4 format version {version}; this build reads version {VERSION}. "
                                "Run the same lightning-nodeox version on every host and the coordinator.")
         try:
-            settings = Q4Settings(block_size=int(md["block_size"]), scale_dtype=md["scale_dtype"])
+            settings = Q4Settings(block_size=int(md["block_size"]), scale_dtype=md["scale_dtype"],
+                                  codec=md.get("codec", "q4"))
             specs = specs_from_json(json.loads(md["tensors"]))
             meta = Q4Meta(kind=md["kind"], round=int(md["round"]), host=str(md["host"]),
                           base_hash=str(md["base_hash"]), samples=int(md["samples"]),
                           model_hash=str(md.get("model_hash", "")), final=md["final"] == "1",
-                          block_size=settings.block_size, scale_dtype=settings.scale_dtype, tensors=specs)
+                          block_size=settings.block_size, scale_dtype=settings.scale_dtype, codec=settings.codec,
+                          tensors=specs, metrics=_parse_metrics(md.get("metrics") or "{}"))
             crc_text = str(md["crc32"])
             expected_crc = int(crc_text, 16)
         except PayloadError:
@@ -218,9 +257,15 @@ class Q4Message:
         return message
 
     def scale_maxima(self) -> list[float]:
-        """Each tensor's largest scale magnitude (NaN or Inf when any of its scales is), one pass over the scales."""
-        return [float(self.scales(i).abs().max()) if self.scales(i).numel() else 0.0
-                for i in range(len(self.layout.specs))]
+        """Each tensor's largest scale magnitude (NaN or Inf when any of its scales is), one pass over the scales;
+        unquantized, its largest value magnitude."""
+        settings = self.layout.settings
+        dtype = torch.bfloat16 if settings.codec == "bf16" else torch.float32
+        peaks = []
+        for i in range(len(self.layout.specs)):
+            values = self.scales(i) if settings.quantized else self.codes(i).view(dtype)
+            peaks.append(float(values.abs().max()) if values.numel() else 0.0)
+        return peaks
 
     def check_scales(self) -> None:
         """Refuse NaN or Inf scales; remember the largest scale for :meth:`weighted_scales_finite`."""

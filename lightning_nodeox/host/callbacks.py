@@ -16,10 +16,15 @@ from ..core.phases import PhaseRecord, metric_name
 
 class PhaseMonitor(Callback):
     """Logs ``nodeox/<phase>_s`` for every host phase of every round, ``nodeox/sync_s`` (download + apply +
-    verify), ``nodeox/upload_bytes`` and ``nodeox/q4_rel_error``, at the global step where the round ended.
+    verify), ``nodeox/upload_bytes`` and ``nodeox/q4_rel_error``, at the global step where the round ended
+    (one point per step: rounds that end at the same step add up; a final round that trained nothing after a
+    step already logged is left to the run directory's ``events.jsonl`` and ``tb/``).
 
     Needs :class:`~lightning_nodeox.NodeoxStrategy`; with any other strategy it warns once and logs nothing.
     """
+
+    def __init__(self) -> None:
+        self._logged_step = -1
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -39,15 +44,15 @@ class PhaseMonitor(Callback):
         records = getattr(trainer.strategy, "phase_records", None)
         if not records:
             return
-        by_round: dict[int, list[PhaseRecord]] = defaultdict(list)
+        taken = []
         while records:
-            r = records.popleft()
-            by_round[r.round].append(r)
-        for round_, rs in sorted(by_round.items()):
-            metrics = round_metrics(rs)
-            metrics["nodeox/round"] = float(round_)
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
+            taken.append(records.popleft())
+        if trainer.global_step == self._logged_step:
+            return
+        self._logged_step = trainer.global_step
+        metrics = round_metrics(taken)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
 
 
 def round_metrics(records: list[PhaseRecord]) -> dict[str, float]:

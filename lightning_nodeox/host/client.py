@@ -8,6 +8,10 @@ seconds, so a host rides out a coordinator restart; a refusal raises at once.
 :meth:`HttpClient.cancel` stops the exchange's calls (waits and retries) at their next poll; saying goodbye
 (:meth:`HttpClient.leave`), heartbeats and phase records are not cancellable and have short deadlines of
 their own, so an interrupted host still tells the coordinator it left, within about ``LEAVE_WITHIN`` seconds.
+
+After its join, every call carries the host's credential (from the join reply); the bearer token and the
+credential go only to the URL this client was made for. HTTPS certificates are checked against ``ca_file``
+when given, else the system's store (or ``REQUESTS_CA_BUNDLE``, the requests convention).
 """
 
 from __future__ import annotations
@@ -20,9 +24,20 @@ import requests
 
 from ..core import protocol as proto
 from ..core.protocol import (
-    ByteStream, Cancelled, JoinReply, Reason, Refusal, RunComplete, SyncGone, SyncReady, SyncReply, TransferBroken,
-    Unreachable, Upload,
+    ByteStream,
+    Cancelled,
+    JoinReply,
+    Reason,
+    Refusal,
+    RunComplete,
+    SyncGone,
+    SyncReady,
+    SyncReply,
+    TransferBroken,
+    Unreachable,
+    Upload,
 )
+from ..core.settings import ENV_CA_FILE
 from .clock import ClockOffset
 
 log = logging.getLogger(__name__)
@@ -31,8 +46,10 @@ READ_CHUNK = 8 << 20
 LEAVE_WITHIN = 5.0  # seconds of retries for the goodbye (each try waits at most this long for an answer)
 EVENTS_READ_TIMEOUT = 10.0
 HEARTBEAT_TIMEOUT = 5.0
-_REASON_OF_STATUS = {400: Reason.INVALID, 401: Reason.UNAUTHORIZED, 404: Reason.INVALID, 405: Reason.INVALID,
-                     409: Reason.NOT_OPEN, 410: Reason.GONE, 411: Reason.LENGTH_REQUIRED, 413: Reason.TOO_LARGE}
+SYNC_POLL = 2.0  # seconds a sync long-poll lasts: a cancelled host (SIGTERM) stops waiting within about this
+_REASON_OF_STATUS = {400: Reason.INVALID, 401: Reason.UNAUTHORIZED, 403: Reason.FORBIDDEN, 404: Reason.INVALID,
+                     405: Reason.INVALID, 409: Reason.NOT_OPEN, 410: Reason.GONE, 411: Reason.LENGTH_REQUIRED,
+                     413: Reason.TOO_LARGE, 429: Reason.RATE_LIMITED}
 
 
 class ResponseStream:
@@ -61,8 +78,9 @@ class ResponseStream:
 class HttpClient:
     """Talks to one coordinator over HTTP(S) on behalf of host ``host``."""
 
-    def __init__(self, url: str, *, host: str, token: str | None = None, connect_timeout: float = 5.0,
-                 read_timeout: float = 120.0, retry_for: float = 60.0, clock: ClockOffset | None = None) -> None:
+    def __init__(self, url: str, *, host: str, token: str | None = None, ca_file: str | None = None,
+                 connect_timeout: float = 5.0, read_timeout: float = 120.0, retry_for: float = 60.0,
+                 clock: ClockOffset | None = None) -> None:
         self.url = url.rstrip("/")
         self.host = host
         self.connect_timeout = connect_timeout
@@ -71,6 +89,8 @@ class HttpClient:
         self.clock = clock or ClockOffset()
         self._local = threading.local()
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._verify = ca_file  # given per request: a session-wide setting would lose to REQUESTS_CA_BUNDLE
+        self._credential = ""  # this host's, from its join
         self._cancelled = threading.Event()
 
     def cancel(self) -> None:
@@ -88,6 +108,9 @@ class HttpClient:
     def _request(self, method: str, path: str, *, ok: tuple[int, ...] = (200,), read_timeout: float | None = None,
                  retry_for: float | None = None, cancellable: bool = True, **kwargs) -> requests.Response:
         url = f"{self.url}{path}"
+        headers = dict(kwargs.pop("headers", None) or {})
+        if self._credential:
+            headers[proto.CREDENTIAL_HEADER] = self._credential
         deadline = time.monotonic() + (self.retry_for if retry_for is None else retry_for)
         delay, attempt = 0.2, 0
         while True:
@@ -99,9 +122,12 @@ class HttpClient:
             sent = time.time()
             try:
                 response = self.session.request(
-                    method, url, timeout=(self.connect_timeout, read_timeout or self.read_timeout), **kwargs)
+                    method, url, timeout=(self.connect_timeout, read_timeout or self.read_timeout),
+                    headers=headers, **({"verify": self._verify} if self._verify else {}), **kwargs)
             except (requests.ConnectionError, requests.Timeout) as e:
                 problem: str = f"{type(e).__name__}: {e}"
+                if isinstance(e, requests.exceptions.SSLError):
+                    problem += f"; to trust a self-signed or private certificate, set {ENV_CA_FILE} to it"
             else:
                 stamp = response.headers.get(proto.TIME_HEADER)
                 if stamp:
@@ -123,21 +149,25 @@ class HttpClient:
 
     # -- the protocol's calls -------------------------------------------------------------------------------------
     def join(self, tensors: list, *, model_hash: str | None = None, round_: int | None = None) -> JoinReply:
-        """Join (or join again, saying which model and round this host holds, so that a restarted coordinator can
-        take its model back from it)."""
+        """Join (again: with the credential of the earlier join, and saying which model and round this host holds,
+        so that a restarted coordinator can take its model back from it); later calls carry the credential
+        returned."""
         body = {"host": self.host, "tensors": tensors}
         if model_hash:
             body.update(model_hash=model_hash, round=round_)
-        return JoinReply.from_json(self._request("POST", proto.JOIN, json=body).json())
+        reply = JoinReply.from_json(self._request("POST", proto.JOIN, json=body).json())
+        if reply.credential:
+            self._credential = reply.credential
+        return reply
 
     def put_model(self, body) -> str:
         """Upload the initial model; returns the coordinator's hash of it."""
-        return self._request("PUT", f"{proto.MODEL}?host={self.host}", data=body,
+        return self._request("PUT", proto.MODEL, params={"host": self.host}, data=body,
                              headers={"Content-Type": proto.OCTETS}).json()["model_hash"]
 
     def post_delta(self, round_: int, body: memoryview) -> Upload:
         try:
-            self._request("POST", proto.DELTA.format(round=round_) + f"?host={self.host}", data=body, ok=(202,),
+            self._request("POST", proto.DELTA.format(round=round_), params={"host": self.host}, data=body, ok=(202,),
                           headers={"Content-Type": proto.OCTETS})
         except Refusal as e:
             if e.reason is Reason.DUPLICATE:
@@ -148,12 +178,13 @@ class HttpClient:
             raise
         return Upload.TAKEN
 
-    def wait_sync(self, round_: int, poll: float = 30.0) -> SyncReply:
+    def wait_sync(self, round_: int, poll: float = SYNC_POLL) -> SyncReply:
         """Long-poll until round ``round_``'s sync is ready (or the run completed, or the sync is gone)."""
-        path = proto.SYNC.format(round=round_) + f"?wait={poll}&host={self.host}"
+        path = proto.SYNC.format(round=round_)
         while True:
             try:
-                response = self._request("GET", path, ok=(200, 204), stream=True, read_timeout=poll + self.read_timeout)
+                response = self._request("GET", path, params={"wait": poll, "host": self.host}, ok=(200, 204),
+                                         stream=True, read_timeout=poll + self.read_timeout)
             except Refusal as e:
                 if e.reason is Reason.GONE:
                     return SyncGone()
@@ -166,10 +197,10 @@ class HttpClient:
                 return RunComplete()
 
     def get_model(self) -> ByteStream:
-        return ResponseStream(self._request("GET", f"{proto.MODEL}?host={self.host}", stream=True))
+        return ResponseStream(self._request("GET", proto.MODEL, params={"host": self.host}, stream=True))
 
     def post_events(self, records: list[dict], *, retry_for: float = 0.0) -> None:
-        self._request("POST", proto.EVENTS, json={"records": records}, retry_for=retry_for,
+        self._request("POST", proto.EVENTS, params={"host": self.host}, json={"records": records}, retry_for=retry_for,
                       read_timeout=EVENTS_READ_TIMEOUT, cancellable=False)
 
     def heartbeat(self) -> float:

@@ -9,6 +9,8 @@ The rules, each in terms of the protocol's outcomes (never HTTP):
   host fetch the full model; so does a model hash that differs after applying a sync;
 - a download that breaks off is asked for again (``DOWNLOAD_TRIES``);
 - a host whose last round was late still sends an empty final delta, so the coordinator knows it finished;
+- a host that learns the run completed before its round closed (another host's training ended while its
+  delta was on the way) drops the local work no round took: it ends on the run's final model, like every host;
 - a coordinator that no longer knows this host or has no model (``NOT_JOINED``, ``NO_MODEL``: it restarted)
   is joined again, telling it which model this host holds: it may ask for that model back (the round's
   base θ_r, which every host holds bit-identical), or the host fetches the coordinator's if it differs;
@@ -19,7 +21,7 @@ The rules, each in terms of the protocol's outcomes (never HTTP):
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..core import phases as P
 from ..core.phases import PhaseLog
@@ -42,6 +44,7 @@ class RoundResult:
     model_hash: str
     complete: bool  # the run has completed: no more rounds
     contributed: bool  # this host's delta was part of the round
+    metrics: dict[str, list] = field(default_factory=dict)  # the sync's sync_dist values, reduced across hosts
 
 
 class HostRound:
@@ -60,6 +63,7 @@ class HostRound:
         self.complete = False
         self._sent: Q4Message | None = None  # the last delta uploaded (resent if the coordinator lost it)
         self._final = False  # this host has sent (or is sending) its final delta
+        self.into_live = True  # syncs and fetched models go into the live model; False while training overlaps
         self._seed = int.from_bytes(client.host.encode()[:8].ljust(8, b"\0"), "little")
 
     @property
@@ -72,15 +76,18 @@ class HostRound:
         reply = self._join_reply(None)
         if reply.complete:
             raise RuntimeError(f"the run at {self.client.url} has already completed; start a new coordinator")
-        settings = Q4Settings(block_size=reply.block_size, scale_dtype=reply.scale_dtype, rounding=self.rounding,
-                              error_feedback=self.error_feedback)
+        settings = Q4Settings(block_size=reply.block_size, scale_dtype=reply.scale_dtype, codec=reply.codec,
+                              rounding=self.rounding, error_feedback=self.error_feedback)
         self.tensors.allocate(settings, self.codec_threads)
         self.round = reply.round
-        ours = self.tensors.live_hash()
+        ours = self.tensors.model_hash()
         if reply.provide_model:
             self.model_hash = ours
             try:
-                theirs = self.client.put_model(self.tensors.model_file(self.round, ours))
+                with self.phases.timed(self.round, P.PROVIDE_MODEL) as rec:
+                    body = self.tensors.model_file(self.round, ours)
+                    rec.bytes = len(body)
+                    theirs = self.client.put_model(body)
             except Refusal as e:
                 if e.reason is not Reason.HAS_MODEL:
                     raise
@@ -138,10 +145,24 @@ class HostRound:
                 self.rejoin()
 
     # -- a round --------------------------------------------------------------------------------------------------
-    def run_round(self, samples: int, final: bool) -> RoundResult:
-        """One whole exchange: encode, upload, then sync (following later rounds if this is the final one)."""
+    def run_round(self, samples: int, final: bool, metrics: dict[str, list] | None = None) -> RoundResult:
+        """One whole exchange while training waits: encode, upload, then sync (following later rounds if this
+        is the final one). ``metrics``: this host's latest sync_dist values, ``{name: [value, reduction]}``."""
+        self.into_live = True
+        message = self.encode(self.tensors.live, samples, final, metrics)
+        return self._finish_round(message, final)
+
+    def run_overlapped(self, samples: int, delayed: bool, metrics: dict[str, list] | None = None) -> RoundResult:
+        """One exchange while training goes on: the delta is the snapshot's, and the sync goes into ``base``
+        only; the training side folds it into the live model (:meth:`HostTensors.fold`)."""
+        self.into_live = False
+        message = self.encode(self.tensors.snapshot, samples, False, metrics)
+        if delayed:
+            self.tensors.snapshot_base()
+        return self._finish_round(message, False)
+
+    def _finish_round(self, message: Q4Message, final: bool) -> RoundResult:
         self._final = final
-        message = self.encode(self.tensors.live, samples, final)
         outcome = self.upload(message)
         result = self.synchronize(follow_to_end=final and outcome is not Upload.LATE)
         if final and outcome is Upload.LATE and not self.complete:
@@ -150,13 +171,13 @@ class HostRound:
         result.contributed = outcome is Upload.TAKEN and result.contributed
         return result
 
-    def encode(self, source, samples: int, final: bool) -> Q4Message:
+    def encode(self, source, samples: int, final: bool, metrics: dict[str, list] | None = None) -> Q4Message:
         tensors = self.tensors
         error = tensors.estimate_error(source) if samples > 0 else None
         seed = None if self.rounding == "nearest" else hash((self._seed, self.round)) & (2**62 - 1)
         with self.phases.timed(self.round, P.ENCODE, samples=samples, q4_rel_error=error) as rec:
             message = tensors.encode(source, Q4Meta("delta", self.round, self.host, self.model_hash,
-                                                    samples=samples, final=final), seed)
+                                                    samples=samples, final=final, metrics=metrics or {}), seed)
             rec.bytes = len(message)
         return message
 
@@ -176,9 +197,9 @@ class HostRound:
         return outcome
 
     def _send_empty(self, final: bool) -> None:
-        """Take part in the current round without a contribution (base == live: an all-zero delta)."""
+        """Take part in the current round without a contribution (no samples: it adds nothing)."""
         with self.phases.timed(self.round, P.UPLOAD, empty=True) as rec:
-            message = self.tensors.encode(self.tensors.live, Q4Meta("delta", self.round, self.host, self.model_hash,
+            message = self.tensors.encode(self.tensors.base, Q4Meta("delta", self.round, self.host, self.model_hash,
                                                                     samples=0, final=final), None)
             rec.bytes = len(message)
             self._sent = message
@@ -198,7 +219,7 @@ class HostRound:
             self._send_empty(self._final)
 
     # -- syncs -------------------------------------------------------------------------------------------------------
-    def synchronize(self, *, follow_to_end: bool = False, into_live: bool = True) -> RoundResult:
+    def synchronize(self, *, follow_to_end: bool = False) -> RoundResult:
         """Wait for the round's sync, apply it and verify the model hash (fetching the model if needed).
         With ``follow_to_end`` keep applying later rounds' syncs until the run completes."""
         while True:
@@ -207,7 +228,7 @@ class HostRound:
             if sync is None:
                 result = RoundResult(round_, self.model_hash, self.complete, False)
             else:
-                result = self.apply(sync, into_live)
+                result = self.apply(sync)
             if result.complete or not follow_to_end:
                 return result
 
@@ -219,7 +240,7 @@ class HostRound:
         while attempt < DOWNLOAD_TRIES:
             attempt += 1
             try:
-                with self.phases.timed(round_, P.WAIT):
+                with self.phases.timed(round_, P.WAIT if self.into_live else P.POLL):
                     reply = self._call(self.client.wait_sync, round_)
             except Refusal as e:
                 if e.reason is not Reason.NO_DELTA or attempt == DOWNLOAD_TRIES:
@@ -229,8 +250,10 @@ class HostRound:
                 if self.round != round_:  # the host fetched a model of another round meanwhile
                     return None
                 continue
-            if isinstance(reply, RunComplete):
+            if isinstance(reply, RunComplete):  # no later sync: this host's base is the run's final model
                 self.complete = True
+                if self.into_live:  # (overlapped, the training side does it between two steps)
+                    self.tensors.restore_live()
                 return None
             if isinstance(reply, SyncGone):
                 self.fetch_model()
@@ -258,11 +281,11 @@ class HostRound:
         self.fetch_model()
         return None
 
-    def apply(self, sync: Q4Message, into_live: bool = True) -> RoundResult:
+    def apply(self, sync: Q4Message) -> RoundResult:
         """Apply a downloaded sync and check the resulting model hash against the coordinator's."""
         round_ = sync.meta.round
         with self.phases.timed(round_, P.APPLY):
-            hashers = self.tensors.apply(sync, into_live)
+            hashers = self.tensors.apply(sync, self.into_live)
         with self.phases.timed(round_, P.VERIFY):
             got = self.tensors.digest(hashers)
         self.round = round_ + 1
@@ -272,19 +295,20 @@ class HostRound:
             self.fetch_model()
             return RoundResult(round_, self.model_hash, self.complete, False)
         self.model_hash = got
-        return RoundResult(round_, got, self.complete, True)
+        return RoundResult(round_, got, self.complete, True, sync.meta.metrics)
 
     # -- the full model ------------------------------------------------------------------------------------------------
     def fetch_model(self) -> None:
         """Replace this host's model with the coordinator's (the fallback when a sync cannot be applied),
         streamed straight into the model's tensors; a download that breaks off is asked for again."""
         tensors = self.tensors
+        target = tensors.live if self.into_live else tensors.base
         with self.phases.timed(self.round, P.FALLBACK_FETCH) as rec:
             for attempt in range(1, DOWNLOAD_TRIES + 1):
                 body = self._call(self.client.get_model)
                 rec.bytes = body.size
                 try:
-                    round_, remote_hash = tensors.read_model(body, tensors.live)
+                    round_, remote_hash = tensors.read_model(body, target)
                     break
                 except ModelMismatchError:
                     raise
@@ -292,8 +316,8 @@ class HostRound:
                     if attempt == DOWNLOAD_TRIES:
                         raise
                     log.warning("nodeox: host %s: model download failed (%s); retrying", self.host, e)
-            tensors.reset_base()
-            got = tensors.live_hash()
+            tensors.after_fetch(self.into_live)
+            got = tensors.model_hash(target)
             if got != remote_hash:
                 raise RuntimeError(f"the fetched model hashes to {got}, not the coordinator's {remote_hash}")
             self.round, self.model_hash = round_, got

@@ -4,10 +4,31 @@ connects (resolved when training starts, from the arguments given or the environ
 from __future__ import annotations
 
 import os
+import re
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
-from ..core.settings import ENV_HOST_ID, ENV_TELEMETRY_URL, ENV_TOKEN, ENV_URL, check_rounding, check_url
+from ..core.settings import (
+    ENV_CA_FILE,
+    ENV_HOST_ID,
+    ENV_TELEMETRY_URL,
+    ENV_TOKEN,
+    ENV_URL,
+    check_host_id,
+    check_rounding,
+    check_url,
+)
+
+
+OVERLAP_MODES = (None, "eager", "delayed")
+
+
+def overlap_mode(overlap: bool | str) -> str | None:
+    """``NodeoxStrategy(overlap=...)`` as a mode: False -> None, True -> "eager", or the mode named."""
+    if overlap is True:
+        return "eager"
+    return None if overlap is False or overlap is None else overlap
 
 
 @dataclass(frozen=True)
@@ -20,10 +41,16 @@ class HostSettings:
     codec_threads: int | None = None
     request_timeout: float = 120.0
     retry_for: float = 60.0
+    overlap: str | None = None  # None, "eager" or "delayed"
+    round_seconds: float | None = None
 
     def __post_init__(self) -> None:
         if self.local_steps < 1:
             raise ValueError(f"local_steps must be at least 1, got {self.local_steps}")
+        if self.overlap not in OVERLAP_MODES:
+            raise ValueError(f"overlap={self.overlap!r} is not known; use False, True (eager) or 'delayed'")
+        if self.round_seconds is not None and not self.round_seconds > 0:
+            raise ValueError(f"round_seconds must be positive seconds (or None for local_steps), got {self.round_seconds}")
         check_rounding(self.rounding)
         if self.codec_threads is not None and self.codec_threads < 1:
             raise ValueError(f"codec_threads must be at least 1 (or None for the CPU quota), got {self.codec_threads}")
@@ -31,21 +58,37 @@ class HostSettings:
             raise ValueError("request_timeout must be positive and retry_for non-negative seconds")
 
 
+def default_host_id() -> str:
+    """This process's id when none is given: the machine's name and the local rank (``LOCAL_RANK``, set by
+    torchrun and Lightning's launchers), else the process id, so that two processes never share one."""
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())[:48] or "host"
+    return f"{name}-{os.environ.get('LOCAL_RANK') or os.getpid()}"
+
+
 @dataclass(frozen=True)
 class Connection:
-    """Where a host connects and as whom."""
+    """Where a host connects, as whom, and which certificate authority it trusts (``ca_file``; None: the
+    system's, or ``REQUESTS_CA_BUNDLE``)."""
 
     coordinator_url: str
     host_id: str
     token: str | None = None
     telemetry_url: str | None = None
+    ca_file: str | None = None
 
     def __post_init__(self) -> None:
         check_url(self.coordinator_url, f"coordinator URL (NodeoxStrategy(coordinator_url=...) or {ENV_URL})")
         if self.telemetry_url is not None:
             check_url(self.telemetry_url, f"telemetry URL ({ENV_TELEMETRY_URL})")
-        if not 1 <= len(self.host_id) <= 64:
-            raise ValueError(f"host_id must be 1 to 64 characters, got {self.host_id!r}; set {ENV_HOST_ID}")
+        check_host_id(self.host_id, f"host_id (NodeoxStrategy(host_id=...) or {ENV_HOST_ID})")
+        if self.ca_file is not None and not Path(self.ca_file).is_file():
+            raise ValueError(f"{ENV_CA_FILE}={self.ca_file} is not a file; point it at the PEM certificate (or CA) "
+                             "the coordinator serves")
+
+    @staticmethod
+    def host_id_from_env(host_id: str | None = None) -> str:
+        """The host id given, else ``NODEOX_HOST_ID``, else the machine's name."""
+        return host_id or os.environ.get(ENV_HOST_ID) or default_host_id()
 
     @classmethod
     def resolve(cls, *, coordinator_url: str | None = None, host_id: str | None = None, token: str | None = None,
@@ -56,6 +99,7 @@ class Connection:
             raise ValueError(
                 "NodeoxStrategy needs the coordinator's URL: pass NodeoxStrategy(coordinator_url='http://HOST:8470') "
                 f"or set {ENV_URL} (`nodeox launch` sets it for the hosts it starts)")
-        return cls(coordinator_url=url, host_id=host_id or os.environ.get(ENV_HOST_ID) or socket.gethostname(),
+        return cls(coordinator_url=url, host_id=cls.host_id_from_env(host_id),
                    token=token or os.environ.get(ENV_TOKEN) or None,
-                   telemetry_url=telemetry_url or os.environ.get(ENV_TELEMETRY_URL) or None)
+                   telemetry_url=telemetry_url or os.environ.get(ENV_TELEMETRY_URL) or None,
+                   ca_file=os.environ.get(ENV_CA_FILE) or None)

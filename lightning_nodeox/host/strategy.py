@@ -4,16 +4,22 @@ Each host is its own world of one: Lightning's barrier, broadcast and reduce nev
 and every host is its own rank zero (its loggers and checkpoints write). After every ``local_steps``
 optimizer steps the strategy closes a round; the round logic itself lives in :mod:`lightning_nodeox.host.round`.
 
-The last, partial round: when ``fit`` ends, each host sends what it trained since its last round (possibly
-nothing) as its final delta, then applies every remaining sync until all hosts have finished, so every host
-ends on the same final model.
+Stopping together: when ``fit`` ends on one host (max_steps, max_epochs, early stopping), it sends what it
+trained since its last round as its final delta, and that round completes the run: the other hosts stop at
+their next round boundary, and every host ends on the same final model (:mod:`lightning_nodeox.host.stopping`).
+Values logged with ``sync_dist=True`` are shared across hosts at round boundaries
+(:mod:`lightning_nodeox.host.metrics`); under ``nodeox launch`` each host writes into its own folder of the run
+directory (:mod:`lightning_nodeox.host.machine`); SIGTERM makes a host leave at once
+(:mod:`lightning_nodeox.host.signals`).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections import deque
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -27,11 +33,16 @@ from typing_extensions import override
 from ..core import phases as P
 from ..core.cpu import choose_threads, granted_cpus
 from ..core.phases import PhaseLog, PhaseRecord
+from . import machine
 from .client import HttpClient
 from .clock import ClockOffset
 from .heartbeat import Heartbeat
+from .metrics import SharedMetrics
+from .progress import RoundProgress
 from .round import HostRound, RoundResult
-from .settings import Connection, HostSettings
+from .settings import Connection, HostSettings, overlap_mode
+from .signals import SigtermHandler, exit_code_for
+from .stopping import ends_after_this_batch, steps_taken
 from .telemetry import TelemetryShipper
 from .tensors import HostTensors, shared_tensors
 from .worker import ExchangeWorker
@@ -65,6 +76,14 @@ class NodeoxStrategy(SingleDeviceStrategy):
         request_timeout: seconds to wait for one answer from the coordinator; raise it for very large models
             on slow links.
         retry_for: seconds to keep retrying while the coordinator does not answer.
+        overlap: keep training while a round's exchange is in flight. ``True`` (or ``"eager"``): training goes on
+            from this host's own result, and when the sync arrives the live model becomes the new shared model
+            plus the progress made since the boundary. ``"delayed"``: training goes on from the round's shared
+            model instead. A host waits only if the previous sync has not arrived by its next boundary; costs one
+            more copy of the model (the snapshot). The last round at ``fit`` end is never overlapped.
+        round_seconds: work to a time budget instead of ``local_steps``: a round closes at the first step after
+            this many seconds of training, so a fast host does more steps than a slow one and nobody idles at the
+            barrier (deltas are weighted by the samples they saw).
     """
 
     strategy_name = "nodeox"
@@ -83,6 +102,8 @@ class NodeoxStrategy(SingleDeviceStrategy):
         telemetry_url: str | None = None,
         request_timeout: float = 120.0,
         retry_for: float = 60.0,
+        overlap: bool | str = False,
+        round_seconds: float | None = None,
         accelerator=None,
         checkpoint_io=None,
         precision_plugin=None,
@@ -91,7 +112,7 @@ class NodeoxStrategy(SingleDeviceStrategy):
                          precision_plugin=precision_plugin)
         self.settings = HostSettings(local_steps=local_steps, rounding=rounding, error_feedback=error_feedback,
                                      codec_threads=codec_threads, request_timeout=request_timeout,
-                                     retry_for=retry_for)
+                                     retry_for=retry_for, overlap=overlap_mode(overlap), round_seconds=round_seconds)
         self._given = dict(coordinator_url=coordinator_url, host_id=host_id, token=token, telemetry_url=telemetry_url)
         if cpu_threads is not None and cpu_threads < 1:
             raise ValueError(f"cpu_threads must be at least 1 (or None for the CPU quota), got {cpu_threads}")
@@ -102,6 +123,8 @@ class NodeoxStrategy(SingleDeviceStrategy):
         self.last_result: RoundResult | None = None
         self._round: HostRound | None = None
         self._worker: ExchangeWorker | None = None
+        self._in_flight: Future | None = None  # overlap: the exchange of the round that closed last
+        self._in_flight_round = 0
         self._telemetry: TelemetryShipper | None = None
         self._heartbeat: Heartbeat | None = None
         self._phases: PhaseLog | None = None
@@ -110,7 +133,12 @@ class NodeoxStrategy(SingleDeviceStrategy):
         self._steps = 0
         self._samples = 0
         self._round_start = 0.0
+        self._deadline = 0.0  # with round_seconds: when the current round closes
+        self._closed_rounds = 0
         self._left = False
+        self.metrics = SharedMetrics()
+        self._progress: RoundProgress | None = None
+        self._sigterm = SigtermHandler(self._cancel_waits)
 
     # -- devices and ranks ------------------------------------------------------------------------------------
     @property
@@ -127,6 +155,11 @@ class NodeoxStrategy(SingleDeviceStrategy):
                 "use Trainer(devices=1, strategy=NodeoxStrategy()) and start one host per GPU "
                 "(`nodeox launch` gives each host its own GPU)")
         rank_zero_only.rank = 0
+        self.local_rank = machine.local_rank()  # prepare_data runs on local rank 0: one host per machine
+        trainer = self.lightning_module.trainer
+        machine.use_run_folder(trainer, Connection.host_id_from_env(self._given["host_id"]))
+        # distributed for self.log(sync_dist=True) only: each host loads its own data, no DistributedSampler
+        trainer._accelerator_connector.use_distributed_sampler = False
         threads = self.cpu_threads or min(torch.get_num_threads(), granted_cpus())
         if threads != torch.get_num_threads():
             log.info("NodeoxStrategy: torch CPU threads %d -> %d (CPU quota of this process)",
@@ -143,14 +176,15 @@ class NodeoxStrategy(SingleDeviceStrategy):
         settings = self.settings
         self.connection = conn = Connection.resolve(**self._given)
         clock = ClockOffset()
-        client = HttpClient(conn.coordinator_url, host=conn.host_id, token=conn.token,
+        client = HttpClient(conn.coordinator_url, host=conn.host_id, token=conn.token, ca_file=conn.ca_file,
                             read_timeout=settings.request_timeout, retry_for=settings.retry_for, clock=clock)
-        # the token goes to the coordinator only, never to another telemetry address
+        # the token and the host's credential go to the coordinator only, never to another telemetry address
         telemetry_client = client if conn.telemetry_url is None else HttpClient(
-            conn.telemetry_url, host=conn.host_id, retry_for=0.0)
+            conn.telemetry_url, host=conn.host_id, ca_file=conn.ca_file, retry_for=0.0)
         self._phases = PhaseLog(conn.host_id)
         self._telemetry = TelemetryShipper(telemetry_client, clock)
-        self._phases.listeners += [self.phase_records.append, self._telemetry]
+        self._progress = RoundProgress(conn.host_id)
+        self._phases.listeners += [self.phase_records.append, self._telemetry, self._progress]
         codec_threads = 1 if self.root_device.type != "cpu" else choose_threads(settings.codec_threads,
                                                                                    purpose="host codec")
         tensors = HostTensors(shared_tensors(self.lightning_module))
@@ -168,6 +202,7 @@ class NodeoxStrategy(SingleDeviceStrategy):
             raise
         self._worker = ExchangeWorker()
         self._round_start = time.time()
+        self._schedule_deadline(overlapped=False)
 
     # -- round boundaries -------------------------------------------------------------------------------------
     @override
@@ -193,40 +228,134 @@ class NodeoxStrategy(SingleDeviceStrategy):
         return output
 
     def _at_batch_end(self) -> None:
-        """Count a batch that stepped (once, however many optimizers stepped); close the round when due."""
+        """Count a batch that stepped (once, however many optimizers stepped); fold an arrived sync into the live
+        model (overlap); close the round when due."""
         if self._depth or not self._stepped or self._worker is None:
             return
         self._stepped = False
         self._steps += 1
-        if self._steps >= self.settings.local_steps:
-            self._close_round(final=False)
+        if self._in_flight is not None and self._in_flight.done():
+            self._fold()
+        if self._round_due():
+            self._close_round(final=ends_after_this_batch(self.lightning_module.trainer))
 
-    def _close_round(self, final: bool) -> RoundResult:
+    def _round_due(self) -> bool:
+        if self.settings.round_seconds is not None:
+            return time.time() >= self._deadline
+        return self._steps >= self.settings.local_steps
+
+    def _close_round(self, final: bool = False) -> None:
+        """Hand the round to the exchange worker; wait for it unless training overlaps. The first round is never
+        overlapped (the hosts' rounds start together after it, whatever their start-up took), nor the final one."""
+        if self._in_flight is not None:  # overlap: the previous round's sync has not been folded in yet
+            self._wait_and_fold()
         now = time.time()
         self._phases.emit(PhaseRecord(self._round.round, self.connection.host_id, P.TRAIN, self._round_start, now,
                                       extra={"steps": self._steps, "samples": self._samples}))
-        result = self._worker.submit(self._round.run_round, self._samples, final).result()
-        self.last_result = result
+        mode = self.settings.overlap
+        overlapped = mode is not None and not final and self._closed_rounds > 0
+        if overlapped:
+            self._round.tensors.take_snapshot(restart_from_base=mode == "delayed")
+            self._in_flight_round = self._round.round
+            self._in_flight = self._worker.submit(self._round.run_overlapped, self._samples, mode == "delayed",
+                                                  self.metrics.take())
+        else:
+            self.last_result = self._sigterm.wait(self._worker.submit(self._round.run_round, self._samples, final,
+                                                                      self.metrics.take()))
+            self._after_round(self.last_result)
+        self._closed_rounds += 1
         self._steps = self._samples = 0
         self._round_start = time.time()
-        return result
+        self._schedule_deadline(overlapped)
+
+    def _schedule_deadline(self, overlapped: bool) -> None:
+        """With ``round_seconds``: a round that waited for its sync starts a budget of its own; overlapped rounds
+        keep to a fixed schedule (boundaries ``round_seconds`` apart), so time lost at a boundary or to a step that
+        overran is made up and the hosts' boundaries do not drift apart."""
+        budget = self.settings.round_seconds
+        if budget is None:
+            return
+        self._deadline = self._deadline + budget if overlapped else self._round_start + budget
+        if self._deadline <= self._round_start:  # behind by a whole round: start afresh
+            self._deadline = self._round_start + budget
+
+    def _wait_and_fold(self) -> None:
+        with self._phases.timed(self._in_flight_round, P.WAIT):
+            self._sigterm.wait(self._in_flight)
+        self._fold()
+
+    def _fold(self) -> None:
+        """The overlapped round's sync has arrived: the live model becomes it plus the progress made since (or
+        just it, when the run completed with that round: every host ends on the same model)."""
+        self.last_result = self._in_flight.result()
+        self._in_flight = None
+        with self._phases.timed(self.last_result.round, P.FOLD):
+            if self.last_result.complete:
+                self._round.tensors.restore_live()
+            else:
+                self._round.tensors.fold()
+        self._after_round(self.last_result)
+
+    def _after_round(self, result: RoundResult) -> None:
+        """Take the run's shared values, show the round's progress line, and stop when the run is complete."""
+        trainer = self.lightning_module.trainer
+        self.metrics.update(result.metrics)
+        self._progress.show(trainer, self._progress.line(result.round, steps_taken(trainer), result.model_hash,
+                                                         trainer.callback_metrics, result.complete))
+        if result.complete:
+            trainer.should_stop = True  # a host's training ended: every host stops at this round
+
+    @property
+    def is_distributed(self) -> bool:
+        """True, so that Lightning hands values logged with ``sync_dist=True`` to :meth:`reduce`."""
+        return True
+
+    @override
+    def reduce(self, tensor, group: Any = None, reduce_op: Any = "mean"):
+        """A value logged with ``sync_dist=True``: returns at once, with the mean across hosts as of the last round
+        (this host's own value until the value was first shared); see :mod:`lightning_nodeox.host.metrics`."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return tensor  # validate/test/predict: no rounds, a world of one
+        return self.metrics.reduce(sys._getframe(1), tensor, reduce_op, recording=not trainer.sanity_checking)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        """Hosts never wait on each other; only at ``pre_setup`` do the hosts of one machine wait until its local
+        rank 0 has run ``prepare_data``."""
+        if name == "pre_setup":
+            machine.after_prepare_data(self.lightning_module.trainer, self.local_rank)
+
+    @override
+    def on_train_start(self) -> None:
+        self._sigterm.install()  # after Lightning's own SIGTERM handler, which it chains
+        super().on_train_start()
+
+    def _cancel_waits(self) -> None:
+        if self._round is not None:
+            self._round.client.cancel()
 
     @override
     def on_train_end(self) -> None:
-        """The last, partial round (possibly empty), then every remaining sync until all hosts finish."""
+        """This host's final round (what it trained since its last round; never overlapped), unless the run has
+        completed already (another host's training ended, or this host's last batch closed its final round); then
+        the run's values of the metrics logged with ``sync_dist=True`` go into ``trainer.callback_metrics``."""
+        if self._in_flight is not None:
+            self._wait_and_fold()
         if self._worker is not None and not self._round.complete:
-            result = self._close_round(final=True)
-            log.info("NodeoxStrategy: host %s finished after round %d on model %s", self.connection.host_id,
-                     result.round, result.model_hash)
+            self._close_round(final=True)
+        self.metrics.publish(self.lightning_module.trainer.callback_metrics)
         super().on_train_end()
 
     @override
     def teardown(self) -> None:
+        self._sigterm.uninstall()
         self._leave()
         super().teardown()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        exit_code_for(exception)
         self._leave(interrupted=True)
         super().on_exception(exception)
 

@@ -13,7 +13,7 @@ import time
 from collections import deque
 
 from ..core.phases import PhaseRecord
-from ..core.protocol import Refusal
+from ..core.protocol import Reason, Refusal
 from .clock import ClockOffset
 
 log = logging.getLogger(__name__)
@@ -72,9 +72,11 @@ class TelemetryShipper:
                 payload.append(d)
             try:
                 self.client.post_events(payload)
-            except Refusal as e:  # refused for good (4xx): a retry would be refused again
+            except Refusal as e:
                 self._failure = f"{type(e).__name__}: {e}"
-                self.dropped += len(batch)
+                if e.reason is Reason.RATE_LIMITED:  # over the coordinator's budget: the batch waits its turn
+                    return
+                self.dropped += len(batch)  # refused for good (4xx): a retry would be refused again
             except Exception as e:  # noqa: BLE001 - telemetry must never stop training
                 self._failure = f"{type(e).__name__}: {e}"
                 return

@@ -88,16 +88,25 @@ class HostTensors:
     def named(self, tensors: list[torch.Tensor] | None = None) -> list[tuple[str, torch.Tensor]]:
         return list(zip(self.names, self.live if tensors is None else tensors))
 
-    def live_hash(self) -> str:
-        return model_hash(self.named(), self.pool)
+    def model_hash(self, tensors: list[torch.Tensor] | None = None) -> str:
+        """Hash of ``tensors`` (default: the live model)."""
+        return model_hash(self.named(tensors), self.pool)
 
-    def reset_base(self) -> None:
-        """θ_r := the live model (after it was replaced by the run's model); the residual starts over."""
+    def after_fetch(self, into_live: bool) -> None:
+        """The run's model was just read into the live model (then θ_r := it) or into ``base`` (overlap: the
+        live model is training); either way the residual starts over."""
         with torch.no_grad():
-            for b, t in zip(self.base, self.live):
-                b.copy_(t)
+            if into_live:
+                for b, t in zip(self.base, self.live):
+                    b.copy_(t)
             for r in self.residual or []:
                 r.zero_()
+
+    def restore_live(self) -> None:
+        """The live model := θ_r (``base``): local progress that no round took is dropped."""
+        with torch.no_grad():
+            for t, b in zip(self.live, self.base):
+                t.copy_(b)
 
     # -- tensors on the codec's device -------------------------------------------------------------------------
     def _region(self, message: Q4Message, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,14 +118,25 @@ class HostTensors:
         return self._staging[ca:cb], self._staging[sa:sb].view(self.layout.settings.torch_scale_dtype)
 
     # -- encoding --------------------------------------------------------------------------------------------------
-    def take_snapshot(self) -> None:
-        """Copy the live model aside: what this round sends while training goes on."""
+    def take_snapshot(self, restart_from_base: bool) -> None:
+        """Copy the live model aside: what this round sends while training goes on. ``restart_from_base``
+        (the delayed variant of overlap): the live model then goes back to θ_r and trains on from there."""
         with torch.no_grad():
             if self.snapshot is None:
                 self.snapshot = [t.detach().clone() for t in self.live]
             else:
                 for s, t in zip(self.snapshot, self.live):
                     s.copy_(t)
+            if restart_from_base:
+                for t, b in zip(self.live, self.base):
+                    t.copy_(b)
+
+    def snapshot_base(self) -> None:
+        """The snapshot becomes θ_r (delayed overlap, once the delta is encoded): the fold then adds the progress
+        made since the live model went back to θ_r."""
+        with torch.no_grad():
+            for s, b in zip(self.snapshot, self.base):
+                s.copy_(b)
 
     def estimate_error(self, source: list[torch.Tensor]) -> float:
         """Relative q4 error of a sample of the delta (for the ``q4_rel_error`` metric)."""
@@ -127,8 +147,8 @@ class HostTensors:
         load_delta(k, source[i].view(-1)[:m], self.base[i].view(-1)[:m], res, m)
         x = k.x[:m].clone()
         mp = k.padded(m)
-        codes = torch.empty(mp // 2, dtype=torch.uint8, device=self.device)
-        scales = torch.empty(mp // self.settings.block_size, dtype=self.settings.torch_scale_dtype, device=self.device)
+        codes = torch.empty(self.settings.code_bytes(m), dtype=torch.uint8, device=self.device)
+        scales = torch.empty(self.settings.scale_count(m), dtype=self.settings.torch_scale_dtype, device=self.device)
         k.quantize(m, codes, scales)
         return relative_error(x, k.dequantize(codes, scales, mp)[:m])
 
@@ -157,7 +177,7 @@ class HostTensors:
             if math.isfinite(peak):
                 continue
             delta_finite = bool(torch.isfinite(source[i]).all())
-            if delta_finite and self.settings.scale_dtype == "fp16":
+            if delta_finite and self.settings.quantized and self.settings.scale_dtype == "fp16":
                 raise NonFiniteDeltaError(
                     f"the delta of parameter {name!r} in round {meta.round} is too large for fp16 scales; "
                     "start the coordinator with --scale-dtype fp32, or lower the learning rate")

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from ..coordinator.config import DEFAULT_PORT, OUTER_OPTIMIZERS, CoordinatorConfig, OuterSettings
-from ..core.settings import BLOCK_SIZES, SCALE_DTYPES, Q4Settings
+from ..core.settings import BLOCK_SIZES, CODECS, SCALE_DTYPES, Q4Settings
 
 
 def _coordinator_options(p: argparse.ArgumentParser, *, for_launch: bool) -> None:
@@ -31,8 +31,15 @@ def _coordinator_options(p: argparse.ArgumentParser, *, for_launch: bool) -> Non
     p.add_argument("--fresh", action="store_true", help="start a new run even if RUN_DIR holds an unfinished one "
                    "(its records are moved to RUN_DIR/previous-TIME)")
     p.add_argument("--token-file", type=Path, help="file holding the bearer token hosts must send")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a --bind beyond loopback without --token-file (a network you trust entirely)")
+    p.add_argument("--tls-cert", type=Path, help="PEM certificate to serve HTTPS with (with --tls-key)")
+    p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    p.add_argument("--elastic", action="store_true", help="admit more than --hosts distinct host ids")
     p.add_argument("--block-size", type=int, default=64, choices=BLOCK_SIZES, help="q4 values per scale")
     p.add_argument("--scale-dtype", default="fp16", choices=SCALE_DTYPES, help="q4 scale type")
+    p.add_argument("--codec", default="q4", choices=CODECS,
+                   help="q4 (default); bf16 or fp32 send deltas unquantized, to measure what q4 costs")
     p.add_argument("--outer-optimizer", default="average", choices=OUTER_OPTIMIZERS,
                    help="how the mean delta becomes the sync: plain averaging, or DiLoCo's Nesterov momentum")
     p.add_argument("--outer-lr", type=float, default=0.7, help="outer learning rate (nesterov; default 0.7)")
@@ -58,8 +65,9 @@ def _config(args: argparse.Namespace, bind: str) -> CoordinatorConfig:
     try:
         return CoordinatorConfig(
             hosts=args.hosts, run_dir=args.run_dir, bind=bind, min_hosts=args.min_hosts,
-            round_timeout=args.round_timeout, token=_read_token(args.token_file),
-            q4=Q4Settings(block_size=args.block_size, scale_dtype=args.scale_dtype),
+            round_timeout=args.round_timeout, token=_read_token(args.token_file), insecure=args.insecure,
+            elastic=args.elastic, tls_cert=args.tls_cert, tls_key=args.tls_key,
+            q4=Q4Settings(block_size=args.block_size, scale_dtype=args.scale_dtype, codec=args.codec),
             initial_model=args.initial_model, threads=args.threads, rss_interval=args.rss_interval,
             exit_when_done=not getattr(args, "keep_running", False), lease=args.lease,
             snapshot_every=args.snapshot_every, transfer_timeout=args.transfer_timeout, fresh=args.fresh,
@@ -70,7 +78,7 @@ def _config(args: argparse.Namespace, bind: str) -> CoordinatorConfig:
 
 def _passthrough(args: argparse.Namespace) -> list[str]:
     """Coordinator options given to launch, as coordinator command-line arguments."""
-    out = ["--bind", args.bind, "--block-size", str(args.block_size), "--scale-dtype", args.scale_dtype,
+    out = ["--bind", args.bind, "--codec", args.codec, "--block-size", str(args.block_size), "--scale-dtype", args.scale_dtype,
            "--rss-interval", str(args.rss_interval), "--outer-optimizer", args.outer_optimizer,
            "--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum), "--lease", str(args.lease),
            "--snapshot-every", str(args.snapshot_every), "--transfer-timeout", str(args.transfer_timeout)]
@@ -78,10 +86,10 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
         out.append("--fresh")
     for flag, value in (("--min-hosts", args.min_hosts), ("--round-timeout", args.round_timeout),
                         ("--token-file", args.token_file), ("--initial-model", args.initial_model),
-                        ("--threads", args.threads)):
+                        ("--threads", args.threads), ("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
         if value is not None:
             out += [flag, str(value)]
-    return out
+    return out + [flag for flag in ("--insecure", "--elastic") if getattr(args, flag[2:])]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,14 +117,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.cmd == "coordinator":
+        config = _config(args, args.bind)  # refuse a bad command line before importing torch
         from ..coordinator.server import serve
 
-        return asyncio.run(serve(_config(args, args.bind), args.ready_file))
+        return asyncio.run(serve(config, args.ready_file))
     if args.cmd == "launch":
         from .launch import launch
 
         config = _config(args, args.bind)  # validate before starting anything
-        return launch(args.hosts, args.run_dir, _passthrough(args), command, config.token)
+        return launch(args.hosts, args.run_dir, _passthrough(args), command, config.token, config.tls_cert)
     if args.cmd == "report":
         from .report import main as report_main
 

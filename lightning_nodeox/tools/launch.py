@@ -1,15 +1,21 @@
 """``nodeox launch``: a coordinator and N host processes on this machine, outputs streamed with a prefix.
 
-Host i gets ``NODEOX_HOST_ID=i``, ``NODEOX_NUM_HOSTS``, ``NODEOX_COORDINATOR_URL``, ``NODEOX_TOKEN``
-(when set) and ``NODEOX_RUN_DIR``; when this machine has at least N GPUs each host sees only its own
-(``CUDA_VISIBLE_DEVICES``), and when it has at least N CPUs each host is pinned to its own share of them,
-so that the hosts do not oversubscribe the CPU. A host that fails does not stop the others (as on a cluster,
-the run goes on without it: it left, or its lease expires); launch exits non-zero once they are done. If the
-coordinator fails, the hosts are stopped.
+Host i gets ``NODEOX_HOST_ID=i``, ``NODEOX_LOCAL_HOST_RANK=i`` (its place on this machine), ``NODEOX_NUM_HOSTS``,
+``NODEOX_COORDINATOR_URL``, ``NODEOX_TOKEN`` (when set), ``NODEOX_RUN_DIR``, and with ``--tls-cert``
+``NODEOX_CA_FILE`` set to that certificate unless the environment sets it (right for a self-signed
+certificate); when this machine has at least N GPUs each host sees only its own (``CUDA_VISIBLE_DEVICES``), and
+when it has at least N CPUs each host is pinned to its own share of them, so that the hosts do not
+oversubscribe the CPU.
+
+Outputs are shown line by line with a prefix; a progress bar, which redraws its line with carriage returns,
+shows as its line ends rather than once per refresh. A host that fails (exits non-zero, e.g. after a SIGTERM)
+is named at once; the others go on (as on a cluster: it left, or its lease expires), and launch exits
+non-zero. If the coordinator fails, the hosts are stopped.
 """
 
 from __future__ import annotations
 
+import codecs
 import os
 import signal
 import subprocess
@@ -19,20 +25,35 @@ import time
 from pathlib import Path
 
 from ..core.cpu import granted_cpus
+from ..core.settings import ENV_CA_FILE
 
 STOP_GRACE = 10.0
 
 
 def _stream(prefix: str, pipe, out=sys.stdout) -> None:
-    for line in iter(pipe.readline, ""):
-        out.write(f"{prefix} {line}" if line.endswith("\n") else f"{prefix} {line}\n")
-        out.flush()
+    """Copy a child's output with a prefix, one line per newline. Of a line redrawn with carriage returns (a
+    progress bar) only what it shows when the newline comes is copied."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    pending = ""
+    while chunk := pipe.read1(1 << 16):
+        *lines, pending = (pending + decoder.decode(chunk)).split("\n")
+        pending = pending[pending.rfind("\r"):] if "\r" in pending else pending  # only the bar's last state
+        for line in lines:
+            _write_line(prefix, line, out)
+    if pending:
+        _write_line(prefix, pending, out)
     pipe.close()
 
 
+def _write_line(prefix: str, line: str, out) -> None:
+    shown = line.rstrip("\r").rsplit("\r", 1)[-1]
+    if shown.strip() or "\r" not in line:
+        out.write(f"{prefix} {shown}\n")
+        out.flush()
+
+
 def _start(cmd: list[str], env: dict, prefix: str, cpus: list[int] | None = None) -> tuple[subprocess.Popen, threading.Thread]:
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                            errors="replace")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     if cpus:
         try:
             os.sched_setaffinity(proc.pid, cpus)  # before the interpreter has started any thread of its own
@@ -64,6 +85,16 @@ def _gpu_count() -> int:
         return 0
 
 
+def _exit_status(code: int) -> str:
+    """How a process ended, from its return code (negative: killed by a signal; 128+N: exited for signal N)."""
+    number = -code if code < 0 else code - 128 if code > 128 else 0
+    try:
+        name = signal.Signals(number).name if number else ""
+    except ValueError:
+        name = ""
+    return f"exit status {code}" + (f" ({name})" if name else "")
+
+
 def cpu_shares(hosts: int) -> list[list[int] | None]:
     """Disjoint CPU sets for the hosts when there are enough CPUs; None (no pinning) otherwise."""
     try:
@@ -76,7 +107,8 @@ def cpu_shares(hosts: int) -> list[list[int] | None]:
     return [cpus[i * per : (i + 1) * per] for i in range(hosts)]
 
 
-def launch(hosts: int, run_dir: Path, coordinator_args: list[str], command: list[str], token: str | None) -> int:
+def launch(hosts: int, run_dir: Path, coordinator_args: list[str], command: list[str], token: str | None,
+           tls_cert: Path | None = None) -> int:
     """Run a coordinator and ``hosts`` copies of ``command``; returns the exit status."""
     if not command:
         print("nodeox launch: give the host command after --, e.g. "
@@ -102,10 +134,12 @@ def launch(hosts: int, run_dir: Path, coordinator_args: list[str], command: list
     procs: list[subprocess.Popen] = []
     threads: list[threading.Thread] = []
     for i in range(hosts):
-        host_env = dict(env, NODEOX_HOST_ID=str(i), NODEOX_NUM_HOSTS=str(hosts), NODEOX_COORDINATOR_URL=url,
-                        NODEOX_RUN_DIR=str(run_dir))
+        host_env = dict(env, NODEOX_HOST_ID=str(i), NODEOX_LOCAL_HOST_RANK=str(i), NODEOX_NUM_HOSTS=str(hosts),
+                        NODEOX_COORDINATOR_URL=url, NODEOX_RUN_DIR=str(run_dir))
         if token:
             host_env["NODEOX_TOKEN"] = token
+        if tls_cert is not None and ENV_CA_FILE not in os.environ:
+            host_env[ENV_CA_FILE] = str(Path(tls_cert).resolve())
         if gpus >= hosts and "CUDA_VISIBLE_DEVICES" not in os.environ:
             host_env["CUDA_VISIBLE_DEVICES"] = str(i)
         if shares[i] is not None and "OMP_NUM_THREADS" not in os.environ:
@@ -129,8 +163,9 @@ def launch(hosts: int, run_dir: Path, coordinator_args: list[str], command: list
                     continue
                 pending.discard(i)
                 if code != 0:
-                    print(f"nodeox launch: host {i} exited with status {code}; the run goes on without it", flush=True)
-                    status = status or (code if code > 0 else 1)
+                    others = "; the other hosts go on" if pending else ""
+                    print(f"nodeox launch: host {i} failed: {_exit_status(code)}{others}", flush=True)
+                    status = status or (code if 0 < code < 256 else 1)
             if coordinator.poll() not in (None, 0) and pending:  # 0: the run completed, hosts are exiting
                 print(f"nodeox launch: the coordinator failed (status {coordinator.returncode}); stopping the hosts",
                       flush=True)

@@ -20,7 +20,9 @@ from ..core import phases as P
 HOST_COLUMNS = (*P.HOST_PHASES[:-1], "sync", P.FALLBACK_FETCH)
 PHASE_COLOURS = {
     P.TRAIN: "#9ecae1", P.ENCODE: "#e6550d", P.UPLOAD: "#fd8d3c", P.WAIT: "#d9d9d9", P.DOWNLOAD: "#31a354",
-    P.APPLY: "#74c476", P.VERIFY: "#a1d99b", P.FALLBACK_FETCH: "#de2d26", P.RECEIVE: "#756bb1",
+    P.APPLY: "#74c476", P.VERIFY: "#a1d99b", P.POLL: "#f0f0f0", P.FOLD: "#c7e9c0", P.PROVIDE_MODEL: "#fdd0a2",
+    P.FALLBACK_FETCH: "#de2d26",
+    P.RECEIVE: "#756bb1",
     P.AGGREGATE: "#9e9ac8", P.SYNC_PREPARE: "#3182bd", P.MODEL_MATERIALIZE: "#636363",
 }
 
@@ -90,11 +92,12 @@ def build(records: list[dict]) -> dict:
                 if dl is not None:
                     to_sync[h] = dl["start"] - agg["end"]
         wait_share = {}
-        for h in hosts:
+        for h in hosts:  # the share of the round (train start to next train start) the trainer did not train
             train = first.get((rnd, h, P.TRAIN))
-            end = last_end.get((rnd, h))
+            following = first.get((rnd + 1, h, P.TRAIN))
+            end = following["start"] if following is not None else last_end.get((rnd, h))
             if train is not None and end is not None and end > train["start"]:
-                wait_share[h] = 1.0 - (train["end"] - train["start"]) / (end - train["start"])
+                wait_share[h] = max(0.0, 1.0 - (train["end"] - train["start"]) / (end - train["start"]))
         close = first.get((rnd, P.COORDINATOR, P.SYNC_PREPARE))
         after = [] if close is None else rss[bisect.bisect_left(rss_starts, close["end"]):]
         rounds.append({

@@ -1,19 +1,22 @@
 """A test host: a small BatchNorm MLP on scikit-learn's digits, trained under NodeoxStrategy.
 
 After every round (and at the end) it writes its exchanged tensors and model hash to --out, so tests can
-check that hosts are bit-identical and agree with the coordinator. Started by `nodeox launch` in tests.
+check that hosts are bit-identical and agree with the coordinator; after fit, its callback metrics and step.
+Started by `nodeox launch` in tests.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from safetensors.torch import save_file
 from sklearn.datasets import load_digits
@@ -25,10 +28,12 @@ from lightning_nodeox.host.tensors import shared_tensors
 
 
 class DigitsNet(LightningModule):
-    def __init__(self, lr: float = 0.05, fail_at_step: int = -1) -> None:
+    def __init__(self, lr: float = 0.05, host: int = 0, stop_host: int = -1, fail_at_step: int = -1) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 10))
         self.lr = lr
+        self.host = host
+        self.stop_host = stop_host
         self.fail_at_step = fail_at_step
 
     def training_step(self, batch, batch_idx):
@@ -37,6 +42,11 @@ class DigitsNet(LightningModule):
         x, y = batch
         loss = nn.functional.cross_entropy(self.net(x), y)
         self.log("train_loss", loss, on_step=True, prog_bar=False)
+        if self.stop_host >= 0:
+            self.log("stop_signal", 0.0 if self.host == self.stop_host else 1.0)  # this host's own, not shared
+            value = torch.tensor(10.0 * (self.host + 1))  # differs between hosts: 10, 20, ...
+            self.log("shared_step", value, sync_dist=True)
+            self.log("shared_epoch", value, on_step=False, on_epoch=True, sync_dist=True)
         return loss
 
     def configure_optimizers(self):
@@ -47,7 +57,7 @@ class DumpRounds(Callback):
     """Writes the shared tensors after each completed round, and the losses seen."""
 
     def __init__(self, out: Path, host: str) -> None:
-        self.out, self.host, self.seen, self.losses, self.times = out, host, -1, [], []
+        self.out, self.host, self.seen, self.losses, self.times, self.shared = out, host, -1, [], [], []
 
     def _dump(self, trainer, name: str) -> None:
         result = trainer.strategy.last_result
@@ -59,15 +69,21 @@ class DumpRounds(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))
         self.times.append(time.time())
+        self.shared.append(float(trainer.callback_metrics.get("shared_step", math.nan)))
         result = trainer.strategy.last_result
         if result is not None and result.round != self.seen:
             self.seen = result.round
             self._dump(trainer, f"round{result.round}")
 
+    def on_exception(self, trainer, pl_module, exception):
+        (self.out / f"host{self.host}_interrupted.json").write_text(json.dumps(
+            {"at": time.time(), "exception": type(exception).__name__}))
+
     def on_fit_end(self, trainer, pl_module):
         self._dump(trainer, "final")
         (self.out / f"host{self.host}_losses.json").write_text(json.dumps(self.losses))
         (self.out / f"host{self.host}_loss_times.json").write_text(json.dumps(self.times))
+        (self.out / f"host{self.host}_shared.json").write_text(json.dumps(self.shared))
 
 
 class Stall(Callback):
@@ -109,22 +125,31 @@ def main() -> None:
     p.add_argument("--local-steps", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--skip-sync-round", type=int, default=-1, help="host 1 skips applying this round's sync")
-    p.add_argument("--stall-round", type=int, default=-1, help="host 1 stalls in this round (see --stall-seconds)")
+    p.add_argument("--stall-round", type=int, default=-1, help="--stall-host stalls in this round (--stall-seconds)")
     p.add_argument("--stall-seconds", type=float, default=0.0)
     p.add_argument("--fail-round", type=int, default=-1, help="host 1's training_step raises mid-way through this round")
     p.add_argument("--step-seconds", type=float, default=0.0, help="sleep this long at every step (pacing)")
     p.add_argument("--stop-file", type=Path, help="end training once this file exists")
+    p.add_argument("--stall-host", default="1")
+    p.add_argument("--stop-host", type=int, default=-1,
+                   help="EarlyStopping on every host, triggered on this host alone at its first epoch end; "
+                        "also logs values with sync_dist=True")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="save OUT/host<id>.ckpt every N steps")
+    p.add_argument("--resume", type=Path, help="resume fit from this checkpoint")
+    p.add_argument("--overlap", default="off", choices=("off", "eager", "delayed"))
+    p.add_argument("--round-seconds", type=float)
     args = p.parse_args()
     torch.set_num_threads(1)
     host = os.environ["NODEOX_HOST_ID"]
     args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"host{host}.pid").write_text(str(os.getpid()))
     torch.manual_seed(1234 + int(host))  # hosts start different: the run's first host provides the model
     x, y = load_digits(return_X_y=True)
     data = TensorDataset(torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y))
     gen = torch.Generator().manual_seed(int(host))
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=True, generator=gen, drop_last=True)
     fail = args.fail_round * args.local_steps + args.local_steps // 2 if args.fail_round >= 0 and host == "1" else -1
-    model = DigitsNet(fail_at_step=fail)
+    model = DigitsNet(host=int(host), stop_host=args.stop_host, fail_at_step=fail)
     if args.skip_sync_round >= 0 and host == "1":
         from lightning_nodeox.core.hashing import RowHasher
         from lightning_nodeox.host.tensors import HostTensors
@@ -138,17 +163,27 @@ def main() -> None:
 
         HostTensors.apply = skip_once
     callbacks = [PhaseMonitor(), DumpRounds(args.out, host)]
-    if args.stall_round >= 0 and host == "1":
+    if args.stall_round >= 0 and host == args.stall_host:
         callbacks.append(Stall(args.stall_round * args.local_steps + 1, args.stall_seconds))
     if args.step_seconds > 0:
         callbacks.append(Pace(args.step_seconds))
     if args.stop_file is not None:
         callbacks.append(StopWhen(args.stop_file))
-    strategy = NodeoxStrategy(local_steps=args.local_steps, cpu_threads=1, codec_threads=1)
+    if args.checkpoint_every:
+        callbacks.append(ModelCheckpoint(dirpath=args.out, filename=f"host{host}", every_n_train_steps=args.checkpoint_every,
+                                         save_top_k=-1, enable_version_counter=False))
+    if args.stop_host >= 0:
+        callbacks.append(EarlyStopping("stop_signal", mode="min", stopping_threshold=0.5, check_on_train_epoch_end=True))
+    strategy = NodeoxStrategy(local_steps=args.local_steps, cpu_threads=1, codec_threads=1,
+                              overlap=False if args.overlap == "off" else args.overlap, round_seconds=args.round_seconds)
     trainer = Trainer(strategy=strategy, max_steps=args.max_steps, logger=TensorBoardLogger(args.out / f"tb_host{host}"),
-                      callbacks=callbacks, enable_checkpointing=False,
+                      callbacks=callbacks, enable_checkpointing=bool(args.checkpoint_every),
                       enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
-    trainer.fit(model, loader)
+    trainer.fit(model, loader, ckpt_path=args.resume)
+    after = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    (args.out / f"host{host}_after_fit.json").write_text(json.dumps(
+        {"global_step": trainer.global_step, "model_hash": strategy.model_hash, "callback_metrics": after,
+         "last_round": strategy.last_result.round if strategy.last_result else -1}))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,662 @@
+"""Convergence: Nodeox against DDP on real data that ships offline (scikit-learn's digits), 2 hosts on this machine.
+
+Every mode trains the same model (a small CNN: two 3x3 convolutions of 32 and 64 channels, 2x2 max-pooling, a
+128-unit hidden layer; 151K parameters) with the same inner optimizer (SGD, lr 0.02, momentum 0.9),
+the same batch size per host (32) and the same number of optimizer steps per host (600, so the same samples per
+host), each host on its own half of a fixed training split; the final model is evaluated on a held-out test split
+(540 images). Modes:
+
+    ddp              PyTorch DDP, gloo, 2 processes (gradients all-reduced every step)
+    fp32             Nodeox, unquantized exchange (--codec fp32)
+    q4               Nodeox q4, the coordinator's default outer optimizer
+    q4_average       Nodeox q4, --outer-optimizer average
+    q4_nesterov      Nodeox q4, --outer-optimizer nesterov --outer-lr 0.7 --outer-momentum 0.9 (DiLoCo)
+    overlap_eager    q4, NodeoxStrategy(overlap=True)        (overlap_delayed: overlap="delayed")
+    uneven           q4, host 1 slowed on purpose to about 2x host 0's step time
+    uneven_budget    uneven, with NodeoxStrategy(round_seconds=host 0's time for local_steps steps)
+    uneven_budget_overlap  the same with overlap=True
+    bf16             Nodeox, --codec bf16 (not run by default)
+
+Modes whose options this version of lightning_nodeox does not have yet are reported as "not available yet".
+Printed per mode: test accuracy (mean and min-max over seeds), its difference to DDP in percentage points,
+bytes sent per host, wall time, each host's wait share, ratios to DDP; then the goals, MET or MISSED.
+
+    python benchmarks/convergence.py [--json] [--seeds 3] [--quick] [--modes ddp,q4,...]
+
+Definitions (see `ddp_bytes_per_host`, `nodeox_bytes_sent` and `wait_share`):
+- bytes per host, DDP: steps x gradient bytes x 2(N-1)/N, the bytes one rank sends in a ring all-reduce of every
+  parameter's fp32 gradient every step (N = 2 ranks: 1x the gradient bytes per step). The start-up broadcast of
+  the model from rank 0 is not counted (nor is Nodeox's first upload of the model, see below).
+- bytes per host, Nodeox: the `bytes` of the host's `upload` records in the run's events.jsonl (its deltas), mean
+  over hosts. The full model host 0 provides at join is not an `upload` record, hence not counted.
+- wait share of a host: the share of its time, from its first `train` start to its last record's end, in which
+  its trainer did not train: that time less its `train` records, plus its `fold` records (a fold stops training
+  inside a round). From round 1 on (round 0 holds the hosts' different start-up times). Exchange work that runs
+  while training goes on (overlap) is not blocked time, whatever its phase. Not measured for DDP.
+- wall: the slowest host's `trainer.fit` (start-up of the interpreter, imports and the test evaluation excluded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+HOSTS = 2
+STEPS = 600
+LOCAL_STEPS = 20
+BATCH_SIZE = 32
+LR = 0.02
+HIDDEN = 128
+TEST_SIZE = 0.3
+SLOWDOWN = 2.0
+RUN_TIMEOUT = 180.0
+
+GOAL_ACC_POINTS = 1.0
+GOAL_BYTES_RATIO = 100.0
+GOAL_OVERLAP_WAIT = 0.05
+GOAL_BUDGET_FAST_WAIT = 0.10
+
+DILOCO = ["--outer-optimizer", "nesterov", "--outer-lr", "0.7", "--outer-momentum", "0.9"]
+
+# mode -> how it runs: kind (ddp/nodeox), coordinator options, NodeoxStrategy keyword arguments, slowed host
+MODES: dict[str, dict] = {
+    "ddp": {"kind": "ddp"},
+    "fp32": {"kind": "nodeox", "coordinator": ["--codec", "fp32"]},
+    "q4": {"kind": "nodeox"},
+    "q4_average": {"kind": "nodeox", "coordinator": ["--outer-optimizer", "average"]},
+    "q4_nesterov": {"kind": "nodeox", "coordinator": DILOCO},
+    "overlap_eager": {"kind": "nodeox", "strategy": {"overlap": "eager"}},
+    "overlap_delayed": {"kind": "nodeox", "strategy": {"overlap": "delayed"}},
+    "uneven": {"kind": "nodeox", "slow": True},
+    "uneven_budget": {"kind": "nodeox", "slow": True, "strategy": {"round_seconds": "auto"}},
+    "uneven_budget_overlap": {"kind": "nodeox", "slow": True, "strategy": {"round_seconds": "auto", "overlap": True}},
+    "bf16": {"kind": "nodeox", "coordinator": ["--codec", "bf16"]},
+}
+DEFAULT_MODES = [m for m in MODES if m != "bf16"]
+UNAVAILABLE_EXIT = 3  # a host's exit status when NodeoxStrategy refuses an option of its mode
+
+
+# -- metrics from a run ---------------------------------------------------------------------------------------------
+
+
+def wait_share(records: list[dict], first_round: int = 1) -> float | None:
+    """Share of one host's time in which its trainer did not train.
+
+    ``records``: the host's phase records from events.jsonl; only rounds from ``first_round`` on count (round 0
+    absorbs the hosts' different start-up times: the first host to join waits there for the others to start).
+    Total time runs from the host's first counted ``train`` start to its last record's end; trained time is its
+    ``train`` records less its ``fold`` records (with overlap, a fold stops training inside a round).
+    """
+    records = [r for r in records if r["round"] >= first_round]
+    trains = [r for r in records if r["phase"] == "train"]
+    if not trains:
+        return None
+    start = min(r["start"] for r in trains)
+    end = max(r["end"] for r in records)
+    trained = sum(r["end"] - r["start"] for r in trains) - sum(r["end"] - r["start"] for r in records
+                                                             if r["phase"] == "fold")
+    return max(0.0, 1.0 - trained / (end - start)) if end > start else None
+
+
+def host_records(events: list[dict], host: str) -> list[dict]:
+    return [e for e in events if e.get("host") == host and e.get("phase") not in ("rss", None)]
+
+
+def ddp_bytes_per_host(param_bytes: int, steps: int, ranks: int = HOSTS) -> int:
+    """Bytes one rank sends in ``steps`` ring all-reduces of every fp32 gradient: 2(N-1)/N x gradient bytes each."""
+    return int(steps * param_bytes * 2 * (ranks - 1) / ranks)
+
+
+def nodeox_bytes_sent(records: list[dict]) -> int:
+    """Bytes a host sent in its deltas: the ``bytes`` of its ``upload`` records."""
+    return sum(int(r.get("bytes") or 0) for r in records if r["phase"] == "upload")
+
+
+# -- the host (run once per process, by DDP's launcher here or by `nodeox launch`) ---------------------------------
+
+
+def host_main(args: argparse.Namespace) -> None:
+    import hashlib
+
+    import torch
+    from lightning.pytorch import Callback, LightningModule, Trainer
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    nodeox = args.kind == "nodeox"
+    host = int(os.environ["NODEOX_HOST_ID"] if nodeox else os.environ["NODE_RANK"])
+    strategy_kwargs = json.loads(args.strategy_kwargs)
+
+    x, y = load_digits(return_X_y=True)
+    x_train, x_test, y_train, y_test = train_test_split(x / 16.0, y, test_size=TEST_SIZE, random_state=0, stratify=y)
+    x_train = torch.tensor(x_train, dtype=torch.float32)[host::HOSTS]  # this host's half of the training split
+    y_train = torch.tensor(y_train)[host::HOSTS]
+    loader = DataLoader(TensorDataset(x_train, y_train), batch_size=args.batch_size, shuffle=True, drop_last=True,
+                        generator=torch.Generator().manual_seed(1000 * args.seed + host))
+
+    class Net(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(
+                nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1),
+                nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(64 * 4 * 4, HIDDEN), nn.ReLU(),
+                nn.Linear(HIDDEN, 10))
+
+        def training_step(self, batch, batch_idx):
+            xb, yb = batch
+            return nn.functional.cross_entropy(self.net(xb), yb)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=args.lr, momentum=0.9)
+
+    class Count(Callback):
+        """Samples trained; with ``slowdown`` > 1, sleeps after each batch to run that many times slower."""
+
+        def __init__(self, slowdown: float) -> None:
+            self.samples, self.slowdown, self.periods, self.last, self.slept = 0, slowdown, [], None, 0.0
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.samples += len(batch[1])
+            if self.slowdown <= 1:
+                return
+            now = time.perf_counter()
+            if self.last is not None:  # this batch's period without our own sleep; median: rounds are rare
+                self.periods = (self.periods + [now - self.last - self.slept])[-50:]
+            self.slept = (self.slowdown - 1) * statistics.median(self.periods) if self.periods else 0.0
+            time.sleep(self.slept)
+            self.last = now
+
+    torch.manual_seed(args.seed)  # every process starts from the same model
+    model = Net()
+    count = Count(args.slowdown if host == args.slow_host else 1.0)
+    common = {"max_steps": int(args.host_steps.split(",")[host]), "accelerator": "cpu", "devices": 1, "logger": False,
+              "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False,
+              "use_distributed_sampler": False, "callbacks": [count]}
+    if nodeox:
+        from lightning_nodeox import NodeoxStrategy
+
+        try:
+            strategy = NodeoxStrategy(local_steps=args.local_steps, cpu_threads=1, codec_threads=1, **strategy_kwargs)
+        except (TypeError, ValueError) as e:
+            (out / f"host{host}.json").write_text(json.dumps({"unavailable": f"NodeoxStrategy: {e}"}))
+            raise SystemExit(UNAVAILABLE_EXIT) from None
+        trainer = Trainer(strategy=strategy, **common)
+    else:
+        from datetime import timedelta
+
+        from lightning.pytorch.strategies import DDPStrategy
+
+        class FileStoreDDP(DDPStrategy):
+            """DDP over gloo whose rendezvous is a file: no TCP store listening on every interface."""
+
+            def setup_distributed(self) -> None:
+                self.set_world_ranks()
+                self._process_group_backend = "gloo"
+                torch.distributed.init_process_group("gloo", init_method=f"file://{args.store}", rank=self.global_rank,
+                                                     world_size=self.world_size, timeout=self._timeout)
+
+        trainer = Trainer(strategy=FileStoreDDP(process_group_backend="gloo", timeout=timedelta(seconds=60)),
+                          num_nodes=HOSTS, **common)
+    start = time.time()
+    trainer.fit(model, loader)
+    fit_wall = time.time() - start
+    model.eval()
+    with torch.no_grad():
+        correct = int((model.net(torch.tensor(x_test, dtype=torch.float32)).argmax(1) == torch.tensor(y_test)).sum())
+        digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()[:16]
+    result = {
+        "host": host, "accuracy": correct / len(y_test), "test_samples": len(y_test), "samples": count.samples,
+        "steps": trainer.global_step, "fit_start": start, "fit_wall_s": fit_wall,
+        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()), "param_digest": digest,
+        "model_hash": getattr(trainer.strategy, "model_hash", None) if nodeox else None,
+    }
+    (out / f"host{host}.json").write_text(json.dumps(result))
+
+
+# -- running one mode once -----------------------------------------------------------------------------------------
+
+
+class Unavailable(Exception):
+    """This mode's options are not in this version of lightning_nodeox."""
+
+
+def _spawn(cmd: list[str], env: dict, log: Path, cpus: list[int] | None = None) -> subprocess.Popen:
+    with open(log, "w") as out:  # its own process group: stopped with everything it started
+        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    if cpus:
+        try:
+            os.sched_setaffinity(proc.pid, cpus)
+        except OSError:
+            pass
+    return proc
+
+
+def _stop(procs: list[subprocess.Popen], grace: float = 15.0) -> None:
+    """SIGTERM each process group we started, then SIGKILL what is left after ``grace`` seconds."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # also any child left in the group
+        except (ProcessLookupError, PermissionError):
+            pass
+        p.wait()
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float, give_up=lambda: False) -> list[int]:
+    """Exit statuses once every process has ended, one has failed, or ``give_up()`` is true."""
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs) and not give_up():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"run did not finish within {timeout:.0f} s")
+        if any(p.returncode not in (None, 0) for p in procs):  # one failed: do not wait for the others' timeouts
+            break
+        time.sleep(0.1)
+    return [p.poll() for p in procs]
+
+
+def _cpu_shares() -> list[list[int] | None]:
+    """One CPU set per process when there are enough CPUs (as `nodeox launch` pins its hosts)."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return [None] * HOSTS
+    per = len(cpus) // HOSTS
+    return [cpus[i * per : (i + 1) * per] for i in range(HOSTS)] if per else [None] * HOSTS
+
+
+def _host_args(args: argparse.Namespace, kind: str, seed: int, out: Path, steps: list[int], strategy: dict,
+               slow: bool) -> list[str]:
+    """A host's command line; ``steps``: each host's optimizer steps (launch runs one command for all hosts)."""
+    return [sys.executable, str(Path(__file__).resolve()), "--host", "--kind", kind, "--seed", str(seed), "--out",
+            str(out), "--host-steps", ",".join(map(str, steps)), "--local-steps", str(args.local_steps), "--batch-size",
+            str(args.batch_size), "--lr", str(args.lr), "--strategy-kwargs", json.dumps(strategy),
+            "--slow-host", "1" if slow else "-1", "--slowdown", str(SLOWDOWN)]
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def _read_hosts(out: Path) -> dict[str, dict]:
+    hosts = {}
+    for i in range(HOSTS):
+        f = out / f"host{i}.json"
+        if f.exists():
+            hosts[str(i)] = json.loads(f.read_text())
+    for h in hosts.values():
+        if "unavailable" in h:
+            raise Unavailable(h["unavailable"])
+    return hosts
+
+
+def run_ddp(args: argparse.Namespace, seed: int, workdir: Path) -> dict:
+    out = workdir / "out"
+    out.mkdir(parents=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WORLD_SIZE=str(HOSTS), LOCAL_RANK="0",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT="0", GLOO_SOCKET_IFNAME="lo")
+    cmd = _host_args(args, "ddp", seed, out, [args.steps] * HOSTS, {}, False) + ["--store", str(workdir / "store")]
+    shares = _cpu_shares()
+    procs = []
+    started = time.time()
+    try:
+        for i in range(HOSTS):
+            procs.append(_spawn(cmd, dict(env, NODE_RANK=str(i)), workdir / f"rank{i}.log", shares[i]))
+        codes = _wait_all(procs, RUN_TIMEOUT)
+    finally:
+        _stop(procs)
+    if any(codes):
+        raise RuntimeError(f"DDP exited with {codes}:\n{_tail(workdir / 'rank0.log')}\n{_tail(workdir / 'rank1.log')}")
+    hosts = _read_hosts(out)
+    param_bytes = hosts["0"]["param_bytes"]
+    sent = {h: ddp_bytes_per_host(param_bytes, v["steps"]) for h, v in hosts.items()}
+    return _result(hosts, sent, {h: None for h in hosts}, time.time() - started, {})
+
+
+def run_nodeox(args: argparse.Namespace, mode: str, seed: int, workdir: Path, round_seconds: float | None) -> dict:
+    spec = MODES[mode]
+    out, run_dir = workdir / "out", workdir / "run"
+    out.mkdir(parents=True)
+    strategy = dict(spec.get("strategy", {}))
+    steps = [args.steps] * HOSTS
+    if strategy.get("round_seconds") == "auto":
+        if round_seconds is None:
+            raise RuntimeError("no round_seconds: no earlier Nodeox run measured host 0's step time")
+        strategy["round_seconds"] = round_seconds
+        # a time budget: the same samples in all, each host's share in proportion to its speed, so both end together
+        total = args.steps * HOSTS
+        speeds = [1.0 / SLOWDOWN if spec.get("slow") and i == 1 else 1.0 for i in range(HOSTS)]
+        steps = [round(total * s / sum(speeds)) for s in speeds]
+    cmd = [sys.executable, "-m", "lightning_nodeox", "launch", "--hosts", str(HOSTS), "--run-dir", str(run_dir),
+           "--threads", "1", *spec.get("coordinator", []), "--", *_host_args(args, "nodeox", seed, out, steps, strategy,
+                                                                               spec.get("slow", False))]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    log = workdir / "launch.log"
+    started = time.time()
+    proc = _spawn(cmd, env, log)
+    try:
+        refused = [out / f"host{i}.json" for i in range(HOSTS)]  # a host refused this mode's options: stop early
+        codes = _wait_all([proc], RUN_TIMEOUT,
+                          lambda: any(f.exists() and "unavailable" in f.read_text() for f in refused))
+    finally:
+        _stop([proc])
+    text = log.read_text(errors="replace")
+    for needle in ("unrecognized arguments", "invalid choice"):
+        if needle in text:
+            line = next((ln for ln in text.splitlines() if needle in ln and "error:" in ln), None)
+            if line:  # nodeox's argument parser refused a coordinator option of this mode
+                raise Unavailable(f"nodeox: {line.split('error:')[-1].strip()}")
+    hosts = _read_hosts(out)
+    if codes[0] or len(hosts) < HOSTS:
+        raise RuntimeError(f"nodeox launch exited with {codes[0]}:\n{_tail(log, 25)}")
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
+    records = {h: host_records(events, h) for h in hosts}
+    sent = {h: nodeox_bytes_sent(r) for h, r in records.items()}
+    waits = {h: wait_share(r) for h, r in records.items()}
+    step_s = {}
+    for h, rs in records.items():
+        per_step = [(r["end"] - r["start"]) / r["steps"] for r in rs if r["phase"] == "train" and r.get("steps")]
+        step_s[h] = statistics.median(per_step) if per_step else None
+    return _result(hosts, sent, waits, time.time() - started, step_s,
+                   {"round_seconds": strategy.get("round_seconds"), "rounds": max((e["round"] for e in events
+                                                                                    if "round" in e), default=0)})
+
+
+def _result(hosts: dict, sent: dict, waits: dict, run_wall: float, step_s: dict, extra: dict | None = None) -> dict:
+    accs = {h: v["accuracy"] for h, v in hosts.items()}
+    same = len({v["param_digest"] for v in hosts.values()}) == 1
+    return {
+        "accuracy": accs["0"], "accuracy_per_host": accs, "test_samples": hosts["0"]["test_samples"],
+        "hosts_identical": same,
+        "model_hash": hosts["0"].get("model_hash"), "bytes_per_host": statistics.mean(sent.values()),
+        "bytes_sent": sent, "wall_s": max(v["fit_wall_s"] for v in hosts.values()), "run_wall_s": run_wall,
+        "wait_share": waits, "samples": {h: v["samples"] for h, v in hosts.items()},
+        "steps": {h: v["steps"] for h, v in hosts.items()}, "step_s": step_s, "param_bytes": hosts["0"]["param_bytes"],
+        **(extra or {}),
+    }
+
+
+# -- the benchmark ---------------------------------------------------------------------------------------------------
+
+
+def preflight() -> tuple[str, set[str] | None]:
+    """`nodeox launch --help` and NodeoxStrategy's keyword arguments (None: it takes **kwargs, cannot tell)."""
+    launch_help = subprocess.run([sys.executable, "-m", "lightning_nodeox", "launch", "--help"], capture_output=True,
+                                 text=True, timeout=120, cwd=REPO, check=False).stdout
+    probe = ("import inspect, json; from lightning_nodeox import NodeoxStrategy as S; "
+             "ps = inspect.signature(S.__init__).parameters.values(); "
+             "print(json.dumps(None if any(p.kind == p.VAR_KEYWORD for p in ps) else [p.name for p in ps]))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=REPO,
+                          check=False)
+    names = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else None
+    return launch_help, None if names is None else set(names)
+
+
+def missing_option(mode: str, launch_help: str, strategy_params: set[str] | None) -> str | None:
+    """What this mode needs that lightning_nodeox does not have yet (None: all there, as far as can be told)."""
+    import re
+
+    spec = MODES[mode]
+    for opt in spec.get("coordinator", []):
+        if opt.startswith("--") and not re.search(rf"(?<![\w-]){re.escape(opt)}(?![\w-])", launch_help):
+            return f"coordinator option {opt}"
+    for name in spec.get("strategy", {}):
+        if strategy_params is not None and name not in strategy_params:
+            return f"NodeoxStrategy({name}=...)"
+    return None
+
+
+def summarize(runs: list[dict]) -> dict:
+    accs = [r["accuracy"] for r in runs]
+    hosts = sorted(runs[0]["wait_share"])
+    waits = {h: [r["wait_share"][h] for r in runs if r["wait_share"].get(h) is not None] for h in hosts}
+    return {
+        "seeds": len(runs), "accuracy_mean": statistics.mean(accs), "accuracy_min": min(accs),
+        "accuracy_max": max(accs), "accuracy_stdev": statistics.stdev(accs) if len(accs) > 1 else 0.0,
+        "bytes_per_host": statistics.mean(r["bytes_per_host"] for r in runs),
+        "wall_s": statistics.mean(r["wall_s"] for r in runs),
+        "wait_share": {h: statistics.mean(w) if w else None for h, w in waits.items()},
+        "hosts_identical": all(r["hosts_identical"] for r in runs),
+        "samples": {h: statistics.mean(r["samples"][h] for r in runs) for h in hosts},
+        "step_s": {h: statistics.mean(v) if v else None
+                   for h in hosts for v in [[r["step_s"][h] for r in runs if r["step_s"].get(h) is not None]]},
+    }
+
+
+def with_ratios(modes: dict) -> None:
+    ddp = modes.get("ddp", {}).get("summary")
+    for m in modes.values():
+        s = m.get("summary")
+        if not s or not ddp:
+            continue
+        s["accuracy_vs_ddp_points"] = 100 * (s["accuracy_mean"] - ddp["accuracy_mean"])
+        s["bytes_ratio_ddp_to_mode"] = ddp["bytes_per_host"] / s["bytes_per_host"] if s["bytes_per_host"] else None
+        s["wall_ratio_to_ddp"] = s["wall_s"] / ddp["wall_s"]
+
+
+def goals(modes: dict, local_steps: int) -> list[dict]:
+    def summary(mode: str) -> tuple[dict | None, str]:
+        m = modes.get(mode)
+        if m is None:
+            return None, "not run (not in --modes)"
+        if "summary" not in m or "accuracy_vs_ddp_points" not in m["summary"]:
+            return None, m.get("reason", "no result")
+        return m["summary"], ""
+
+    def close(s: dict) -> bool:
+        return s["accuracy_vs_ddp_points"] >= -GOAL_ACC_POINTS
+
+    out = []
+    s, why = summary("q4")
+    goal = (f"q4, default outer optimizer, {local_steps} local steps: accuracy within {GOAL_ACC_POINTS:g} point of DDP "
+            f"and >= {GOAL_BYTES_RATIO:g}x fewer bytes per host")
+    if s:
+        ratio = s["bytes_ratio_ddp_to_mode"] or 0.0
+        out.append({"goal": goal, "met": close(s) and ratio >= GOAL_BYTES_RATIO,
+                    "measured": f"{s['accuracy_vs_ddp_points']:+.2f} points, {ratio:.0f}x fewer bytes"})
+    else:
+        out.append({"goal": goal, "met": None, "measured": why})
+    for mode in ("overlap_eager", "overlap_delayed"):
+        s, why = summary(mode)
+        goal = (f"{mode}: every host's wait share < {GOAL_OVERLAP_WAIT:.0%}, accuracy within {GOAL_ACC_POINTS:g} "
+                f"point of DDP")
+        if s:
+            worst = max((w for w in s["wait_share"].values() if w is not None), default=float("nan"))
+            out.append({"goal": goal, "met": close(s) and worst < GOAL_OVERLAP_WAIT,
+                        "measured": f"{s['accuracy_vs_ddp_points']:+.2f} points, worst wait share {worst:.1%}"})
+        elif mode == "overlap_eager" or mode in modes:
+            out.append({"goal": goal, "met": None, "measured": why})
+    for mode in ("uneven_budget", "uneven_budget_overlap"):
+        s, why = summary(mode)
+        goal = (f"{mode}: uneven hosts (one {SLOWDOWN:g}x slower) with the time budget: fast host's wait share < "
+                f"{GOAL_BUDGET_FAST_WAIT:.0%}, accuracy within {GOAL_ACC_POINTS:g} point of DDP")
+        if s:
+            fast = s["wait_share"].get("0")
+            out.append({"goal": goal, "met": close(s) and fast is not None and fast < GOAL_BUDGET_FAST_WAIT,
+                        "measured": f"{s['accuracy_vs_ddp_points']:+.2f} points, fast host wait share "
+                                    f"{'n/a' if fast is None else f'{fast:.1%}'}"})
+        elif mode in modes:
+            out.append({"goal": goal, "met": None, "measured": why})
+    return out
+
+
+def _bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def print_table(modes: dict, config: dict) -> None:
+    print(f"\nconvergence on digits: {config['hosts']} hosts, {config['steps']} steps x batch {config['batch_size']} "
+          f"per host, local_steps={config['local_steps']}, SGD lr {config['lr']} momentum 0.9, test set "
+          f"{config['test_samples']} images, seeds {config['seeds']}")
+    head = (f"{'mode':16} {'accuracy mean (min-max)':26} {'vs DDP':>8} {'bytes/host':>11} {'DDP/mode':>9} "
+            f"{'wall s':>7} {'vs DDP':>7} {'wait h0':>8} {'wait h1':>8}")
+    print(head)
+    print("-" * len(head))
+    for name, m in modes.items():
+        s = m.get("summary")
+        if not s:
+            print(f"{name:16} {m['status']}: {m.get('reason', '')}")
+            continue
+        acc = f"{100 * s['accuracy_mean']:.2f}% ({100 * s['accuracy_min']:.2f}-{100 * s['accuracy_max']:.2f})"
+        dp = s.get("accuracy_vs_ddp_points")
+        br = s.get("bytes_ratio_ddp_to_mode")
+        wr = s.get("wall_ratio_to_ddp")
+        waits = [s["wait_share"].get(h) for h in ("0", "1")]
+        print(f"{name:16} {acc:26} {'-' if dp is None else f'{dp:+.2f} pt':>8} {_bytes(s['bytes_per_host']):>11} "
+              f"{'-' if br is None else f'{br:.1f}x':>9} {s['wall_s']:7.1f} {'-' if wr is None else f'{wr:.2f}x':>7} "
+              + " ".join(f"{'-' if w is None else f'{w:.1%}':>8}" for w in waits)
+              + ("" if s["hosts_identical"] else "  (hosts ended on different models!)"))
+        steps = s["step_s"]
+        if MODES[name].get("slow") and steps.get("0") and steps.get("1"):
+            budget = m.get("round_seconds")
+            print(f"{'':16} host 1's step took {steps['1'] / steps['0']:.2f}x host 0's ({1000 * steps['0']:.1f} ms); "
+                  f"samples trained: host 0 {s['samples']['0']:.0f}, host 1 {s['samples']['1']:.0f}"
+                  + ("" if budget is None else f"; round_seconds {budget:.2f}"))
+        if m.get("errors"):
+            print(f"{'':16} {len(m['errors'])} seed(s) failed: {m['errors'][0]}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="one seed")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                   help=f"comma-separated, of {','.join(MODES)} (ddp always runs: the ratios are to it)")
+    p.add_argument("--steps", type=int, default=STEPS, help="optimizer steps per host")
+    p.add_argument("--local-steps", type=int, default=LOCAL_STEPS)
+    p.add_argument("--batch-size", type=int, default=BATCH_SIZE)
+    p.add_argument("--lr", type=float, default=LR)
+    p.add_argument("--round-seconds", type=float,
+                   help="uneven_budget's round_seconds (default: host 0's measured time for local_steps steps)")
+    p.add_argument("--keep", type=Path, help="keep every run's directory under this folder")
+    # the host, started by this script (DDP) or by `nodeox launch`
+    p.add_argument("--host", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--kind", help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--store", help=argparse.SUPPRESS)
+    p.add_argument("--strategy-kwargs", default="{}", help=argparse.SUPPRESS)
+    p.add_argument("--slow-host", type=int, default=-1, help=argparse.SUPPRESS)
+    p.add_argument("--slowdown", type=float, default=SLOWDOWN, help=argparse.SUPPRESS)
+    p.add_argument("--host-steps", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.host:
+        host_main(args)
+        return
+    wanted = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in wanted if m not in MODES]
+    if unknown:
+        p.error(f"unknown modes {unknown}; choose from {list(MODES)}")
+    order = ["ddp"] + [m for m in MODES if m in wanted and m != "ddp"]
+    seeds = list(range(1 if args.quick else args.seeds))
+
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    launch_help, strategy_params = preflight()
+    modes: dict[str, dict] = {}
+    tmp = None if args.keep else tempfile.TemporaryDirectory(prefix="nodeox-convergence-")
+    root = args.keep or Path(tmp.name)
+    try:
+        for mode in order:
+            missing = missing_option(mode, launch_help, strategy_params)
+            if missing:
+                modes[mode] = {"status": "not available yet", "reason": f"{missing} not in this lightning_nodeox"}
+                say(f"{mode}: not available yet ({missing})")
+                continue
+            round_seconds = None
+            if MODES[mode].get("strategy", {}).get("round_seconds") == "auto":
+                round_seconds = args.round_seconds or _round_seconds(modes, args.local_steps)
+                if round_seconds is None:
+                    say(f"{mode}: measuring host 0's step time with a q4 run first")
+                    calib = run_nodeox(args, "q4", 0, root / f"calibrate-{time.time_ns()}", None)
+                    round_seconds = calib["step_s"]["0"] * args.local_steps
+            runs, errors, entry = [], [], {"status": "ok"}
+            for seed in seeds:
+                workdir = root / f"{mode}-seed{seed}"
+                if workdir.exists():
+                    workdir = root / f"{mode}-seed{seed}-{time.time_ns()}"
+                say(f"{mode} seed {seed} ...")
+                try:
+                    r = (run_ddp(args, seed, workdir) if MODES[mode]["kind"] == "ddp"
+                         else run_nodeox(args, mode, seed, workdir, round_seconds))
+                except Unavailable as e:
+                    entry = {"status": "not available yet", "reason": str(e)}
+                    say(f"{mode}: not available yet ({e})")
+                    break
+                except (RuntimeError, TimeoutError, OSError, ValueError, KeyError) as e:
+                    errors.append(f"seed {seed}: {type(e).__name__}: {e}")
+                    say(f"{mode} seed {seed} FAILED: {e}")
+                    continue
+                r["seed"] = seed
+                runs.append(r)
+                say(f"{mode} seed {seed}: accuracy {r['accuracy']:.4f}, bytes/host {_bytes(r['bytes_per_host'])}, "
+                    f"wall {r['wall_s']:.1f}s, wait {r['wait_share']}")
+            if runs:
+                entry.update(runs=runs, summary=summarize(runs))
+                if round_seconds is not None:
+                    entry["round_seconds"] = round_seconds
+            elif entry["status"] == "ok":
+                entry = {"status": "failed", "reason": errors[0] if errors else "no run"}
+            if errors:
+                entry["errors"] = errors
+            modes[mode] = entry
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    with_ratios(modes)
+    test_samples = next((m["runs"][0]["test_samples"] for m in modes.values() if m.get("runs")
+                         and "test_samples" in m["runs"][0]), None)
+    config = {"hosts": HOSTS, "steps": args.steps, "local_steps": args.local_steps, "batch_size": args.batch_size,
+              "lr": args.lr, "hidden": HIDDEN, "slowdown": SLOWDOWN, "seeds": len(seeds), "test_samples": test_samples}
+    result_goals = goals(modes, args.local_steps)
+    if args.json:
+        print(json.dumps({"config": config, "modes": modes, "goals": result_goals}, indent=2))
+        return
+    print_table(modes, config)
+    print("\ngoals:")
+    for g in result_goals:
+        status = "NOT RUN" if g["met"] is None else "MET" if g["met"] else "MISSED"
+        print(f"  {status:7} {g['goal']}: {g['measured']}")
+
+
+def _round_seconds(modes: dict, local_steps: int) -> float | None:
+    """Host 0's median time for ``local_steps`` steps in the Nodeox runs so far (host 0 is never slowed)."""
+    per_step = [r["step_s"]["0"] for m in modes.values() for r in m.get("runs", [])
+                if r.get("step_s", {}).get("0") is not None]
+    return statistics.median(per_step) * local_steps if per_step else None
+
+
+if __name__ == "__main__":
+    main()

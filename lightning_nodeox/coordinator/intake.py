@@ -1,0 +1,178 @@
+"""What the coordinator accepts from the network, and its limits: JSON bodies, joins, phase records, and each
+host's telemetry budget. Anything else is a :class:`Refusal` naming what was wrong, before it reaches a round,
+the run log or TensorBoard.
+
+- JSON: UTF-8, at most ``MAX_JSON_BYTES`` (joins) or ``MAX_EVENTS_BYTES`` (events); no NaN, Infinity or numbers
+  that overflow a float; nesting is bounded by the parser's recursion limit (refused, never a crash) and the
+  accepted shapes are flat.
+- Joins: a valid host id and the model's tensor specs (at most ``MAX_MODEL_BYTES`` of tensors).
+- Phase records: at most ``MAX_RECORDS`` a batch, only the sender's own host id, only host phases, finite times,
+  at most ``MAX_EXTRA_FIELDS`` extra fields of plain values (strings up to ``MAX_TEXT`` characters).
+- Telemetry: at most ``TELEMETRY_BYTES_PER_MINUTE`` per host, refused with ``RATE_LIMITED`` beyond it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+
+from ..core.phases import HOST_PHASES, PhaseRecord
+from ..core.protocol import Reason, Refusal
+from ..core.settings import check_host_id
+from ..core.specs import PayloadError, TensorSpec, specs_from_json
+
+MAX_JSON_BYTES = 16 << 20
+MAX_EVENTS_BYTES = 4 << 20
+MAX_MODEL_BYTES = 1 << 40
+MAX_SAMPLES = 1 << 24  # per delta: a round's samples on one host (batch size x local steps)
+MAX_RECORDS = 10_000
+MAX_EXTRA_FIELDS = 16
+MAX_TEXT = 256
+MAX_INT = 1 << 62
+TELEMETRY_BYTES_PER_MINUTE = 4 << 20
+_FIELD_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
+_RECORD_FIELDS = ("round", "host", "phase", "start", "end", "bytes")
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} overflows a float")
+    return value
+
+
+def decode_json(body: bytes, what: str):
+    """The JSON value of a request body, or INVALID naming the problem."""
+    try:
+        return json.loads(body.decode("utf-8"), parse_constant=_refuse_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise Refusal(Reason.INVALID, f"{what}: JSON nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise Refusal(Reason.INVALID, f"{what}: not valid JSON: {e}") from None
+
+
+def host_id(value: object, what: str = "host id") -> str:
+    try:
+        return check_host_id(value, what)
+    except ValueError as e:
+        raise Refusal(Reason.INVALID, f"{e}; set NODEOX_HOST_ID") from None
+
+
+def model_bytes(specs: tuple[TensorSpec, ...]) -> int:
+    return sum(s.numel * s.torch_dtype.itemsize for s in specs)
+
+
+def parse_join(body: bytes) -> tuple[str, tuple[TensorSpec, ...], tuple[str | None, int | None]]:
+    """The host id and tensor specs of a join request, and the model hash and round the host says it holds
+    (both None on a first join; a resumed run takes its model back from such a host)."""
+    usage = 'join needs a JSON body {"host": ID, "tensors": [[NAME, DTYPE, SHAPE], ...]}'
+    value = decode_json(body, "join")
+    if not isinstance(value, dict) or not isinstance(value.get("tensors"), list):
+        raise Refusal(Reason.INVALID, f"{usage} (the model's tensor specs are required)")
+    host = host_id(value.get("host"))
+    try:
+        specs = specs_from_json(value["tensors"])
+    except PayloadError as e:
+        raise Refusal(Reason.INVALID, f"join: {e}") from None
+    size = model_bytes(specs)
+    if not specs or size > MAX_MODEL_BYTES:
+        raise Refusal(Reason.INVALID, f"join: a model of {len(specs)} tensors and {size} bytes is not supported "
+                                      f"(1 to {MAX_MODEL_BYTES} bytes)")
+    model_hash, round_ = value.get("model_hash"), value.get("round")
+    if model_hash is None:
+        return host, specs, (None, None)
+    if not isinstance(model_hash, str) or len(model_hash) > MAX_TEXT:
+        raise Refusal(Reason.INVALID, "join: model_hash must be a string (the hash of the model the host holds)")
+    try:
+        return host, specs, (model_hash, None if round_ is None else _int(round_, "join: round"))
+    except ValueError as e:
+        raise Refusal(Reason.INVALID, str(e)) from None
+
+
+def _int(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_INT:
+        raise ValueError(f"{what} must be an integer in [0, 2^62), got {str(value)[:40]}")
+    return value
+
+
+def _time(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{what} must be a finite number of seconds, got {str(value)[:40]}")
+    return float(value)
+
+
+def _extra(key: str, value: object) -> object:
+    if not _FIELD_NAME.fullmatch(key):
+        raise ValueError(f"extra field name {key[:40]!r} is not lower_case_with_underscores of at most 64 characters")
+    if value is None or isinstance(value, (bool, float)):
+        return value  # floats are finite: the parser refuses the others
+    if isinstance(value, int):
+        if abs(value) >= MAX_INT:
+            raise ValueError(f"extra field {key!r} is out of range")
+        return value
+    if isinstance(value, str) and len(value) <= MAX_TEXT:
+        return value
+    raise ValueError(f"extra field {key!r} must be a number, a boolean, null or a string of at most {MAX_TEXT} "
+                     "characters")
+
+
+def phase_record(d: object, host: str) -> PhaseRecord:
+    """One host phase record of ``host``, checked field by field."""
+    if not isinstance(d, dict):
+        raise ValueError("a record must be an object")
+    phase = d.get("phase")
+    if phase not in HOST_PHASES:
+        raise ValueError(f"phase {str(phase)[:40]!r} is not one of {', '.join(HOST_PHASES)}")
+    start, end = _time(d.get("start"), "start"), _time(d.get("end"), "end")
+    if end < start:
+        raise ValueError(f"record ends ({end}) before it starts ({start})")
+    size = d.get("bytes")
+    extra = {k: v for k, v in d.items() if k not in _RECORD_FIELDS}
+    if len(extra) > MAX_EXTRA_FIELDS:
+        raise ValueError(f"a record has {len(extra)} extra fields; at most {MAX_EXTRA_FIELDS}")
+    return PhaseRecord(_int(d.get("round"), "round"), host, phase, start, end,
+                       None if size is None else _int(size, "bytes"), {k: _extra(k, v) for k, v in extra.items()})
+
+
+def parse_records(body: bytes, host: str) -> list[PhaseRecord]:
+    """The phase records of an events request sent by ``host``."""
+    usage = 'events need {"records": [{round, host, phase, start, end[, bytes, ...]}, ...]}'
+    value = decode_json(body, "events")
+    records = value.get("records") if isinstance(value, dict) else None
+    if not isinstance(records, list):
+        raise Refusal(Reason.INVALID, usage)
+    if len(records) > MAX_RECORDS:
+        raise Refusal(Reason.INVALID, f"{len(records)} records in one batch; send at most {MAX_RECORDS}")
+    for d in records:
+        if isinstance(d, dict) and d.get("host") != host:
+            raise Refusal(Reason.FORBIDDEN, f"record of host {str(d.get('host'))[:70]!r} sent by host {host}: a host "
+                                            "sends only its own records")
+    try:
+        return [phase_record(d, host) for d in records]
+    except ValueError as e:
+        raise Refusal(Reason.INVALID, f"events refused: {e}") from None
+
+
+class TelemetryBudget:
+    """A byte budget per host and minute (a token bucket: it refills continuously)."""
+
+    def __init__(self, bytes_per_minute: int = TELEMETRY_BYTES_PER_MINUTE) -> None:
+        self.capacity = bytes_per_minute
+        self._left: dict[str, tuple[float, float]] = {}  # host -> (bytes left, when)
+
+    def charge(self, host: str, size: int, now: float | None = None) -> None:
+        """Take ``size`` bytes from ``host``'s budget, or refuse with RATE_LIMITED (nothing taken)."""
+        now = time.monotonic() if now is None else now
+        left, then = self._left.get(host, (float(self.capacity), now))
+        left = min(float(self.capacity), left + (now - then) * self.capacity / 60.0)
+        if size > left:
+            self._left[host] = (left, now)
+            raise Refusal(Reason.RATE_LIMITED, f"host {host} sent more than {self.capacity} bytes of phase records "
+                                               "in a minute; the rest waits (records are batched once a second)")
+        self._left[host] = (left - size, now)

@@ -1,0 +1,88 @@
+"""Values logged with ``self.log(..., sync_dist=True)``, shared across hosts without stalling training.
+
+Lightning reduces such a value by calling ``strategy.reduce`` from the logged value's own update (a step
+value) or compute (an epoch value). :class:`SharedMetrics` answers at once:
+- it keeps this host's latest value of each name, which the next round's delta carries;
+- it returns the value the coordinator reduced across hosts (the mean weighted by samples; ``sum``, ``max``,
+  ``min`` for those ``reduce_fx``) from the last sync this host applied: one round stale. Hosts that log at the
+  same steps see the same value, so a callback monitoring it (EarlyStopping, ModelCheckpoint,
+  ReduceLROnPlateau) decides the same everywhere;
+- until a name has been shared once (its first round), it returns this host's own value, and warns once.
+
+After the last round, :meth:`publish` puts the run's values into ``trainer.callback_metrics``. Other calls of
+``strategy.reduce`` (Lightning's own, and torchmetrics objects, which sync themselves) stay local.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import FrameType
+
+import torch
+from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
+
+from ..core.wire import fit_metrics
+
+log = logging.getLogger(__name__)
+
+
+class SharedMetrics:
+    """This host's latest sync_dist values, and the run's values from the last sync."""
+
+    def __init__(self) -> None:
+        self.local: dict[str, tuple[torch.Tensor, str]] = {}
+        self.shared: dict[str, float] = {}
+        self._warned = False
+        self._dropped: set[str] = set()
+
+    def reduce(self, caller: FrameType, tensor: torch.Tensor, reduce_op, recording: bool = True) -> torch.Tensor:
+        """Lightning's ``strategy.reduce`` for a logged value; ``caller`` is the frame that called it."""
+        metric = caller.f_locals.get("self")
+        if not isinstance(metric, _ResultMetric) or not isinstance(tensor, torch.Tensor):
+            return tensor  # not a self.log value: a world of one reduces to itself
+        epoch_mean = caller.f_code.co_name == "compute" and metric.meta.is_mean_reduction
+        count = metric.cumulated_batch_size if epoch_mean else None
+        if count is not None and tensor is count:
+            return tensor  # the epoch mean's sample count stays this host's (its sum carries the shared mean)
+        name = metric.meta.name
+        local = tensor if count is None else tensor / count
+        if recording:
+            self.local[name] = (local.detach().clone(), _reduction(reduce_op))
+        shared = self.shared.get(name)
+        if shared is None:
+            self._warn_once(name)
+            return tensor
+        value = torch.full_like(tensor, shared)
+        return value if count is None else value * count
+
+    def take(self) -> dict[str, list]:
+        """This host's latest values, ``{name: [value, reduction]}``, as much as a delta can carry."""
+        values = {name: [float(v), op] for name, (v, op) in self.local.items()}
+        kept, dropped = fit_metrics(values)
+        if set(dropped) - self._dropped:
+            self._dropped |= set(dropped)
+            log.warning("nodeox: sync_dist values %s are not shared across hosts: a round carries at most 4 KiB of "
+                        "metric names and values; log fewer values with sync_dist=True", sorted(self._dropped))
+        return kept
+
+    def update(self, metrics: dict[str, list]) -> None:
+        """The run's values from an applied sync."""
+        self.shared.update({name: float(value) for name, (value, _) in metrics.items()})
+
+    def publish(self, callback_metrics: dict) -> None:
+        """Put the run's latest values into ``trainer.callback_metrics`` (after the last round)."""
+        for name, value in self.shared.items():
+            if name in callback_metrics:
+                callback_metrics[name] = torch.tensor(value, dtype=getattr(callback_metrics[name], "dtype", None))
+
+    def _warn_once(self, name: str) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("nodeox: %r is logged with sync_dist=True; until a round has shared it this host uses its "
+                        "own value. Hosts share such values at round boundaries: each sees the mean across hosts "
+                        "as of the last round (see docs/lightning.md).", name)
+
+
+def _reduction(reduce_op) -> str:
+    name = str(getattr(reduce_op, "name", reduce_op) or "mean").lower()
+    return "mean" if name in ("avg", "mean") else name

@@ -1,0 +1,143 @@
+"""An in-process transport: the real coordinator round object (``Rounds``) on an event loop of its own, and a
+client that calls it directly. It is the second client/server pair the protocol allows (the first is HTTP),
+so tests can drive each recovery rule of a host's round without a network, and break things on purpose."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from lightning_nodeox.coordinator.config import CoordinatorConfig
+from lightning_nodeox.coordinator.rounds import Rounds
+from lightning_nodeox.coordinator.runlog import RunLog
+from lightning_nodeox.core.pool import WorkerPool
+from lightning_nodeox.core.specs import specs_from_json
+from lightning_nodeox.core.protocol import (
+    JoinReply, Reason, Refusal, RunComplete, SyncGone, SyncReady, SyncReply, Upload,
+)
+
+
+class BytesBody:
+    """A received body held in memory; ``break_after`` bytes, then it ends early (a broken download)."""
+
+    def __init__(self, data: bytes, break_after: int | None = None) -> None:
+        self.size = len(data)
+        self._data = io.BytesIO(data if break_after is None else data[:break_after])
+
+    def readinto(self, view: memoryview) -> int:
+        return self._data.readinto(view)
+
+    def close(self) -> None:
+        pass
+
+
+class LocalCoordinator:
+    """``Rounds`` on a background event loop; ``tick()`` does what the server's ticker does."""
+
+    def __init__(self, run_dir: Path, hosts: int = 2, **config) -> None:
+        self.config = CoordinatorConfig(hosts=hosts, run_dir=run_dir, bind="127.0.0.1:0", threads=1, **config)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.pool = WorkerPool(self.config.q4, "cpu", 1)
+        self.runlog = RunLog(run_dir)
+        self.rounds: Rounds = self.call(self._make())
+
+    async def _make(self) -> Rounds:
+        return Rounds(self.config, self.runlog, self.pool)
+
+    def call(self, coroutine, timeout: float = 30.0):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def tick(self) -> None:
+        self.call(self.rounds.maybe_close())
+
+    def close(self) -> None:
+        self.rounds.close()
+        self.pool.close()
+        self.runlog.close()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+class LocalClient:
+    """The protocol's calls for host ``host``, straight into ``LocalCoordinator.rounds``.
+
+    ``break_next_sync``: the next sync download ends half-way. ``drop_sync_of``: the sync of that round is
+    never applied by this host (as if lost), so its next delta is computed against a stale model."""
+
+    url = "local://coordinator"
+
+    def __init__(self, coordinator: LocalCoordinator, host: str) -> None:
+        self.coordinator = coordinator
+        self.rounds = coordinator.rounds
+        self.host = host
+        self.break_next_sync = False
+        self.credential = ""
+
+    def cancel(self) -> None:
+        pass
+
+    def join(self, tensors: list, *, model_hash: str | None = None, round_: int | None = None) -> JoinReply:
+        reply = self.coordinator.call(self.rounds.join(self.host, specs_from_json(tensors), self.credential,
+                                                       model_hash, round_))
+        self.credential = reply.credential or self.credential
+        return reply
+
+    def put_model(self, body) -> str:
+        data = bytearray()
+        while chunk := body.read(1 << 20):
+            data += bytes(chunk)
+        tensor = torch.frombuffer(data, dtype=torch.uint8)
+        return self.coordinator.call(self.rounds.put_model(self.host, tensor))["model_hash"]
+
+    def post_delta(self, round_: int, body: memoryview) -> Upload:
+        buffer = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+
+        async def post() -> None:
+            self.rounds.check_upload(self.host, round_, buffer.numel())
+            await self.rounds.accept_delta(self.host, round_, buffer, time.time())
+
+        try:
+            self.coordinator.call(post())
+        except Refusal as e:
+            if e.reason is Reason.DUPLICATE:
+                return Upload.TAKEN
+            if e.reason in (Reason.LATE, Reason.STALE_BASE):
+                return Upload(e.reason.value)
+            raise
+        return Upload.TAKEN
+
+    def wait_sync(self, round_: int, poll: float = 5.0) -> SyncReply:
+        while True:
+            try:
+                message = self.coordinator.call(self.rounds.wait_sync(round_, poll, self.host))
+            except Refusal as e:
+                if e.reason is Reason.GONE:
+                    return SyncGone()
+                raise
+            if message is not None:
+                complete = self.rounds.complete and self.rounds.published_round == round_
+                data = bytes(message.view())
+                broken, self.break_next_sync = self.break_next_sync, False
+                return SyncReady(round_, BytesBody(data, len(data) // 2 if broken else None), complete)
+            if self.rounds.complete:
+                return RunComplete()
+
+    def get_model(self) -> BytesBody:
+        async def chunks() -> bytes:
+            model = self.rounds.require_model()
+            return b"".join(bytes(v) for v in model.model_chunks(self.rounds.round))
+
+        return BytesBody(self.coordinator.call(chunks()))
+
+    def post_events(self, records: list[dict], *, retry_for: float = 0.0) -> None:
+        pass
+
+    def leave(self) -> None:
+        self.coordinator.call(self.rounds.leave(self.host))

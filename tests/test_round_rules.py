@@ -1,0 +1,180 @@
+"""Each recovery rule of a host's round, against the real coordinator round object in-process (no HTTP):
+hosts end on the coordinator's model, bit for bit, whatever went wrong on the way."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from lightning_nodeox.core.hashing import model_hash
+from lightning_nodeox.core.phases import PhaseLog
+from lightning_nodeox.core.protocol import Upload
+from lightning_nodeox.host.round import HostRound
+from lightning_nodeox.host.tensors import HostTensors
+from local_transport import LocalClient, LocalCoordinator
+
+SHAPES = {"w": (50, 40), "b": (50,), "norm.running_mean": (50,)}
+
+
+def model(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(n, torch.randn(s, generator=gen)) for n, s in SHAPES.items()]
+
+
+def train(host: HostRound, step: int) -> None:
+    """Stand-in for local training: a different nudge per host and step."""
+    gen = torch.Generator().manual_seed(hash((host.host, step)) & 0xFFFF)
+    with torch.no_grad():
+        for t in host.tensors.live:
+            t.add_(torch.randn(t.shape, generator=gen) * 0.01)
+
+
+@pytest.fixture
+def coordinator(tmp_path):
+    started = []
+
+    def start(hosts: int = 2, **config) -> LocalCoordinator:
+        c = LocalCoordinator(tmp_path / f"run{len(started)}", hosts, **config)
+        started.append(c)
+        return c
+
+    yield start
+    for c in started:
+        c.close()
+
+
+def join(coordinator: LocalCoordinator, *ids: str) -> list[HostRound]:
+    hosts = [HostRound(HostTensors(model(seed=i)), LocalClient(coordinator, h), PhaseLog(h)) for i, h in enumerate(ids)]
+    for h in hosts:
+        h.join()
+        h.phases.records.clear()  # what happens from here on is the test's
+    return hosts
+
+
+def coordinator_hash(coordinator: LocalCoordinator) -> str:
+    return coordinator.rounds.model.hash
+
+
+def assert_on_the_run_model(coordinator: LocalCoordinator, *hosts: HostRound) -> None:
+    expected = coordinator_hash(coordinator)
+    for h in hosts:
+        assert h.model_hash == expected == model_hash(h.tensors.named()), h.host
+        assert all(torch.equal(b, t) for b, t in zip(h.tensors.base, h.tensors.live))
+
+
+def upload(host: HostRound, samples: int = 8, final: bool = False) -> Upload:
+    return host.upload(host.encode(host.tensors.live, samples, final))
+
+
+def test_hosts_agree_after_joining_and_a_normal_round(coordinator) -> None:
+    c = coordinator()
+    a, b = join(c, "a", "b")
+    assert a.model_hash == b.model_hash == coordinator_hash(c)  # b fetched a's model: they started different
+    train(a, 0), train(b, 0)
+    assert upload(a) is Upload.TAKEN and upload(b) is Upload.TAKEN
+    assert a.synchronize().contributed and b.synchronize().contributed
+    assert a.round == b.round == 1
+    assert_on_the_run_model(c, a, b)
+
+
+def test_a_retried_delta_is_taken_once(coordinator) -> None:
+    c = coordinator()
+    a, b = join(c, "a", "b")
+    train(a, 0)
+    message = a.encode(a.tensors.live, 8, False)
+    assert a.upload(message) is Upload.TAKEN
+    assert a.upload(message) is Upload.TAKEN  # the same bytes again: a retry after a lost reply
+    assert c.rounds.received == {"a": 8}
+    upload(b, samples=24)
+    a.synchronize(), b.synchronize()
+    assert c.rounds.model.weight == 0 and a.round == 1  # the round closed with 8 + 24 samples, not 16 + 24
+    assert_on_the_run_model(c, a, b)
+
+
+def test_a_late_delta_is_dropped_and_its_round_sync_still_applies(coordinator) -> None:
+    c = coordinator(round_timeout=0.2, min_hosts=1)
+    a, b = join(c, "a", "b")
+    train(a, 0), train(b, 0)
+    assert upload(a) is Upload.TAKEN
+    time.sleep(0.3)
+    c.tick()  # the round closes on its timeout without b
+    assert upload(b) is Upload.LATE
+    a.synchronize(), b.synchronize()
+    assert b.round == a.round == 1
+    assert_on_the_run_model(c, a, b)
+
+
+def test_a_stale_delta_makes_the_host_fetch_the_model_and_rejoin_the_round(coordinator) -> None:
+    c = coordinator(round_timeout=0.2, min_hosts=1)
+    a, b = join(c, "a", "b")
+    for r in range(2):  # b sleeps through two rounds: its next delta is computed against round 0's model
+        train(a, r)
+        upload(a)
+        time.sleep(0.3)
+        c.tick()
+        a.synchronize()
+    train(b, 0)
+    assert upload(b) is Upload.STALE_BASE  # b fetched the model and sent an empty delta for the current round
+    assert b.round == a.round == 2 and b.model_hash == a.model_hash
+    train(a, 2)
+    upload(a)
+    a.synchronize(), b.synchronize()
+    assert_on_the_run_model(c, a, b)
+
+
+def test_a_sync_that_is_gone_makes_the_host_fetch_the_model(coordinator) -> None:
+    c = coordinator(round_timeout=0.2, min_hosts=1)
+    a, b = join(c, "a", "b")
+    for r in range(2):
+        train(a, r)
+        upload(a)
+        time.sleep(0.3)
+        c.tick()
+        a.synchronize()
+    result = b.synchronize()  # b asks for round 0's sync; rounds 0 and 1 have been published since
+    assert not result.contributed and b.round == 2
+    assert_on_the_run_model(c, a, b)
+    assert any(r.phase == "fallback_fetch" for r in recorded(b))
+
+
+def test_a_broken_download_is_asked_for_again(coordinator) -> None:
+    c = coordinator()
+    a, b = join(c, "a", "b")
+    train(a, 0), train(b, 0)
+    upload(a), upload(b)
+    b.client.break_next_sync = True
+    a.synchronize()
+    assert b.synchronize().contributed  # the second try succeeded: no fallback to the full model
+    assert not any(r.phase == "fallback_fetch" for r in recorded(b))
+    assert_on_the_run_model(c, a, b)
+
+
+def test_a_model_hash_mismatch_makes_the_host_fetch_the_model(coordinator) -> None:
+    c = coordinator()
+    a, b = join(c, "a", "b")
+    train(a, 0), train(b, 0)
+    upload(a), upload(b)
+    with torch.no_grad():
+        b.tensors.base[0][0, 0] += 1.0  # b's copy of θ_r is corrupt: the sync cannot reproduce the run's model
+    a.synchronize()
+    assert not b.synchronize().contributed
+    assert_on_the_run_model(c, a, b)
+
+
+def recorded(host: HostRound) -> list:
+    return host.phases.records
+
+
+@pytest.fixture(autouse=True)
+def keep_records(monkeypatch):
+    """Give every PhaseLog a list of the records it emitted (``host.phases.records``)."""
+    original = PhaseLog.__init__
+
+    def init(self, host: str) -> None:
+        original(self, host)
+        self.records = []
+        self.listeners.append(self.records.append)
+
+    monkeypatch.setattr(PhaseLog, "__init__", init)
