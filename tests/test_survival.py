@@ -67,7 +67,7 @@ def test_a_host_whose_training_step_raises_leaves_and_the_other_finishes_on_time
     result = launch(run_dir, 2, [*DIGITS, "--out", str(out), "--fail-round", "1"], "--lease", "120", timeout=180)
     assert result.returncode != 0, "launch reports the host that failed"
     assert "injected failure in training_step" in result.stdout
-    assert "host 1 failed: exit status 1; the other hosts go on" in result.stdout
+    assert "host 1 failed: exit status 1" in result.stdout  # host 0 may end first: interpreter exit is slow
     records = read_events(run_dir)
     assert {(e["round"], e["phase"]) for e in records if e["host"] == "1"} >= {(0, "train"), (0, "verify")}
     waits = {e["round"]: e["end"] - e["start"] for e in records if e["host"] == "0" and e["phase"] == "wait"}
