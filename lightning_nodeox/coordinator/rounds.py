@@ -565,8 +565,8 @@ class Rounds:
             self.require_model()  # a resumed run whose saved state is behind this host: it gives its model back
             raise Refusal(Reason.NOT_OPEN, f"round {round_} has not started; the coordinator is at round {self.round}",
                           round=self.round)
-        if (round_ == self.round and not self.closing and entry is not None and host not in self.received
-                and entry.state in (HostState.TRAINING, HostState.DROPPED)):
+        if (round_ == self.round and not self.closing and not self.complete and entry is not None
+                and host not in self.received and entry.state in (HostState.TRAINING, HostState.DROPPED)):
             raise Refusal(Reason.NO_DELTA, f"the coordinator holds no delta of host {host} for round {round_} (it "
                                            "restarted, or the delta was never sent): send it again")
         if entry is not None:
