@@ -37,6 +37,7 @@ from ..core.phases import PhaseLog, PhaseRecord
 from . import machine
 from .client import HttpClient
 from .clock import ClockOffset
+from .heartbeat import Heartbeat
 from .metrics import SharedMetrics
 from .progress import RoundProgress
 from .ranks import HostRanks, OneRank, WorldOfOne
@@ -49,6 +50,8 @@ from .tensors import HostTensors, shared_tensors
 from .worker import ExchangeWorker
 
 log = logging.getLogger(__name__)
+
+TELEMETRY_FLUSH_SECONDS = 4.0
 
 
 class NodeoxStrategy(DDPStrategy):
@@ -135,6 +138,7 @@ class NodeoxStrategy(DDPStrategy):
         self._in_flight: Future | None = None  # overlap: the exchange of the round that closed last
         self._in_flight_round = 0
         self._telemetry: TelemetryShipper | None = None
+        self._heartbeat: Heartbeat | None = None
         self._phases: PhaseLog | None = None
         self._depth = 0
         self._stepped = False
@@ -288,9 +292,11 @@ class NodeoxStrategy(DDPStrategy):
         log.info("NodeoxStrategy: host %s joining %s (%d tensors, %.1f MB, local_steps=%d, %d rank%s)", conn.host_id,
                  conn.coordinator_url, len(tensors.live), tensors.nbytes / 1e6, settings.local_steps,
                  self._ranks.size, "" if self._ranks.size == 1 else "s")
+        self._heartbeat = Heartbeat(client)  # keeps this host's lease, from before it joins until it leaves
         try:
             self._round.join()
         except BaseException:
+            self._heartbeat.stop()
             self._telemetry.close(timeout=2.0)
             self._round.close()
             raise
@@ -463,6 +469,9 @@ class NodeoxStrategy(DDPStrategy):
         super().on_exception(exception)
 
     def _leave(self, interrupted: bool = False) -> None:
+        """Flush this host's phase records and tell the coordinator it left, within about 10 s (the flush, then
+        the goodbye's own deadline), whether training ended or failed: cancelling stops only the exchange in
+        flight, not the goodbye, so other hosts never wait for a host that is gone."""
         if self._worker is None or self._left:
             return
         self._left = True
@@ -471,10 +480,11 @@ class NodeoxStrategy(DDPStrategy):
         self._worker.close(wait=not interrupted)
         if not interrupted:
             self._round.close()
-        self._telemetry.close()  # before leaving: the coordinator may stop once every host has left
+        self._heartbeat.stop()
+        self._telemetry.close(timeout=TELEMETRY_FLUSH_SECONDS)  # first: the coordinator may stop once all left
         try:
             self._round.client.leave()
-        except Exception as e:  # noqa: BLE001 - leaving is a courtesy; the coordinator times hosts out
+        except Exception as e:  # noqa: BLE001 - leaving is a courtesy; the coordinator's lease drops the host
             log.warning("NodeoxStrategy: could not tell the coordinator that host %s left: %s",
                         self.connection.host_id, e)
 

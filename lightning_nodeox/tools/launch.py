@@ -10,7 +10,8 @@ its other ranks (they share the host's output prefix and CPU share).
 
 Outputs are shown line by line with a prefix; a progress bar, which redraws its line with carriage returns,
 shows as its line ends rather than once per refresh. A host that fails (exits non-zero, e.g. after a SIGTERM)
-is named at once; the others go on (a host that leaves is no longer waited for), and launch exits non-zero.
+is named at once; the others go on (as on a cluster: it left, or its lease expires), and launch exits
+non-zero. If the coordinator fails, the hosts are stopped.
 """
 
 from __future__ import annotations
@@ -186,7 +187,7 @@ def launch(hosts: int, run_dir: Path, coordinator_args: list[str], command: list
                 break
             time.sleep(0.1)
         try:
-            coordinator.wait(30 if status == 0 else 0.1)
+            coordinator.wait(30 if status == 0 else 5)  # it stops by itself once the run is complete
         except subprocess.TimeoutExpired:
             pass
         _stop([coordinator])

@@ -29,14 +29,17 @@ from lightning_nodeox.host.tensors import shared_tensors
 
 
 class DigitsNet(LightningModule):
-    def __init__(self, lr: float = 0.05, host: int = 0, stop_host: int = -1) -> None:
+    def __init__(self, lr: float = 0.05, host: int = 0, stop_host: int = -1, fail_at_step: int = -1) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 10))
         self.lr = lr
         self.host = host
         self.stop_host = stop_host
+        self.fail_at_step = fail_at_step
 
     def training_step(self, batch, batch_idx):
+        if self.global_step == self.fail_at_step:
+            raise RuntimeError(f"injected failure in training_step at step {self.global_step}")
         x, y = batch
         loss = nn.functional.cross_entropy(self.net(x), y)
         self.log("train_loss", loss, on_step=True, prog_bar=False)
@@ -56,7 +59,7 @@ class DumpRounds(Callback):
     """Writes the shared tensors after each completed round, and the losses seen."""
 
     def __init__(self, out: Path, host: str) -> None:
-        self.out, self.host, self.seen, self.losses, self.shared = out, host, -1, [], []
+        self.out, self.host, self.seen, self.losses, self.times, self.shared = out, host, -1, [], [], []
 
     def _prefix(self, trainer) -> str:
         return f"host{self.host}" + (f".rank{trainer.global_rank}" if trainer.global_rank else "")
@@ -70,6 +73,7 @@ class DumpRounds(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))
+        self.times.append(time.time())
         self.shared.append(float(trainer.callback_metrics.get("shared_step", math.nan)))
         result = trainer.strategy.last_result
         if result is not None and result.round != self.seen:
@@ -83,6 +87,7 @@ class DumpRounds(Callback):
     def on_fit_end(self, trainer, pl_module):
         self._dump(trainer, "final")
         (self.out / f"{self._prefix(trainer)}_losses.json").write_text(json.dumps(self.losses))
+        (self.out / f"{self._prefix(trainer)}_loss_times.json").write_text(json.dumps(self.times))
         (self.out / f"{self._prefix(trainer)}_shared.json").write_text(json.dumps(self.shared))
         (self.out / f"{self._prefix(trainer)}_metrics.json").write_text(
             json.dumps({k: float(v) for k, v in trainer.callback_metrics.items()}))
@@ -100,15 +105,24 @@ class Stall(Callback):
 
 
 class Pace(Callback):
-    """Sleeps at every step (a host of known speed, for time-budget rounds)."""
+    """Sleeps at every training step (a host of known speed, or a run long enough to be interrupted)."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        import time
-
         time.sleep(self.seconds)
+
+
+class StopWhen(Callback):
+    """Ends training (gracefully: the final round follows) once a file exists."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.path.exists():
+            trainer.should_stop = True
 
 
 def main() -> None:
@@ -120,6 +134,9 @@ def main() -> None:
     p.add_argument("--skip-sync-round", type=int, default=-1, help="host 1 skips applying this round's sync")
     p.add_argument("--stall-round", type=int, default=-1, help="--stall-host stalls in this round (--stall-seconds)")
     p.add_argument("--stall-seconds", type=float, default=0.0)
+    p.add_argument("--fail-round", type=int, default=-1, help="host 1's training_step raises mid-way through this round")
+    p.add_argument("--step-seconds", type=float, default=0.0, help="sleep this long at every step (pacing)")
+    p.add_argument("--stop-file", type=Path, help="end training once this file exists")
     p.add_argument("--stall-host", default="1")
     p.add_argument("--stop-host", type=int, default=-1,
                    help="EarlyStopping on every host, triggered on this host alone at its first epoch end; "
@@ -128,7 +145,6 @@ def main() -> None:
     p.add_argument("--resume", type=Path, help="resume fit from this checkpoint")
     p.add_argument("--overlap", default="off", choices=("off", "eager", "delayed"))
     p.add_argument("--round-seconds", type=float)
-    p.add_argument("--step-seconds", type=float, default=0.0, help="sleep this long at every step")
     p.add_argument("--devices", default="1", help="devices (CPU ranks) of the host, or one number per host id: 2,1")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -140,7 +156,8 @@ def main() -> None:
     data = TensorDataset(torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y))
     gen = torch.Generator().manual_seed(int(host))
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=True, generator=gen, drop_last=True)
-    model = DigitsNet(host=int(host), stop_host=args.stop_host)
+    fail = args.fail_round * args.local_steps + args.local_steps // 2 if args.fail_round >= 0 and host == "1" else -1
+    model = DigitsNet(host=int(host), stop_host=args.stop_host, fail_at_step=fail)
     if args.skip_sync_round >= 0 and host == "1":
         from lightning_nodeox.core.hashing import RowHasher
         from lightning_nodeox.host.tensors import HostTensors
@@ -156,8 +173,10 @@ def main() -> None:
     callbacks = [PhaseMonitor(), DumpRounds(args.out, host)]
     if args.stall_round >= 0 and host == args.stall_host:
         callbacks.append(Stall(args.stall_round * args.local_steps + 1, args.stall_seconds))
-    if args.step_seconds:
+    if args.step_seconds > 0:
         callbacks.append(Pace(args.step_seconds))
+    if args.stop_file is not None:
+        callbacks.append(StopWhen(args.stop_file))
     if args.checkpoint_every:
         callbacks.append(ModelCheckpoint(dirpath=args.out, filename=f"host{host}", every_n_train_steps=args.checkpoint_every,
                                          save_top_k=-1, enable_version_counter=False))
