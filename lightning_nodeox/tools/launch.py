@@ -26,7 +26,9 @@ import time
 from pathlib import Path
 
 from ..core.cpu import granted_cpus
-from ..core.settings import ENV_CA_FILE
+from ..core.settings import (
+    ENV_CA_FILE, ENV_HOST_ID, ENV_LOCAL_RANK, ENV_NUM_HOSTS, ENV_RUN_DIR, ENV_TOKEN, ENV_URL,
+)
 
 STOP_GRACE = 10.0
 
@@ -147,10 +149,10 @@ def launch(hosts: int, run_dir: Path, coordinator_args: list[str], command: list
     procs: list[subprocess.Popen] = []
     threads: list[threading.Thread] = []
     for i in range(hosts):
-        host_env = dict(env, NODEOX_HOST_ID=str(i), NODEOX_LOCAL_HOST_RANK=str(i), NODEOX_NUM_HOSTS=str(hosts),
-                        NODEOX_COORDINATOR_URL=url, NODEOX_RUN_DIR=str(run_dir))
+        host_env = {**env, ENV_HOST_ID: str(i), ENV_LOCAL_RANK: str(i), ENV_NUM_HOSTS: str(hosts), ENV_URL: url,
+                    ENV_RUN_DIR: str(run_dir)}
         if token:
-            host_env["NODEOX_TOKEN"] = token
+            host_env[ENV_TOKEN] = token
         if tls_cert is not None and ENV_CA_FILE not in os.environ:
             host_env[ENV_CA_FILE] = str(Path(tls_cert).resolve())
         if visible[i] is not None and "CUDA_VISIBLE_DEVICES" not in os.environ:
