@@ -120,11 +120,12 @@ def test_torchrun_host_of_two_ranks_with_a_time_budget_and_delayed_overlap(coord
     published = [e["model_hash"] for e in coord.events() if e["phase"] == "sync_prepare"]
     assert_all_end_identical(out, published[-1])
     assert_ranks_identical_after_every_round(out)
-    # the first host to reach max_steps ends the run: both ranks of host 0 stop together, at the same step
+    # the first host to reach max_steps ends the run: both ranks of host 0 stop together, at the same step (steps
+    # taken after the run completed, during an overlapped round, are not sent: the host ends on the run's model)
     steps = [e["steps"] for e in coord.events() if e["phase"] == "train" and e["host"] == "0"]
     ended = [json.loads((out / f"{name}_after_fit.json").read_text())["global_step"]
              for name in ("host0", "host0.rank1")]
-    assert ended == [sum(steps)] * 2 and 0 < sum(steps) <= 20
+    assert ended[0] == ended[1] and 0 < sum(steps) <= ended[0] <= 20
     assert all(e["ranks"] == 2 for e in coord.events() if e["phase"] == "train" and e["host"] == "0")
 
 
