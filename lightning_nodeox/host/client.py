@@ -93,6 +93,11 @@ class HttpClient:
         self._credential = ""  # this host's, from its join
         self._cancelled = threading.Event()
 
+    @property
+    def joined(self) -> bool:
+        """Whether this client holds a credential from a join (calls on the host's behalf can be made)."""
+        return bool(self._credential)
+
     def cancel(self) -> None:
         """Make waits and retries in progress give up (:class:`Cancelled`) at their next poll."""
         self._cancelled.set()

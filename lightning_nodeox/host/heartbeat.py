@@ -3,8 +3,9 @@
 The coordinator stops expecting a host it has not heard from within its lease (``nodeox coordinator --lease``),
 so a round closes on what the live hosts sent; a heartbeat from a dropped host makes it expected again. The
 thread beats four times per lease (at most every ``MAX_INTERVAL`` seconds), learning the lease from each
-answer. It runs from before the host joins (a coordinator that does not know the host yet refuses, which
-is ignored) until the host leaves, independently of training and of the exchange.
+answer. It starts before the host joins and beats from the moment the join has answered (so a host providing
+or fetching a large model at join keeps its lease), until the host leaves, independently of training and of the
+exchange.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            if not getattr(self.client, "joined", True):  # nothing to keep before the join has answered
+                self._stop.wait(0.1)
+                continue
             try:
                 lease = self.client.heartbeat()
             except Exception as e:  # noqa: BLE001 - the coordinator may be restarting; the next beat tries again
