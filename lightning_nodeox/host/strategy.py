@@ -292,7 +292,7 @@ class NodeoxStrategy(DDPStrategy):
         log.info("NodeoxStrategy: host %s joining %s (%d tensors, %.1f MB, local_steps=%d, %d rank%s)", conn.host_id,
                  conn.coordinator_url, len(tensors.live), tensors.nbytes / 1e6, settings.local_steps,
                  self._ranks.size, "" if self._ranks.size == 1 else "s")
-        self._heartbeat = Heartbeat(client)  # keeps this host's lease, from before it joins until it leaves
+        self._heartbeat = Heartbeat(client)  # keeps this host's lease from its join's answer until it leaves
         try:
             self._round.join()
         except BaseException:
