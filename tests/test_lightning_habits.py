@@ -11,14 +11,12 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
 import requests
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
 from conftest import HOSTS, REPO, launch, read_events
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_end_to_end import load
 
 STEPS_PER_EPOCH = 56  # 1797 digits in batches of 32, the last one dropped
