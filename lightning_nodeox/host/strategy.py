@@ -122,6 +122,7 @@ class NodeoxStrategy(SingleDeviceStrategy):
         self._worker: ExchangeWorker | None = None
         self._in_flight: Future | None = None  # overlap: the exchange of the round that closed last
         self._in_flight_round = 0
+        self._in_flight_step = 0  # where the overlapped round closed (for its progress line)
         self._telemetry: TelemetryShipper | None = None
         self._phases: PhaseLog | None = None
         self._depth = 0
@@ -246,10 +247,11 @@ class NodeoxStrategy(SingleDeviceStrategy):
         if mode is None or final:
             self.last_result = self._sigterm.wait(self._worker.submit(self._round.run_round, self._samples, final,
                                                                       self.metrics.take()))
-            self._after_round(self.last_result)
+            self._after_round(self.last_result, steps_taken(self.lightning_module.trainer))
         else:
             self._round.tensors.take_snapshot(restart_from_base=mode == "delayed")
             self._in_flight_round = self._round.round
+            self._in_flight_step = steps_taken(self.lightning_module.trainer)
             self._in_flight = self._worker.submit(self._round.run_overlapped, self._samples, mode == "delayed",
                                                   self.metrics.take())
         self._steps = self._samples = 0
@@ -270,13 +272,14 @@ class NodeoxStrategy(SingleDeviceStrategy):
                 self._round.tensors.restore_live()
             else:
                 self._round.tensors.fold()
-        self._after_round(self.last_result)
+        self._after_round(self.last_result, self._in_flight_step)
 
-    def _after_round(self, result: RoundResult) -> None:
-        """Take the run's shared values, show the round's progress line, and stop when the run is complete."""
+    def _after_round(self, result: RoundResult, step: int) -> None:
+        """Take the run's shared values, show the round's progress line (``step``: where the round closed), and
+        stop when the run is complete."""
         trainer = self.lightning_module.trainer
         self.metrics.update(result.metrics)
-        self._progress.show(trainer, self._progress.line(result.round, steps_taken(trainer), result.model_hash,
+        self._progress.show(trainer, self._progress.line(result.round, step, result.model_hash,
                                                          trainer.callback_metrics, result.complete))
         if result.complete:
             trainer.should_stop = True  # a host's training ended: every host stops at this round
