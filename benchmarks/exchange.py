@@ -56,6 +56,7 @@ def host_main(args: argparse.Namespace) -> None:
     from lightning_nodeox.core.phases import PhaseLog
     from lightning_nodeox.host.client import HttpClient
     from lightning_nodeox.host.clock import ClockOffset
+    from lightning_nodeox.host.heartbeat import Heartbeat
     from lightning_nodeox.host.round import HostRound
     from lightning_nodeox.host.telemetry import TelemetryShipper
     from lightning_nodeox.host.tensors import HostTensors
@@ -68,6 +69,7 @@ def host_main(args: argparse.Namespace) -> None:
     before = rss()
     clock = ClockOffset()
     client = HttpClient(os.environ["NODEOX_COORDINATOR_URL"], host=host, clock=clock, read_timeout=600)
+    beat = Heartbeat(client)  # keeps the lease while a large model is encoded or applied
     phases = PhaseLog(host)
     shipper = TelemetryShipper(client, clock)
     phases.listeners.append(shipper)
@@ -85,6 +87,7 @@ def host_main(args: argparse.Namespace) -> None:
         else:
             exchange.run_round(samples=32, final=r == args.rounds - 1)
     wall = time.time() - start
+    beat.stop()
     shipper.close()
     client.leave()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

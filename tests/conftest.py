@@ -25,8 +25,11 @@ class Coordinator:
     def __init__(self, run_dir: Path, hosts: int, *args: str, timeout: float = 60) -> None:
         self.run_dir = run_dir
         ready = run_dir / "ready"
+        ready.unlink(missing_ok=True)
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.log = open(run_dir / "coordinator.log", "w")
+        n = len(list(run_dir.parent.glob(f"{run_dir.name}-coordinator*.log")))
+        self.log_path = run_dir.parent / f"{run_dir.name}-coordinator{n}.log"  # outside: a new run moves records aside
+        self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "lightning_nodeox", "coordinator", "--hosts", str(hosts), "--run-dir", str(run_dir),
              "--bind", "127.0.0.1:0", "--ready-file", str(ready), "--threads", "1", *args],
@@ -35,7 +38,7 @@ class Coordinator:
         while not ready.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"coordinator did not start: {(run_dir / 'coordinator.log').read_text()}")
+                raise RuntimeError(f"coordinator did not start: {self.log_path.read_text()}")
             time.sleep(0.05)
         self.url = ready.read_text().strip()
 

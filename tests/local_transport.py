@@ -78,12 +78,16 @@ class LocalClient:
         self.rounds = coordinator.rounds
         self.host = host
         self.break_next_sync = False
+        self.credential = ""
 
     def cancel(self) -> None:
         pass
 
-    def join(self, tensors: list) -> JoinReply:
-        return self.coordinator.call(self.rounds.join(self.host, specs_from_json(tensors)))
+    def join(self, tensors: list, *, model_hash: str | None = None, round_: int | None = None) -> JoinReply:
+        reply = self.coordinator.call(self.rounds.join(self.host, specs_from_json(tensors), self.credential,
+                                                       model_hash, round_))
+        self.credential = reply.credential or self.credential
+        return reply
 
     def put_model(self, body) -> str:
         data = bytearray()

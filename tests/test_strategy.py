@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
 
 from lightning_nodeox import NodeoxStrategy, PhaseMonitor
 from lightning_nodeox.core.protocol import Unreachable
@@ -97,6 +97,9 @@ def test_two_optimizers_checkpoints_and_the_final_partial_round(coordinator, tmp
     assert model_hash(shared_tensors(model)) == published[-1]["model_hash"] == trainer.strategy.model_hash
     assert "a.1.running_mean" in dict(shared_tensors(model))
     assert (tmp_path / "ckpt" / "last.ckpt").exists()
+    # one device: a world of one, as Lightning's single-device strategy (no process group, the loader's own sampler)
+    assert not torch.distributed.is_initialized() and trainer.strategy.launcher is None and trainer.world_size == 1
+    assert type(trainer.train_dataloader.sampler) is SequentialSampler
     assert "loss_a" in trainer.logged_metrics
     assert coord.wait(30) == 0  # the coordinator exits once its only host has finished and left
 

@@ -82,7 +82,7 @@ def test_insecure_binds_everywhere_and_says_the_address_bound(tmp_path) -> None:
         assert requests.get(f"http://127.0.0.1:{port}/v1/health", timeout=10).json() == {"ok": True}
     finally:
         coord.stop()
-    assert f"listening on {coord.url} " in (tmp_path / "run" / "coordinator.log").read_text()
+    assert f"listening on {coord.url} " in coord.log_path.read_text()
 
 
 def test_an_ipv6_bind_is_printed_in_brackets_and_reachable(tmp_path) -> None:

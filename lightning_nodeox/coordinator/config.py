@@ -59,10 +59,16 @@ class CoordinatorConfig:
 
     Args:
         hosts: hosts expected; round 0 waits until this many have joined.
-        run_dir: where events.jsonl and TensorBoard files go.
+        run_dir: where events.jsonl, TensorBoard files and the run's state (``state/``) go.
         bind: ``HOST:PORT`` to listen on.
-        min_hosts: with ``round_timeout``, the fewest deltas a round closes with once the timeout passes.
-        round_timeout: seconds a round waits for its last hosts (None: wait for every active host).
+        min_hosts: the fewest deltas a round closes with (None: 1), lowered to the number of hosts that have not
+            finished, so finishing hosts never block the end of the run.
+        round_timeout: seconds a round waits for its last live hosts (None: wait for every live host).
+        lease: seconds a host stays expected without a heartbeat; then it is dropped until it is heard from again.
+        snapshot_every: write the model to ``state/`` every this many rounds (and at shutdown); between snapshots a
+            restarted coordinator takes the model back from a host that holds it.
+        transfer_timeout: seconds any upload or download may take, plus one second per MB of it.
+        fresh: start a new run even if ``run_dir`` holds an unfinished one (its records are moved aside).
         token: bearer token every request must carry (None: no authentication; then ``bind`` must be a
             loopback address unless ``insecure``).
         insecure: allow binding beyond loopback without a token (a network you trust entirely).
@@ -95,6 +101,11 @@ class CoordinatorConfig:
     outer: OuterSettings = field(default_factory=OuterSettings)
     provider_timeout: float = 300.0
     long_poll: float = 30.0
+    lease: float = 10.0
+    snapshot_every: int = 10
+    transfer_timeout: float = 60.0
+    fresh: bool = False
+    status_interval: float = 5.0
 
     def __post_init__(self) -> None:
         if self.hosts < 1:
@@ -103,6 +114,12 @@ class CoordinatorConfig:
             raise ValueError(f"--min-hosts must be between 1 and --hosts ({self.hosts}), got {self.min_hosts}")
         if self.round_timeout is not None and self.round_timeout <= 0:
             raise ValueError(f"--round-timeout must be positive seconds, got {self.round_timeout}")
+        if not self.lease > 0:
+            raise ValueError(f"--lease must be positive seconds, got {self.lease}")
+        if self.snapshot_every < 1:
+            raise ValueError(f"--snapshot-every must be at least 1 round, got {self.snapshot_every}")
+        if not self.transfer_timeout > 0:
+            raise ValueError(f"--transfer-timeout must be positive seconds, got {self.transfer_timeout}")
         if self.rss_interval <= 0:
             raise ValueError(f"--rss-interval must be positive seconds, got {self.rss_interval}")
         if self.initial_model is not None and not Path(self.initial_model).is_file():
@@ -125,4 +142,5 @@ class CoordinatorConfig:
 
     @property
     def quorum(self) -> int:
-        return self.hosts if self.min_hosts is None else self.min_hosts
+        """The fewest deltas a round closes with (before lowering it to the hosts that have not finished)."""
+        return 1 if self.min_hosts is None else self.min_hosts

@@ -68,8 +68,9 @@ def model_bytes(specs: tuple[TensorSpec, ...]) -> int:
     return sum(s.numel * s.torch_dtype.itemsize for s in specs)
 
 
-def parse_join(body: bytes) -> tuple[str, tuple[TensorSpec, ...]]:
-    """The host id and tensor specs of a join request."""
+def parse_join(body: bytes) -> tuple[str, tuple[TensorSpec, ...], tuple[str | None, int | None]]:
+    """The host id and tensor specs of a join request, and the model hash and round the host says it holds
+    (both None on a first join; a resumed run takes its model back from such a host)."""
     usage = 'join needs a JSON body {"host": ID, "tensors": [[NAME, DTYPE, SHAPE], ...]}'
     value = decode_json(body, "join")
     if not isinstance(value, dict) or not isinstance(value.get("tensors"), list):
@@ -83,7 +84,15 @@ def parse_join(body: bytes) -> tuple[str, tuple[TensorSpec, ...]]:
     if not specs or size > MAX_MODEL_BYTES:
         raise Refusal(Reason.INVALID, f"join: a model of {len(specs)} tensors and {size} bytes is not supported "
                                       f"(1 to {MAX_MODEL_BYTES} bytes)")
-    return host, specs
+    model_hash, round_ = value.get("model_hash"), value.get("round")
+    if model_hash is None:
+        return host, specs, (None, None)
+    if not isinstance(model_hash, str) or len(model_hash) > MAX_TEXT:
+        raise Refusal(Reason.INVALID, "join: model_hash must be a string (the hash of the model the host holds)")
+    try:
+        return host, specs, (model_hash, None if round_ is None else _int(round_, "join: round"))
+    except ValueError as e:
+        raise Refusal(Reason.INVALID, str(e)) from None
 
 
 def _int(value: object, what: str) -> int:

@@ -1,6 +1,8 @@
-"""The coordinator's tensors: its copy of the model, the round's accumulator, and the sync it publishes.
+"""The coordinator's tensors: its copy of the model, the round's accumulator, the sync it publishes, and the
+full-model downloads in flight.
 
-All methods here do tensor work and run on the coordinator's work thread, never on the event loop.
+Tensor work here runs on the coordinator's work thread, never on the event loop; a :class:`ModelStream` is read
+on the loop, a chunk at a time.
 """
 
 from __future__ import annotations
@@ -138,10 +140,24 @@ class CoordinatorModel:
         self._spare_sync, self.latest_sync = self.latest_sync, message
         self.hash = message.meta.model_hash
 
+    def adopt_sync(self, message: Q4Message) -> None:
+        """A sync read back from the run's saved state becomes the latest (never reused as a buffer)."""
+        self.latest_sync = message
+
+    def restore_outer(self, state: dict[str, torch.Tensor]) -> None:
+        """Load saved outer-optimizer state (the same names and sizes, or a ValueError naming the difference)."""
+        if set(state) != set(self.outer.state):
+            raise ValueError(f"the saved outer-optimizer state holds {sorted(state)[:3]}..., this run's optimizer "
+                             f"{sorted(self.outer.state)[:3]}...; start with the run's --outer-optimizer or --fresh")
+        for name, t in state.items():
+            self.outer.state[name].view(-1).copy_(t.reshape(-1))
+
     # -- sync buffers: reused, unless a slow download still reads one ------------------------------------------
     def _free_sync_buffer(self) -> Q4Message:
-        """The buffer for the next sync: never the published one, nor one a download still reads."""
-        if self._spare_sync is None or self._readers.get(id(self._spare_sync), 0):
+        """The buffer for the next sync: never the published one, nor one a download still reads, nor one of
+        another layout (a sync read back from saved state)."""
+        spare = self._spare_sync
+        if spare is None or spare.layout is not self.layout or self._readers.get(id(spare), 0):
             self._spare_sync = Q4Message.allocate(self.layout)
         return self._spare_sync
 
@@ -153,6 +169,10 @@ class CoordinatorModel:
             del self._readers[key]
 
     # -- the full model, only on demand ---------------------------------------------------------------------------
+    def stream(self, round_: int) -> ModelStream:
+        """A download of θ as it is now (call on the loop, while no round changes θ)."""
+        return ModelStream(model_header(self.specs, round_, self.hash), self.tensors)
+
     def model_chunks(self, round_: int, model_hash: str | None = None) -> list[memoryview]:
         """The safetensors file of θ as a header and one view per tensor (no copy of the tensors)."""
         views = [memoryview(model_header(self.specs, round_, model_hash or self.hash))]
@@ -172,3 +192,39 @@ class CoordinatorModel:
 
     def model_size(self, round_: int) -> int:
         return len(model_header(self.specs, round_, self.hash)) + self.nbytes
+
+
+class ModelStream:
+    """One full-model download in flight: the safetensors file of θ as it was when the download began.
+
+    It reads θ's own tensors, copying one chunk at a time as it sends it (the transport never holds a view of
+    θ). Before a round changes θ, :meth:`unsent` and :meth:`keep` copy aside the tensors not sent yet
+    (copy-on-publish), so the download stays consistent and the round never waits for it; the copies (at most
+    the model's size, usually far less) die with the download.
+    """
+
+    def __init__(self, header: bytes, tensors: list[torch.Tensor]) -> None:
+        self.parts = [torch.frombuffer(bytearray(header), dtype=torch.uint8)]
+        self.parts += [t.detach().reshape(-1).view(torch.uint8) for t in tensors]
+        self.size = sum(p.numel() for p in self.parts)
+        self.next_part = 0  # parts before it are sent; it may be half sent
+        self.kept_bytes = 0
+
+    def chunks(self, size: int):
+        """The file in copied chunks of at most ``size`` bytes (each part is looked up afresh, so kept copies
+        take over mid-part)."""
+        for i in range(len(self.parts)):
+            self.next_part = i
+            for start in range(0, self.parts[i].numel(), size):
+                yield bytes(memoryview(self.parts[i][start : start + size].numpy()))
+        self.next_part = len(self.parts)
+
+    def unsent(self) -> list[tuple[int, torch.Tensor]]:
+        """Copies of the parts not sent yet (work thread, before θ changes)."""
+        return [(i, self.parts[i].clone()) for i in range(max(self.next_part, 1), len(self.parts))]
+
+    def keep(self, copies: list[tuple[int, torch.Tensor]]) -> None:
+        """Read the remaining parts from ``copies`` from now on (on the loop, before θ changes)."""
+        for i, copy in copies:
+            self.parts[i] = copy
+            self.kept_bytes += copy.numel()

@@ -4,6 +4,13 @@ onto the round state machine; refusals become JSON errors with the status their 
 Every response carries the coordinator's clock in ``X-Nodeox-Time``, for clock alignment. Calls that name a
 host are authenticated by that host's credential (:meth:`Rounds.authenticate`); request bodies go through
 :mod:`~lightning_nodeox.coordinator.intake` before anything else sees them. With ``--tls-cert`` it serves HTTPS.
+
+Slow and stuck peers cannot hold the run: every body read and every response write has a time limit of
+``--transfer-timeout`` plus one second per MB (then the connection is cut and its buffer released); a receive
+buffer is taken only for a host the round expects, with no upload of its own in flight (else ``BUSY``), and
+at most ``MAX_UPLOADS`` bodies are read at once (others wait their turn, unread); at most
+``MAX_MODEL_DOWNLOADS`` full-model downloads run at once, for joined hosts only, and a round never waits for
+one (copy-on-publish, :class:`~lightning_nodeox.coordinator.model.ModelStream`).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import logging
 import os
 import signal
 import ssl
+import sys
 import time
 from pathlib import Path
 
@@ -24,7 +32,7 @@ from aiohttp import web
 
 from ..core import protocol as proto
 from ..core.cpu import choose_threads
-from ..core.phases import COORDINATOR, MODEL_MATERIALIZE, PhaseRecord
+from ..core.phases import COORDINATOR, MODEL_MATERIALIZE, RESTART, PhaseRecord
 from ..core.pool import WorkerPool
 from ..core.protocol import HTTP_STATUS, Reason, Refusal
 from ..core.specs import PayloadError
@@ -32,15 +40,19 @@ from . import intake
 from .config import CoordinatorConfig, parse_bind
 from .rounds import Host, Rounds
 from .runlog import RunLog
+from .state import RunStore, take_up
 
 log = logging.getLogger(__name__)
 
 ROUNDS = web.AppKey("rounds", Rounds)
 TOKEN = web.AppKey("token", str)
 BUFFERS = web.AppKey("buffers", object)
+UPLOADS = web.AppKey("uploads", object)
 BUDGET = web.AppKey("budget", intake.TelemetryBudget)
 SEND_CHUNK = 8 << 20  # bytes handed to the transport at a time, so its buffer never holds a whole payload
-MIN_DOWNLOAD_RATE = 5e6  # bytes/s: a full-model download slower than this (plus a minute) is cut off
+MIN_RATE = 1e6  # bytes/s: a transfer slower than this (after --transfer-timeout) is cut off
+MAX_UPLOADS = 8  # delta bodies read at once (each needs a receive buffer of the delta's size)
+MAX_MODEL_DOWNLOADS = 2  # full-model downloads at once (each may keep up to the model's size at a publish)
 
 
 class ReceiveBuffers:
@@ -75,6 +87,38 @@ async def finish(request: web.Request, response: web.StreamResponse, timeout: fl
     deadline = time.monotonic() + timeout
     while transport is not None and transport.get_write_buffer_size() > 0 and time.monotonic() < deadline:
         await asyncio.sleep(0.005)
+
+
+class Uploads:
+    """Delta uploads in flight: one per host, ``limit`` bodies read at once (the others wait, unread)."""
+
+    def __init__(self, limit: int = MAX_UPLOADS) -> None:
+        self.hosts: set[str] = set()
+        self.reading = asyncio.Semaphore(limit)
+
+    def claim(self, host: str) -> None:
+        if host in self.hosts:
+            raise Refusal(Reason.BUSY, f"host {host} already has an upload in flight; try again when it has ended")
+        self.hosts.add(host)
+
+    def release(self, host: str) -> None:
+        self.hosts.discard(host)
+
+
+def transfer_seconds(config: CoordinatorConfig, size: int) -> float:
+    """How long a transfer of ``size`` bytes may take: --transfer-timeout plus one second per MB."""
+    return config.transfer_timeout + size / MIN_RATE
+
+
+async def within(request: web.Request, seconds: float, work, what: str):
+    """Await ``work``; past ``seconds`` cut the connection (freeing what it held) and refuse as too slow."""
+    try:
+        return await asyncio.wait_for(work, seconds)
+    except asyncio.TimeoutError:
+        if request.transport is not None:
+            request.transport.abort()
+        log.warning("nodeox coordinator: %s took longer than %.0f s; connection cut", what, seconds)
+        raise Refusal(Reason.TOO_SLOW, f"{what} took longer than {seconds:.0f} s") from None
 
 
 def error(reason: Reason, message: str, **extra) -> web.Response:
@@ -156,13 +200,19 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def status(request: web.Request) -> web.Response:
-    return web.json_response(request.app[ROUNDS].status())
+    return web.json_response({**request.app[ROUNDS].status(), "uploads": len(request.app[UPLOADS].hosts)})
 
 
 async def join(request: web.Request) -> web.Response:
-    host, specs = intake.parse_join(await _body(request, intake.MAX_JSON_BYTES))
+    host, specs, held = intake.parse_join(await _body(request, intake.MAX_JSON_BYTES))
     credential = request.headers.get(proto.CREDENTIAL_HEADER, "")  # a rejoin may present its old one
-    return web.json_response((await request.app[ROUNDS].join(host, specs, credential)).to_json())
+    reply = await request.app[ROUNDS].join(host, specs, credential, *held)
+    return web.json_response(reply.to_json())
+
+
+async def heartbeat(request: web.Request) -> web.Response:
+    host = _caller(request, request.match_info["host"]).id
+    return web.json_response(await request.app[ROUNDS].heartbeat(host))
 
 
 async def put_model(request: web.Request) -> web.Response:
@@ -173,35 +223,39 @@ async def put_model(request: web.Request) -> web.Response:
         raise Refusal(Reason.LENGTH_REQUIRED, "the model upload needs a Content-Length")
     rounds.check_model_upload(host, size)  # before reading (or allocating for) a single byte
     buf = torch.empty(size, dtype=torch.uint8)
-    await read_body_into(request, buf)
-    return web.json_response(await request.app[ROUNDS].put_model(host, buf))
+    await within(request, transfer_seconds(rounds.config, size), read_body_into(request, buf),
+                 f"host {host}'s model upload")
+    return web.json_response(await rounds.put_model(host, buf))
 
 
 async def get_model(request: web.Request) -> web.StreamResponse:
+    """The full model, streamed from θ's tensors; a round that closes meanwhile copies aside what is not sent
+    yet (copy-on-publish) instead of waiting for the download."""
     rounds = request.app[ROUNDS]
     host = _caller(request).id
-    async with rounds.model_lock:  # the round's apply waits, but never longer than the download's time limit
-        model = rounds.require_model()
-        start = time.time()
-        round_ = rounds.round
-        size = model.model_size(round_)
-        response = web.StreamResponse(headers={"Content-Type": proto.OCTETS, "Content-Length": str(size)})
+    rounds.require_model()
+    await rounds.wait_stable()  # θ is not being changed by a round's close
+    if len(rounds.downloads) >= MAX_MODEL_DOWNLOADS:
+        raise Refusal(Reason.BUSY, f"{MAX_MODEL_DOWNLOADS} model downloads are in flight; try again shortly")
+    start, round_ = time.time(), rounds.round
+    stream = rounds.model.stream(round_)
+    rounds.downloads.add(stream)
+    response = web.StreamResponse(headers={"Content-Type": proto.OCTETS, "Content-Length": str(stream.size)})
 
-        async def send() -> None:
-            await response.prepare(request)
-            for view in model.model_chunks(round_):
-                await write_chunked(response, view)
-            await finish(request, response)
+    async def send() -> None:
+        await response.prepare(request)
+        for chunk in stream.chunks(SEND_CHUNK):
+            await response.write(chunk)
+        await finish(request, response)
 
-        try:
-            await asyncio.wait_for(send(), timeout=60 + size / MIN_DOWNLOAD_RATE)
-        except asyncio.TimeoutError:
-            log.warning("nodeox coordinator: host %s's model download was too slow; cut off", host)
-            if request.transport is not None:
-                request.transport.close()
-            return response
-        rounds.record(PhaseRecord(round_, COORDINATOR, MODEL_MATERIALIZE, start, time.time(), size,
-                                  extra={"for_host": host}))
+    try:
+        await within(request, transfer_seconds(rounds.config, stream.size), send(), f"host {host}'s model download")
+    except Refusal:
+        return response
+    finally:
+        rounds.downloads.discard(stream)
+    rounds.record(PhaseRecord(round_, COORDINATOR, MODEL_MATERIALIZE, start, time.time(), stream.size,
+                              extra={"for_host": host, "kept_bytes": stream.kept_bytes}))
     return response
 
 
@@ -209,15 +263,23 @@ async def post_delta(request: web.Request) -> web.Response:
     rounds = request.app[ROUNDS]
     host, round_ = _caller(request).id, _int(request.match_info["round"], "round")
     start = time.time()
-    model = rounds.check_upload(host, round_, request.content_length)
-    buffers: ReceiveBuffers = request.app[BUFFERS]
-    buf = buffers.get(model.layout.total)
+    rounds.check_upload(host, round_, request.content_length)  # a buffer only for an expected host ...
+    uploads: Uploads = request.app[UPLOADS]
+    uploads.claim(host)  # ... with no upload in flight
     try:
-        await read_body_into(request, buf)
-        result = await rounds.accept_delta(host, round_, buf, start)
-    except BaseException:
-        buffers.put(buf)
-        raise
+        async with uploads.reading:
+            model = rounds.check_upload(host, round_, request.content_length)  # the round may have moved
+            buffers: ReceiveBuffers = request.app[BUFFERS]
+            buf = buffers.get(model.layout.total)
+            try:
+                await within(request, transfer_seconds(rounds.config, len(buf)), read_body_into(request, buf),
+                             f"host {host}'s delta upload")
+                result = await rounds.accept_delta(host, round_, buf, start)
+            except BaseException:
+                buffers.put(buf)
+                raise
+    finally:
+        uploads.release(host)
     # the buffer is released back once the delta has been accumulated
     asyncio.ensure_future(_recycle_after(rounds, buffers, buf))
     return web.json_response(result, status=202)
@@ -242,17 +304,26 @@ async def get_sync(request: web.Request) -> web.StreamResponse:
     message = await rounds.wait_sync(round_, wait, host)
     if message is None:
         return web.Response(status=204, headers={proto.COMPLETE_HEADER: "1" if rounds.complete else "0"})
-    model = rounds.model
-    model.reading(message, +1)
+    model = rounds.model  # None while a resumed run serves its saved sync without a model
+    if model is not None:
+        model.reading(message, +1)
     try:
         complete = rounds.complete and rounds.published_round == round_
         response = web.StreamResponse(headers={"Content-Type": proto.OCTETS, "Content-Length": str(len(message)),
                                                proto.COMPLETE_HEADER: "1" if complete else "0"})
-        await response.prepare(request)
-        await write_chunked(response, message.view())
-        await finish(request, response)
+
+        async def send() -> None:
+            await response.prepare(request)
+            await write_chunked(response, message.view())
+            await finish(request, response)
+
+        await within(request, transfer_seconds(rounds.config, len(message)), send(),
+                     f"host {host}'s sync download of round {round_}")
+    except Refusal:
+        return response
     finally:
-        model.reading(message, -1)
+        if model is not None:
+            model.reading(message, -1)
     return response
 
 
@@ -281,6 +352,7 @@ def make_app(rounds: Rounds, token: str | None) -> web.Application:
     app[ROUNDS] = rounds
     app[TOKEN] = token or ""
     app[BUFFERS] = ReceiveBuffers()
+    app[UPLOADS] = Uploads()
     app[BUDGET] = intake.TelemetryBudget()
     app.on_response_prepare.append(stamp_time)
     app.router.add_get(proto.HEALTH, health)
@@ -292,6 +364,7 @@ def make_app(rounds: Rounds, token: str | None) -> web.Application:
     app.router.add_get(proto.SYNC, get_sync)
     app.router.add_post(proto.EVENTS, post_events)
     app.router.add_post(proto.LEAVE, leave)
+    app.router.add_post(proto.HEARTBEAT, heartbeat)
     return app
 
 
@@ -325,12 +398,27 @@ async def serve(config: CoordinatorConfig, ready_file: Path | None = None, befor
     """Run the coordinator until the run completes (or a signal); returns the exit status. ``before_publish``
     (for comparisons only) is awaited with each round's sync before it is published."""
     torch.set_num_threads(1)  # codec ops never thread inside ATen here; the codec pool parallelizes
+    run_dir = Path(config.run_dir)
+    try:
+        config, saved = take_up(config, keep=[ready_file.name] if ready_file is not None else [])
+    except ValueError as e:
+        print(f"nodeox coordinator: {e}", file=sys.stderr, flush=True)
+        return 2
     threads = choose_threads(config.threads, purpose="coordinator codec")
     pool = WorkerPool(config.q4, "cpu", threads)
-    runlog = RunLog(Path(config.run_dir))
-    rounds = Rounds(config, runlog, pool)
+    runlog = RunLog(run_dir)
+    rounds = Rounds(config, runlog, pool, RunStore(run_dir))
     rounds.before_publish = before_publish
-    if config.initial_model is not None:
+    if saved is not None:
+        rounds.resume(saved)
+        now = time.time()
+        rounds.record(PhaseRecord(saved.round, COORDINATOR, RESTART, now, now,
+                                  extra={"model_hash": saved.model_hash, "snapshot_round": saved.snapshot_round}))
+        from_snapshot = await rounds.restore()
+        print(f"nodeox coordinator: resuming the run in {run_dir} at round {saved.round} (model {saved.model_hash}, "
+              f"{'from its snapshot' if from_snapshot else 'given back by the first host that rejoins'}); "
+              "start with --fresh to begin a new run instead", flush=True)
+    elif config.initial_model is not None:
         data = torch.from_file(str(config.initial_model), shared=False, size=Path(config.initial_model).stat().st_size,
                                dtype=torch.uint8)
         await rounds.load_initial_model(data)
@@ -360,7 +448,10 @@ async def serve(config: CoordinatorConfig, ready_file: Path | None = None, befor
         while True:
             await asyncio.sleep(0.25)
             try:
+                await rounds.check_leases()
                 await rounds.maybe_close()  # rounds whose timeout has passed
+                await rounds.fall_back_to_snapshot()
+                rounds.log_waiting()
                 if time.time() >= next_rss:
                     rounds.sample_memory()
                     next_rss = time.time() + config.rss_interval
@@ -376,6 +467,7 @@ async def serve(config: CoordinatorConfig, ready_file: Path | None = None, befor
     for task in (finished, stopped):
         task.cancel()
     await runner.cleanup()
+    await rounds.save_at_shutdown()
     rounds.sample_memory()
     rounds.close()
     pool.close()

@@ -346,16 +346,25 @@ def encode_sync_and_apply(
     stop)`` (in place; None: plain averaging), quantized; then ``model += dequantized`` as hosts will (and,
     with a ``hasher`` of ``model``, its digest while the chunk is in cache)."""
     for s, e in chunk_ranges(acc.numel(), k.chunk, start, stop):
-        m = e - s
-        mp = k.padded(m)
-        x = torch.mul(acc[s:e], inv_weight, out=k.x[:m])
-        if outer_step is not None:
-            outer_step(x, s, e)
-        d = k.d[:mp]
-        k.quantize(m, *k.blocks(codes, scales, s, mp), dequant_out=d)
-        apply_dequantized(model[s:e], d[:m], model[s:e])
+        d, _ = _sync_chunk(k, acc, inv_weight, codes, scales, s, e, outer_step)
+        apply_dequantized(model[s:e], d, model[s:e])
         if hasher is not None:
             hasher.values(s, e)
+
+
+def _sync_chunk(k: Q4Kernels, acc: torch.Tensor, inv_weight: float, codes: torch.Tensor, scales: torch.Tensor,
+                s: int, e: int, outer_step) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values ``[s, e)`` of the sync delta (mean, then outer step) quantized into ``codes``/``scales``; returns
+    their dequantized values (in ``k.d``) and the chunk's scales."""
+    m = e - s
+    mp = k.padded(m)
+    x = torch.mul(acc[s:e], inv_weight, out=k.x[:m])
+    if outer_step is not None:
+        outer_step(x, s, e)
+    d = k.d[:mp]
+    chunk_codes, chunk_scales = k.blocks(codes, scales, s, mp)
+    k.quantize(m, chunk_codes, chunk_scales, dequant_out=d)
+    return d[:m], chunk_scales
 
 
 def encode_sync(
@@ -369,22 +378,16 @@ def encode_sync(
     scale`` is below the dtype's largest value it is finite; only otherwise is the sum itself formed and looked at."""
     limit = torch.finfo(model.dtype).max * (1 - 2**-10)  # room for the rounding of the bound itself
     for s, e in chunk_ranges(acc.numel(), k.chunk, start, stop):
-        m = e - s
-        mp = k.padded(m)
-        x = torch.mul(acc[s:e], inv_weight, out=k.x[:m])
-        if outer_step is not None:
-            outer_step(x, s, e)
-        d = k.d[:mp]
-        chunk_codes, chunk_scales = k.blocks(codes, scales, s, mp)
-        k.quantize(m, chunk_codes, chunk_scales, dequant_out=d)
+        d, chunk_scales = _sync_chunk(k, acc, inv_weight, codes, scales, s, e, outer_step)
         low, high = torch.aminmax(model[s:e])
-        peak = LEVELS * float(chunk_scales.abs().max()) if chunk_scales.numel() else float(d[:m].abs().max())
+        peak = LEVELS * float(chunk_scales.abs().max()) if chunk_scales.numel() else float(d.abs().max())
         if max(-float(low), float(high)) + peak < limit:
             continue
+        m = e - s
         size = m * model.element_size()
         probe = (k.y.view(torch.uint8)[:size].view(model.dtype) if size <= k.y.numel() * 4
                  else torch.empty(m, dtype=model.dtype, device=model.device))  # k.y is free once quantized
-        apply_dequantized(model[s:e], d[:m], probe)
+        apply_dequantized(model[s:e], d, probe)
         low, high = torch.aminmax(probe)
         if not (math.isfinite(float(low)) and math.isfinite(float(high))):
             return False

@@ -5,9 +5,11 @@ waits for a sync: the whole long poll without overlap; with overlap only when th
 arrived by the next boundary), ``poll`` (with overlap: the exchange worker's long poll while training goes on),
 ``download``, ``apply``, ``verify`` (``sync`` = download + apply + verify), ``fold`` (with overlap: the sync
 folded into the live model), ``provide_model`` when the host uploads the initial model at join, and
-``fallback_fetch`` when the host fetches the full model (at join too, when its model is not the run's). Coordinator phases: ``receive`` (per host),
-``aggregate``, ``sync_prepare`` (outer step, quantize, apply, hash) and ``model_materialize`` (serving the
-full model on demand). ``rss`` records are memory samples.
+``fallback_fetch`` when the host fetches the full model (at join too, when its model is not the run's).
+Coordinator phases: ``receive`` (per host), ``aggregate``, ``sync_prepare`` (outer step, quantize, apply,
+hash), ``model_materialize`` (serving the full model on demand) and ``persist`` (writing the run's state after
+a round, off the critical path). ``rss`` records are memory samples (with the coordinator's CPU seconds so
+far); a ``restart`` record marks where a coordinator resumed the run.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ TRAIN, ENCODE, UPLOAD, WAIT, POLL, DOWNLOAD, APPLY, VERIFY, FOLD, PROVIDE_MODEL,
 HOST_PHASES = (TRAIN, ENCODE, UPLOAD, WAIT, POLL, DOWNLOAD, APPLY, VERIFY, FOLD, PROVIDE_MODEL, FALLBACK_FETCH)
 SYNC_PARTS = (DOWNLOAD, APPLY, VERIFY)
 
-RECEIVE, AGGREGATE, SYNC_PREPARE, MODEL_MATERIALIZE, RSS = (
-    "receive", "aggregate", "sync_prepare", "model_materialize", "rss")
-COORDINATOR_PHASES = (RECEIVE, AGGREGATE, SYNC_PREPARE, MODEL_MATERIALIZE)
+RECEIVE, AGGREGATE, SYNC_PREPARE, MODEL_MATERIALIZE, PERSIST, RSS, RESTART = (
+    "receive", "aggregate", "sync_prepare", "model_materialize", "persist", "rss", "restart")
+COORDINATOR_PHASES = (RECEIVE, AGGREGATE, SYNC_PREPARE, MODEL_MATERIALIZE, PERSIST)
 COORDINATOR = "coordinator"
 
 

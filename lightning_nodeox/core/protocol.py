@@ -7,13 +7,15 @@ HTTP lives only in the host's client (``host/client.py``) and the coordinator's 
 
     GET  /v1/health                          liveness (no token needed)
     GET  /v1/status                          round, hosts, model hash
-    POST /v1/join                            {"host", "tensors"} -> JoinReply (with the host's credential)
+    POST /v1/join                            {"host", "tensors", "model_hash", "round"} -> JoinReply (with the
+                                             host's credential)
     PUT  /v1/model?host=H                    the initial model (only the host told to provide it)
     GET  /v1/model?host=H                    the full model, materialized only on this request
     POST /v1/rounds/{r}/delta?host=H         a delta (accepted once checked; aggregation goes on behind)
     GET  /v1/rounds/{r}/sync?wait=S&host=H   round r's sync (not ready within S seconds: try again)
     POST /v1/events?host=H                   {"records": [...]} phase records of host H only
     POST /v1/hosts/{h}/leave                 the host takes no further part
+    POST /v1/hosts/{h}/heartbeat             the host is alive -> {"lease": seconds}
 
 Every call but health carries the run's bearer token when one is configured; every call that names a host
 (all but health, status and a first join) also carries that host's credential, which its join returned, in
@@ -35,6 +37,7 @@ DELTA = API + "/rounds/{round}/delta"
 SYNC = API + "/rounds/{round}/sync"
 EVENTS = f"{API}/events"
 LEAVE = API + "/hosts/{host}/leave"
+HEARTBEAT = API + "/hosts/{host}/heartbeat"
 
 TIME_HEADER = "X-Nodeox-Time"  # the coordinator's clock, on every response (hosts align their records to it)
 CREDENTIAL_HEADER = "X-Nodeox-Credential"  # the host's credential, from its join reply
@@ -59,6 +62,9 @@ class Reason(enum.Enum):
     STALE_BASE = "stale_base"  # the delta was computed against another model: fetch the model
     DUPLICATE = "duplicate"  # the coordinator already has this delta (a retry)
     GONE = "gone"  # the sync asked for was replaced: fetch the model
+    NO_DELTA = "no_delta"  # the coordinator holds no delta of this host for the open round (it restarted): send it again
+    BUSY = "busy"  # too many transfers in flight (or one of this host's already): try again shortly
+    TOO_SLOW = "too_slow"  # a transfer took longer than its time limit (base + size at 1 MB/s)
     LENGTH_REQUIRED = "length_required"
     TOO_LARGE = "too_large"
     RATE_LIMITED = "rate_limited"  # over a budget (telemetry bytes per minute): send less, later
@@ -68,8 +74,8 @@ HTTP_STATUS = {
     Reason.INVALID: 400, Reason.UNAUTHORIZED: 401, Reason.NOT_JOINED: 409, Reason.NO_MODEL: 409,
     Reason.HAS_MODEL: 409, Reason.NOT_PROVIDER: 409, Reason.NOT_OPEN: 409, Reason.LATE: 409,
     Reason.STALE_BASE: 409, Reason.DUPLICATE: 409, Reason.GONE: 410, Reason.LENGTH_REQUIRED: 411,
-    Reason.TOO_LARGE: 413, Reason.FORBIDDEN: 403, Reason.ID_IN_USE: 409, Reason.FULL: 409,
-    Reason.RATE_LIMITED: 429,
+    Reason.TOO_LARGE: 413, Reason.NO_DELTA: 409, Reason.BUSY: 503, Reason.TOO_SLOW: 408,
+    Reason.FORBIDDEN: 403, Reason.ID_IN_USE: 409, Reason.FULL: 409, Reason.RATE_LIMITED: 429,
 }
 
 

@@ -2,7 +2,12 @@
 
 Every HTTP detail of the host side is here: statuses and headers are turned into the protocol's outcomes
 (:mod:`lightning_nodeox.core.protocol`), so the host's round logic never sees them. Connection errors and
-5xx are retried with exponential backoff for up to ``retry_for`` seconds; a refusal raises at once.
+5xx (and 408, a transfer cut off as too slow) are retried with exponential backoff for up to ``retry_for``
+seconds, so a host rides out a coordinator restart; a refusal raises at once.
+
+:meth:`HttpClient.cancel` stops the exchange's calls (waits and retries) at their next poll; saying goodbye
+(:meth:`HttpClient.leave`), heartbeats and phase records are not cancellable and have short deadlines of
+their own, so an interrupted host still tells the coordinator it left, within about ``LEAVE_WITHIN`` seconds.
 
 After its join, every call carries the host's credential (from the join reply); the bearer token and the
 credential go only to the URL this client was made for. HTTPS certificates are checked against ``ca_file``
@@ -38,6 +43,9 @@ from .clock import ClockOffset
 log = logging.getLogger(__name__)
 
 READ_CHUNK = 8 << 20
+LEAVE_WITHIN = 5.0  # seconds of retries for the goodbye (each try waits at most this long for an answer)
+EVENTS_READ_TIMEOUT = 10.0
+HEARTBEAT_TIMEOUT = 5.0
 SYNC_POLL = 2.0  # seconds a sync long-poll lasts: a cancelled host (SIGTERM) stops waiting within about this
 _REASON_OF_STATUS = {400: Reason.INVALID, 401: Reason.UNAUTHORIZED, 403: Reason.FORBIDDEN, 404: Reason.INVALID,
                      405: Reason.INVALID, 409: Reason.NOT_OPEN, 410: Reason.GONE, 411: Reason.LENGTH_REQUIRED,
@@ -85,6 +93,11 @@ class HttpClient:
         self._credential = ""  # this host's, from its join
         self._cancelled = threading.Event()
 
+    @property
+    def joined(self) -> bool:
+        """Whether this client holds a credential from a join (calls on the host's behalf can be made)."""
+        return bool(self._credential)
+
     def cancel(self) -> None:
         """Make waits and retries in progress give up (:class:`Cancelled`) at their next poll."""
         self._cancelled.set()
@@ -98,7 +111,7 @@ class HttpClient:
         return s
 
     def _request(self, method: str, path: str, *, ok: tuple[int, ...] = (200,), read_timeout: float | None = None,
-                 retry_for: float | None = None, **kwargs) -> requests.Response:
+                 retry_for: float | None = None, cancellable: bool = True, **kwargs) -> requests.Response:
         url = f"{self.url}{path}"
         headers = dict(kwargs.pop("headers", None) or {})
         if self._credential:
@@ -107,7 +120,7 @@ class HttpClient:
         delay, attempt = 0.2, 0
         while True:
             attempt += 1
-            if self._cancelled.is_set():
+            if cancellable and self._cancelled.is_set():
                 raise Cancelled(f"{method} {path} cancelled: this host's training was interrupted")
             if hasattr(kwargs.get("data"), "rewind"):
                 kwargs["data"].rewind()
@@ -128,7 +141,7 @@ class HttpClient:
                     return response
                 body = _json_or_empty(response)
                 message = body.get("error") or response.reason or ""
-                if response.status_code < 500:
+                if response.status_code < 500 and response.status_code != 408:
                     raise _refusal(response.status_code, f"{method} {url} -> {response.status_code}: {message}", body)
                 problem = f"HTTP {response.status_code}: {message}"
             if time.monotonic() + delay > deadline:
@@ -140,9 +153,14 @@ class HttpClient:
             delay = min(delay * 2, 5.0)
 
     # -- the protocol's calls -------------------------------------------------------------------------------------
-    def join(self, tensors: list) -> JoinReply:
-        """Join (again: with the credential of the earlier join); later calls carry the credential returned."""
-        reply = JoinReply.from_json(self._request("POST", proto.JOIN, json={"host": self.host, "tensors": tensors}).json())
+    def join(self, tensors: list, *, model_hash: str | None = None, round_: int | None = None) -> JoinReply:
+        """Join (again: with the credential of the earlier join, and saying which model and round this host holds,
+        so that a restarted coordinator can take its model back from it); later calls carry the credential
+        returned."""
+        body = {"host": self.host, "tensors": tensors}
+        if model_hash:
+            body.update(model_hash=model_hash, round=round_)
+        reply = JoinReply.from_json(self._request("POST", proto.JOIN, json=body).json())
         if reply.credential:
             self._credential = reply.credential
         return reply
@@ -187,10 +205,19 @@ class HttpClient:
         return ResponseStream(self._request("GET", proto.MODEL, params={"host": self.host}, stream=True))
 
     def post_events(self, records: list[dict], *, retry_for: float = 0.0) -> None:
-        self._request("POST", proto.EVENTS, params={"host": self.host}, json={"records": records}, retry_for=retry_for)
+        self._request("POST", proto.EVENTS, params={"host": self.host}, json={"records": records}, retry_for=retry_for,
+                      read_timeout=EVENTS_READ_TIMEOUT, cancellable=False)
+
+    def heartbeat(self) -> float:
+        """Tell the coordinator this host is alive (one try); returns the lease in seconds."""
+        response = self._request("POST", proto.HEARTBEAT.format(host=self.host), retry_for=0.0,
+                                 read_timeout=HEARTBEAT_TIMEOUT, cancellable=False)
+        return float(response.json()["lease"])
 
     def leave(self) -> None:
-        self._request("POST", proto.LEAVE.format(host=self.host), retry_for=10.0)
+        """Say goodbye, whatever the cancel state, within about ``LEAVE_WITHIN`` seconds (plus a connect)."""
+        self._request("POST", proto.LEAVE.format(host=self.host), retry_for=LEAVE_WITHIN,
+                      read_timeout=LEAVE_WITHIN, cancellable=False)
 
 
 def _refusal(status: int, message: str, body: dict) -> Refusal:

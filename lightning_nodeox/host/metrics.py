@@ -16,6 +16,7 @@ After the last round, :meth:`publish` puts the run's values into ``trainer.callb
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from types import FrameType
 
 import torch
@@ -35,15 +36,21 @@ class SharedMetrics:
         self._warned = False
         self._dropped: set[str] = set()
 
-    def reduce(self, caller: FrameType, tensor: torch.Tensor, reduce_op, recording: bool = True) -> torch.Tensor:
-        """Lightning's ``strategy.reduce`` for a logged value; ``caller`` is the frame that called it."""
+    def reduce(self, caller: FrameType, tensor: torch.Tensor, reduce_op, recording: bool = True,
+               sync: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """Lightning's ``strategy.reduce`` for a logged value; ``caller`` is the frame that called it. ``sync``
+        reduces a tensor across the host's ranks (a host of several devices), so the host's value is recorded."""
+        sync = sync or (lambda t: t)
         metric = caller.f_locals.get("self")
         if not isinstance(metric, _ResultMetric) or not isinstance(tensor, torch.Tensor):
-            return tensor  # not a self.log value: a world of one reduces to itself
+            return sync(tensor)  # not a self.log value: reduced within the host only
         epoch_mean = caller.f_code.co_name == "compute" and metric.meta.is_mean_reduction
         count = metric.cumulated_batch_size if epoch_mean else None
         if count is not None and tensor is count:
-            return tensor  # the epoch mean's sample count stays this host's (its sum carries the shared mean)
+            return sync(tensor)  # the epoch mean's sample count stays this host's (its sum carries the shared mean)
+        tensor = sync(tensor)
+        if count is not None:
+            count = sync(count.clone())  # the host's count, as Lightning's next call reduces it (sync is in-place)
         name = metric.meta.name
         local = tensor if count is None else tensor / count
         if recording:

@@ -10,7 +10,12 @@ The rules, each in terms of the protocol's outcomes (never HTTP):
 - a download that breaks off is asked for again (``DOWNLOAD_TRIES``);
 - a host whose last round was late still sends an empty final delta, so the coordinator knows it finished;
 - a host that learns the run completed before its round closed (another host's training ended while its
-  delta was on the way) drops the local work no round took: it ends on the run's final model, like every host.
+  delta was on the way) drops the local work no round took: it ends on the run's final model, like every host;
+- a coordinator that no longer knows this host or has no model (``NOT_JOINED``, ``NO_MODEL``: it restarted)
+  is joined again, telling it which model this host holds: it may ask for that model back (the round's
+  base θ_r, which every host holds bit-identical), or the host fetches the coordinator's if it differs;
+- a coordinator that holds no delta of this host for the round it waits on (``NO_DELTA``: it restarted) gets
+  the round's delta again (still in its buffer), or an empty one if there is none to resend.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from .tensors import HostTensors
 log = logging.getLogger(__name__)
 
 DOWNLOAD_TRIES = 3
+REJOIN_TRIES = 3
+REJOIN = (Reason.NOT_JOINED, Reason.NO_MODEL)
 
 
 @dataclass
@@ -54,6 +61,8 @@ class HostRound:
         self.round = 0
         self.model_hash = ""
         self.complete = False
+        self._sent: Q4Message | None = None  # the last delta uploaded (resent if the coordinator lost it)
+        self._final = False  # this host has sent (or is sending) its final delta
         self.into_live = True  # syncs and fetched models go into the live model; False while training overlaps
         self._seed = int.from_bytes(client.host.encode()[:8].ljust(8, b"\0"), "little")
 
@@ -64,9 +73,7 @@ class HostRound:
     # -- joining ------------------------------------------------------------------------------------------------
     def join(self) -> None:
         """Join the run and agree on the starting model (provide it, keep ours if equal, or fetch it)."""
-        reply = self.client.join([s.as_json() for s in self.tensors.specs])
-        while reply.retry:  # another host is providing the initial model
-            reply = self.client.join([s.as_json() for s in self.tensors.specs])
+        reply = self._join_reply(None)
         if reply.complete:
             raise RuntimeError(f"the run at {self.client.url} has already completed; start a new coordinator")
         settings = Q4Settings(block_size=reply.block_size, scale_dtype=reply.scale_dtype, codec=reply.codec,
@@ -95,6 +102,48 @@ class HostRound:
         else:
             self.fetch_model()
 
+    def _join_reply(self, model_hash: str | None):
+        specs = [s.as_json() for s in self.tensors.specs]
+        reply = self.client.join(specs, model_hash=model_hash, round_=self.round)
+        while reply.retry:  # another host is providing the model
+            reply = self.client.join(specs, model_hash=model_hash, round_=self.round)
+        return reply
+
+    def rejoin(self) -> None:
+        """Join again, keeping this host's model and round (the coordinator restarted or forgot this host): give
+        the round's base model back if asked, fetch the coordinator's if it differs."""
+        reply = self._join_reply(self.model_hash)
+        if reply.complete:
+            self.complete = True
+            return
+        theirs = self._give_back() if reply.provide_model else reply.model_hash
+        if theirs != self.model_hash:
+            self.fetch_model()
+            return
+        log.info("nodeox: host %s joined again at round %d%s", self.host, self.round,
+                 " and gave the model back" if reply.provide_model else "")
+
+    def _give_back(self) -> str | None:
+        """Upload θ_r (the round's base, what every host holds); returns the coordinator's model hash."""
+        try:
+            return self.client.put_model(self.tensors.model_file(self.round, self.model_hash, self.tensors.base))
+        except Refusal as e:
+            if e.reason is not Reason.HAS_MODEL:
+                raise
+            return e.extra.get("model_hash")  # another host gave it back first
+
+    def _call(self, fn, *args):
+        """A call to the coordinator; if it no longer knows this host or has no model (it restarted), join again
+        and call once more."""
+        for attempt in range(1, REJOIN_TRIES + 1):
+            try:
+                return fn(*args)
+            except Refusal as e:
+                if e.reason not in REJOIN or attempt == REJOIN_TRIES:
+                    raise
+                log.warning("nodeox: host %s: %s; joining again", self.host, e)
+                self.rejoin()
+
     # -- a round --------------------------------------------------------------------------------------------------
     def run_round(self, samples: int, final: bool, metrics: dict[str, list] | None = None) -> RoundResult:
         """One whole exchange while training waits: encode, upload, then sync (following later rounds if this
@@ -113,6 +162,7 @@ class HostRound:
         return self._finish_round(message, False)
 
     def _finish_round(self, message: Q4Message, final: bool) -> RoundResult:
+        self._final = final
         outcome = self.upload(message)
         result = self.synchronize(follow_to_end=final and outcome is not Upload.LATE)
         if final and outcome is Upload.LATE and not self.complete:
@@ -135,9 +185,10 @@ class HostRound:
         """Send the delta. ``TAKEN``; ``LATE``: the round closed without it, but its sync can be applied; or
         ``STALE_BASE``, after which this host has fetched the model and taken part in the current round anew
         (with an empty delta). Unless taken, this round's local work is dropped."""
+        self._sent = message
         with self.phases.timed(self.round, P.UPLOAD) as rec:
             rec.bytes = len(message)
-            outcome = self.client.post_delta(self.round, message.view())
+            outcome = self._call(self.client.post_delta, self.round, message.view())
             if outcome is not Upload.TAKEN:
                 rec.extra["rejected"] = outcome.value
         if outcome is Upload.STALE_BASE:
@@ -151,7 +202,21 @@ class HostRound:
             message = self.tensors.encode(self.tensors.base, Q4Meta("delta", self.round, self.host, self.model_hash,
                                                                     samples=0, final=final), None)
             rec.bytes = len(message)
-            self.client.post_delta(self.round, message.view())
+            self._sent = message
+            self._call(self.client.post_delta, self.round, message.view())
+
+    def _resend(self) -> None:
+        """The coordinator lost this host's delta of the current round (it restarted): send it again."""
+        sent = self._sent
+        if sent is None or sent.meta.round != self.round or sent.meta.base_hash != self.model_hash:
+            self._send_empty(self._final)
+            return
+        with self.phases.timed(self.round, P.UPLOAD, resent=True) as rec:
+            rec.bytes = len(sent)
+            outcome = self._call(self.client.post_delta, self.round, sent.view())
+        if outcome is Upload.STALE_BASE:
+            self.fetch_model()
+            self._send_empty(self._final)
 
     # -- syncs -------------------------------------------------------------------------------------------------------
     def synchronize(self, *, follow_to_end: bool = False) -> RoundResult:
@@ -171,9 +236,20 @@ class HostRound:
         """Round ``self.round``'s sync, parsed; None when there is none to apply (the run completed, or the host
         fetched the model instead)."""
         round_ = self.round
-        for attempt in range(1, DOWNLOAD_TRIES + 1):
-            with self.phases.timed(round_, P.WAIT if self.into_live else P.POLL):
-                reply = self.client.wait_sync(round_)
+        attempt = 0
+        while attempt < DOWNLOAD_TRIES:
+            attempt += 1
+            try:
+                with self.phases.timed(round_, P.WAIT if self.into_live else P.POLL):
+                    reply = self._call(self.client.wait_sync, round_)
+            except Refusal as e:
+                if e.reason is not Reason.NO_DELTA or attempt == DOWNLOAD_TRIES:
+                    raise
+                log.warning("nodeox: host %s: %s", self.host, e)
+                self._resend()
+                if self.round != round_:  # the host fetched a model of another round meanwhile
+                    return None
+                continue
             if isinstance(reply, RunComplete):  # no later sync: this host's base is the run's final model
                 self.complete = True
                 if self.into_live:  # (overlapped, the training side does it between two steps)
@@ -229,7 +305,7 @@ class HostRound:
         target = tensors.live if self.into_live else tensors.base
         with self.phases.timed(self.round, P.FALLBACK_FETCH) as rec:
             for attempt in range(1, DOWNLOAD_TRIES + 1):
-                body = self.client.get_model()
+                body = self._call(self.client.get_model)
                 rec.bytes = body.size
                 try:
                     round_, remote_hash = tensors.read_model(body, target)

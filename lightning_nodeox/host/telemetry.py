@@ -90,7 +90,7 @@ class TelemetryShipper:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
-        if self._pending:
+        if self._pending and not self._thread.is_alive():  # records added after the thread's last batch
             self._ship()
         unsent = len(self._pending) + self._overflowed + self.dropped
         if unsent:

@@ -228,8 +228,9 @@ class HostTensors:
                 t.add_(s.to(t.dtype))
 
     # -- the full model --------------------------------------------------------------------------------------------
-    def model_file(self, round_: int, model_hash_: str) -> ModelFileReader:
-        return ModelFileReader(model_header(self.specs, round_, model_hash_), self.live)
+    def model_file(self, round_: int, model_hash_: str, tensors: list[torch.Tensor] | None = None) -> ModelFileReader:
+        """The model file of ``tensors`` (default: the live model) for an upload."""
+        return ModelFileReader(model_header(self.specs, round_, model_hash_), self.live if tensors is None else tensors)
 
     def read_model(self, body: ByteStream, into: list[torch.Tensor]) -> tuple[int, str]:
         """Stream a model file into ``into``; returns its round and the coordinator's hash of it."""

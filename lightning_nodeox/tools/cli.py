@@ -18,8 +18,18 @@ def _coordinator_options(p: argparse.ArgumentParser, *, for_launch: bool) -> Non
     default_bind = "127.0.0.1:0" if for_launch else f"127.0.0.1:{DEFAULT_PORT}"
     p.add_argument("--bind", default=default_bind, help=f"HOST:PORT to listen on (default {default_bind}; "
                    f"on a cluster use 0.0.0.0:{DEFAULT_PORT} with --token-file)")
-    p.add_argument("--min-hosts", type=int, help="with --round-timeout: fewest deltas a late round closes with")
-    p.add_argument("--round-timeout", type=float, help="seconds a round waits for its last hosts (default: forever)")
+    p.add_argument("--min-hosts", type=int, help="fewest deltas a round closes with (default 1; lowered to the hosts "
+                   "that have not finished or left)")
+    p.add_argument("--round-timeout", type=float, help="seconds a round waits for its last live hosts (default: "
+                   "until every live host has sent)")
+    p.add_argument("--lease", type=float, default=10.0, help="seconds a host stays expected without a heartbeat "
+                   "(default 10)")
+    p.add_argument("--snapshot-every", type=int, default=10, help="save the model to RUN_DIR/state every K rounds "
+                   "(default 10; always at shutdown)")
+    p.add_argument("--transfer-timeout", type=float, default=60.0, help="seconds any upload or download may take, "
+                   "plus 1 s per MB (default 60)")
+    p.add_argument("--fresh", action="store_true", help="start a new run even if RUN_DIR holds an unfinished one "
+                   "(its records are moved to RUN_DIR/previous-TIME)")
     p.add_argument("--token-file", type=Path, help="file holding the bearer token hosts must send")
     p.add_argument("--insecure", action="store_true",
                    help="allow a --bind beyond loopback without --token-file (a network you trust entirely)")
@@ -59,7 +69,8 @@ def _config(args: argparse.Namespace, bind: str) -> CoordinatorConfig:
             elastic=args.elastic, tls_cert=args.tls_cert, tls_key=args.tls_key,
             q4=Q4Settings(block_size=args.block_size, scale_dtype=args.scale_dtype, codec=args.codec),
             initial_model=args.initial_model, threads=args.threads, rss_interval=args.rss_interval,
-            exit_when_done=not getattr(args, "keep_running", False),
+            exit_when_done=not getattr(args, "keep_running", False), lease=args.lease,
+            snapshot_every=args.snapshot_every, transfer_timeout=args.transfer_timeout, fresh=args.fresh,
             outer=OuterSettings(args.outer_optimizer, args.outer_lr, args.outer_momentum))
     except ValueError as e:
         raise SystemExit(f"nodeox: {e}") from None
@@ -69,7 +80,10 @@ def _passthrough(args: argparse.Namespace) -> list[str]:
     """Coordinator options given to launch, as coordinator command-line arguments."""
     out = ["--bind", args.bind, "--codec", args.codec, "--block-size", str(args.block_size), "--scale-dtype", args.scale_dtype,
            "--rss-interval", str(args.rss_interval), "--outer-optimizer", args.outer_optimizer,
-           "--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum)]
+           "--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum), "--lease", str(args.lease),
+           "--snapshot-every", str(args.snapshot_every), "--transfer-timeout", str(args.transfer_timeout)]
+    if args.fresh:
+        out.append("--fresh")
     for flag, value in (("--min-hosts", args.min_hosts), ("--round-timeout", args.round_timeout),
                         ("--token-file", args.token_file), ("--initial-model", args.initial_model),
                         ("--threads", args.threads), ("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
@@ -94,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("launch", help="a coordinator and N hosts on this machine: nodeox launch ... -- COMMAND")
     _coordinator_options(p, for_launch=True)
+    p.add_argument("--gpus-per-host", type=int, default=1,
+                   help="GPUs each host sees (CUDA_VISIBLE_DEVICES); the host command uses Trainer(devices=K)")
 
     p = sub.add_parser("report", help="per-round phase tables of a run directory")
     p.add_argument("run_dir", type=Path)
@@ -111,7 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         from .launch import launch
 
         config = _config(args, args.bind)  # validate before starting anything
-        return launch(args.hosts, args.run_dir, _passthrough(args), command, config.token, config.tls_cert)
+        if args.gpus_per_host < 1:
+            raise SystemExit(f"nodeox: --gpus-per-host must be at least 1, got {args.gpus_per_host}")
+        return launch(args.hosts, args.run_dir, _passthrough(args), command, config.token, args.gpus_per_host,
+                      config.tls_cert)
     if args.cmd == "report":
         from .report import main as report_main
 

@@ -3,13 +3,15 @@
 Host i gets ``NODEOX_HOST_ID=i``, ``NODEOX_LOCAL_HOST_RANK=i`` (its place on this machine), ``NODEOX_NUM_HOSTS``,
 ``NODEOX_COORDINATOR_URL``, ``NODEOX_TOKEN`` (when set), ``NODEOX_RUN_DIR``, and with ``--tls-cert``
 ``NODEOX_CA_FILE`` set to that certificate unless the environment sets it (right for a self-signed
-certificate); when this machine has at least N GPUs each host sees only its own (``CUDA_VISIBLE_DEVICES``), and
-when it has at least N CPUs each host is pinned to its own share of them, so that the hosts do not
-oversubscribe the CPU.
+certificate); when this machine has at least N x ``gpus_per_host`` GPUs each host sees only its own
+(``CUDA_VISIBLE_DEVICES``), and when it has at least N CPUs each host is pinned to its own share of them, so that
+the hosts do not oversubscribe the CPU. A host of several GPUs runs ``Trainer(devices=K)``, and Lightning starts
+its other ranks (they share the host's output prefix and CPU share).
 
 Outputs are shown line by line with a prefix; a progress bar, which redraws its line with carriage returns,
 shows as its line ends rather than once per refresh. A host that fails (exits non-zero, e.g. after a SIGTERM)
-is named at once; the others go on (a host that leaves is no longer waited for), and launch exits non-zero.
+is named at once; the others go on (as on a cluster: it left, or its lease expires), and launch exits
+non-zero. If the coordinator fails, the hosts are stopped.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import time
 from pathlib import Path
 
 from ..core.cpu import granted_cpus
-from ..core.settings import ENV_CA_FILE
+from ..core.settings import (
+    ENV_CA_FILE, ENV_HOST_ID, ENV_LOCAL_RANK, ENV_NUM_HOSTS, ENV_RUN_DIR, ENV_TOKEN, ENV_URL,
+)
 
 STOP_GRACE = 10.0
 
@@ -84,6 +88,14 @@ def _gpu_count() -> int:
         return 0
 
 
+def gpu_sets(gpus: int, hosts: int, per_host: int) -> list[str | None]:
+    """``CUDA_VISIBLE_DEVICES`` of each host: its own ``per_host`` GPUs when there are enough, else None (every
+    host sees every GPU)."""
+    if gpus < hosts * per_host:
+        return [None] * hosts
+    return [",".join(str(i * per_host + j) for j in range(per_host)) for i in range(hosts)]
+
+
 def _exit_status(code: int) -> str:
     """How a process ended, from its return code (negative: killed by a signal; 128+N: exited for signal N)."""
     number = -code if code < 0 else code - 128 if code > 128 else 0
@@ -107,7 +119,7 @@ def cpu_shares(hosts: int) -> list[list[int] | None]:
 
 
 def launch(hosts: int, run_dir: Path, coordinator_args: list[str], command: list[str], token: str | None,
-           tls_cert: Path | None = None) -> int:
+           gpus_per_host: int = 1, tls_cert: Path | None = None) -> int:
     """Run a coordinator and ``hosts`` copies of ``command``; returns the exit status."""
     if not command:
         print("nodeox launch: give the host command after --, e.g. "
@@ -129,18 +141,22 @@ def launch(hosts: int, run_dir: Path, coordinator_args: list[str], command: list
         time.sleep(0.05)
     url = ready.read_text().strip()
     gpus = _gpu_count()
+    visible = gpu_sets(gpus, hosts, gpus_per_host)
+    if 0 < gpus < hosts * gpus_per_host and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        print(f"nodeox launch: {gpus} GPUs for {hosts} hosts of {gpus_per_host}: every host sees every GPU",
+              flush=True)
     shares = cpu_shares(hosts)
     procs: list[subprocess.Popen] = []
     threads: list[threading.Thread] = []
     for i in range(hosts):
-        host_env = dict(env, NODEOX_HOST_ID=str(i), NODEOX_LOCAL_HOST_RANK=str(i), NODEOX_NUM_HOSTS=str(hosts),
-                        NODEOX_COORDINATOR_URL=url, NODEOX_RUN_DIR=str(run_dir))
+        host_env = {**env, ENV_HOST_ID: str(i), ENV_LOCAL_RANK: str(i), ENV_NUM_HOSTS: str(hosts), ENV_URL: url,
+                    ENV_RUN_DIR: str(run_dir)}
         if token:
-            host_env["NODEOX_TOKEN"] = token
+            host_env[ENV_TOKEN] = token
         if tls_cert is not None and ENV_CA_FILE not in os.environ:
             host_env[ENV_CA_FILE] = str(Path(tls_cert).resolve())
-        if gpus >= hosts and "CUDA_VISIBLE_DEVICES" not in os.environ:
-            host_env["CUDA_VISIBLE_DEVICES"] = str(i)
+        if visible[i] is not None and "CUDA_VISIBLE_DEVICES" not in os.environ:
+            host_env["CUDA_VISIBLE_DEVICES"] = visible[i]
         if shares[i] is not None and "OMP_NUM_THREADS" not in os.environ:
             host_env["OMP_NUM_THREADS"] = str(len(shares[i]))
         proc, thread = _start(command, host_env, f"[host {i}]", shares[i])
@@ -173,7 +189,7 @@ def launch(hosts: int, run_dir: Path, coordinator_args: list[str], command: list
                 break
             time.sleep(0.1)
         try:
-            coordinator.wait(30 if status == 0 else 0.1)
+            coordinator.wait(30 if status == 0 else 5)  # it stops by itself once the run is complete
         except subprocess.TimeoutExpired:
             pass
         _stop([coordinator])

@@ -2,7 +2,8 @@
 
 After every round (and at the end) it writes its exchanged tensors and model hash to --out, so tests can
 check that hosts are bit-identical and agree with the coordinator; after fit, its callback metrics and step.
-Started by `nodeox launch` in tests.
+Started by `nodeox launch` in tests. With ``--devices K`` (or one K per host id, ``--devices 2,1``) the host runs
+DDP over K CPU ranks; the files of a rank other than 0 are named ``host<id>.rank<k>_*``.
 """
 
 from __future__ import annotations
@@ -28,17 +29,21 @@ from lightning_nodeox.host.tensors import shared_tensors
 
 
 class DigitsNet(LightningModule):
-    def __init__(self, lr: float = 0.05, host: int = 0, stop_host: int = -1) -> None:
+    def __init__(self, lr: float = 0.05, host: int = 0, stop_host: int = -1, fail_at_step: int = -1) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 10))
         self.lr = lr
         self.host = host
         self.stop_host = stop_host
+        self.fail_at_step = fail_at_step
 
     def training_step(self, batch, batch_idx):
+        if self.global_step == self.fail_at_step:
+            raise RuntimeError(f"injected failure in training_step at step {self.global_step}")
         x, y = batch
         loss = nn.functional.cross_entropy(self.net(x), y)
         self.log("train_loss", loss, on_step=True, prog_bar=False)
+        self.log("rank_mean", float(self.global_rank), sync_dist=True)  # across the host's ranks, then the hosts
         if self.stop_host >= 0:
             self.log("stop_signal", 0.0 if self.host == self.stop_host else 1.0)  # this host's own, not shared
             value = torch.tensor(10.0 * (self.host + 1))  # differs between hosts: 10, 20, ...
@@ -54,17 +59,21 @@ class DumpRounds(Callback):
     """Writes the shared tensors after each completed round, and the losses seen."""
 
     def __init__(self, out: Path, host: str) -> None:
-        self.out, self.host, self.seen, self.losses, self.shared = out, host, -1, [], []
+        self.out, self.host, self.seen, self.losses, self.times, self.shared = out, host, -1, [], [], []
+
+    def _prefix(self, trainer) -> str:
+        return f"host{self.host}" + (f".rank{trainer.global_rank}" if trainer.global_rank else "")
 
     def _dump(self, trainer, name: str) -> None:
         result = trainer.strategy.last_result
         tensors = {n: t.detach().cpu().clone().contiguous() for n, t in shared_tensors(trainer.lightning_module)}
-        save_file(tensors, str(self.out / f"host{self.host}_{name}.safetensors"),
+        save_file(tensors, str(self.out / f"{self._prefix(trainer)}_{name}.safetensors"),
                   metadata={"model_hash": trainer.strategy.model_hash or "", "order": json.dumps(list(tensors)),
                             "round": str(result.round if result else -1)})
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(outputs["loss"]))
+        self.times.append(time.time())
         self.shared.append(float(trainer.callback_metrics.get("shared_step", math.nan)))
         result = trainer.strategy.last_result
         if result is not None and result.round != self.seen:
@@ -72,13 +81,16 @@ class DumpRounds(Callback):
             self._dump(trainer, f"round{result.round}")
 
     def on_exception(self, trainer, pl_module, exception):
-        (self.out / f"host{self.host}_interrupted.json").write_text(json.dumps(
+        (self.out / f"{self._prefix(trainer)}_interrupted.json").write_text(json.dumps(
             {"at": time.time(), "exception": type(exception).__name__}))
 
     def on_fit_end(self, trainer, pl_module):
         self._dump(trainer, "final")
-        (self.out / f"host{self.host}_losses.json").write_text(json.dumps(self.losses))
-        (self.out / f"host{self.host}_shared.json").write_text(json.dumps(self.shared))
+        (self.out / f"{self._prefix(trainer)}_losses.json").write_text(json.dumps(self.losses))
+        (self.out / f"{self._prefix(trainer)}_loss_times.json").write_text(json.dumps(self.times))
+        (self.out / f"{self._prefix(trainer)}_shared.json").write_text(json.dumps(self.shared))
+        (self.out / f"{self._prefix(trainer)}_metrics.json").write_text(
+            json.dumps({k: float(v) for k, v in trainer.callback_metrics.items()}))
 
 
 class Stall(Callback):
@@ -92,6 +104,27 @@ class Stall(Callback):
             time.sleep(self.seconds)
 
 
+class Pace(Callback):
+    """Sleeps at every training step (a host of known speed, or a run long enough to be interrupted)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        time.sleep(self.seconds)
+
+
+class StopWhen(Callback):
+    """Ends training (gracefully: the final round follows) once a file exists."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.path.exists():
+            trainer.should_stop = True
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
@@ -101,6 +134,9 @@ def main() -> None:
     p.add_argument("--skip-sync-round", type=int, default=-1, help="host 1 skips applying this round's sync")
     p.add_argument("--stall-round", type=int, default=-1, help="--stall-host stalls in this round (--stall-seconds)")
     p.add_argument("--stall-seconds", type=float, default=0.0)
+    p.add_argument("--fail-round", type=int, default=-1, help="host 1's training_step raises mid-way through this round")
+    p.add_argument("--step-seconds", type=float, default=0.0, help="sleep this long at every step (pacing)")
+    p.add_argument("--stop-file", type=Path, help="end training once this file exists")
     p.add_argument("--stall-host", default="1")
     p.add_argument("--stop-host", type=int, default=-1,
                    help="EarlyStopping on every host, triggered on this host alone at its first epoch end; "
@@ -109,6 +145,7 @@ def main() -> None:
     p.add_argument("--resume", type=Path, help="resume fit from this checkpoint")
     p.add_argument("--overlap", default="off", choices=("off", "eager", "delayed"))
     p.add_argument("--round-seconds", type=float)
+    p.add_argument("--devices", default="1", help="devices (CPU ranks) of the host, or one number per host id: 2,1")
     args = p.parse_args()
     torch.set_num_threads(1)
     host = os.environ["NODEOX_HOST_ID"]
@@ -119,7 +156,8 @@ def main() -> None:
     data = TensorDataset(torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y))
     gen = torch.Generator().manual_seed(int(host))
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=True, generator=gen, drop_last=True)
-    model = DigitsNet(host=int(host), stop_host=args.stop_host)
+    fail = args.fail_round * args.local_steps + args.local_steps // 2 if args.fail_round >= 0 and host == "1" else -1
+    model = DigitsNet(host=int(host), stop_host=args.stop_host, fail_at_step=fail)
     if args.skip_sync_round >= 0 and host == "1":
         from lightning_nodeox.core.hashing import RowHasher
         from lightning_nodeox.host.tensors import HostTensors
@@ -135,6 +173,10 @@ def main() -> None:
     callbacks = [PhaseMonitor(), DumpRounds(args.out, host)]
     if args.stall_round >= 0 and host == args.stall_host:
         callbacks.append(Stall(args.stall_round * args.local_steps + 1, args.stall_seconds))
+    if args.step_seconds > 0:
+        callbacks.append(Pace(args.step_seconds))
+    if args.stop_file is not None:
+        callbacks.append(StopWhen(args.stop_file))
     if args.checkpoint_every:
         callbacks.append(ModelCheckpoint(dirpath=args.out, filename=f"host{host}", every_n_train_steps=args.checkpoint_every,
                                          save_top_k=-1, enable_version_counter=False))
@@ -142,12 +184,16 @@ def main() -> None:
         callbacks.append(EarlyStopping("stop_signal", mode="min", stopping_threshold=0.5, check_on_train_epoch_end=True))
     strategy = NodeoxStrategy(local_steps=args.local_steps, cpu_threads=1, codec_threads=1,
                               overlap=False if args.overlap == "off" else args.overlap, round_seconds=args.round_seconds)
-    trainer = Trainer(strategy=strategy, max_steps=args.max_steps, logger=TensorBoardLogger(args.out / f"tb_host{host}"),
+    per_host = [int(k) for k in args.devices.split(",")]
+    devices = per_host[int(host)] if len(per_host) > 1 else per_host[0]
+    trainer = Trainer(strategy=strategy, devices=devices, accelerator="cpu" if devices > 1 else "auto",
+                      max_steps=args.max_steps, logger=TensorBoardLogger(args.out / f"tb_host{host}"),
                       callbacks=callbacks, enable_checkpointing=bool(args.checkpoint_every),
                       enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
     trainer.fit(model, loader, ckpt_path=args.resume)
     after = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    (args.out / f"host{host}_after_fit.json").write_text(json.dumps(
+    prefix = f"host{host}" + (f".rank{trainer.global_rank}" if trainer.global_rank else "")
+    (args.out / f"{prefix}_after_fit.json").write_text(json.dumps(
         {"global_step": trainer.global_step, "model_hash": strategy.model_hash, "callback_metrics": after,
          "last_round": strategy.last_result.round if strategy.last_result else -1}))
 

@@ -1,0 +1,106 @@
+"""Who takes part in the run: the host registry, each host's state and its lease.
+
+A host is expected in every round while it is ``TRAINING`` and heard from (heartbeat, join, upload, sync)
+within the lease; a host not heard from for longer is ``DROPPED``: no round waits for it until it is heard
+from again. ``FINISHED`` hosts have sent their final delta; ``LEFT`` hosts said goodbye (training ended or
+failed) and take part again only by joining again.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+
+from ..core.protocol import Reason, Refusal
+
+log = logging.getLogger(__name__)
+
+
+class HostState(enum.Enum):
+    TRAINING = "training"  # expected in every round while its lease holds
+    DROPPED = "dropped"  # its lease expired; expected again once heard from
+    FINISHED = "finished"  # sent its final delta
+    LEFT = "left"  # said goodbye (or failed): takes no further part
+
+
+@dataclass
+class Host:
+    id: str
+    credential: str  # what every call of this host presents (from its join)
+    state: HostState = HostState.TRAINING
+    seen: float = field(default_factory=time.monotonic)  # when last heard from
+    joined: float = field(default_factory=time.time)
+
+
+class Hosts(dict[str, Host]):
+    """The registry: host id -> :class:`Host`, with the lease rules (changed only on the event loop)."""
+
+    def __init__(self, lease: float) -> None:
+        super().__init__()
+        self.lease = lease
+
+    def restore(self, saved: dict[str, dict]) -> None:
+        """Hosts of a resumed run (``{"state", "credential"}`` each), each with a fresh lease."""
+        now = time.monotonic()
+        self.update({h: Host(h, str(d["credential"]), HostState(d["state"]), now) for h, d in saved.items()})
+
+    def saved(self) -> dict[str, dict]:
+        """What :meth:`restore` takes back."""
+        return {h.id: {"state": h.state.value, "credential": h.credential} for h in self.values()}
+
+    def register(self, host: str, credential: str) -> Host:
+        """(Re)admit ``host`` with a new ``credential``; returns its entry."""
+        entry = self.setdefault(host, Host(host, credential))
+        entry.credential, entry.seen, entry.joined = credential, time.monotonic(), time.time()
+        if entry.state is not HostState.FINISHED:  # a finished host that joins again stays finished
+            entry.state = HostState.TRAINING
+        return entry
+
+    def known(self, host: str) -> Host:
+        """The host's entry, or NOT_JOINED for a host that never joined or left."""
+        entry = self.get(host)
+        if entry is None or entry.state is HostState.LEFT:
+            raise Refusal(Reason.NOT_JOINED, f"host {host} is not in the run{' (it left)' if entry else ''}; "
+                                             "POST /v1/join first")
+        return entry
+
+    def seen(self, entry: Host) -> None:
+        """The host was heard from: its lease starts over, and a dropped host is expected again."""
+        entry.seen = time.monotonic()
+        if entry.state is HostState.DROPPED:
+            entry.state = HostState.TRAINING
+            log.info("nodeox coordinator: host %s is back; rounds wait for it again", entry.id)
+
+    def expire(self) -> list[Host]:
+        """Drop the training hosts not heard from within the lease; returns them."""
+        now = time.monotonic()
+        expired = [h for h in self.values() if h.state is HostState.TRAINING and now - h.seen > self.lease]
+        for h in expired:
+            h.state = HostState.DROPPED
+            log.warning("nodeox coordinator: host %s: no heartbeat for %.1f s (--lease %g); rounds no longer wait "
+                        "for it", h.id, now - h.seen, self.lease)
+        return expired
+
+    def expected(self, received: dict[str, int]) -> list[Host]:
+        """The hosts whose delta this round waits for (or has): live training hosts, finishing hosts."""
+        return [h for h in self.values()
+                if h.state is HostState.TRAINING or (h.state is HostState.FINISHED and h.id in received)]
+
+    def in_run(self, received: dict[str, int]) -> int:
+        """Hosts that may still send a delta this round: training or dropped (they may come back), or sent one."""
+        return sum(h.state in (HostState.TRAINING, HostState.DROPPED) or h.id in received for h in self.values())
+
+    def still_training(self) -> bool:
+        return any(h.state is HostState.TRAINING for h in self.values())
+
+    def all_gone(self) -> bool:
+        """Every host has left or is no longer heard from."""
+        now = time.monotonic()
+        return all(h.state is HostState.LEFT or now - h.seen > self.lease for h in self.values())
+
+    def dropped(self) -> str:
+        now = time.monotonic()
+        return ", ".join(f"{h.id} (not heard from for {now - h.seen:.0f} s)" for h in self.values()
+                         if h.state is HostState.DROPPED) or "none"

@@ -1,0 +1,218 @@
+"""The run's state on disk (``DIR/state/``), so that a coordinator started again on its run directory resumes it.
+
+After every published round, off the critical path (on a thread of its own, while hosts already apply the
+sync), the coordinator writes:
+
+- ``sync-R.q4``: round R's sync (a q4 message, ~0.14x the fp32 model), for hosts that had not fetched it yet;
+- ``outer-R.safetensors``: the outer optimizer's state (nothing for plain averaging; 1x the fp32 model for
+  Nesterov), which belongs to the model after round R;
+- every ``--snapshot-every`` rounds and at shutdown, ``model-R.safetensors``: the model itself (between
+  snapshots, a host that rejoins gives the model back, checked against the saved hash);
+- ``run.json`` last: the open round, the model hash, the host registry (each host's state and credential, so
+  hosts keep theirs across a restart), the codec and outer-optimizer settings and the names of the files
+  above. It only ever names complete files.
+
+Files are created readable by their owner only (``run.json`` holds the hosts' credentials).
+
+Each file is written under a temporary name, synced and renamed, so a crash at any moment leaves the previous
+state whole; files that ``run.json`` no longer names are removed once it is replaced. Nothing is pickled:
+JSON and safetensors (q4 messages are safetensors files too).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from ..core.modelfile import model_header, read_model
+from ..core.specs import PayloadError, TensorSpec
+from ..core.wire import Q4Message
+from .config import CoordinatorConfig, OuterSettings
+
+log = logging.getLogger(__name__)
+
+STATE_DIR = "state"
+RUN_FILE = "run.json"
+FORMAT = "nodeox-run-state"
+VERSION = 1
+
+
+@dataclass
+class SavedRun:
+    """What ``run.json`` holds. ``round`` is the open round; ``model_hash`` the model it starts from."""
+
+    round: int
+    model_hash: str
+    complete: bool
+    hosts: dict[str, dict]  # host id -> {"state": HostState value, "credential": its credential}
+    q4: dict  # codec, block_size, scale_dtype
+    outer: dict  # name, lr, momentum
+    files: dict[str, str] = field(default_factory=dict)  # "sync", "outer", "model" -> file name in state/
+    snapshot_round: int | None = None  # the round whose starting model "model" holds
+    snapshot_hash: str | None = None
+
+    def promise(self, model_hash: str | None, round_: int | None) -> tuple[int, str] | None:
+        """What a host that rejoins holding ``model_hash`` at ``round_`` can give back: this model, or the next one
+        (the coordinator stopped between publishing a round and saving it); None if neither."""
+        if model_hash == self.model_hash:
+            return self.round, model_hash
+        if model_hash and round_ == self.round + 1:
+            return round_, model_hash
+        return None
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "version": VERSION, "saved_at": time.time(), **asdict(self)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> SavedRun:
+        if d.get("format") != FORMAT or int(d.get("version", -1)) != VERSION:
+            raise ValueError(f"not a {FORMAT} version {VERSION} file")
+        return cls(round=int(d["round"]), model_hash=str(d["model_hash"]), complete=bool(d["complete"]),
+                   hosts={str(k): dict(v) for k, v in d["hosts"].items()}, q4=dict(d["q4"]), outer=dict(d["outer"]),
+                   files={str(k): str(v) for k, v in d.get("files", {}).items()},
+                   snapshot_round=d.get("snapshot_round"), snapshot_hash=d.get("snapshot_hash"))
+
+
+def write_atomic(path: Path, chunks: Iterable[bytes | memoryview]) -> int:
+    """Write ``chunks`` to ``path`` so that it is either the old file or the whole new one; returns the size."""
+    tmp = path.with_name(path.name + ".tmp")
+    size = 0
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+        for chunk in chunks:
+            size += f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return size
+
+
+def tensor_chunks(named: list[tuple[str, torch.Tensor]], round_: int, model_hash: str) -> list[memoryview]:
+    """A safetensors file of ``named`` (contiguous CPU tensors) as views: header, then each tensor's bytes."""
+    specs = tuple(TensorSpec(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in named)
+    views = [memoryview(model_header(specs, round_, model_hash))]
+    views += [memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()) for _, t in named]
+    return views
+
+
+class RunStore:
+    """Reads and writes ``DIR/state/``; moves a finished run's records aside."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.dir = self.run_dir / STATE_DIR
+
+    def load(self) -> SavedRun | None:
+        """The saved run, or None when there is none. A state that cannot be read is an error naming --fresh."""
+        path = self.dir / RUN_FILE
+        if not path.exists():
+            return None
+        try:
+            return SavedRun.from_json(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path} cannot be read ({e}); start with --fresh to begin a new run "
+                             "(the old records are moved aside)") from None
+
+    def save(self, saved: SavedRun, *, sync: Q4Message | None, outer: dict[str, torch.Tensor],
+             model_chunks: list[memoryview] | None) -> int:
+        """Write one round's state (the files, then ``run.json``); returns the bytes written. ``saved.files``
+        is updated; ``model_chunks`` (a snapshot) is optional, an older snapshot stays named until replaced."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        r = saved.round
+        written = 0
+        if sync is not None:
+            written += write_atomic(self.dir / f"sync-{r}.q4", [sync.view()])
+            saved.files["sync"] = f"sync-{r}.q4"
+        else:
+            saved.files.pop("sync", None)
+        if outer:
+            written += write_atomic(self.dir / f"outer-{r}.safetensors",
+                                    tensor_chunks(sorted(outer.items()), r, saved.model_hash))
+            saved.files["outer"] = f"outer-{r}.safetensors"
+        else:
+            saved.files.pop("outer", None)
+        if model_chunks is not None:
+            written += write_atomic(self.dir / f"model-{r}.safetensors", model_chunks)
+            saved.files["model"] = f"model-{r}.safetensors"
+            saved.snapshot_round, saved.snapshot_hash = r, saved.model_hash
+        written += write_atomic(self.dir / RUN_FILE, [json.dumps(saved.to_json(), indent=1).encode()])
+        keep = set(saved.files.values()) | {RUN_FILE}
+        for path in self.dir.iterdir():
+            if path.name not in keep:
+                path.unlink(missing_ok=True)
+        return written
+
+    def read_sync(self, saved: SavedRun) -> Q4Message | None:
+        name = saved.files.get("sync")
+        return None if name is None else Q4Message.parse(self._read(name))
+
+    def read_tensors(self, saved: SavedRun, kind: str) -> tuple[tuple[TensorSpec, ...], list[torch.Tensor]] | None:
+        """The specs and tensors of the saved ``"outer"`` state or ``"model"`` snapshot (None if not saved)."""
+        name = saved.files.get(kind)
+        if name is None:
+            return None
+        try:
+            _, _, specs, tensors = read_model(self._read(name))
+        except PayloadError as e:
+            raise ValueError(f"{self.dir / name} is damaged ({e}); start with --fresh to begin a new run") from None
+        return specs, tensors
+
+    def _read(self, name: str) -> torch.Tensor:
+        path = self.dir / name
+        return torch.from_file(str(path), shared=False, size=path.stat().st_size, dtype=torch.uint8)
+
+    def archive(self, keep: Iterable[str] = ()) -> Path | None:
+        """Move every record of an earlier run to ``DIR/previous-<timestamp>/`` (not earlier archives, nor the
+        names in ``keep``); returns where they went, or None when there was nothing to move."""
+        if not self.run_dir.exists():
+            return None
+        keep = set(keep)
+        old = [p for p in self.run_dir.iterdir() if not p.name.startswith("previous-") and p.name not in keep]
+        if not old:
+            return None
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        target = self.run_dir / f"previous-{stamp}"
+        n = 1
+        while target.exists():
+            n += 1
+            target = self.run_dir / f"previous-{stamp}-{n}"
+        target.mkdir()
+        for p in old:
+            shutil.move(str(p), str(target / p.name))
+        return target
+
+
+def take_up(config: CoordinatorConfig, keep: Iterable[str] = ()) -> tuple[CoordinatorConfig, SavedRun | None]:
+    """The unfinished run saved in the run directory, to resume (its codec and outer optimizer win over the
+    command line's), or None for a new run; an earlier run's records are then moved aside, saying where."""
+    store = RunStore(config.run_dir)
+    saved = None if config.fresh else store.load()
+    if saved is not None and not saved.complete:
+        q4 = replace(config.q4, codec=str(saved.q4.get("codec", "q4")), block_size=int(saved.q4["block_size"]),
+                     scale_dtype=str(saved.q4["scale_dtype"]))
+        outer = OuterSettings(**saved.outer)
+        if (q4, outer) != (config.q4, config.outer):
+            log.warning("nodeox coordinator: the resumed run keeps its codec (%s, block size %d, %s scales) and outer "
+                        "optimizer (%s); start with --fresh to change them", q4.codec, q4.block_size, q4.scale_dtype, outer)
+        if config.initial_model is not None:
+            log.warning("nodeox coordinator: --initial-model is ignored: the run in %s is resumed", config.run_dir)
+        return replace(config, q4=q4, outer=outer), saved
+    moved = store.archive(keep)
+    if moved is not None:
+        why = "--fresh" if config.fresh else ("it held a finished run" if saved is not None else
+                                              "it held records of an earlier run")
+        print(f"nodeox coordinator: starting a new run in {config.run_dir} ({why}); the earlier records are now in "
+              f"{moved}", flush=True)
+    return config, None

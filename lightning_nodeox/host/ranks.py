@@ -1,0 +1,151 @@
+"""The ranks of one host: a world of one, or the K processes of a host with K devices (DDP inside the host).
+
+Rank 0 alone talks to the coordinator; the other ranks follow it at a few points that every rank reaches on the
+same optimizer step (join, round boundary, fold, end of training), where :meth:`HostRanks.lead` runs rank 0's
+work and then broadcasts its outcome (a small picklable value, or the error that stopped it) and rank 0's
+exchanged tensors. Each rank so holds rank 0's model bit for bit, and no rank keeps a copy of the round's base
+or snapshot. Between those points DDP's gradient all-reduce keeps the ranks' parameters identical.
+
+Decisions that only rank 0 can take (a time budget ran out, an overlapped sync has arrived) are broadcast at
+every step (:meth:`HostRanks.decide`). Outcomes and decisions travel over a gloo group on the CPU, so a rank
+waiting for rank 0's exchange does not hold a GPU stream; tensors travel over the host's default group (NCCL on
+GPUs, gloo on the CPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.environments import ClusterEnvironment
+
+T = TypeVar("T")
+
+# Rank 0 may spend a whole exchange (waiting for the slowest host) between two messages to the other ranks. A rank
+# that dies is noticed by what launched the ranks (Lightning, torchrun), which stops the others.
+CONTROL_TIMEOUT = timedelta(days=1)
+
+
+class OneRank:
+    """A host of one device: rank 0 is the only rank; nothing is sent."""
+
+    leader = True
+    size = 1
+
+    def decide(self, *flags: bool) -> tuple[bool, ...]:
+        return flags
+
+    def total(self, count: int) -> int:
+        return count
+
+    def lead(self, work: Callable[[], T], *, model: bool = True) -> T:
+        return work()
+
+    def close(self) -> None:
+        pass
+
+
+class HostRanks:
+    """The ranks of a host with several devices, in the host's process group (all of ``torch.distributed``'s
+    default group: Lightning built it for this host alone)."""
+
+    def __init__(self, tensors: list[torch.Tensor], *, per_step: bool) -> None:
+        """``tensors``: this rank's exchanged tensors, in the same order on every rank. ``per_step``: rank 0 takes
+        decisions at every step (overlap, a time budget), so :meth:`decide` broadcasts them."""
+        self.tensors = tensors
+        self.per_step = per_step
+        self.rank = dist.get_rank()
+        self.size = dist.get_world_size()
+        self.leader = self.rank == 0
+        self._control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+
+    def decide(self, *flags: bool) -> tuple[bool, ...]:
+        """Rank 0's ``flags`` on every rank."""
+        if not self.per_step:
+            return flags  # without overlap or a time budget every rank decides alike from its step count
+        sent = torch.tensor([int(f) for f in flags], dtype=torch.int64)
+        dist.broadcast(sent, src=0, group=self._control)
+        return tuple(bool(f) for f in sent.tolist())
+
+    def total(self, count: int) -> int:
+        """The sum of ``count`` over the host's ranks (samples trained in a round)."""
+        summed = torch.tensor([count], dtype=torch.int64)
+        dist.all_reduce(summed, group=self._control)
+        return int(summed.item())
+
+    def lead(self, work: Callable[[], T], *, model: bool = True) -> T:
+        """Rank 0 runs ``work``; every rank returns its result, and (``model``) holds rank 0's tensors. When
+        ``work`` fails, rank 0 raises its error and the other ranks a RuntimeError that names it."""
+        if self.leader:
+            try:
+                value = work()
+            except BaseException as e:
+                self._send(("failed", f"{type(e).__name__}: {e}"))
+                raise
+            self._send(("done", value))
+        else:
+            kind, value = self._receive()
+            if kind == "failed":
+                raise RuntimeError(f"rank 0 of this host stopped ({value}); rank {self.rank} stops with it")
+        if model:
+            for t in self.tensors:
+                dist.broadcast(t, src=0)
+        return value
+
+    def close(self) -> None:
+        dist.destroy_process_group(self._control)
+
+    def _send(self, message: tuple) -> None:
+        dist.broadcast_object_list([message], src=0, group=self._control)
+
+    def _receive(self) -> tuple:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=self._control)
+        return box[0]
+
+
+class WorldOfOne(ClusterEnvironment):
+    """The cluster environment of a host with one device: rank 0 of a world of one, whatever launched it (so
+    ``torchrun --nproc-per-node 8`` with ``devices=1`` makes 8 hosts, not one DDP world). Its local rank is the
+    host's place among the hosts of its machine (:func:`lightning_nodeox.host.machine.local_rank`), so Lightning
+    runs ``prepare_data`` on one host per machine."""
+
+    def __init__(self, local_rank: int = 0) -> None:
+        self._local_rank = local_rank
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True
+
+    @property
+    def main_address(self) -> str:
+        return "127.0.0.1"
+
+    @property
+    def main_port(self) -> int:
+        return 0
+
+    @staticmethod
+    def detect() -> bool:
+        return False
+
+    def world_size(self) -> int:
+        return 1
+
+    def set_world_size(self, size: int) -> None:
+        pass
+
+    def global_rank(self) -> int:
+        return 0
+
+    def set_global_rank(self, rank: int) -> None:
+        pass
+
+    def local_rank(self) -> int:
+        return self._local_rank
+
+    def node_rank(self) -> int:
+        return 0

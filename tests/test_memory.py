@@ -1,0 +1,80 @@
+"""No object of a finished round outlives it: the coordinator's round state machine, in this process, with the
+garbage collector off (so only reference counting frees anything: a reference cycle would keep a round alive)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+import weakref
+
+import torch
+from test_coordinator import MODEL, SPECS, delta_message, model_file
+
+from lightning_nodeox.coordinator.config import CoordinatorConfig
+from lightning_nodeox.coordinator.rounds import Rounds
+from lightning_nodeox.coordinator.runlog import RunLog
+from lightning_nodeox.coordinator.state import RunStore
+from lightning_nodeox.core.pool import WorkerPool
+from lightning_nodeox.core.wire import Q4Message
+
+ROUNDS = 4
+
+
+def live_messages() -> int:
+    return sum(isinstance(o, Q4Message) for o in gc.get_objects())
+
+
+async def scenario(tmp_path, monkeypatch) -> list[int]:
+    config = CoordinatorConfig(hosts=2, run_dir=tmp_path, threads=1)
+    pool = WorkerPool(config.q4, "cpu", 1)
+    runlog = RunLog(tmp_path)
+    rounds = Rounds(config, runlog, pool, RunStore(tmp_path))
+    parsed: list[tuple[int, weakref.ref]] = []
+    parse = Q4Message.parse
+
+    def parse_and_watch(data):
+        message = parse(data)
+        parsed.append((message.meta.round, weakref.ref(message)))
+        return message
+
+    monkeypatch.setattr(Q4Message, "parse", staticmethod(parse_and_watch))
+    await rounds.load_initial_model(torch.frombuffer(bytearray(model_file()), dtype=torch.uint8))
+    for host in "ab":
+        await rounds.join(host, SPECS)
+    buffers: list[tuple[int, weakref.ref]] = []
+    counts = []
+    gen = torch.Generator().manual_seed(0)
+    for r in range(ROUNDS):
+        for host in "ab":
+            deltas = [torch.randn(t.shape, generator=gen) * 0.01 for _, t in MODEL]
+            message = delta_message(deltas, round_=r, host=host, base_hash=rounds.model.hash, samples=8)
+            buf = torch.frombuffer(bytearray(message.view()), dtype=torch.uint8)
+            del message
+            await rounds.accept_delta(host, r, buf, time.time())
+            buffers.append((r, weakref.ref(buf)))
+            del buf
+        deadline = time.monotonic() + 30
+        while rounds.round != r + 1:  # the round closes on its own once both deltas are accumulated
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        await rounds.save_at_shutdown() if r == ROUNDS - 1 else rounds._persisting
+        # round r + 1 has started: nothing of round r's deltas is alive
+        assert [rr for rr, ref in buffers if ref() is not None] == []
+        assert [rr for rr, ref in parsed if ref() is not None and rr <= r] == []
+        counts.append(live_messages())
+    rounds.close()
+    pool.close()
+    runlog.close()
+    return counts
+
+
+def test_no_payload_or_buffer_of_a_finished_round_outlives_it(tmp_path, monkeypatch) -> None:
+    gc.collect()
+    gc.disable()
+    try:
+        counts = asyncio.run(scenario(tmp_path, monkeypatch))
+    finally:
+        gc.enable()
+    # what stays is the two sync messages, reused round after round (the latest, and the spare it replaces)
+    assert counts[1:] == [2] * (ROUNDS - 1), counts

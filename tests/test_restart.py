@@ -1,0 +1,156 @@
+"""A coordinator started again on its run directory resumes the run: the same final model as a run never
+interrupted (Nesterov outer optimizer, so its state must survive too), whether the model comes back from a host
+or from a snapshot; a finished run is not resumed but moved aside."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+import torch
+
+from lightning_nodeox.core.phases import PhaseLog
+from lightning_nodeox.host.client import HttpClient
+from lightning_nodeox.host.round import HostRound
+from lightning_nodeox.host.tensors import HostTensors
+
+ROUNDS = 5
+NESTEROV = ("--outer-optimizer", "nesterov", "--outer-lr", "0.7", "--outer-momentum", "0.9")
+AVERAGE = ("--outer-optimizer", "average")
+
+
+def model(seed: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [("fc.weight", torch.randn(48, 40, generator=g)), ("fc.bias", torch.randn(48, generator=g)),
+            ("bn.running_var", torch.rand(48, generator=g))]
+
+
+def train(host: HostRound, k: int, round_: int) -> None:
+    """This round's deterministic "training": a change that depends on the model, the host and the round."""
+    with torch.no_grad():
+        for i, t in enumerate(host.tensors.live):
+            t.mul_(1 + 1e-3 * k).add_(1e-3 * ((i + k + round_) % 5 - 2))
+
+
+def run(url: str, interrupt=None, at_round: int = 2) -> list[str]:
+    """Two hosts a and b exchange ROUNDS rounds; ``interrupt()`` runs once host a has sent round ``at_round``'s
+    delta (so that round cannot close before it). Returns each host's final model hash."""
+    hosts = [HostRound(HostTensors(model(seed)), HttpClient(url, host=h, retry_for=60), PhaseLog(h))
+             for seed, h in enumerate("ab")]
+    for h in hosts:
+        h.join()
+    with ThreadPoolExecutor(2) as pool:
+        for r in range(ROUNDS):
+            final = r == ROUNDS - 1
+            for k, h in enumerate(hosts, 1):
+                train(h, k, r)
+                assert h.upload(h.encode(h.tensors.live, 16, final)).value == "taken"
+                if (r, h.host) == (at_round, "a") and interrupt is not None:
+                    interrupt()
+            results = list(pool.map(lambda h, f=final: h.synchronize(follow_to_end=f), hosts))
+            assert [res.round for res in results] == [r, r]
+    for h in hosts:
+        h.client.leave()
+        h.close()
+    return [h.model_hash for h in hosts]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The final model of a run never interrupted, per outer optimizer."""
+    from conftest import Coordinator
+
+    hashes = {}
+
+    def final(outer: tuple[str, ...]) -> str:
+        if outer not in hashes:
+            coord = Coordinator(tmp_path_factory.mktemp("reference") / "run", 2, *outer)
+            try:
+                a, b = run(coord.url)
+                assert coord.wait(60) == 0
+            finally:
+                coord.stop()
+            assert a == b
+            hashes[outer] = a
+        return hashes[outer]
+
+    return final
+
+
+def saved_round(run_dir) -> int:
+    path = run_dir / "state" / "run.json"
+    return json.loads(path.read_text())["round"] if path.exists() else -1
+
+
+def one_round_behind(run_dir) -> None:
+    """Make the saved state that of the round before (as if the coordinator died between publishing a round and
+    saving it): the hosts then hold the next model, and one of them gives it back."""
+    path = run_dir / "state" / "run.json"
+    state = json.loads(path.read_text())
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    before = {e["round"]: e["model_hash"] for e in events if e["phase"] == "sync_prepare"}
+    state.update(round=state["round"] - 1, model_hash=before[state["round"] - 2])
+    state["files"].pop("sync")
+    path.write_text(json.dumps(state))
+
+
+@pytest.mark.parametrize("how, snapshot_every, outer", [
+    ("kill", 100, NESTEROV), ("kill", 1, NESTEROV), ("stop", 100, NESTEROV), ("behind", 100, AVERAGE)])
+def test_a_restarted_coordinator_ends_on_the_model_of_an_uninterrupted_run(coordinator, uninterrupted, how,
+                                                                           snapshot_every, outer) -> None:
+    """Mid-round, one delta sent: kill -9 (no snapshot of the current model: a host gives it back; or a snapshot
+    every round), a clean stop (a snapshot at shutdown), or kill -9 with the saved state a round behind the hosts.
+    Host a resends its delta, b sends its own, and the run ends bit-identical to one never interrupted."""
+    coord = coordinator(2, *outer, "--snapshot-every", str(snapshot_every))
+    port = coord.url.rsplit(":", 1)[1]
+    started = []
+
+    def interrupt() -> None:
+        if how != "stop":  # round 1's state is on disk (the window before it is the "behind" case)
+            deadline = time.monotonic() + 10
+            while saved_round(coord.run_dir) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        coord.proc.send_signal(signal.SIGTERM if how == "stop" else signal.SIGKILL)
+        assert coord.proc.wait(30) == (1 if how == "stop" else -signal.SIGKILL)  # 1: stopped before the end
+        if how == "behind":
+            one_round_behind(coord.run_dir)
+        started.append(coordinator(2, "--bind", f"127.0.0.1:{port}", "--snapshot-every", str(snapshot_every),
+                                   run_dir=coord.run_dir))
+
+    final = uninterrupted(outer)
+    assert run(coord.url, interrupt) == [final, final]
+    assert started[0].wait(60) == 0
+    log = started[0].log_path.read_text()
+    from_snapshot = how == "stop" or snapshot_every == 1
+    assert ("from its snapshot" in log) == from_snapshot, log
+    assert ("model from host" in log) == (not from_snapshot), log
+    assert ("hosts were at round 2" in log) == (how == "behind"), log
+    events = [json.loads(line) for line in (coord.run_dir / "events.jsonl").read_text().splitlines()]
+    (restart,) = [e["round"] for e in events if e["phase"] == "restart"]
+    assert restart == (1 if how == "behind" else 2)
+    assert [e["round"] for e in events if e["phase"] == "sync_prepare"] == list(range(ROUNDS))
+    assert [e["hosts"] for e in events if e["phase"] == "aggregate" and e["round"] == 2] == [["a", "b"]]
+
+
+def test_a_finished_run_is_moved_aside_and_a_new_one_starts(coordinator, tmp_path) -> None:
+    first = coordinator(1)
+    host = HostRound(HostTensors(model(0)), HttpClient(first.url, host="a"), PhaseLog("a"))
+    host.join()
+    train(host, 1, 0)
+    host.run_round(16, final=True)
+    host.client.leave()
+    assert first.wait(60) == 0
+    state = json.loads((first.run_dir / "state" / "run.json").read_text())
+    assert state["complete"] and state["files"]["model"] == "model-1.safetensors"
+
+    again = coordinator(1, run_dir=first.run_dir)
+    assert "it held a finished run" in again.log_path.read_text()
+    status = requests.get(f"{again.url}/v1/status", timeout=10).json()
+    assert status["round"] == 0 and status["model_hash"] is None  # a new run, waiting for its first host
+    (previous,) = first.run_dir.glob("previous-*")
+    assert (previous / "events.jsonl").exists() and (previous / "state" / "run.json").exists()
+    assert not (first.run_dir / "state").exists()
