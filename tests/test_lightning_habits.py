@@ -15,9 +15,8 @@ from collections import defaultdict
 import pytest
 import requests
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
 from conftest import HOSTS, REPO, launch, read_events
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_end_to_end import load
 
 STEPS_PER_EPOCH = 56  # 1797 digits in batches of 32, the last one dropped
@@ -155,3 +154,20 @@ def test_lightning_cli_under_launch_writes_each_host_into_the_run_folder(tmp_pat
         assert [e.step for e in acc.Scalars("nodeox/encode_s")] == [5, 10, 15]
     assert sorted(p.name for p in out.glob("prepared_by_*")) == ["prepared_by_0"]
     assert json.loads((out / "setup_1.json").read_text()) == {"local_rank": 1, "prepared_before_setup": True}
+
+
+def test_early_stopping_while_another_host_overlaps_its_exchange_still_ends_bit_identical(tmp_path) -> None:
+    """Host 0 trains on while its round 5 is in flight (overlap) when host 1's EarlyStopping ends the run with
+    that round: host 0 drops the progress it made meanwhile and ends on the run's final model, like host 1."""
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    result = launch(run_dir, 2, [sys.executable, str(HOSTS / "digits_host.py"), "--out", str(out), "--max-steps", "200",
+                                 "--stop-host", "1", "--overlap", "eager"])
+    assert result.returncode == 0, result.stdout[-5000:]
+    after = {h: json.loads((out / f"host{h}_after_fit.json").read_text()) for h in (0, 1)}
+    published = {e["round"]: e["model_hash"] for e in read_events(run_dir) if e["phase"] == "sync_prepare"}
+    assert sorted(published) == list(range(6)) and after[1]["global_step"] == STEPS_PER_EPOCH
+    assert 60 < after[0]["global_step"] < 70  # it stopped at the first batch after the last sync arrived
+    t0, m0 = load(out / "host0_final.safetensors")
+    t1, m1 = load(out / "host1_final.safetensors")
+    assert m0["model_hash"] == m1["model_hash"] == published[5]
+    assert all(torch.equal(t0[k].view(torch.int32), t1[k].view(torch.int32)) for k in t0)

@@ -137,6 +137,7 @@ class NodeoxStrategy(DDPStrategy):
         self._worker: ExchangeWorker | None = None
         self._in_flight: Future | None = None  # overlap: the exchange of the round that closed last
         self._in_flight_round = 0
+        self._in_flight_step = 0  # where the overlapped round closed (for its progress line)
         self._telemetry: TelemetryShipper | None = None
         self._heartbeat: Heartbeat | None = None
         self._phases: PhaseLog | None = None
@@ -358,10 +359,11 @@ class NodeoxStrategy(DDPStrategy):
         if overlapped:
             self._ranks.lead(lambda: self._start_round(samples, mode), model=mode == "delayed")
             self._pending = True
+            self._in_flight_step = steps_taken(self.lightning_module.trainer)
         else:
             self.last_result = self._ranks.lead(lambda: self._run_round(samples, final))
             self._hash = self.last_result.model_hash
-            self._after_round(self.last_result)
+            self._after_round(self.last_result, steps_taken(self.lightning_module.trainer))
         self._closed_rounds += 1
         self._steps = self._samples = 0
         self._round_start = time.time()
@@ -406,7 +408,7 @@ class NodeoxStrategy(DDPStrategy):
         self.last_result = self._ranks.lead(lambda: self._fold_in(wait))
         self._hash = self.last_result.model_hash
         self._pending = False
-        self._after_round(self.last_result)
+        self._after_round(self.last_result, self._in_flight_step)
 
     def _fold_in(self, wait: bool) -> RoundResult:
         if wait:
@@ -421,13 +423,13 @@ class NodeoxStrategy(DDPStrategy):
                 self._round.tensors.fold()
         return result
 
-    def _after_round(self, result: RoundResult) -> None:
-        """Every rank: take the run's shared values, show the round's progress line (rank 0), and stop when the
-        run is complete."""
+    def _after_round(self, result: RoundResult, step: int) -> None:
+        """Every rank: take the run's shared values, show the round's progress line (rank 0; ``step``: where the
+        round closed), and stop when the run is complete."""
         trainer = self.lightning_module.trainer
         self.metrics.update(result.metrics)
         if self._progress is not None:
-            self._progress.show(trainer, self._progress.line(result.round, steps_taken(trainer), result.model_hash,
+            self._progress.show(trainer, self._progress.line(result.round, step, result.model_hash,
                                                              trainer.callback_metrics, result.complete))
         if result.complete:
             trainer.should_stop = True  # a host's training ended: every host stops at this round

@@ -11,12 +11,11 @@ import time
 from pathlib import Path
 
 import torch
+from digits_host import DigitsNet
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningCLI
 from sklearn.datasets import load_digits
 from torch.utils.data import DataLoader, TensorDataset
-
-from digits_host import DigitsNet
 
 
 class DigitsData(LightningDataModule):
