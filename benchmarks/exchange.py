@@ -99,10 +99,9 @@ def host_main(args: argparse.Namespace) -> None:
 # -- the benchmark ----------------------------------------------------------------------------------------------
 
 
-def run_hosts(coordinator: list[str], hosts: list[list[str]], run_dir: Path, *, timeout: float,
-              urls: list[str] | None = None) -> None:
+def run_hosts(coordinator: list[str], hosts: list[list[str]], run_dir: Path, *, timeout: float) -> None:
     """Start ``coordinator`` (with ``--ready-file``), then host ``i`` as ``hosts[i]`` with ``NODEOX_HOST_ID=i``
-    and ``NODEOX_COORDINATOR_URL`` (``urls[i]`` when given, e.g. a relay); wait for all, stop all in the end."""
+    and ``NODEOX_COORDINATOR_URL``; wait for all, stop all in the end."""
     run_dir.mkdir(parents=True, exist_ok=True)
     ready = run_dir / "ready"
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
@@ -116,7 +115,7 @@ def run_hosts(coordinator: list[str], hosts: list[list[str]], run_dir: Path, *, 
             time.sleep(0.05)
         url = ready.read_text().strip()
         for i, cmd in enumerate(hosts):
-            host_env = dict(env, NODEOX_HOST_ID=str(i), NODEOX_COORDINATOR_URL=urls[i] if urls else url)
+            host_env = dict(env, NODEOX_HOST_ID=str(i), NODEOX_COORDINATOR_URL=url)
             procs.append(subprocess.Popen(cmd, env=host_env, stdout=log, stderr=subprocess.STDOUT))
         for p in procs:
             if p.wait(timeout) != 0:

@@ -47,11 +47,9 @@ class PlacementFailed(RuntimeError):
 
 
 def report_build() -> Callable[[list[dict]], dict]:
-    """`build(records)` of `nodeox report` (lightning_nodeox/report.py, moving to lightning_nodeox/tools/)."""
-    try:
-        from lightning_nodeox.tools.report import build
-    except ImportError:
-        from lightning_nodeox.report import build
+    """`build(records)` of `nodeox report`, imported only when a run is read."""
+    from lightning_nodeox.tools.report import build
+
     return build
 
 
