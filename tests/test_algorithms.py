@@ -16,7 +16,7 @@ from lightning_nodeox.core.settings import Q4Settings
 from lightning_nodeox.host.round import HostRound
 from lightning_nodeox.host.tensors import HostTensors
 from local_transport import LocalClient, LocalCoordinator
-from test_round_rules import assert_on_the_run_model, model, train
+from helpers import assert_on_the_run_model, model, train
 
 FP32 = Q4Settings(codec="fp32")
 

@@ -13,8 +13,7 @@ from urllib.parse import urlsplit
 import pytest
 import requests
 import torch
-from conftest import Coordinator
-from test_coordinator import MODEL, SPECS, body_bytes, delta_message, expected_after_round, model_file
+from helpers import MODEL, SPECS, Coordinator, body_bytes, delta_message, expected_after_round, model_file
 
 from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.modelfile import read_model
@@ -22,6 +21,8 @@ from lightning_nodeox.core.protocol import CREDENTIAL_HEADER, OCTETS, Reason, Re
 from lightning_nodeox.core.specs import spec_of
 from lightning_nodeox.core.wire import Q4Message, Q4Meta
 from lightning_nodeox.host.client import HttpClient
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 TOKEN = "s3cret-token"
 TENSORS = [s.as_json() for s in SPECS]

@@ -7,37 +7,11 @@ import time
 import pytest
 import requests
 import torch
-from reference_q4 import kernels
+from helpers import MODEL, SPECS, delta_message, model_file, socket_closed_port
 
-from lightning_nodeox.core.codec import Q4Settings, accumulate_tensor, encode_sync_and_apply, encode_tensor
-from lightning_nodeox.core.modelfile import model_header
 from lightning_nodeox.core.protocol import SyncReady, Unreachable, Upload, read_fully
-from lightning_nodeox.core.specs import spec_of
-from lightning_nodeox.core.wire import Q4Layout, Q4Message, Q4Meta
+from lightning_nodeox.core.wire import Q4Message, Q4Meta
 from lightning_nodeox.host.client import HttpClient
-
-MODEL = [("fc.weight", torch.randn(40, 30, generator=torch.Generator().manual_seed(0))),
-         ("fc.bias", torch.randn(40, generator=torch.Generator().manual_seed(1))),
-         ("bn.running_mean", torch.zeros(40))]
-SPECS = spec_of(MODEL)
-SETTINGS = Q4Settings()
-
-
-def model_file(named=MODEL) -> bytes:
-    body = bytearray(model_header(spec_of(named), 0, ""))
-    for _, t in named:
-        body += t.numpy().tobytes()
-    return bytes(body)
-
-
-def delta_message(deltas: list[torch.Tensor], *, round_: int, host: str, base_hash: str, samples: int,
-                  specs=SPECS) -> Q4Message:
-    message = Q4Message.allocate(Q4Layout.of(specs, SETTINGS))
-    k = kernels(SETTINGS)
-    for i, d in enumerate(deltas):
-        encode_tensor(k, d.reshape(-1), message.codes(i), message.scales(i))
-    message.write_header(Q4Meta("delta", round_, host, base_hash, samples=samples))
-    return message
 
 
 def test_unreachable_coordinator_fails_fast_with_its_url() -> None:
@@ -50,31 +24,7 @@ def test_unreachable_coordinator_fails_fast_with_its_url() -> None:
         assert time.monotonic() - start < 10
 
 
-def body_bytes(body) -> torch.Tensor:
-    buffer = torch.empty(body.size, dtype=torch.uint8)
-    read_fully(body, memoryview(buffer.numpy()))
-    body.close()
-    return buffer
-
-
-def expected_after_round(model: list[torch.Tensor], contributions) -> list[torch.Tensor]:
-    """What the coordinator must publish: q4 of the sample-weighted mean of the dequantized deltas."""
-    total = sum(n for _, n in contributions)
-    specs = spec_of([(f"t{i}", t) for i, t in enumerate(model)])
-    out = []
-    for i, t in enumerate(model):
-        acc = torch.zeros(t.numel())
-        for j, (deltas, samples) in enumerate(contributions):
-            k = kernels(SETTINGS)
-            message = delta_message(deltas, round_=0, host="x", base_hash="", samples=samples, specs=specs)
-            accumulate_tensor(k, message.codes(i), message.scales(i), acc, float(samples), assign=j == 0)
-        new = t.clone().view(-1)
-        codes, scales = torch.empty_like(message.codes(i)), torch.empty_like(message.scales(i))
-        encode_sync_and_apply(kernels(SETTINGS), acc, 1 / total, new, codes, scales)
-        out.append(new.view(t.shape))
-    return out
-
-
+@pytest.mark.slow
 def test_token_is_required_when_configured(coordinator, tmp_path) -> None:
     token = tmp_path / "token"
     token.write_text("s3cret\n")
@@ -86,22 +36,7 @@ def test_token_is_required_when_configured(coordinator, tmp_path) -> None:
     assert client.join([s.as_json() for s in SPECS]).provide_model
 
 
-class socket_closed_port:
-    """A local port with nothing listening on it."""
-
-    def __enter__(self) -> int:
-        import socket
-
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        self.port = s.getsockname()[1]
-        s.close()
-        return self.port
-
-    def __exit__(self, *exc) -> None:
-        pass
-
-
+@pytest.mark.slow
 def test_a_host_that_never_returns_does_not_hold_the_end_of_the_run(coordinator) -> None:
     """Host b's lease expires, so round 0 closes without it; once host a has finished, the run is complete."""
     coord = coordinator(2, "--lease", "1")
@@ -119,6 +54,7 @@ def test_a_host_that_never_returns_does_not_hold_the_end_of_the_run(coordinator)
     assert coord.wait(30) == 0  # complete, and nobody is left to serve: a sends no heartbeats either
 
 
+@pytest.mark.slow
 def test_a_final_delta_completes_the_run_with_its_round_and_later_deltas_are_late(coordinator) -> None:
     """Stopping together: host a's training ended (final delta) while host b trains on; the round they share is
     the run's last one, its sync says so and carries their sync_dist values reduced; b's next delta is late."""

@@ -9,18 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import HOSTS, launch, read_events
+from helpers import HOSTS, launch, load, read_events
 from lightning_nodeox.core.hashing import model_hash
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 ROUNDS = 2  # max_steps 30, local_steps 10: rounds 0, 1 and 2, the last batch closing the final round
-
-
-def load(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    with safe_open(str(path), "pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
 
 
 def tags(folder: Path) -> set[str]:

@@ -18,8 +18,7 @@ from lightning_nodeox.core.protocol import Reason, Refusal
 from lightning_nodeox.core.settings import Q4Settings
 from lightning_nodeox.host.client import HttpClient
 from lightning_nodeox.host.settings import Connection
-from test_coordinator import SPECS, model_file
-from test_strategy import TwoOptimizers, data
+from helpers import SPECS, TwoOptimizers, data, model_file
 
 TENSORS = [s.as_json() for s in SPECS]
 
@@ -41,6 +40,7 @@ def test_the_default_host_id_is_the_machine_and_the_local_rank_or_the_process(mo
     assert Connection.resolve(host_id="gpu-7").host_id == "gpu-7"
 
 
+@pytest.mark.slow
 def test_a_second_process_with_a_live_id_is_refused_and_a_restarted_one_gets_back_in(coordinator, tmp_path) -> None:
     coord = coordinator(2)
     first = HttpClient(coord.url, host="a", retry_for=5)

@@ -15,9 +15,10 @@ from collections import defaultdict
 import pytest
 import requests
 import torch
-from conftest import HOSTS, REPO, launch, read_events
+from helpers import HOSTS, REPO, launch, load, read_events
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from test_end_to_end import load
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 STEPS_PER_EPOCH = 56  # 1797 digits in batches of 32, the last one dropped
 

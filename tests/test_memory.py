@@ -9,7 +9,7 @@ import time
 import weakref
 
 import torch
-from test_coordinator import MODEL, SPECS, delta_message, model_file
+from helpers import MODEL, SPECS, delta_message, model_file
 
 from lightning_nodeox.coordinator.config import CoordinatorConfig
 from lightning_nodeox.coordinator.rounds import Rounds

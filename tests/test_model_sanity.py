@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import delta_message
 from reference_q4 import kernels
 
 from lightning_nodeox.coordinator import model as model_module
 from lightning_nodeox.coordinator.model import CoordinatorModel
 from lightning_nodeox.coordinator.outer import OuterSettings
-from lightning_nodeox.core.codec import apply_sync, encode_sync_and_apply, encode_tensor
+from lightning_nodeox.core.codec import apply_sync, encode_sync_and_apply
 from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.pool import WorkerPool
 from lightning_nodeox.core.settings import Q4Settings
 from lightning_nodeox.core.specs import spec_of
-from lightning_nodeox.core.wire import Q4Layout, Q4Message, Q4Meta
+from lightning_nodeox.core.wire import Q4Message
 
 SETTINGS = Q4Settings()
 
@@ -31,11 +32,7 @@ def make(named, pool, outer=OuterSettings()) -> CoordinatorModel:
 
 
 def delta(specs, values: list[torch.Tensor]) -> Q4Message:
-    message = Q4Message.allocate(Q4Layout.of(specs, SETTINGS))
-    for i, v in enumerate(values):
-        encode_tensor(kernels(SETTINGS), v.reshape(-1).float(), message.codes(i), message.scales(i))
-    message.write_header(Q4Meta("delta", 0, "h", "", samples=1))
-    return message
+    return delta_message(values, specs=specs)
 
 
 def bits(tensors) -> list[torch.Tensor]:

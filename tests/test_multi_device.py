@@ -15,19 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HOSTS, REPO, launch, read_events
+from helpers import HOSTS, REPO, launch, load, read_events
 from lightning.pytorch import Trainer
-from safetensors import safe_open
 
 from lightning_nodeox import NodeoxStrategy
 from lightning_nodeox.tools.launch import gpu_sets
 
 BATCH, LOCAL_STEPS, MAX_STEPS = 32, 4, 12
-
-
-def load(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    with safe_open(str(path), "pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()  # noqa: SIM118 - safe_open is not iterable
 
 
 def same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -62,6 +56,7 @@ def test_a_host_spanning_several_machines_is_refused_with_the_fix() -> None:
         Trainer(strategy=NodeoxStrategy(), accelerator="cpu", devices=2, num_nodes=2, logger=False)
 
 
+@pytest.mark.slow
 def test_launch_a_host_of_two_ranks_and_one_of_one_rank_with_overlap(tmp_path) -> None:
     """Lightning starts host 0's second rank; rank 0 alone exchanges, folds and shares its model with rank 1."""
     run_dir, out = tmp_path / "run", tmp_path / "out"
@@ -91,6 +86,7 @@ def test_launch_a_host_of_two_ranks_and_one_of_one_rank_with_overlap(tmp_path) -
         assert value == pytest.approx(1 / 3, abs=1e-6), name
 
 
+@pytest.mark.slow
 def test_torchrun_host_of_two_ranks_with_a_time_budget_and_delayed_overlap(coordinator, tmp_path) -> None:
     """`torchrun --nproc-per-node 2` starts host 0 (Lightning finds torchrun's environment); rank 0 decides when
     each round's time budget is spent and when a sync is folded in, so both ranks do each on the same step."""
@@ -129,6 +125,7 @@ def test_torchrun_host_of_two_ranks_with_a_time_budget_and_delayed_overlap(coord
     assert all(e["ranks"] == 2 for e in coord.events() if e["phase"] == "train" and e["host"] == "0")
 
 
+@pytest.mark.slow
 def test_a_failure_on_rank_0_stops_every_rank_of_the_host_with_its_message(tmp_path) -> None:
     """Rank 0 cannot join (no coordinator URL): the other rank stops at once too, naming rank 0's error."""
     env = {k: v for k, v in os.environ.items() if k != "NODEOX_COORDINATOR_URL"}

@@ -12,25 +12,23 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 import torch
+from helpers import Coordinator, model
 
 from lightning_nodeox.core.phases import PhaseLog
 from lightning_nodeox.host.client import HttpClient
 from lightning_nodeox.host.round import HostRound
 from lightning_nodeox.host.tensors import HostTensors
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 ROUNDS = 5
 NESTEROV = ("--outer-optimizer", "nesterov", "--outer-lr", "0.7", "--outer-momentum", "0.9")
 AVERAGE = ("--outer-optimizer", "average")
 
 
-def model(seed: int) -> list[tuple[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    return [("fc.weight", torch.randn(48, 40, generator=g)), ("fc.bias", torch.randn(48, generator=g)),
-            ("bn.running_var", torch.rand(48, generator=g))]
-
-
 def train(host: HostRound, k: int, round_: int) -> None:
-    """This round's deterministic "training": a change that depends on the model, the host and the round."""
+    """This round's deterministic "training": a change that depends on the model, the host and the round (unlike
+    helpers.train's nudge, so a host that trained on another model would send another delta)."""
     with torch.no_grad():
         for i, t in enumerate(host.tensors.live):
             t.mul_(1 + 1e-3 * k).add_(1e-3 * ((i + k + round_) % 5 - 2))
@@ -62,8 +60,6 @@ def run(url: str, interrupt=None, at_round: int = 2) -> list[str]:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """The final model of a run never interrupted, per outer optimizer."""
-    from conftest import Coordinator
-
     hashes = {}
 
     def final(outer: tuple[str, ...]) -> str:

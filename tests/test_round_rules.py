@@ -8,31 +8,15 @@ import time
 import pytest
 import torch
 
-from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.phases import PhaseLog
 from lightning_nodeox.core.protocol import Upload
 from lightning_nodeox.host.round import HostRound
 from lightning_nodeox.host.tensors import HostTensors
+from helpers import assert_on_the_run_model, model, train
 from local_transport import LocalClient, LocalCoordinator
 
-SHAPES = {"w": (50, 40), "b": (50,), "norm.running_mean": (50,)}
-
-
-def model(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [(n, torch.randn(s, generator=gen)) for n, s in SHAPES.items()]
-
-
-def train(host: HostRound, step: int) -> None:
-    """Stand-in for local training: a different nudge per host and step."""
-    gen = torch.Generator().manual_seed(hash((host.host, step)) & 0xFFFF)
-    with torch.no_grad():
-        for t in host.tensors.live:
-            t.add_(torch.randn(t.shape, generator=gen) * 0.01)
-
-
 @pytest.fixture
-def coordinator(tmp_path):
+def local_coordinator(tmp_path):
     started = []
 
     def start(hosts: int = 2, **config) -> LocalCoordinator:
@@ -45,33 +29,22 @@ def coordinator(tmp_path):
         c.close()
 
 
-def join(coordinator: LocalCoordinator, *ids: str) -> list[HostRound]:
-    hosts = [HostRound(HostTensors(model(seed=i)), LocalClient(coordinator, h), PhaseLog(h)) for i, h in enumerate(ids)]
+def join(c: LocalCoordinator, *ids: str) -> list[HostRound]:
+    hosts = [HostRound(HostTensors(model(seed=i)), LocalClient(c, h), PhaseLog(h)) for i, h in enumerate(ids)]
     for h in hosts:
         h.join()
         h.phases.records.clear()  # what happens from here on is the test's
     return hosts
 
 
-def coordinator_hash(coordinator: LocalCoordinator) -> str:
-    return coordinator.rounds.model.hash
-
-
-def assert_on_the_run_model(coordinator: LocalCoordinator, *hosts: HostRound) -> None:
-    expected = coordinator_hash(coordinator)
-    for h in hosts:
-        assert h.model_hash == expected == model_hash(h.tensors.named()), h.host
-        assert all(torch.equal(b, t) for b, t in zip(h.tensors.base, h.tensors.live))
-
-
 def upload(host: HostRound, samples: int = 8, final: bool = False) -> Upload:
     return host.upload(host.encode(host.tensors.live, samples, final))
 
 
-def test_hosts_agree_after_joining_and_a_normal_round(coordinator) -> None:
-    c = coordinator()
+def test_hosts_agree_after_joining_and_a_normal_round(local_coordinator) -> None:
+    c = local_coordinator()
     a, b = join(c, "a", "b")
-    assert a.model_hash == b.model_hash == coordinator_hash(c)  # b fetched a's model: they started different
+    assert a.model_hash == b.model_hash == c.rounds.model.hash  # b fetched a's model: they started different
     train(a, 0), train(b, 0)
     assert upload(a) is Upload.TAKEN and upload(b) is Upload.TAKEN
     assert a.synchronize().contributed and b.synchronize().contributed
@@ -79,8 +52,8 @@ def test_hosts_agree_after_joining_and_a_normal_round(coordinator) -> None:
     assert_on_the_run_model(c, a, b)
 
 
-def test_a_retried_delta_is_taken_once(coordinator) -> None:
-    c = coordinator()
+def test_a_retried_delta_is_taken_once(local_coordinator) -> None:
+    c = local_coordinator()
     a, b = join(c, "a", "b")
     train(a, 0)
     message = a.encode(a.tensors.live, 8, False)
@@ -93,8 +66,8 @@ def test_a_retried_delta_is_taken_once(coordinator) -> None:
     assert_on_the_run_model(c, a, b)
 
 
-def test_a_late_delta_is_dropped_and_its_round_sync_still_applies(coordinator) -> None:
-    c = coordinator(round_timeout=0.2, min_hosts=1)
+def test_a_late_delta_is_dropped_and_its_round_sync_still_applies(local_coordinator) -> None:
+    c = local_coordinator(round_timeout=0.2, min_hosts=1)
     a, b = join(c, "a", "b")
     train(a, 0), train(b, 0)
     assert upload(a) is Upload.TAKEN
@@ -106,8 +79,8 @@ def test_a_late_delta_is_dropped_and_its_round_sync_still_applies(coordinator) -
     assert_on_the_run_model(c, a, b)
 
 
-def test_a_stale_delta_makes_the_host_fetch_the_model_and_rejoin_the_round(coordinator) -> None:
-    c = coordinator(round_timeout=0.2, min_hosts=1)
+def test_a_stale_delta_makes_the_host_fetch_the_model_and_rejoin_the_round(local_coordinator) -> None:
+    c = local_coordinator(round_timeout=0.2, min_hosts=1)
     a, b = join(c, "a", "b")
     for r in range(2):  # b sleeps through two rounds: its next delta is computed against round 0's model
         train(a, r)
@@ -124,8 +97,8 @@ def test_a_stale_delta_makes_the_host_fetch_the_model_and_rejoin_the_round(coord
     assert_on_the_run_model(c, a, b)
 
 
-def test_a_sync_that_is_gone_makes_the_host_fetch_the_model(coordinator) -> None:
-    c = coordinator(round_timeout=0.2, min_hosts=1)
+def test_a_sync_that_is_gone_makes_the_host_fetch_the_model(local_coordinator) -> None:
+    c = local_coordinator(round_timeout=0.2, min_hosts=1)
     a, b = join(c, "a", "b")
     for r in range(2):
         train(a, r)
@@ -139,8 +112,8 @@ def test_a_sync_that_is_gone_makes_the_host_fetch_the_model(coordinator) -> None
     assert any(r.phase == "fallback_fetch" for r in recorded(b))
 
 
-def test_a_broken_download_is_asked_for_again(coordinator) -> None:
-    c = coordinator()
+def test_a_broken_download_is_asked_for_again(local_coordinator) -> None:
+    c = local_coordinator()
     a, b = join(c, "a", "b")
     train(a, 0), train(b, 0)
     upload(a), upload(b)
@@ -151,8 +124,8 @@ def test_a_broken_download_is_asked_for_again(coordinator) -> None:
     assert_on_the_run_model(c, a, b)
 
 
-def test_a_model_hash_mismatch_makes_the_host_fetch_the_model(coordinator) -> None:
-    c = coordinator()
+def test_a_model_hash_mismatch_makes_the_host_fetch_the_model(local_coordinator) -> None:
+    c = local_coordinator()
     a, b = join(c, "a", "b")
     train(a, 0), train(b, 0)
     upload(a), upload(b)

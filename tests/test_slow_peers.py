@@ -8,30 +8,24 @@ import socket
 import threading
 import time
 
+import pytest
 import requests
 import torch
-from test_coordinator import body_bytes, model_file
+from helpers import body_bytes, delta_message, model_file
 
-from lightning_nodeox.core.codec import Q4Kernels, encode_tensor
 from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.modelfile import read_model
 from lightning_nodeox.core.protocol import CREDENTIAL_HEADER, SyncReady, Upload
-from lightning_nodeox.core.settings import Q4Settings
 from lightning_nodeox.core.specs import spec_of
-from lightning_nodeox.core.wire import Q4Layout, Q4Message, Q4Meta
+from lightning_nodeox.core.wire import Q4Message
 from lightning_nodeox.host.client import HttpClient
 from lightning_nodeox.host.heartbeat import Heartbeat
 
-SETTINGS = Q4Settings()
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 
 def delta(named, deltas, *, round_: int, host: str, base_hash: str) -> Q4Message:
-    message = Q4Message.allocate(Q4Layout.of(spec_of(named), SETTINGS))
-    k = Q4Kernels(SETTINGS, "cpu", 1 << 16)
-    for i, d in enumerate(deltas):
-        encode_tensor(k, d.reshape(-1), message.codes(i), message.scales(i))
-    message.write_header(Q4Meta("delta", round_, host, base_hash, samples=8))
-    return message
+    return delta_message(deltas, round_=round_, host=host, base_hash=base_hash, samples=8, specs=spec_of(named))
 
 
 def joined(url: str, named, hosts: str) -> tuple[list[HttpClient], str]:

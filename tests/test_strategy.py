@@ -6,48 +6,15 @@ import time
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch import nn
-from torch.utils.data import DataLoader, SequentialSampler, TensorDataset
+from torch.utils.data import SequentialSampler
 
 from lightning_nodeox import NodeoxStrategy, PhaseMonitor
 from lightning_nodeox.core.protocol import Unreachable
 from lightning_nodeox.host.tensors import shared_tensors
 from lightning_nodeox.core.hashing import model_hash
-from test_coordinator import socket_closed_port
-
-
-class TwoOptimizers(LightningModule):
-    """Manual optimization with two optimizers (a GAN-shaped step), BatchNorm and self.log."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-        self.a = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
-        self.b = nn.Linear(8, 1)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        opt_a, opt_b = self.optimizers()
-        loss_a = nn.functional.mse_loss(self.a(x), y)
-        opt_a.zero_grad()
-        self.manual_backward(loss_a)
-        opt_a.step()
-        loss_b = nn.functional.mse_loss(self.b(x), y)
-        opt_b.zero_grad()
-        self.manual_backward(loss_b)
-        opt_b.step()
-        self.log_dict({"loss_a": loss_a, "loss_b": loss_b})
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.a.parameters(), 1e-2), torch.optim.SGD(self.b.parameters(), 1e-2)
-
-
-def data(n: int = 256) -> DataLoader:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 8, generator=g)
-    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=16)
+from helpers import TwoOptimizers, data, socket_closed_port
 
 
 def test_registered_as_nodeox() -> None:
@@ -81,6 +48,7 @@ def test_unanswering_coordinator_is_a_clear_error(tmp_path) -> None:
         assert time.monotonic() - start < 15
 
 
+@pytest.mark.slow
 def test_two_optimizers_checkpoints_and_the_final_partial_round(coordinator, tmp_path) -> None:
     coord = coordinator(1)
     model = TwoOptimizers()

@@ -11,9 +11,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
-from conftest import HOSTS, REPO, launch, read_events
-from test_end_to_end import load
+from helpers import HOSTS, REPO, launch, load, read_events
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 DIGITS = [sys.executable, str(HOSTS / "digits_host.py")]
 

@@ -15,8 +15,7 @@ from lightning_nodeox import NodeoxStrategy, PhaseMonitor
 from lightning_nodeox.host.clock import ClockOffset
 from lightning_nodeox.host.tensors import shared_tensors
 from lightning_nodeox.core.hashing import model_hash
-from test_coordinator import socket_closed_port
-from test_strategy import TwoOptimizers, data
+from helpers import TwoOptimizers, data, socket_closed_port
 
 
 def test_clock_offset_is_within_half_the_fastest_round_trip() -> None:
@@ -29,6 +28,7 @@ def test_clock_offset_is_within_half_the_fastest_round_trip() -> None:
     assert abs(clock.offset - true_offset) <= 0.02 / 2
 
 
+@pytest.mark.slow
 def test_unreachable_telemetry_does_not_stop_training(coordinator, tmp_path, caplog) -> None:
     coord = coordinator(1)
     model = TwoOptimizers()
@@ -67,6 +67,7 @@ class Capture(http.server.BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.slow
 def test_the_token_and_credential_never_go_to_another_telemetry_address(coordinator, tmp_path) -> None:
     (tmp_path / "token").write_text("tok-123")
     coord = coordinator(1, "--token-file", str(tmp_path / "token"))

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from conftest import Coordinator
-from test_coordinator import MODEL, SPECS, body_bytes, delta_message, expected_after_round, model_file
+from helpers import MODEL, SPECS, Coordinator, body_bytes, delta_message, expected_after_round, model_file
 
 from lightning_nodeox.coordinator.config import CoordinatorConfig
 from lightning_nodeox.coordinator.server import bound_url
@@ -37,6 +36,7 @@ def self_signed(folder: Path) -> tuple[Path, Path]:
     return cert, key
 
 
+@pytest.mark.slow
 def test_a_round_over_tls_with_the_ca_file_or_the_requests_convention(coordinator, tmp_path, monkeypatch) -> None:
     cert, key = self_signed(tmp_path)
     coord = coordinator(2, "--tls-cert", str(cert), "--tls-key", str(key))
@@ -67,6 +67,7 @@ def nodeox(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
                           timeout=timeout, env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
 
+@pytest.mark.slow
 def test_binding_beyond_loopback_without_a_token_is_refused(tmp_path) -> None:
     out = nodeox("coordinator", "--hosts", "1", "--run-dir", str(tmp_path / "run"), "--bind", "0.0.0.0:0")
     assert out.returncode != 0
@@ -74,6 +75,7 @@ def test_binding_beyond_loopback_without_a_token_is_refused(tmp_path) -> None:
     assert not (tmp_path / "run" / "events.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_insecure_binds_everywhere_and_says_the_address_bound(tmp_path) -> None:
     coord = Coordinator(tmp_path / "run", 1, "--bind", "0.0.0.0:0", "--insecure")
     try:
@@ -85,6 +87,7 @@ def test_insecure_binds_everywhere_and_says_the_address_bound(tmp_path) -> None:
     assert f"listening on {coord.url} " in coord.log_path.read_text()
 
 
+@pytest.mark.slow
 def test_an_ipv6_bind_is_printed_in_brackets_and_reachable(tmp_path) -> None:
     try:
         with socket.socket(socket.AF_INET6) as probe:
@@ -155,6 +158,7 @@ client.leave()
 '''
 
 
+@pytest.mark.slow
 def test_launch_passes_tls_and_the_token_to_its_hosts(tmp_path) -> None:
     cert, key = self_signed(tmp_path)
     (tmp_path / "token").write_text("tok")

@@ -9,21 +9,17 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 from safetensors.torch import load as safetensors_load
 
-from lightning_nodeox.core.codec import Q4Settings, encode_tensor
+from lightning_nodeox.core.codec import Q4Settings
 from lightning_nodeox.core.modelfile import model_header, read_model
 from lightning_nodeox.core.specs import PayloadError, TensorSpec, check_same_model, spec_of
-from lightning_nodeox.core.wire import Q4Layout, Q4Message, Q4Meta, fit_metrics
-from reference_q4 import kernels
+from lightning_nodeox.core.wire import Q4Message, Q4Meta, fit_metrics
+from helpers import encoded
 
 NAMED = [("layer.weight", torch.randn(33, 7)), ("layer.bias", torch.randn(33)), ("bn.running_var", torch.rand(5))]
 
 
 def make_message(named=NAMED, settings: Q4Settings = Q4Settings(), **meta) -> Q4Message:
-    layout = Q4Layout.of(spec_of(named), settings)
-    message = Q4Message.allocate(layout)
-    k = kernels(settings)
-    for i, (_, t) in enumerate(named):
-        encode_tensor(k, t.reshape(-1), message.codes(i), message.scales(i))
+    message = encoded([t for _, t in named], spec_of(named), settings)
     fields = dict(kind="delta", round=3, host="7", base_hash="ab" * 16, samples=96) | meta
     message.write_header(Q4Meta(**fields))
     return message

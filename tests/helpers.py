@@ -1,0 +1,231 @@
+"""What tests share: tiny models and their stand-in training, q4 messages and model files built by hand, reading
+what hosts saved, and the processes of a run (a coordinator, `nodeox launch`) on 127.0.0.1 port 0.
+
+Fixtures live in conftest.py; everything a test module imports from another lives here."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import torch
+from lightning.pytorch import LightningModule
+from reference_q4 import kernels
+from safetensors import safe_open
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_nodeox.core.codec import accumulate_tensor, encode_sync_and_apply, encode_tensor
+from lightning_nodeox.core.hashing import model_hash
+from lightning_nodeox.core.modelfile import model_header
+from lightning_nodeox.core.protocol import read_fully
+from lightning_nodeox.core.settings import Q4Settings
+from lightning_nodeox.core.specs import TensorSpec, spec_of
+from lightning_nodeox.core.wire import Q4Layout, Q4Message, Q4Meta
+from lightning_nodeox.host.round import HostRound
+
+REPO = Path(__file__).resolve().parents[1]
+HOSTS = Path(__file__).parent / "hosts"
+SETTINGS = Q4Settings()
+
+# A model as a coordinator receives it over HTTP: named tensors, one of them a buffer.
+MODEL = [("fc.weight", torch.randn(40, 30, generator=torch.Generator().manual_seed(0))),
+         ("fc.bias", torch.randn(40, generator=torch.Generator().manual_seed(1))),
+         ("bn.running_mean", torch.zeros(40))]
+SPECS = spec_of(MODEL)
+
+SHAPES = {"w": (50, 40), "b": (50,), "norm.running_mean": (50,)}
+
+
+# Tiny models and their training
+
+def model(seed: int = 0, shapes: dict[str, tuple[int, ...]] = SHAPES) -> list[tuple[str, torch.Tensor]]:
+    """Named random tensors of ``shapes``, the same for the same seed."""
+    gen = torch.Generator().manual_seed(seed)
+    return [(n, torch.randn(s, generator=gen)) for n, s in shapes.items()]
+
+
+def train(host: HostRound, step: int) -> None:
+    """Stand-in for local training: a different nudge per host and step, the same in every process."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{host.host}/{step}".encode()))
+    with torch.no_grad():
+        for t in host.tensors.live:
+            t.add_(torch.randn(t.shape, generator=gen) * 0.01)
+
+
+class TwoOptimizers(LightningModule):
+    """Manual optimization with two optimizers (a GAN-shaped step), BatchNorm and self.log."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.a = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+        self.b = nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt_a, opt_b = self.optimizers()
+        loss_a = nn.functional.mse_loss(self.a(x), y)
+        opt_a.zero_grad()
+        self.manual_backward(loss_a)
+        opt_a.step()
+        loss_b = nn.functional.mse_loss(self.b(x), y)
+        opt_b.zero_grad()
+        self.manual_backward(loss_b)
+        opt_b.step()
+        self.log_dict({"loss_a": loss_a, "loss_b": loss_b})
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.a.parameters(), 1e-2), torch.optim.SGD(self.b.parameters(), 1e-2)
+
+
+def data(n: int = 256) -> DataLoader:
+    """``n`` samples of 8 features, the target their sum."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 8, generator=g)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=16)
+
+
+def assert_on_the_run_model(coordinator, *hosts: HostRound) -> None:
+    """Every host holds the in-process coordinator's model, bit for bit, with nothing of its own on top."""
+    expected = coordinator.rounds.model.hash
+    for h in hosts:
+        assert h.model_hash == expected == model_hash(h.tensors.named()), h.host
+        assert all(torch.equal(b, t) for b, t in zip(h.tensors.base, h.tensors.live))
+
+
+# Messages and model files built by hand
+
+def encoded(values: list[torch.Tensor], specs: list[TensorSpec], settings: Q4Settings = SETTINGS) -> Q4Message:
+    """A q4 message of ``values`` (one per spec), its header not yet written."""
+    message = Q4Message.allocate(Q4Layout.of(specs, settings))
+    k = kernels(settings)
+    for i, v in enumerate(values):
+        encode_tensor(k, v.reshape(-1).float(), message.codes(i), message.scales(i))
+    return message
+
+
+def delta_message(deltas: list[torch.Tensor], *, round_: int = 0, host: str = "h", base_hash: str = "",
+                  samples: int = 1, specs: list[TensorSpec] = SPECS, settings: Q4Settings = SETTINGS) -> Q4Message:
+    """A host's q4 delta for ``round_``, as it would send it."""
+    message = encoded(deltas, specs, settings)
+    message.write_header(Q4Meta("delta", round_, host, base_hash, samples=samples))
+    return message
+
+
+def model_file(named=MODEL) -> bytes:
+    """The bytes of a model upload (round 0, no hash yet)."""
+    body = bytearray(model_header(spec_of(named), 0, ""))
+    for _, t in named:
+        body += t.numpy().tobytes()
+    return bytes(body)
+
+
+def body_bytes(body) -> torch.Tensor:
+    """All of a streamed body, closed after."""
+    buffer = torch.empty(body.size, dtype=torch.uint8)
+    read_fully(body, memoryview(buffer.numpy()))
+    body.close()
+    return buffer
+
+
+def expected_after_round(model: list[torch.Tensor], contributions) -> list[torch.Tensor]:
+    """What the coordinator must publish: q4 of the sample-weighted mean of the dequantized deltas."""
+    total = sum(n for _, n in contributions)
+    specs = spec_of([(f"t{i}", t) for i, t in enumerate(model)])
+    out = []
+    for i, t in enumerate(model):
+        acc = torch.zeros(t.numel())
+        for j, (deltas, samples) in enumerate(contributions):
+            k = kernels(SETTINGS)
+            message = delta_message(deltas, round_=0, host="x", base_hash="", samples=samples, specs=specs)
+            accumulate_tensor(k, message.codes(i), message.scales(i), acc, float(samples), assign=j == 0)
+        new = t.clone().view(-1)
+        codes, scales = torch.empty_like(message.codes(i)), torch.empty_like(message.scales(i))
+        encode_sync_and_apply(kernels(SETTINGS), acc, 1 / total, new, codes, scales)
+        out.append(new.view(t.shape))
+    return out
+
+
+def load(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """A host's saved safetensors file: its tensors and its metadata."""
+    with safe_open(str(path), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()  # noqa: SIM118 - safe_open is not iterable
+
+
+# Processes of a run
+
+class socket_closed_port:
+    """A local port with nothing listening on it."""
+
+    def __enter__(self) -> int:
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        self.port = s.getsockname()[1]
+        s.close()
+        return self.port
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+class Coordinator:
+    """A `nodeox coordinator` subprocess; stopped (and waited for) when the test ends."""
+
+    def __init__(self, run_dir: Path, hosts: int, *args: str, timeout: float = 60) -> None:
+        self.run_dir = run_dir
+        ready = run_dir / "ready"
+        ready.unlink(missing_ok=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        n = len(list(run_dir.parent.glob(f"{run_dir.name}-coordinator*.log")))
+        self.log_path = run_dir.parent / f"{run_dir.name}-coordinator{n}.log"  # outside: a new run moves records aside
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "lightning_nodeox", "coordinator", "--hosts", str(hosts), "--run-dir", str(run_dir),
+             "--bind", "127.0.0.1:0", "--ready-file", str(ready), "--threads", "1", *args],
+            stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        deadline = time.monotonic() + timeout
+        while not ready.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"coordinator did not start: {self.log_path.read_text()}")
+            time.sleep(0.05)
+        self.url = ready.read_text().strip()
+
+    def events(self) -> list[dict]:
+        path = self.run_dir / "events.jsonl"
+        return read_events(self.run_dir) if path.exists() else []
+
+    def wait(self, timeout: float = 60) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def launch(run_dir: Path, hosts: int, command: list[str], *coordinator_args: str, timeout: float = 240,
+           env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """`nodeox launch` a run on this machine (in ``cwd``), bounded by ``timeout`` seconds."""
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_nodeox", "launch", "--hosts", str(hosts), "--run-dir", str(run_dir),
+         "--threads", "1", *coordinator_args, "--", *command],
+        capture_output=True, text=True, timeout=timeout, cwd=cwd,
+        env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {})))
+
+
+def read_events(run_dir: Path) -> list[dict]:
+    """The run's events.jsonl, one dict a line."""
+    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
