@@ -7,14 +7,14 @@ from dataclasses import fields
 
 import pytest
 import torch
+from local_transport import LocalCoordinator
+from test_algorithms import deltas, exchange, hosts
+from test_round_rules import assert_on_the_run_model, train
 
 from lightning_nodeox.coordinator.config import CoordinatorConfig, OuterSettings
 from lightning_nodeox.coordinator.outer import OuterOptimizer, make_outer, outer_names, register
 from lightning_nodeox.coordinator.state import RunStore, SavedRun, take_up
 from lightning_nodeox.core.settings import Q4Settings
-from test_algorithms import deltas, exchange, hosts
-from local_transport import LocalCoordinator
-from test_round_rules import assert_on_the_run_model, train
 
 
 @register
