@@ -9,9 +9,10 @@ import requests
 import torch
 from reference_q4 import kernels
 
-from lightning_nodeox.core.codec import Q4Settings, accumulate_tensor, encode_sync_and_apply, encode_tensor
+from lightning_nodeox.core.codec import accumulate_tensor, encode_sync_and_apply, encode_tensor
 from lightning_nodeox.core.modelfile import model_header
 from lightning_nodeox.core.protocol import SyncReady, Unreachable, Upload, read_fully
+from lightning_nodeox.core.settings import Q4Settings
 from lightning_nodeox.core.specs import spec_of
 from lightning_nodeox.core.wire import Q4Layout, Q4Message, Q4Meta
 from lightning_nodeox.host.client import HttpClient

@@ -12,7 +12,8 @@ import requests
 import torch
 from test_coordinator import body_bytes, model_file
 
-from lightning_nodeox.core.codec import Q4Kernels, encode_tensor
+from lightning_nodeox.core.codec import encode_tensor
+from lightning_nodeox.core.codecs import codec_for
 from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.modelfile import read_model
 from lightning_nodeox.core.protocol import CREDENTIAL_HEADER, SyncReady, Upload
@@ -27,7 +28,7 @@ SETTINGS = Q4Settings()
 
 def delta(named, deltas, *, round_: int, host: str, base_hash: str) -> Q4Message:
     message = Q4Message.allocate(Q4Layout.of(spec_of(named), SETTINGS))
-    k = Q4Kernels(SETTINGS, "cpu", 1 << 16)
+    k = codec_for(SETTINGS).kernels("cpu", 1 << 16)
     for i, d in enumerate(deltas):
         encode_tensor(k, d.reshape(-1), message.codes(i), message.scales(i))
     message.write_header(Q4Meta("delta", round_, host, base_hash, samples=8))

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.codec import CODE_OFFSET, accumulate_tensor, apply_sync, chunk_ranges, encode_sync
+from ..core.codec import accumulate_tensor, apply_sync, chunk_ranges, encode_sync
 from ..core.hashing import RowHasher, combine, model_hash
 from ..core.modelfile import model_header
 from ..core.pool import WorkerPool
@@ -21,8 +21,6 @@ from ..core.specs import TensorSpec
 from ..core.wire import Q4Layout, Q4Message, Q4Meta
 from .config import CoordinatorConfig
 from .outer import OuterSettings, make_outer
-
-NOOP_CODE = CODE_OFFSET | CODE_OFFSET << 4  # two zero codes a byte
 
 
 @dataclass
@@ -110,8 +108,7 @@ class CoordinatorModel:
         self.pool.over_ranges(sizes, quantize)
         if not_finite:
             for i in range(len(self.specs)):
-                message.codes(i).fill_(NOOP_CODE)
-                message.scales(i).fill_(-0.0)
+                self.layout.codec.fill_noop(message.codes(i), message.scales(i))
             message.write_header(Q4Meta("sync", round_, "coordinator", base_hash, samples=0, model_hash=base_hash,
                                         metrics=metrics or {}))
             self.weight = 0
