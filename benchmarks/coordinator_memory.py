@@ -22,7 +22,8 @@ def measure(model: str, outer: str) -> dict:
 
     from lightning_nodeox.coordinator.config import OuterSettings
     from lightning_nodeox.coordinator.model import CoordinatorModel
-    from lightning_nodeox.core.codec import encode_tensor, make_kernels
+    from lightning_nodeox.core.codec import encode_tensor
+    from lightning_nodeox.core.codecs import codec_for
     from lightning_nodeox.core.pool import WorkerPool
     from lightning_nodeox.core.settings import Q4Settings
     from lightning_nodeox.core.specs import spec_of
@@ -41,7 +42,7 @@ def measure(model: str, outer: str) -> dict:
     coordinator = CoordinatorModel(specs, [t for _, t in named], settings, pool, OuterSettings(outer))
     del named
     delta = Q4Message.allocate(Q4Layout.of(specs, settings))
-    k = make_kernels(settings)
+    k = codec_for(settings).kernels()
     for i, s in enumerate(specs):
         encode_tensor(k, torch.randn(s.numel, generator=gen) * 1e-3, delta.codes(i), delta.scales(i))
     delta.write_header(Q4Meta("delta", 0, "h", coordinator.hash, samples=32))

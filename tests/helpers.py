@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import LightningModule
+from local_transport import LocalClient, LocalCoordinator
 from reference_q4 import kernels
 from safetensors import safe_open
 from torch import nn
@@ -24,11 +25,13 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_nodeox.core.codec import accumulate_tensor, encode_sync_and_apply, encode_tensor
 from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.modelfile import model_header
+from lightning_nodeox.core.phases import PhaseLog
 from lightning_nodeox.core.protocol import read_fully
 from lightning_nodeox.core.settings import Q4Settings
 from lightning_nodeox.core.specs import TensorSpec, spec_of
 from lightning_nodeox.core.wire import Q4Layout, Q4Message, Q4Meta
 from lightning_nodeox.host.round import HostRound
+from lightning_nodeox.host.tensors import HostTensors
 
 REPO = Path(__file__).resolve().parents[1]
 HOSTS = Path(__file__).parent / "hosts"
@@ -92,7 +95,30 @@ def data(n: int = 256) -> DataLoader:
     return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=16)
 
 
-def assert_on_the_run_model(coordinator, *hosts: HostRound) -> None:
+# Rounds in this process (local_transport's coordinator)
+
+def hosts(coordinator: LocalCoordinator, *ids: str) -> list[HostRound]:
+    """Hosts ``ids`` joined to ``coordinator``, all on the same model."""
+    out = [HostRound(HostTensors(model(seed=0)), LocalClient(coordinator, h), PhaseLog(h)) for h in ids]
+    for h in out:
+        h.join()
+    return out
+
+
+def deltas(host: HostRound) -> list[torch.Tensor]:
+    """What the host's training changed since the round began."""
+    return [t - b for t, b in zip(host.tensors.live, host.tensors.base)]
+
+
+def exchange(*pairs: tuple[HostRound, int]) -> None:
+    """One round in a fixed arrival order (the sum of deltas rounds differently in another order)."""
+    for host, samples in pairs:
+        host.upload(host.encode(host.tensors.live, samples, False))
+    for host, _ in pairs:
+        assert host.synchronize().contributed
+
+
+def assert_on_the_run_model(coordinator: LocalCoordinator, *hosts: HostRound) -> None:
     """Every host holds the in-process coordinator's model, bit for bit, with nothing of its own on top."""
     expected = coordinator.rounds.model.hash
     for h in hosts:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from lightning_nodeox.core.codec import CODE_OFFSET, LEVELS, Q4Kernels, Q4Settings, chunk_ranges, stochastic_seed
+from lightning_nodeox.core.codec import chunk_ranges, stochastic_seed
+from lightning_nodeox.core.codecs import Kernels, codec_for
+from lightning_nodeox.core.codecs.q4 import CODE_OFFSET, LEVELS
+from lightning_nodeox.core.settings import Q4Settings
 
 
 def encode_reference(x: torch.Tensor, settings: Q4Settings, *, seed: int | None = None, chunk: int = 0):
@@ -47,6 +50,6 @@ def decode_reference(packed: torch.Tensor, scales: torch.Tensor, n: int, block_s
     return values.view(-1)[:n]
 
 
-def kernels(settings: Q4Settings, chunk: int = 256) -> Q4Kernels:
-    """Kernels with a small chunk, so that tests cross many chunk boundaries."""
-    return Q4Kernels(settings, "cpu", chunk)
+def kernels(settings: Q4Settings, chunk: int = 256) -> Kernels:
+    """The kernels of ``settings.codec`` with a small chunk, so that tests cross many chunk boundaries."""
+    return codec_for(settings).kernels("cpu", chunk)

@@ -11,33 +11,11 @@ import threading
 import torch
 
 from lightning_nodeox.coordinator.config import OuterSettings
-from lightning_nodeox.core.phases import PhaseLog
 from lightning_nodeox.core.settings import Q4Settings
-from lightning_nodeox.host.round import HostRound
-from lightning_nodeox.host.tensors import HostTensors
-from local_transport import LocalClient, LocalCoordinator
-from helpers import assert_on_the_run_model, model, train
+from local_transport import LocalCoordinator
+from helpers import assert_on_the_run_model, deltas, exchange, hosts, train
 
 FP32 = Q4Settings(codec="fp32")
-
-
-def hosts(coordinator: LocalCoordinator, *ids: str) -> list[HostRound]:
-    out = [HostRound(HostTensors(model(seed=0)), LocalClient(coordinator, h), PhaseLog(h)) for h in ids]
-    for h in out:
-        h.join()
-    return out
-
-
-def deltas(host: HostRound) -> list[torch.Tensor]:
-    return [t - b for t, b in zip(host.tensors.live, host.tensors.base)]
-
-
-def exchange(*pairs: tuple[HostRound, int]) -> None:
-    """One round in a fixed arrival order (the sum of deltas rounds differently in another order)."""
-    for host, samples in pairs:
-        host.upload(host.encode(host.tensors.live, samples, False))
-    for host, _ in pairs:
-        assert host.synchronize().contributed
 
 
 def both(fn_a, fn_b):

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from lightning_nodeox.core.codec import (
-    accumulate_tensor, apply_sync, block_count, code_bytes, decode_tensor,
-    encode_delta, encode_sync_and_apply, encode_tensor, relative_error,
+    accumulate_tensor, apply_sync, decode_tensor, encode_delta, encode_sync_and_apply, encode_tensor, relative_error,
 )
+from lightning_nodeox.core.codecs import codec_for
+from lightning_nodeox.core.codecs.q4 import block_count, code_bytes
 from lightning_nodeox.core.pool import WorkerPool
 from lightning_nodeox.core.settings import BLOCK_SIZES, Q4Settings
 from reference_q4 import decode_reference, encode_reference, kernels
@@ -201,6 +202,4 @@ def test_cuda_kernels_match_cpu() -> None:
 
 
 def kernels_on(device: str, settings: Q4Settings):
-    from lightning_nodeox.core.codec import Q4Kernels
-
-    return Q4Kernels(settings, device)
+    return codec_for(settings).kernels(device)

@@ -29,3 +29,25 @@ def test_exit_status_names_the_signal() -> None:
     assert _exit_status(143) == "exit status 143 (SIGTERM)"
     assert _exit_status(-9) == "exit status -9 (SIGKILL)"
     assert _exit_status(1) == "exit status 1"
+
+
+def test_launch_forwards_coordinator_options_as_given_and_shares_their_defaults(monkeypatch, tmp_path) -> None:
+    from lightning_nodeox.coordinator.config import CoordinatorConfig, OuterSettings
+    from lightning_nodeox.tools import launch as launch_module
+    from lightning_nodeox.tools.cli import _config, _parser, main
+
+    started = {}
+    monkeypatch.setattr(launch_module, "launch", lambda config, argv, command, gpus: started.update(
+        config=config, argv=argv, command=command, gpus=gpus) or 0)
+    given = ["--hosts", "2", "--run-dir", str(tmp_path), "--outer-lr", "0.5"]
+    assert main(["launch", *given, "--gpus-per-host", "2", "--min-hosts", "1", "--", "python", "train.py"]) == 0
+    assert started["argv"] == ["--bind", "127.0.0.1:0", *given, "--min-hosts", "1"]  # launch's own bind, then as given
+    assert (started["command"], started["gpus"]) == (["python", "train.py"], 2)
+    coordinator = _config(_parser().parse_args(["coordinator", *started["argv"]]))
+    assert coordinator == started["config"]  # what launch checked is what its coordinator runs
+    assert coordinator == CoordinatorConfig(hosts=2, run_dir=tmp_path, bind="127.0.0.1:0", min_hosts=1,
+                                            outer=OuterSettings(lr=0.5))  # every other setting at its default
+    alone = _config(_parser().parse_args(["coordinator", "--hosts", "2", "--run-dir", str(tmp_path)]))
+    assert alone == CoordinatorConfig(hosts=2, run_dir=tmp_path)
+    main(["launch", *given, "--bind", "127.0.0.1:9", "--", "python"])
+    assert started["argv"][-2:] == ["--bind", "127.0.0.1:9"] and started["config"].bind == "127.0.0.1:9"

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow  # every test here starts processes
 ROUNDS = 5
 NESTEROV = ("--outer-optimizer", "nesterov", "--outer-lr", "0.7", "--outer-momentum", "0.9")
 AVERAGE = ("--outer-optimizer", "average")
+TUNED = ("--outer-optimizer", "nesterov", "--outer-lr", "0.5", "--outer-momentum", "0.8")  # every setting not its default
 
 
 def train(host: HostRound, k: int, round_: int) -> None:
@@ -95,12 +96,15 @@ def one_round_behind(run_dir) -> None:
 
 
 @pytest.mark.parametrize("how, snapshot_every, outer", [
-    ("kill", 100, NESTEROV), ("kill", 1, NESTEROV), ("stop", 100, NESTEROV), ("behind", 100, AVERAGE)])
+    ("kill", 100, NESTEROV), ("kill", 1, NESTEROV), ("stop", 100, NESTEROV), ("behind", 100, AVERAGE),
+    ("stop", 100, TUNED)])
 def test_a_restarted_coordinator_ends_on_the_model_of_an_uninterrupted_run(coordinator, uninterrupted, how,
                                                                            snapshot_every, outer) -> None:
     """Mid-round, one delta sent: kill -9 (no snapshot of the current model: a host gives it back; or a snapshot
     every round), a clean stop (a snapshot at shutdown), or kill -9 with the saved state a round behind the hosts.
-    Host a resends its delta, b sends its own, and the run ends bit-identical to one never interrupted."""
+    Host a resends its delta, b sends its own, and the run ends bit-identical to one never interrupted. The
+    coordinator is started again without the outer-optimizer flags: the saved ones (TUNED: each differs from its
+    default) must win."""
     coord = coordinator(2, *outer, "--snapshot-every", str(snapshot_every))
     port = coord.url.rsplit(":", 1)[1]
     started = []

@@ -9,8 +9,8 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 from safetensors.torch import load as safetensors_load
 
-from lightning_nodeox.core.codec import Q4Settings
 from lightning_nodeox.core.modelfile import model_header, read_model
+from lightning_nodeox.core.settings import Q4Settings
 from lightning_nodeox.core.specs import PayloadError, TensorSpec, check_same_model, spec_of
 from lightning_nodeox.core.wire import Q4Message, Q4Meta, fit_metrics
 from helpers import encoded

@@ -7,32 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core.settings import Q4Settings
+from .outer import OuterSettings
 
 DEFAULT_PORT = 8470
-OUTER_OPTIMIZERS = ("average", "nesterov")
-
-
-@dataclass(frozen=True)
-class OuterSettings:
-    """The outer optimizer (see :mod:`lightning_nodeox.coordinator.outer`).
-
-    Args:
-        name: ``"average"`` or ``"nesterov"``.
-        lr: outer learning rate (nesterov).
-        momentum: outer momentum μ (nesterov).
-    """
-
-    name: str = "average"
-    lr: float = 0.7
-    momentum: float = 0.9
-
-    def __post_init__(self) -> None:
-        if self.name not in OUTER_OPTIMIZERS:
-            raise ValueError(f"--outer-optimizer {self.name!r} is not known; use one of {OUTER_OPTIMIZERS}")
-        if not self.lr > 0:
-            raise ValueError(f"--outer-lr must be positive, got {self.lr}")
-        if not 0 <= self.momentum < 1:
-            raise ValueError(f"--outer-momentum must be in [0, 1), got {self.momentum}")
 
 
 def parse_bind(bind: str) -> tuple[str, int]:

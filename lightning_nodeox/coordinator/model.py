@@ -12,16 +12,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.codec import CODE_OFFSET, accumulate_tensor, apply_sync, chunk_ranges, encode_sync
+from ..core.codec import accumulate_tensor, apply_sync, chunk_ranges, encode_sync
 from ..core.hashing import RowHasher, combine, model_hash
 from ..core.modelfile import model_header
 from ..core.pool import WorkerPool
 from ..core.settings import Q4Settings
 from ..core.specs import TensorSpec
 from ..core.wire import Q4Layout, Q4Message, Q4Meta
+from .config import CoordinatorConfig
 from .outer import OuterSettings, make_outer
-
-NOOP_CODE = CODE_OFFSET | CODE_OFFSET << 4  # two zero codes a byte
 
 
 @dataclass
@@ -50,6 +49,13 @@ class CoordinatorModel:
         self.latest_sync: Q4Message | None = None
         self._spare_sync: Q4Message | None = None
         self._readers: dict[int, int] = {}
+
+    @classmethod
+    def for_run(cls, config: CoordinatorConfig, pool: WorkerPool, specs: tuple[TensorSpec, ...],
+                tensors: list[torch.Tensor]) -> CoordinatorModel:
+        """The model of the run ``config`` describes (its codec and outer optimizer): the one place the
+        coordinator builds one."""
+        return cls(specs, tensors, config.q4, pool, config.outer)
 
     def named(self) -> list[tuple[str, torch.Tensor]]:
         return [(s.name, t) for s, t in zip(self.specs, self.tensors)]
@@ -89,7 +95,7 @@ class CoordinatorModel:
         inv_weight = 1.0 / max(self.weight, 1)
         base_hash = self.hash
         message = self._free_sync_buffer()
-        stepping = self.weight > 0 and bool(self.outer.state)  # no contribution: no outer step, a zero sync
+        stepping = self.weight > 0 and self.outer.has_step  # no contribution: no outer step, a zero sync
         sizes = [a.numel() for a in self.acc]
         not_finite: set[int] = set()
 
@@ -102,14 +108,13 @@ class CoordinatorModel:
         self.pool.over_ranges(sizes, quantize)
         if not_finite:
             for i in range(len(self.specs)):
-                message.codes(i).fill_(NOOP_CODE)
-                message.scales(i).fill_(-0.0)
+                self.layout.codec.fill_noop(message.codes(i), message.scales(i))
             message.write_header(Q4Meta("sync", round_, "coordinator", base_hash, samples=0, model_hash=base_hash,
                                         metrics=metrics or {}))
             self.weight = 0
             return ClosedRound(message, sorted(self.specs[i].name for i in not_finite))
         try:
-            new_hash = self._apply(message, inv_weight, stepping)
+            new_hash = self._apply(message, inv_weight, stepping and self.outer.has_state)
         except BaseException:
             self.hash = model_hash(self.named(), self.pool)
             self.weight = 0
@@ -119,12 +124,12 @@ class CoordinatorModel:
         self.weight = 0
         return ClosedRound(message)
 
-    def _apply(self, message: Q4Message, inv_weight: float, stepping: bool) -> str:
+    def _apply(self, message: Q4Message, inv_weight: float, committing: bool) -> str:
         """θ += the dequantized sync (and the outer step's state update); returns θ's new hash."""
         hashers = [RowHasher(t) for t in self.tensors]
 
         def work(k, i: int, start: int, stop: int) -> None:
-            if stepping:
+            if committing:
                 for s, e in chunk_ranges(self.acc[i].numel(), k.chunk, start, stop):
                     self.outer.commit(i, torch.mul(self.acc[i][s:e], inv_weight, out=k.x[: e - s]), s, e)
             fused = hashers[i] if hashers[i].fusable(self.pool.chunk) else None

@@ -151,8 +151,8 @@ class Rounds:
     # -- model ----------------------------------------------------------------------------------------------
     async def load_initial_model(self, data: torch.Tensor) -> None:
         _, _, specs, tensors = read_model(data)
-        await self._set_model(await self._in(self._work, CoordinatorModel, specs, tensors, self.config.q4,
-                                             self.pool, self.config.outer), "--initial-model")
+        await self._set_model(await self._in(self._work, CoordinatorModel.for_run, self.config, self.pool, specs,
+                                             tensors), "--initial-model")
 
     def check_model_upload(self, host: str, size: int) -> None:
         """Refuse a model upload before its body is read (or allocated for): only the chosen provider, only when
@@ -180,8 +180,7 @@ class Rounds:
             check_same_model(self.provider_specs, specs, "the model")
         except PayloadError as e:
             raise Refusal(Reason.INVALID, f"{e} (as declared at join)") from None
-        model = await self._in(self._work, CoordinatorModel, specs, tensors, self.config.q4, self.pool,
-                               self.config.outer)
+        model = await self._in(self._work, CoordinatorModel.for_run, self.config, self.pool, specs, tensors)
         self.check_model_upload(host, data.numel())  # another upload may have won while this one was read
         if self.wanted is not None and model.hash != self.wanted[1]:
             self.provider = None
@@ -220,8 +219,7 @@ class Rounds:
         if saved.snapshot_hash is None or (saved.snapshot_hash != saved.model_hash and not fallback):
             return False
         specs, tensors = self.store.read_tensors(saved, "model")
-        model = await self._in(self._work, CoordinatorModel, specs, tensors, self.config.q4, self.pool,
-                               self.config.outer)
+        model = await self._in(self._work, CoordinatorModel.for_run, self.config, self.pool, specs, tensors)
         if model.hash != saved.snapshot_hash:
             raise ValueError(f"the snapshot {saved.files['model']} hashes to {model.hash}, not {saved.snapshot_hash}; "
                              "start with --fresh")
@@ -515,8 +513,7 @@ class Rounds:
                          hosts=self.hosts.saved(),
                          q4={"codec": self.config.q4.codec, "block_size": self.config.q4.block_size,
                              "scale_dtype": self.config.q4.scale_dtype},
-                         outer={"name": self.config.outer.name, "lr": self.config.outer.lr,
-                                "momentum": self.config.outer.momentum})
+                         outer=self.config.outer)
         if self._saved is not None:
             saved.files = dict(self._saved.files)
             saved.snapshot_round, saved.snapshot_hash = self._saved.snapshot_round, self._saved.snapshot_hash

@@ -54,7 +54,7 @@ class SavedRun:
     complete: bool
     hosts: dict[str, dict]  # host id -> {"state": HostState value, "credential": its credential}
     q4: dict  # codec, block_size, scale_dtype
-    outer: dict  # name, lr, momentum
+    outer: OuterSettings  # saved whole (a dict of its fields in run.json)
     files: dict[str, str] = field(default_factory=dict)  # "sync", "outer", "model" -> file name in state/
     snapshot_round: int | None = None  # the round whose starting model "model" holds
     snapshot_hash: str | None = None
@@ -76,7 +76,8 @@ class SavedRun:
         if d.get("format") != FORMAT or int(d.get("version", -1)) != VERSION:
             raise ValueError(f"not a {FORMAT} version {VERSION} file")
         return cls(round=int(d["round"]), model_hash=str(d["model_hash"]), complete=bool(d["complete"]),
-                   hosts={str(k): dict(v) for k, v in d["hosts"].items()}, q4=dict(d["q4"]), outer=dict(d["outer"]),
+                   hosts={str(k): dict(v) for k, v in d["hosts"].items()}, q4=dict(d["q4"]),
+                   outer=OuterSettings(**d["outer"]),
                    files={str(k): str(v) for k, v in d.get("files", {}).items()},
                    snapshot_round=d.get("snapshot_round"), snapshot_hash=d.get("snapshot_hash"))
 
@@ -202,7 +203,7 @@ def take_up(config: CoordinatorConfig, keep: Iterable[str] = ()) -> tuple[Coordi
     if saved is not None and not saved.complete:
         q4 = replace(config.q4, codec=str(saved.q4.get("codec", "q4")), block_size=int(saved.q4["block_size"]),
                      scale_dtype=str(saved.q4["scale_dtype"]))
-        outer = OuterSettings(**saved.outer)
+        outer = saved.outer
         if (q4, outer) != (config.q4, config.outer):
             log.warning("nodeox coordinator: the resumed run keeps its codec (%s, block size %d, %s scales) and outer "
                         "optimizer (%s); start with --fresh to change them", q4.codec, q4.block_size, q4.scale_dtype, outer)

@@ -3,7 +3,7 @@
 On the CPU every worker runs ATen single-threaded (so an op never enters an OpenMP region, whose barriers
 collapse when the CPU is oversubscribed) and tasks are shared out dynamically, so a worker that loses its
 core delays only its own task. On a GPU tasks run inline on the caller's stream. Each worker thread has its
-own :class:`~lightning_nodeox.core.codec.Q4Kernels` scratch.
+own :class:`~lightning_nodeox.core.codecs.Kernels` scratch, of the run's codec.
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
-from .codec import CPU_CHUNK_SINGLE_THREADED, CUDA_CHUNK, Q4Kernels, make_kernels
+from .codecs import Kernels, codec_for
+from .codecs.base import CPU_CHUNK_SINGLE_THREADED, CUDA_CHUNK
 from .settings import Q4Settings
 
 TASK_ELEMENTS = 1 << 20  # work unit handed to one worker
-Task = Callable[[Q4Kernels], None]
-RangeWork = Callable[[Q4Kernels, int, int, int], None]  # (kernels, tensor index, start, stop)
+Task = Callable[[Kernels], None]
+RangeWork = Callable[[Kernels, int, int, int], None]  # (kernels, tensor index, start, stop)
 
 
 def _single_threaded_worker() -> None:
@@ -32,13 +33,14 @@ class WorkerPool:
 
     def __init__(self, settings: Q4Settings, device: torch.device | str = "cpu", threads: int = 1) -> None:
         self.settings = settings
+        self.codec = codec_for(settings)
         self.device = torch.device(device)
         self._local = threading.local()
         self._executor: ThreadPoolExecutor | None = None
         if self.device.type != "cpu":
             self.threads, self.chunk = 1, CUDA_CHUNK
             return
-        self.threads, self.chunk = max(1, threads), max(CPU_CHUNK_SINGLE_THREADED, settings.block_size)
+        self.threads, self.chunk = max(1, threads), max(CPU_CHUNK_SINGLE_THREADED, self.codec.alignment)
         process_threads = torch.get_num_threads()
         started = threading.Barrier(self.threads)
         self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="nodeox-worker",
@@ -47,10 +49,10 @@ class WorkerPool:
             f.result()
         torch.set_num_threads(process_threads)  # the workers' setting also became the default for new threads
 
-    def kernels(self) -> Q4Kernels:
+    def kernels(self) -> Kernels:
         k = getattr(self._local, "kernels", None)
         if k is None:
-            k = self._local.kernels = make_kernels(self.settings, self.device, self.chunk)
+            k = self._local.kernels = self.codec.kernels(self.device, self.chunk)
         return k
 
     def run(self, tasks: Sequence[Task]) -> None:

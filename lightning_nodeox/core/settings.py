@@ -1,12 +1,16 @@
-"""What both sides agree on, free of heavy imports: the codec's settings, the ``NODEOX_*`` environment names
-that ``nodeox launch`` sets for hosts, and the checks of values that hosts and the coordinator both take."""
+"""What both sides agree on: the codec's settings, the ``NODEOX_*`` environment names that ``nodeox launch``
+sets for hosts, and the checks of values that hosts and the coordinator both take."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
-CODECS = ("q4", "bf16", "fp32")  # bf16 and fp32: unquantized, for ablations
+import torch
+
+from .codecs import REGISTRY
+
+CODECS = tuple(REGISTRY)  # q4; bf16 and fp32: unquantized, for ablations
 BLOCK_SIZES = (32, 64, 128, 256)
 SCALE_DTYPES = ("fp16", "fp32")
 ROUNDINGS = ("nearest", "stochastic")
@@ -62,8 +66,8 @@ class Q4Settings:
     codec: str = "q4"
 
     def __post_init__(self) -> None:
-        if self.codec not in CODECS:
-            raise ValueError(f"codec={self.codec!r} is not supported; use one of {CODECS}")
+        if self.codec not in REGISTRY:
+            raise ValueError(f"codec={self.codec!r} is not supported; use one of {tuple(REGISTRY)}")
         if self.block_size not in BLOCK_SIZES:
             raise ValueError(f"block_size={self.block_size} is not supported; use one of {BLOCK_SIZES}")
         if self.scale_dtype not in SCALE_DTYPES:
@@ -71,24 +75,5 @@ class Q4Settings:
         check_rounding(self.rounding)
 
     @property
-    def quantized(self) -> bool:
-        return self.codec == "q4"
-
-    @property
-    def value_bytes(self) -> int:
-        """Bytes a value takes in an unquantized message."""
-        return {"bf16": 2, "fp32": 4}[self.codec]
-
-    def scale_count(self, numel: int) -> int:
-        """Scales of a tensor of ``numel`` values (one per block; none unquantized)."""
-        return -(-numel // self.block_size) if self.quantized else 0
-
-    def code_bytes(self, numel: int) -> int:
-        """Bytes of a tensor's codes: two a byte over whole blocks, or the raw values unquantized."""
-        return self.scale_count(numel) * self.block_size // 2 if self.quantized else numel * self.value_bytes
-
-    @property
-    def torch_scale_dtype(self):
-        import torch
-
+    def torch_scale_dtype(self) -> torch.dtype:
         return {"fp16": torch.float16, "fp32": torch.float32}[self.scale_dtype]

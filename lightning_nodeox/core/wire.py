@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from . import safetensors
+from .codecs import Codec, codec_for
 from .settings import Q4Settings
 from .specs import PayloadError, TensorSpec, specs_from_json
 
@@ -97,23 +98,23 @@ class Region:
     codes: tuple[int, int]
 
 
-def regions_for(specs: tuple[TensorSpec, ...], settings: Q4Settings) -> list[Region]:
+def regions_for(specs: tuple[TensorSpec, ...], codec: Codec) -> list[Region]:
     """Byte ranges (within the data section) of each tensor's scales and codes."""
-    scale_size = settings.torch_scale_dtype.itemsize
+    scale_size = codec.scale_dtype.itemsize
     out, pos = [], 0
     for s in specs:
-        sc = (pos, pos + settings.scale_count(s.numel) * scale_size)
-        cd = (sc[1], sc[1] + settings.code_bytes(s.numel))
+        sc = (pos, pos + codec.scale_count(s.numel) * scale_size)
+        cd = (sc[1], sc[1] + codec.code_bytes(s.numel))
         out.append(Region(sc, cd))
         pos = cd[1]
     return out
 
 
-def _header_json(meta: Q4Meta, regions: list[Region], settings: Q4Settings, crc: str) -> str:
-    scale_name = _DTYPE_NAMES[settings.torch_scale_dtype]
+def _header_json(meta: Q4Meta, regions: list[Region], codec: Codec, crc: str) -> str:
+    scale_name = _DTYPE_NAMES[codec.scale_dtype]
     header: dict = {"__metadata__": meta.metadata(crc)}
     for spec, r in zip(meta.tensors, regions):
-        nb = (r.scales[1] - r.scales[0]) // settings.torch_scale_dtype.itemsize
+        nb = (r.scales[1] - r.scales[0]) // codec.scale_dtype.itemsize
         header[f"{spec.name}/scales"] = {"dtype": scale_name, "shape": [nb], "data_offsets": list(r.scales)}
         header[f"{spec.name}/codes"] = {"dtype": "U8", "shape": [r.codes[1] - r.codes[0]], "data_offsets": list(r.codes)}
     return json.dumps(header, separators=(",", ":"))
@@ -121,24 +122,29 @@ def _header_json(meta: Q4Meta, regions: list[Region], settings: Q4Settings, crc:
 
 @dataclass(frozen=True)
 class Q4Layout:
-    """Where everything sits in a model's q4 message; every message of a run has the same layout."""
+    """Where everything sits in a model's message; every message of a run has the same layout."""
 
     specs: tuple[TensorSpec, ...]
     settings: Q4Settings
     regions: tuple[Region, ...]
     data_start: int
     total: int
+    codec: Codec = field(compare=False, repr=False)
 
     @classmethod
     def of(cls, specs: tuple[TensorSpec, ...], settings: Q4Settings) -> Q4Layout:
-        regions = tuple(regions_for(specs, settings))
+        codec = codec_for(settings)
+        if not codec.fixed_size:
+            raise ValueError(f"codec {codec.name!r} has messages of varying size; this wire format holds "
+                             "fixed-size messages only")
+        regions = tuple(regions_for(specs, codec))
         longest = Q4Meta("delta", 2**63 - 1, "h" * 64, "f" * 32, 2**63 - 1, "f" * 32, True,
                          settings.block_size, settings.scale_dtype, settings.codec, specs)
-        reserved = len(_header_json(longest, list(regions), settings, _CRC_PLACEHOLDER).encode()) + 64
+        reserved = len(_header_json(longest, list(regions), codec, _CRC_PLACEHOLDER).encode()) + 64
         reserved += METRICS_BYTES + len(',"metrics":""')
         reserved += -reserved % 8
         data_bytes = regions[-1].codes[1] if regions else 0
-        return cls(specs, settings, regions, 8 + reserved, 8 + reserved + data_bytes)
+        return cls(specs, settings, regions, 8 + reserved, 8 + reserved + data_bytes, codec)
 
 
 class Q4Message:
@@ -170,7 +176,7 @@ class Q4Message:
 
     def scales(self, i: int) -> torch.Tensor:
         a, b = self.layout.regions[i].scales
-        return self.data[a:b].view(self.layout.settings.torch_scale_dtype)
+        return self.data[a:b].view(self.layout.codec.scale_dtype)
 
     def codes(self, i: int) -> torch.Tensor:
         a, b = self.layout.regions[i].codes
@@ -181,7 +187,7 @@ class Q4Message:
         layout = self.layout
         meta = replace(meta, block_size=layout.settings.block_size, scale_dtype=layout.settings.scale_dtype,
                        codec=layout.settings.codec, tensors=layout.specs)
-        text = _header_json(meta, list(layout.regions), layout.settings, _CRC_PLACEHOLDER).encode()
+        text = _header_json(meta, list(layout.regions), layout.codec, _CRC_PLACEHOLDER).encode()
         framed = safetensors.frame(text, reserve=layout.data_start - safetensors.PREFIX_BYTES)
         if len(framed) != layout.data_start:
             raise ValueError("q4 header does not fit its reserved space: host ids are at most 64 characters "
@@ -234,12 +240,13 @@ class Q4Message:
         if meta.kind not in ("delta", "sync") or not 0 <= meta.samples < 2**62 or not 0 <= meta.round < 2**62:
             raise PayloadError(f"payload metadata is out of range: kind={meta.kind!r} round={meta.round} "
                                f"samples={meta.samples}")
-        regions = tuple(regions_for(specs, settings))
+        codec = codec_for(settings)
+        regions = tuple(regions_for(specs, codec))
         data_bytes = regions[-1].codes[1] if regions else 0
         if total != data_start + data_bytes:
             raise PayloadError(f"payload is truncated or has trailing bytes: {total} bytes, "
                                f"{data_start + data_bytes} expected for its tensors")
-        _check_offsets(header, specs, regions, settings)
+        _check_offsets(header, specs, regions, codec)
         pos = header_bytes.find(b'"crc32":"' + crc_text.encode() + b'"')
         if len(crc_text) != 8 or pos < 0:
             raise PayloadError("payload crc32 field is malformed")
@@ -252,20 +259,15 @@ class Q4Message:
         if crc != expected_crc:
             raise PayloadError(f"payload failed its integrity check (crc32 {crc:08x}, header says {expected_crc:08x}): "
                                "it was corrupted in transit")
-        message = cls(buffer, Q4Layout(specs, settings, regions, data_start, total), meta)
+        message = cls(buffer, Q4Layout(specs, settings, regions, data_start, total, codec), meta)
         message.check_scales()
         return message
 
     def scale_maxima(self) -> list[float]:
         """Each tensor's largest scale magnitude (NaN or Inf when any of its scales is), one pass over the scales;
         unquantized, its largest value magnitude."""
-        settings = self.layout.settings
-        dtype = torch.bfloat16 if settings.codec == "bf16" else torch.float32
-        peaks = []
-        for i in range(len(self.layout.specs)):
-            values = self.scales(i) if settings.quantized else self.codes(i).view(dtype)
-            peaks.append(float(values.abs().max()) if values.numel() else 0.0)
-        return peaks
+        codec = self.layout.codec
+        return [codec.magnitude(self.codes(i), self.scales(i)) for i in range(len(self.layout.specs))]
 
     def check_scales(self) -> None:
         """Refuse NaN or Inf scales; remember the largest scale for :meth:`weighted_scales_finite`."""
@@ -280,8 +282,8 @@ class Q4Message:
         return self.max_scale * 8 * max(samples, 1) < 1e30
 
 
-def _check_offsets(header: dict, specs, regions: list[Region], settings: Q4Settings) -> None:
-    scale_name = _DTYPE_NAMES[settings.torch_scale_dtype]
+def _check_offsets(header: dict, specs, regions: list[Region], codec: Codec) -> None:
+    scale_name = _DTYPE_NAMES[codec.scale_dtype]
     if len(header) != 1 + 2 * len(specs):
         raise PayloadError(f"payload header lists {len(header) - 1} entries, {2 * len(specs)} expected")
     for spec, r in zip(specs, regions):

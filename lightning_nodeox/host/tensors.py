@@ -115,7 +115,7 @@ class HostTensors:
             return message.codes(i), message.scales(i)
         region = self.layout.regions[i]
         (ca, cb), (sa, sb) = region.codes, region.scales
-        return self._staging[ca:cb], self._staging[sa:sb].view(self.layout.settings.torch_scale_dtype)
+        return self._staging[ca:cb], self._staging[sa:sb].view(self.layout.codec.scale_dtype)
 
     # -- encoding --------------------------------------------------------------------------------------------------
     def take_snapshot(self, restart_from_base: bool) -> None:
@@ -147,8 +147,9 @@ class HostTensors:
         load_delta(k, source[i].view(-1)[:m], self.base[i].view(-1)[:m], res, m)
         x = k.x[:m].clone()
         mp = k.padded(m)
-        codes = torch.empty(self.settings.code_bytes(m), dtype=torch.uint8, device=self.device)
-        scales = torch.empty(self.settings.scale_count(m), dtype=self.settings.torch_scale_dtype, device=self.device)
+        codec = self.layout.codec
+        codes = torch.empty(codec.code_bytes(m), dtype=torch.uint8, device=self.device)
+        scales = torch.empty(codec.scale_count(m), dtype=codec.scale_dtype, device=self.device)
         k.quantize(m, codes, scales)
         return relative_error(x, k.dequantize(codes, scales, mp)[:m])
 
@@ -176,11 +177,10 @@ class HostTensors:
         for i, (name, peak) in enumerate(zip(self.names, message.scale_maxima())):
             if math.isfinite(peak):
                 continue
-            delta_finite = bool(torch.isfinite(source[i]).all())
-            if delta_finite and self.settings.quantized and self.settings.scale_dtype == "fp16":
-                raise NonFiniteDeltaError(
-                    f"the delta of parameter {name!r} in round {meta.round} is too large for fp16 scales; "
-                    "start the coordinator with --scale-dtype fp32, or lower the learning rate")
+            finite = bool(torch.isfinite(source[i]).all())
+            too_large = self.layout.codec.too_large(name, meta.round) if finite else None
+            if too_large:
+                raise NonFiniteDeltaError(too_large)
             raise NonFiniteDeltaError(
                 f"the delta of parameter {name!r} in round {meta.round} holds NaN or Inf: training diverged on "
                 f"host {meta.host}. Lower the learning rate or clip gradients "

@@ -6,28 +6,38 @@ import argparse
 import asyncio
 import logging
 import sys
+from dataclasses import MISSING, fields
 from pathlib import Path
 
-from ..coordinator.config import DEFAULT_PORT, OUTER_OPTIMIZERS, CoordinatorConfig, OuterSettings
+from ..coordinator.config import DEFAULT_PORT, CoordinatorConfig, OuterSettings
+from ..coordinator.outer import outer_names
 from ..core.settings import BLOCK_SIZES, CODECS, SCALE_DTYPES, Q4Settings
 
+LAUNCH_BIND = "127.0.0.1:0"  # launch's coordinator serves this machine's hosts only, on a free port
 
-def _coordinator_options(p: argparse.ArgumentParser, *, for_launch: bool) -> None:
+
+def _defaults(cls) -> dict[str, object]:
+    """The defaults of a settings dataclass's fields: the one place each is written."""
+    return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
+
+
+def _coordinator_options(p: argparse.ArgumentParser, *, bind: str) -> None:
+    """The coordinator's flags (``nodeox coordinator`` and ``nodeox launch`` alike), defaults from its settings."""
+    run, q4, outer = _defaults(CoordinatorConfig), _defaults(Q4Settings), _defaults(OuterSettings)
     p.add_argument("--hosts", type=int, required=True, help="hosts in the run")
     p.add_argument("--run-dir", type=Path, required=True, help="where events.jsonl and tb/ are written")
-    default_bind = "127.0.0.1:0" if for_launch else f"127.0.0.1:{DEFAULT_PORT}"
-    p.add_argument("--bind", default=default_bind, help=f"HOST:PORT to listen on (default {default_bind}; "
+    p.add_argument("--bind", default=bind, help="HOST:PORT to listen on (default %(default)s; "
                    f"on a cluster use 0.0.0.0:{DEFAULT_PORT} with --token-file)")
     p.add_argument("--min-hosts", type=int, help="fewest deltas a round closes with (default 1; lowered to the hosts "
                    "that have not finished or left)")
     p.add_argument("--round-timeout", type=float, help="seconds a round waits for its last live hosts (default: "
                    "until every live host has sent)")
-    p.add_argument("--lease", type=float, default=10.0, help="seconds a host stays expected without a heartbeat "
-                   "(default 10)")
-    p.add_argument("--snapshot-every", type=int, default=10, help="save the model to RUN_DIR/state every K rounds "
-                   "(default 10; always at shutdown)")
-    p.add_argument("--transfer-timeout", type=float, default=60.0, help="seconds any upload or download may take, "
-                   "plus 1 s per MB (default 60)")
+    p.add_argument("--lease", type=float, default=run["lease"], help="seconds a host stays expected without a "
+                   "heartbeat (default %(default)g)")
+    p.add_argument("--snapshot-every", type=int, default=run["snapshot_every"], help="save the model to "
+                   "RUN_DIR/state every K rounds (default %(default)s; always at shutdown)")
+    p.add_argument("--transfer-timeout", type=float, default=run["transfer_timeout"], help="seconds any upload or "
+                   "download may take, plus 1 s per MB (default %(default)g)")
     p.add_argument("--fresh", action="store_true", help="start a new run even if RUN_DIR holds an unfinished one "
                    "(its records are moved to RUN_DIR/previous-TIME)")
     p.add_argument("--token-file", type=Path, help="file holding the bearer token hosts must send")
@@ -36,17 +46,29 @@ def _coordinator_options(p: argparse.ArgumentParser, *, for_launch: bool) -> Non
     p.add_argument("--tls-cert", type=Path, help="PEM certificate to serve HTTPS with (with --tls-key)")
     p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     p.add_argument("--elastic", action="store_true", help="admit more than --hosts distinct host ids")
-    p.add_argument("--block-size", type=int, default=64, choices=BLOCK_SIZES, help="q4 values per scale")
-    p.add_argument("--scale-dtype", default="fp16", choices=SCALE_DTYPES, help="q4 scale type")
-    p.add_argument("--codec", default="q4", choices=CODECS,
+    p.add_argument("--block-size", type=int, default=q4["block_size"], choices=BLOCK_SIZES,
+                   help="q4 values per scale (default %(default)s)")
+    p.add_argument("--scale-dtype", default=q4["scale_dtype"], choices=SCALE_DTYPES,
+                   help="q4 scale type (default %(default)s)")
+    p.add_argument("--codec", default=q4["codec"], choices=CODECS,
                    help="q4 (default); bf16 or fp32 send deltas unquantized, to measure what q4 costs")
-    p.add_argument("--outer-optimizer", default="average", choices=OUTER_OPTIMIZERS,
-                   help="how the mean delta becomes the sync: plain averaging, or DiLoCo's Nesterov momentum")
-    p.add_argument("--outer-lr", type=float, default=0.7, help="outer learning rate (nesterov; default 0.7)")
-    p.add_argument("--outer-momentum", type=float, default=0.9, help="outer momentum (nesterov; default 0.9)")
+    p.add_argument("--outer-optimizer", default=outer["name"], choices=outer_names(),
+                   help="how the mean delta becomes the sync: plain averaging, or DiLoCo's Nesterov momentum "
+                   "(default %(default)s)")
+    p.add_argument("--outer-lr", type=float, default=outer["lr"],
+                   help="outer learning rate (nesterov; default %(default)g)")
+    p.add_argument("--outer-momentum", type=float, default=outer["momentum"],
+                   help="outer momentum (nesterov; default %(default)g)")
     p.add_argument("--initial-model", type=Path, help="safetensors file to start from (default: the first host's)")
     p.add_argument("--threads", type=int, help="codec threads (default: this process's CPU quota)")
-    p.add_argument("--rss-interval", type=float, default=2.0, help="seconds between memory samples")
+    p.add_argument("--rss-interval", type=float, default=run["rss_interval"],
+                   help="seconds between memory samples (default %(default)g)")
+
+
+def _launch_options(p: argparse.ArgumentParser) -> None:
+    """The flags of ``nodeox launch`` itself (every other flag it takes goes to its coordinator)."""
+    p.add_argument("--gpus-per-host", type=int, default=1,
+                   help="GPUs each host sees (CUDA_VISIBLE_DEVICES); the host command uses Trainer(devices=K)")
 
 
 def _read_token(path: Path | None) -> str | None:
@@ -61,10 +83,10 @@ def _read_token(path: Path | None) -> str | None:
     return token
 
 
-def _config(args: argparse.Namespace, bind: str) -> CoordinatorConfig:
+def _config(args: argparse.Namespace) -> CoordinatorConfig:
     try:
         return CoordinatorConfig(
-            hosts=args.hosts, run_dir=args.run_dir, bind=bind, min_hosts=args.min_hosts,
+            hosts=args.hosts, run_dir=args.run_dir, bind=args.bind, min_hosts=args.min_hosts,
             round_timeout=args.round_timeout, token=_read_token(args.token_file), insecure=args.insecure,
             elastic=args.elastic, tls_cert=args.tls_cert, tls_key=args.tls_key,
             q4=Q4Settings(block_size=args.block_size, scale_dtype=args.scale_dtype, codec=args.codec),
@@ -76,20 +98,32 @@ def _config(args: argparse.Namespace, bind: str) -> CoordinatorConfig:
         raise SystemExit(f"nodeox: {e}") from None
 
 
-def _passthrough(args: argparse.Namespace) -> list[str]:
-    """Coordinator options given to launch, as coordinator command-line arguments."""
-    out = ["--bind", args.bind, "--codec", args.codec, "--block-size", str(args.block_size), "--scale-dtype", args.scale_dtype,
-           "--rss-interval", str(args.rss_interval), "--outer-optimizer", args.outer_optimizer,
-           "--outer-lr", str(args.outer_lr), "--outer-momentum", str(args.outer_momentum), "--lease", str(args.lease),
-           "--snapshot-every", str(args.snapshot_every), "--transfer-timeout", str(args.transfer_timeout)]
-    if args.fresh:
-        out.append("--fresh")
-    for flag, value in (("--min-hosts", args.min_hosts), ("--round-timeout", args.round_timeout),
-                        ("--token-file", args.token_file), ("--initial-model", args.initial_model),
-                        ("--threads", args.threads), ("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
-        if value is not None:
-            out += [flag, str(value)]
-    return out + [flag for flag in ("--insecure", "--elastic") if getattr(args, flag[2:])]
+def coordinator_argv(launch_argv: list[str]) -> list[str]:
+    """The coordinator's command line of ``nodeox launch LAUNCH_ARGV``: the options as they were given, less
+    launch's own, after launch's default ``--bind`` (a ``--bind`` given comes later and wins)."""
+    own = argparse.ArgumentParser(add_help=False)
+    _launch_options(own)
+    return ["--bind", LAUNCH_BIND, *own.parse_known_args(launch_argv)[1]]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nodeox", description="lightning-nodeox: coordinator, launcher, report")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("coordinator", help="run the HTTP coordinator of a run")
+    _coordinator_options(p, bind=_defaults(CoordinatorConfig)["bind"])
+    p.add_argument("--keep-running", action="store_true", help="keep serving after every host has finished")
+    p.add_argument("--ready-file", type=Path, help=argparse.SUPPRESS)
+
+    p = sub.add_parser("launch", help="a coordinator and N hosts on this machine: nodeox launch ... -- COMMAND")
+    _coordinator_options(p, bind=LAUNCH_BIND)
+    _launch_options(p)
+
+    p = sub.add_parser("report", help="per-round phase tables of a run directory")
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--plot", type=Path, help="draw a timeline to this PNG file")
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,39 +132,20 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         i = argv.index("--")
         argv, command = argv[:i], argv[i + 1 :]
-    parser = argparse.ArgumentParser(prog="nodeox", description="lightning-nodeox: coordinator, launcher, report")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-
-    p = sub.add_parser("coordinator", help="run the HTTP coordinator of a run")
-    _coordinator_options(p, for_launch=False)
-    p.add_argument("--keep-running", action="store_true", help="keep serving after every host has finished")
-    p.add_argument("--ready-file", type=Path, help=argparse.SUPPRESS)
-
-    p = sub.add_parser("launch", help="a coordinator and N hosts on this machine: nodeox launch ... -- COMMAND")
-    _coordinator_options(p, for_launch=True)
-    p.add_argument("--gpus-per-host", type=int, default=1,
-                   help="GPUs each host sees (CUDA_VISIBLE_DEVICES); the host command uses Trainer(devices=K)")
-
-    p = sub.add_parser("report", help="per-round phase tables of a run directory")
-    p.add_argument("run_dir", type=Path)
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--plot", type=Path, help="draw a timeline to this PNG file")
-
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.cmd == "coordinator":
-        config = _config(args, args.bind)  # refuse a bad command line before importing torch
+        config = _config(args)  # refuse a bad command line before importing torch
         from ..coordinator.server import serve
 
         return asyncio.run(serve(config, args.ready_file))
     if args.cmd == "launch":
         from .launch import launch
 
-        config = _config(args, args.bind)  # validate before starting anything
+        config = _config(args)  # validate before starting anything
         if args.gpus_per_host < 1:
             raise SystemExit(f"nodeox: --gpus-per-host must be at least 1, got {args.gpus_per_host}")
-        return launch(args.hosts, args.run_dir, _passthrough(args), command, config.token, args.gpus_per_host,
-                      config.tls_cert)
+        return launch(config, coordinator_argv(argv[1:]), command, args.gpus_per_host)
     if args.cmd == "report":
         from .report import main as report_main
 

@@ -25,6 +25,7 @@ import threading
 import time
 from pathlib import Path
 
+from ..coordinator.config import CoordinatorConfig
 from ..core.cpu import granted_cpus
 from ..core.settings import (
     ENV_CA_FILE, ENV_HOST_ID, ENV_LOCAL_RANK, ENV_NUM_HOSTS, ENV_RUN_DIR, ENV_TOKEN, ENV_URL,
@@ -118,9 +119,10 @@ def cpu_shares(hosts: int) -> list[list[int] | None]:
     return [cpus[i * per : (i + 1) * per] for i in range(hosts)]
 
 
-def launch(hosts: int, run_dir: Path, coordinator_args: list[str], command: list[str], token: str | None,
-           gpus_per_host: int = 1, tls_cert: Path | None = None) -> int:
-    """Run a coordinator and ``hosts`` copies of ``command``; returns the exit status."""
+def launch(config: CoordinatorConfig, coordinator_args: list[str], command: list[str], gpus_per_host: int = 1) -> int:
+    """Run a coordinator (``nodeox coordinator COORDINATOR_ARGS``, the command line ``config`` was read from) and
+    ``config.hosts`` copies of ``command``; returns the exit status."""
+    hosts, run_dir, token, tls_cert = config.hosts, Path(config.run_dir), config.token, config.tls_cert
     if not command:
         print("nodeox launch: give the host command after --, e.g. "
               "nodeox launch --hosts 2 --run-dir runs/demo -- python examples/finetune_vit.py", file=sys.stderr)
@@ -129,8 +131,7 @@ def launch(hosts: int, run_dir: Path, coordinator_args: list[str], command: list
     ready = run_dir / ".coordinator-url"
     ready.unlink(missing_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    coord_cmd = [sys.executable, "-m", "lightning_nodeox", "coordinator", "--hosts", str(hosts), "--run-dir",
-                 str(run_dir), "--ready-file", str(ready), *coordinator_args]
+    coord_cmd = [sys.executable, "-m", "lightning_nodeox", "coordinator", *coordinator_args, "--ready-file", str(ready)]
     coordinator, coord_thread = _start(coord_cmd, env, "[coordinator]")
     deadline = time.monotonic() + 120
     while not ready.exists():

@@ -1,0 +1,121 @@
+"""The codec interface: what a codec owns (:class:`Codec`) and the chunk kernels it runs (:class:`Kernels`).
+
+A codec turns each tensor of a message into ``codes`` (bytes) and ``scales`` (its scale dtype, possibly none).
+It says how many of each a tensor takes, whether every message of a run has the same size, the bytes of a sync
+that changes nothing, and why a finite delta might not fit. Its kernels work on one chunk at a time in their
+own scratch; the whole-tensor loops of :mod:`lightning_nodeox.core.codec` drive any codec's kernels alike.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from ..settings import Q4Settings
+
+ATEN_GRAIN = 32768  # ATen runs an op of at most this many elements on one thread
+CPU_CHUNK_SINGLE_THREADED = 131072
+CUDA_CHUNK = 1 << 24
+
+
+def default_chunk(device: torch.device, alignment: int) -> int:
+    """Elements per kernel call: cache-sized on the CPU (at most ATen's grain where ATen may thread)."""
+    if device.type != "cpu":
+        return CUDA_CHUNK
+    chunk = CPU_CHUNK_SINGLE_THREADED if torch.get_num_threads() == 1 else ATEN_GRAIN
+    return max(chunk, alignment)
+
+
+class Codec(ABC):
+    """One codec under one run's settings: its byte counts, dtypes, message layout, no-op and error text."""
+
+    name: ClassVar[str]
+    fixed_size: ClassVar[bool] = True  # every message of a run has one layout (a top-k codec would not)
+
+    def __init__(self, settings: Q4Settings) -> None:
+        self.settings = settings
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        return self.settings.torch_scale_dtype
+
+    @property
+    def alignment(self) -> int:
+        """Values a kernel chunk must be a multiple of (chunks start on a block boundary)."""
+        return 1
+
+    @abstractmethod
+    def scale_count(self, numel: int) -> int:
+        """Scales of a tensor of ``numel`` values."""
+
+    @abstractmethod
+    def code_bytes(self, numel: int) -> int:
+        """Bytes of a tensor's codes."""
+
+    @abstractmethod
+    def kernels(self, device: torch.device | str = "cpu", chunk: int | None = None) -> Kernels:
+        """Scratch and chunk kernels for one worker on ``device``."""
+
+    @abstractmethod
+    def fill_noop(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        """Write a tensor's sync that changes nothing: every value dequantizes to -0.0, and ``x + -0.0`` is ``x``
+        bit for bit for every finite ``x`` (+0.0 and -0.0 included), in any dtype."""
+
+    @abstractmethod
+    def magnitude(self, codes: torch.Tensor, scales: torch.Tensor) -> float:
+        """A tensor's largest scale (or, unscaled, value) magnitude; NaN or Inf when one is."""
+
+    def too_large(self, name: str, round_: int) -> str | None:
+        """The error for a finite delta of parameter ``name`` that this codec cannot hold (None: it holds any)."""
+        return None
+
+
+class Kernels(ABC):
+    """Scratch buffers and the chunk kernels of one worker on one device.
+
+    The loops use ``x`` (a chunk's input, filled by the caller), ``d`` (dequantized values) and ``y`` (free once
+    a chunk is quantized); ``chunk`` is the most values one call takes.
+    """
+
+    def __init__(self, codec: Codec, device: torch.device | str = "cpu", chunk: int | None = None) -> None:
+        self.codec = codec
+        self.settings = codec.settings
+        self.device = torch.device(device)
+        align = codec.alignment
+        chunk = chunk or default_chunk(self.device, align)
+        self.chunk = chunk - chunk % align
+        self.x = torch.empty(self.chunk, device=self.device)
+        self.y = torch.empty(self.chunk, device=self.device)
+        self.d = torch.empty(self.chunk, device=self.device)
+
+    @abstractmethod
+    def padded(self, m: int) -> int:
+        """The values a chunk of ``m`` occupies in a message (whole blocks)."""
+
+    @abstractmethod
+    def blocks(self, codes: torch.Tensor, scales: torch.Tensor, start: int, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes and scales of the ``padded`` values from flat value ``start`` (a block boundary)."""
+
+    @abstractmethod
+    def quantize(self, m: int, codes_out: torch.Tensor, scales_out: torch.Tensor, *,
+                 residual_out: torch.Tensor | None = None, dequant_out: torch.Tensor | None = None,
+                 seed: int | None = None) -> None:
+        """Encode ``self.x[:m]`` into ``codes_out`` and ``scales_out``; ``residual_out`` (m values) receives
+        ``x - dequantized``, ``dequant_out`` (padded length) the dequantized values, exactly as a decoder
+        computes them."""
+
+    @abstractmethod
+    def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, mp: int) -> torch.Tensor:
+        """The dequantized values of one chunk (``mp`` values, in ``self.d``)."""
+
+    @abstractmethod
+    def accumulate(self, codes: torch.Tensor, scales: torch.Tensor, m: int, acc: torch.Tensor, weight: float,
+                   assign: bool = False) -> None:
+        """``acc += weight * dequantized`` (``acc = ...`` when ``assign``) for the first ``m`` values of one chunk."""
+
+    @abstractmethod
+    def bound(self, dequantized: torch.Tensor, scales: torch.Tensor) -> float:
+        """An upper bound of ``|dequantized|`` over one chunk, from its scales where it has them."""
