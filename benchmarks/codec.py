@@ -17,6 +17,7 @@ import sys
 import time
 
 import torch
+from common import spawn, stop
 
 from lightning_nodeox.core.codec import accumulate_tensor, decode_tensor, encode_delta, encode_tensor, relative_error
 from lightning_nodeox.core.codecs.q4 import block_count, code_bytes
@@ -85,7 +86,7 @@ def size_figures(n: int, repeats: int) -> dict:
 
 
 def busy_processes(count: int) -> list[subprocess.Popen]:
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    return [spawn([sys.executable, "-c", "while True: pass"], None) for _ in range(count)]
 
 
 def contention_figures(n: int, repeats: int) -> dict:
@@ -107,9 +108,7 @@ def contention_figures(n: int, repeats: int) -> dict:
         time.sleep(0.5)
         loaded = best(encode, repeats)
     finally:
-        for h in hogs:
-            h.kill()
-            h.wait()
+        stop(hogs)
     pool.close()
     torch.set_num_threads(1)
     return {"values": n, "threads": threads, "busy_processes": threads, "quiet_s": quiet, "loaded_s": loaded,

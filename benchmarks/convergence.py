@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -49,7 +48,10 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from common import REPO, process_env, read_events, spawn, stop, tail, wait_all
+
+from lightning_nodeox.tools.launch import cpu_shares
+
 HOSTS = 2
 STEPS = 600
 LOCAL_STEPS = 20
@@ -233,60 +235,6 @@ class Unavailable(Exception):
     """This mode's options are not in this version of lightning_nodeox."""
 
 
-def _spawn(cmd: list[str], env: dict, log: Path, cpus: list[int] | None = None) -> subprocess.Popen:
-    with open(log, "w") as out:  # its own process group: stopped with everything it started
-        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    if cpus:
-        try:
-            os.sched_setaffinity(proc.pid, cpus)
-        except OSError:
-            pass
-    return proc
-
-
-def _stop(procs: list[subprocess.Popen], grace: float = 15.0) -> None:
-    """SIGTERM each process group we started, then SIGKILL what is left after ``grace`` seconds."""
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    deadline = time.monotonic() + grace
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(p.pid, signal.SIGKILL)  # also any child left in the group
-        except (ProcessLookupError, PermissionError):
-            pass
-        p.wait()
-
-
-def _wait_all(procs: list[subprocess.Popen], timeout: float, give_up=lambda: False) -> list[int]:
-    """Exit statuses once every process has ended, one has failed, or ``give_up()`` is true."""
-    deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in procs) and not give_up():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"run did not finish within {timeout:.0f} s")
-        if any(p.returncode not in (None, 0) for p in procs):  # one failed: do not wait for the others' timeouts
-            break
-        time.sleep(0.1)
-    return [p.poll() for p in procs]
-
-
-def _cpu_shares() -> list[list[int] | None]:
-    """One CPU set per process when there are enough CPUs (as `nodeox launch` pins its hosts)."""
-    try:
-        cpus = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return [None] * HOSTS
-    per = len(cpus) // HOSTS
-    return [cpus[i * per : (i + 1) * per] for i in range(HOSTS)] if per else [None] * HOSTS
-
-
 def _host_args(args: argparse.Namespace, kind: str, seed: int, out: Path, steps: list[int], strategy: dict,
                slow: bool) -> list[str]:
     """A host's command line; ``steps``: each host's optimizer steps (launch runs one command for all hosts)."""
@@ -294,13 +242,6 @@ def _host_args(args: argparse.Namespace, kind: str, seed: int, out: Path, steps:
             str(out), "--host-steps", ",".join(map(str, steps)), "--local-steps", str(args.local_steps), "--batch-size",
             str(args.batch_size), "--lr", str(args.lr), "--strategy-kwargs", json.dumps(strategy),
             "--slow-host", "1" if slow else "-1", "--slowdown", str(SLOWDOWN)]
-
-
-def _tail(path: Path, n: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return ""
 
 
 def _read_hosts(out: Path) -> dict[str, dict]:
@@ -318,20 +259,21 @@ def _read_hosts(out: Path) -> dict[str, dict]:
 def run_ddp(args: argparse.Namespace, seed: int, workdir: Path) -> dict:
     out = workdir / "out"
     out.mkdir(parents=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", WORLD_SIZE=str(HOSTS), LOCAL_RANK="0",
-               MASTER_ADDR="127.0.0.1", MASTER_PORT="0", GLOO_SOCKET_IFNAME="lo")
+    env = process_env(WORLD_SIZE=str(HOSTS), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="0",
+                      GLOO_SOCKET_IFNAME="lo")
     cmd = _host_args(args, "ddp", seed, out, [args.steps] * HOSTS, {}, False) + ["--store", str(workdir / "store")]
-    shares = _cpu_shares()
+    shares = cpu_shares(HOSTS)
     procs = []
     started = time.time()
     try:
         for i in range(HOSTS):
-            procs.append(_spawn(cmd, dict(env, NODE_RANK=str(i)), workdir / f"rank{i}.log", shares[i]))
-        codes = _wait_all(procs, RUN_TIMEOUT)
+            procs.append(spawn(cmd, workdir / f"rank{i}.log", env=dict(env, NODE_RANK=str(i)), cpus=shares[i],
+                               cwd=REPO))
+        codes = wait_all(procs, RUN_TIMEOUT)
     finally:
-        _stop(procs)
+        stop(procs)
     if any(codes):
-        raise RuntimeError(f"DDP exited with {codes}:\n{_tail(workdir / 'rank0.log')}\n{_tail(workdir / 'rank1.log')}")
+        raise RuntimeError(f"DDP exited with {codes}:\n{tail(workdir / 'rank0.log')}\n{tail(workdir / 'rank1.log')}")
     hosts = _read_hosts(out)
     param_bytes = hosts["0"]["param_bytes"]
     sent = {h: ddp_bytes_per_host(param_bytes, v["steps"]) for h, v in hosts.items()}
@@ -355,16 +297,16 @@ def run_nodeox(args: argparse.Namespace, mode: str, seed: int, workdir: Path, ro
     cmd = [sys.executable, "-m", "lightning_nodeox", "launch", "--hosts", str(HOSTS), "--run-dir", str(run_dir),
            "--threads", "1", *spec.get("coordinator", []), "--", *_host_args(args, "nodeox", seed, out, steps, strategy,
                                                                                spec.get("slow", False))]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = process_env()
     log = workdir / "launch.log"
     started = time.time()
-    proc = _spawn(cmd, env, log)
+    proc = spawn(cmd, log, env=env, cwd=REPO)
     try:
         refused = [out / f"host{i}.json" for i in range(HOSTS)]  # a host refused this mode's options: stop early
-        codes = _wait_all([proc], RUN_TIMEOUT,
+        codes = wait_all([proc], RUN_TIMEOUT,
                           lambda: any(f.exists() and "unavailable" in f.read_text() for f in refused))
     finally:
-        _stop([proc])
+        stop([proc])
     text = log.read_text(errors="replace")
     for needle in ("unrecognized arguments", "invalid choice"):
         if needle in text:
@@ -373,8 +315,8 @@ def run_nodeox(args: argparse.Namespace, mode: str, seed: int, workdir: Path, ro
                 raise Unavailable(f"nodeox: {line.split('error:')[-1].strip()}")
     hosts = _read_hosts(out)
     if codes[0] or len(hosts) < HOSTS:
-        raise RuntimeError(f"nodeox launch exited with {codes[0]}:\n{_tail(log, 25)}")
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
+        raise RuntimeError(f"nodeox launch exited with {codes[0]}:\n{tail(log, 25)}")
+    events = read_events(run_dir)
     records = {h: host_records(events, h) for h in hosts}
     sent = {h: nodeox_bytes_sent(r) for h, r in records.items()}
     waits = {h: wait_share(r) for h, r in records.items()}

@@ -29,8 +29,7 @@ def measure(model: str, outer: str) -> dict:
     from lightning_nodeox.core.specs import spec_of
     from lightning_nodeox.core.wire import Q4Layout, Q4Message, Q4Meta
 
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-    from exchange import model_shapes, rss
+    from common import model_shapes, rss
 
     torch.set_num_threads(1)
     baseline = rss()

@@ -16,12 +16,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
+
+from common import beside, model_shapes, process_env, read_events, rss, spawn, stop, tail, wait_all, wait_ready
 
 GOAL_AGG_TO_SYNC = 1.0
 GOAL_APPLY = 1.0
@@ -32,20 +33,6 @@ GOAL_TELEMETRY = 0.01
 
 
 # -- the synthetic host (run by `nodeox launch`) ------------------------------------------------------------------
-
-
-def model_shapes(name: str) -> list[tuple[str, tuple[int, ...]]]:
-    import timm
-    import torch
-
-    with torch.device("meta"):
-        model = timm.create_model(name, pretrained=False)
-    return [(n, tuple(t.shape)) for n, t in model.state_dict().items() if t.is_floating_point()]
-
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def host_main(args: argparse.Namespace) -> None:
@@ -103,29 +90,20 @@ def run_hosts(coordinator: list[str], hosts: list[list[str]], run_dir: Path, *, 
     """Start ``coordinator`` (with ``--ready-file``), then host ``i`` as ``hosts[i]`` with ``NODEOX_HOST_ID=i``
     and ``NODEOX_COORDINATOR_URL``; wait for all, stop all in the end."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    ready = run_dir / "ready"
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    log = open(run_dir / "processes.log", "w")
-    procs = [subprocess.Popen([*coordinator, "--ready-file", str(ready)], env=env, stdout=log, stderr=subprocess.STDOUT)]
+    logs = beside(run_dir, "logs")
+    logs.mkdir(parents=True, exist_ok=True)
+    ready, log = run_dir / "ready", logs / "coordinator.log"
+    procs = [spawn([*coordinator, "--ready-file", str(ready)], log)]
     try:
-        deadline = time.monotonic() + 120
-        while not ready.exists():
-            if procs[0].poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"coordinator did not start: {(run_dir / 'processes.log').read_text()[-3000:]}")
-            time.sleep(0.05)
-        url = ready.read_text().strip()
+        url = wait_ready(ready, procs[0], log)
         for i, cmd in enumerate(hosts):
-            host_env = dict(env, NODEOX_HOST_ID=str(i), NODEOX_COORDINATOR_URL=url)
-            procs.append(subprocess.Popen(cmd, env=host_env, stdout=log, stderr=subprocess.STDOUT))
-        for p in procs:
-            if p.wait(timeout) != 0:
-                raise RuntimeError(f"exchange run failed: {(run_dir / 'processes.log').read_text()[-4000:]}")
+            procs.append(spawn(cmd, logs / f"host{i}.log", env=process_env(NODEOX_HOST_ID=str(i),
+                                                                        NODEOX_COORDINATOR_URL=url)))
+        if any(wait_all(procs, timeout)):
+            tails = "\n".join(f"--- {f.name} ---\n{tail(f, 40)}" for f in sorted(logs.glob("*.log")))
+            raise RuntimeError(f"exchange run failed:\n{tails}")
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        log.close()
+        stop(procs)
 
 
 def saving_coordinator_main(args: argparse.Namespace) -> None:
@@ -160,7 +138,7 @@ def run(model: str, rounds: int, save: bool, workdir: Path, overlap: bool = Fals
                        str(run_dir), "--bind", "127.0.0.1:0", "--rss-interval", "0.5"]
     started = time.time()
     run_hosts(coordinator, [host, host], run_dir, timeout=1800)
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    events = read_events(run_dir)
     hosts = {h: json.loads((out / f"host{h}.json").read_text()) for h in ("0", "1")}
     return {"model": model, "save_every_round": save, "wall_s": time.time() - started,
             **summarize(events, hosts, rounds)}

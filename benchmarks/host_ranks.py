@@ -17,15 +17,11 @@ import json
 import os
 import socket
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 def timed(fn, repeats: int) -> float:
@@ -40,7 +36,7 @@ def timed(fn, repeats: int) -> float:
 
 
 def rank_main(rank: int, port: int, model: str, repeats: int, queue) -> None:
-    from exchange import model_shapes
+    from common import model_shapes
 
     from lightning_nodeox.core.settings import Q4Settings
     from lightning_nodeox.core.specs import spec_of

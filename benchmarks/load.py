@@ -16,12 +16,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
+
+from common import coordinator_command, read_events, spawn, stop, tail, wait_ready
 
 SHAPES = [("w1", (256, 256)), ("w2", (128, 256)), ("b1", (256,)), ("b2", (128,)), ("scale", (1312,))]  # 100k
 GOAL_RSS_DRIFT = 0.05
@@ -79,37 +80,26 @@ def fork_host(host: str, url: str, rounds: int) -> int:
 def run(hosts: int, rounds: int, workdir: Path) -> dict:
     run_dir = workdir / f"hosts{hosts}"
     run_dir.mkdir(parents=True)
-    ready = run_dir / "ready"
-    log = open(run_dir / "coordinator.log", "w")  # noqa: SIM115 - closed below, after the process ends
-    coordinator = subprocess.Popen(
-        [sys.executable, "-m", "lightning_nodeox", "coordinator", "--hosts", str(hosts), "--run-dir", str(run_dir),
-         "--bind", "127.0.0.1:0", "--ready-file", str(ready), "--threads", "1", "--rss-interval", "3600",
-         "--snapshot-every", "1000"], stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    ready, log = run_dir / "ready", run_dir / "coordinator.log"
+    coordinator = spawn(coordinator_command(hosts, run_dir, ready, "--threads", "1", "--rss-interval", "3600",
+                                            "--snapshot-every", "1000"), log,
+                        env=dict(os.environ, PYTHONUNBUFFERED="1"))  # OpenMP threads as the coordinator sets them
     pids: list[int] = []
     try:
-        deadline = time.monotonic() + 120
-        while not ready.exists():
-            if coordinator.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"coordinator did not start: {(run_dir / 'coordinator.log').read_text()[-2000:]}")
-            time.sleep(0.05)
-        url = ready.read_text().strip()
+        url = wait_ready(ready, coordinator, log)
         started = time.time()
         pids = [fork_host(str(i), url, rounds) for i in range(hosts)]
         failed = [pid for pid in pids if os.waitpid(pid, 0)[1] != 0]
         pids = []
         wall = time.time() - started
         if failed or coordinator.wait(120) != 0:
-            raise RuntimeError(f"{len(failed)} hosts failed; coordinator: {(run_dir / 'coordinator.log').read_text()[-3000:]}")
+            raise RuntimeError(f"{len(failed)} hosts failed; coordinator: {tail(log, 40)}")
     finally:
         for pid in pids:
             os.kill(pid, 9)
             os.waitpid(pid, 0)
-        if coordinator.poll() is None:
-            coordinator.kill()
-            coordinator.wait()
-        log.close()
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    return {"hosts": hosts, "rounds": rounds, "wall_s": wall, **summarize(events, hosts, rounds)}
+        stop([coordinator])
+    return {"hosts": hosts, "rounds": rounds, "wall_s": wall, **summarize(read_events(run_dir), hosts, rounds)}
 
 
 def summarize(events: list[dict], hosts: int, rounds: int) -> dict:

@@ -20,16 +20,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from common import beside, coordinator_command, process_env, read_events, spawn, stop, wait_ready
 from relay import Link, Relay
 
 EXCHANGE = Path(__file__).with_name("exchange.py")
@@ -56,62 +56,37 @@ def report_build() -> Callable[[list[dict]], dict]:
 # -- one placement --------------------------------------------------------------------------------------------------
 
 
-async def start(cmd: list[str], log: Path, env: dict[str, str]) -> asyncio.subprocess.Process:
-    with log.open("w") as f:
-        return await asyncio.create_subprocess_exec(*cmd, stdout=f, stderr=asyncio.subprocess.STDOUT, env=env)
-
-
-async def wait_ready(ready: Path, coordinator: asyncio.subprocess.Process, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while not (ready.exists() and ready.read_text().strip()):
-        if coordinator.returncode is not None or time.monotonic() > deadline:
-            raise PlacementFailed("the coordinator did not start")
-        await asyncio.sleep(0.05)
-    return ready.read_text().strip()
-
-
-async def exited(procs: list[asyncio.subprocess.Process]) -> None:
-    for p in procs:
-        await p.wait()
-
-
-async def stop(procs: list[asyncio.subprocess.Process]) -> None:
-    for p in procs:
-        if p.returncode is None:
-            p.terminate()
-    for p in procs:
-        try:
-            await asyncio.wait_for(p.wait(), 10)
-        except asyncio.TimeoutError:
-            p.kill()
-            await p.wait()
+async def exited(procs: list[subprocess.Popen]) -> None:
+    while any(p.poll() is None for p in procs):
+        await asyncio.sleep(0.1)  # the relays run on this loop meanwhile
 
 
 async def run_placement(link: Link, args: argparse.Namespace, run_dir: Path) -> list[dict]:
     """One run of ``args.rounds`` rounds with every host behind its own ``link``; returns its events."""
-    out = run_dir / "out"
+    out, logs = beside(run_dir, "out"), beside(run_dir, "logs")
     out.mkdir(parents=True, exist_ok=True)
+    logs.mkdir(parents=True, exist_ok=True)
     for stale in ("ready", "events.jsonl"):  # from an earlier run in the same --run-dir (events are appended)
         (run_dir / stale).unlink(missing_ok=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    procs: list[asyncio.subprocess.Process] = []
+    procs: list[subprocess.Popen] = []
     relays: list[Relay] = []
     try:
-        coordinator = await start(
-            [sys.executable, "-m", "lightning_nodeox", "coordinator", "--hosts", str(HOSTS), "--run-dir", str(run_dir),
-             "--bind", "127.0.0.1:0", "--ready-file", str(run_dir / "ready"), "--threads", "1"],
-            run_dir / "coordinator.log", env)
+        ready, log = run_dir / "ready", logs / "coordinator.log"
+        coordinator = spawn(coordinator_command(HOSTS, run_dir, ready, "--threads", "1"), log)
         procs.append(coordinator)
-        target = urlsplit(await wait_ready(run_dir / "ready", coordinator, 120))
+        try:
+            target = urlsplit(wait_ready(ready, coordinator, log))
+        except RuntimeError:
+            raise PlacementFailed("the coordinator did not start") from None
         for host in range(HOSTS):
             relays.append(relay := Relay(target.hostname, target.port, up=link, down=link))
             port = await relay.start()
-            procs.append(await start(
+            procs.append(spawn(
                 [sys.executable, str(EXCHANGE), "--host", "--model", args.model, "--rounds", str(args.rounds),
                  "--out", str(out)],
-                run_dir / f"host{host}.log",
-                dict(env, NODEOX_HOST_ID=str(host), NODEOX_NUM_HOSTS=str(HOSTS),
-                     NODEOX_COORDINATOR_URL=f"http://127.0.0.1:{port}")))
+                logs / f"host{host}.log",
+                env=process_env(NODEOX_HOST_ID=str(host), NODEOX_NUM_HOSTS=str(HOSTS),
+                                NODEOX_COORDINATOR_URL=f"http://127.0.0.1:{port}")))
         try:
             await asyncio.wait_for(exited(procs), args.timeout)
         except asyncio.TimeoutError:
@@ -121,15 +96,15 @@ async def run_placement(link: Link, args: argparse.Namespace, run_dir: Path) -> 
         if failed:
             raise PlacementFailed(f"{', '.join(failed)} failed")
     finally:
-        await stop(procs)
+        stop(procs, grace=10)
         for relay in relays:
             await relay.close()
-    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
+    return read_events(run_dir)
 
 
 def log_tails(run_dir: Path, lines: int = 15) -> str:
     return "\n".join(f"--- {log.name} ---\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
-                     for log in sorted(run_dir.glob("*.log")))
+                     for log in sorted(beside(run_dir, "logs").glob("*.log")))
 
 
 # -- the summary ----------------------------------------------------------------------------------------------------

@@ -1,0 +1,129 @@
+"""What the benchmarks share: starting and stopping their processes, a coordinator's URL once it listens, a
+run's events, a timm model's shapes and this process's memory. (CPU shares: `nodeox launch`'s own
+`lightning_nodeox.tools.launch.cpu_shares`.)
+
+A benchmark imports the package and this module (``python benchmarks/x.py`` puts benchmarks/ on the path),
+never another benchmark; it runs another benchmark's file as a process where it needs one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def process_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child: unbuffered output, one OpenMP thread, plus ``extra``."""
+    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
+
+
+def coordinator_command(hosts: int, run_dir: Path, ready: Path, *args: str) -> list[str]:
+    """`nodeox coordinator` for ``hosts`` hosts on 127.0.0.1 port 0, writing its URL to ``ready``."""
+    return [sys.executable, "-m", "lightning_nodeox", "coordinator", "--hosts", str(hosts), "--run-dir",
+            str(run_dir), "--bind", "127.0.0.1:0", "--ready-file", str(ready), *args]
+
+
+def beside(run_dir: Path, what: str) -> Path:
+    """A folder beside a coordinator's run directory (``near-logs`` beside ``near``): at its start the coordinator
+    moves whatever it finds in its run directory aside, logs and host outputs too."""
+    return run_dir.with_name(f"{run_dir.name}-{what}")
+
+
+def spawn(cmd: list[str], log: Path | None, *, env: dict[str, str] | None = None, cpus: list[int] | None = None,
+          cwd: Path | None = None) -> subprocess.Popen:
+    """Start ``cmd`` (environment: `process_env()` unless given), its output to ``log`` (None: discarded), in a
+    process group of its own (so that `stop` ends whatever it starts too), pinned to ``cpus`` where given and
+    allowed."""
+    out = open(log, "w") if log is not None else subprocess.DEVNULL  # noqa: SIM115 - the child holds it
+    try:
+        proc = subprocess.Popen(cmd, env=env if env is not None else process_env(), cwd=cwd, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    finally:
+        if log is not None:
+            out.close()
+    if cpus:
+        try:
+            os.sched_setaffinity(proc.pid, cpus)
+        except OSError:
+            pass
+    return proc
+
+
+def stop(procs: list[subprocess.Popen], grace: float = 15.0) -> None:
+    """SIGTERM each process group started, then SIGKILL what is left of it after ``grace`` seconds."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # also any child left in the group
+        except (ProcessLookupError, PermissionError):
+            pass
+        p.wait()
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float, give_up=lambda: False) -> list[int | None]:
+    """Exit statuses once every process has ended, one has failed, or ``give_up()`` is true."""
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs) and not give_up():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"run did not finish within {timeout:.0f} s")
+        if any(p.returncode not in (None, 0) for p in procs):  # one failed: do not wait for the others' timeouts
+            break
+        time.sleep(0.1)
+    return [p.poll() for p in procs]
+
+
+def wait_ready(ready: Path, coordinator: subprocess.Popen, log: Path, timeout: float = 120) -> str:
+    """The URL the coordinator wrote to ``ready``; raises with the tail of its ``log`` if it ended or took longer
+    than ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (ready.exists() and ready.read_text().strip()):
+        if coordinator.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"coordinator did not start:\n{tail(log, 40)}")
+        time.sleep(0.05)
+    return ready.read_text().strip()
+
+
+def tail(path: Path, n: int = 15) -> str:
+    """The last ``n`` lines of a log ("" when there is none)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def read_events(run_dir: Path) -> list[dict]:
+    """The run's events.jsonl, one dict a record."""
+    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
+
+
+def model_shapes(name: str) -> list[tuple[str, tuple[int, ...]]]:
+    """The floating-point tensors of timm model ``name`` (built on the meta device: no memory, no weights)."""
+    import timm
+    import torch
+
+    with torch.device("meta"):
+        model = timm.create_model(name, pretrained=False)
+    return [(n, tuple(t.shape)) for n, t in model.state_dict().items() if t.is_floating_point()]
+
+
+def rss() -> int:
+    """This process's resident memory in bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
