@@ -17,7 +17,16 @@ from pathlib import Path
 
 from ..core import phases as P
 
-HOST_COLUMNS = (*P.HOST_PHASES[:-1], "sync", P.FALLBACK_FETCH)
+SYNC = "sync"  # a host's sync: its download, apply and verify summed
+
+
+def host_columns(phases: tuple[str, ...] = P.HOST_PHASES) -> tuple[str, ...]:
+    """The host columns, by name: every host phase in its order, then ``sync`` (its parts summed), then the
+    fallback fetch (what a host does instead of a sync), wherever that stands among ``phases``."""
+    return (*(p for p in phases if p != P.FALLBACK_FETCH), SYNC, P.FALLBACK_FETCH)
+
+
+HOST_COLUMNS = host_columns()
 PHASE_COLOURS = {
     P.TRAIN: "#9ecae1", P.ENCODE: "#e6550d", P.UPLOAD: "#fd8d3c", P.WAIT: "#d9d9d9", P.DOWNLOAD: "#31a354",
     P.APPLY: "#74c476", P.VERIFY: "#a1d99b", P.POLL: "#f0f0f0", P.FOLD: "#c7e9c0", P.PROVIDE_MODEL: "#fdd0a2",
@@ -71,7 +80,7 @@ def build(records: list[dict]) -> dict:
         first.setdefault((rnd, host, phase), r)
         last_end[(rnd, host)] = max(last_end.get((rnd, host), r["end"]), r["end"])
         if phase in P.SYNC_PARTS:
-            seconds[rnd]["sync"][host] += d
+            seconds[rnd][SYNC][host] += d
         if phase == P.UPLOAD:
             bytes_moved[rnd][host]["up"] += r.get("bytes") or 0
         if phase in (P.DOWNLOAD, P.FALLBACK_FETCH):
