@@ -1,7 +1,8 @@
 """Values logged with ``self.log(..., sync_dist=True)``, shared across hosts without stalling training.
 
 Lightning reduces such a value by calling ``strategy.reduce`` from the logged value's own update (a step
-value) or compute (an epoch value). :class:`SharedMetrics` answers at once:
+value) or compute (an epoch value); :mod:`.logged` tells which value a call reduces. :class:`SharedMetrics`
+answers at once:
 - it keeps this host's latest value of each name, which the next round's delta carries;
 - it returns the value the coordinator reduced across hosts (the mean weighted by samples; ``sum``, ``max``,
   ``min`` for those ``reduce_fx``) from the last sync this host applied: one round stale. Hosts that log at the
@@ -20,9 +21,9 @@ from collections.abc import Callable
 from types import FrameType
 
 import torch
-from lightning.pytorch.trainer.connectors.logger_connector.result import _ResultMetric
 
 from ..core.wire import fit_metrics
+from .logged import logged_value
 
 log = logging.getLogger(__name__)
 
@@ -41,17 +42,16 @@ class SharedMetrics:
         """Lightning's ``strategy.reduce`` for a logged value; ``caller`` is the frame that called it. ``sync``
         reduces a tensor across the host's ranks (a host of several devices), so the host's value is recorded."""
         sync = sync or (lambda t: t)
-        metric = caller.f_locals.get("self")
-        if not isinstance(metric, _ResultMetric) or not isinstance(tensor, torch.Tensor):
+        logged = logged_value(caller)
+        if logged is None or not isinstance(tensor, torch.Tensor):
             return sync(tensor)  # not a self.log value: reduced within the host only
-        epoch_mean = caller.f_code.co_name == "compute" and metric.meta.is_mean_reduction
-        count = metric.cumulated_batch_size if epoch_mean else None
+        count = logged.count
         if count is not None and tensor is count:
             return sync(tensor)  # the epoch mean's sample count stays this host's (its sum carries the shared mean)
         tensor = sync(tensor)
         if count is not None:
             count = sync(count.clone())  # the host's count, as Lightning's next call reduces it (sync is in-place)
-        name = metric.meta.name
+        name = logged.name
         local = tensor if count is None else tensor / count
         if recording:
             self.local[name] = (local.detach().clone(), _reduction(reduce_op))
