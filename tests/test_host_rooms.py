@@ -1,21 +1,26 @@
 """The host's rooms on their own: the overlap mode, the round timing, the refusals that are outcomes, and a
-NodeoxStrategy whose exchange goes through a client it was given (the in-process transport)."""
+NodeoxStrategy whose exchange goes through a client it was given (the in-process transport), and a fetched model
+that goes where the caller says."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from lightning.pytorch import Trainer
+from local_transport import LocalClient, LocalCoordinator
+from test_round_rules import assert_on_the_run_model, model, train
+from test_strategy import TwoOptimizers, data
 
 from lightning_nodeox import NodeoxStrategy
 from lightning_nodeox.core.hashing import model_hash
+from lightning_nodeox.core.phases import PhaseLog
 from lightning_nodeox.core.protocol import Reason, Refusal, SyncGone, Upload
 from lightning_nodeox.core.transport import HostClient, delta_outcome, sync_outcome
 from lightning_nodeox.host.client import HttpClient
+from lightning_nodeox.host.round import HostRound, Into
 from lightning_nodeox.host.settings import Connection, Overlap
-from lightning_nodeox.host.tensors import shared_tensors
+from lightning_nodeox.host.tensors import HostTensors, shared_tensors
 from lightning_nodeox.host.timing import RoundTiming
-from local_transport import LocalClient, LocalCoordinator
-from test_strategy import TwoOptimizers, data
 
 
 def test_overlap_is_decided_once_as_a_mode() -> None:
@@ -102,5 +107,23 @@ def test_a_given_client_carries_the_exchange(tmp_path) -> None:
         assert [m.host_id for m in made] == ["solo"]
         assert strategy.last_result.round == 2 and strategy.last_result.complete
         assert model_hash(shared_tensors(model)) == c.rounds.model.hash == strategy.model_hash
+    finally:
+        c.close()
+
+
+def test_a_fetched_model_goes_where_the_caller_says(tmp_path) -> None:
+    c = LocalCoordinator(tmp_path, 2)
+    try:
+        a, b = (HostRound(HostTensors(model(seed=i)), LocalClient(c, h), PhaseLog(h)) for i, h in enumerate("ab"))
+        a.join(), b.join()
+        train(b, 0)  # b's live model is training (an overlapped round): a fetch into base leaves it alone
+        with torch.no_grad():
+            b.tensors.base[0].add_(1.0)
+        training = [t.clone() for t in b.tensors.live]
+        b.fetch_model(Into.BASE)
+        assert all(torch.equal(t, x) for t, x in zip(b.tensors.live, training))
+        assert model_hash(b.tensors.named(b.tensors.base)) == b.model_hash == c.rounds.model.hash
+        b.fetch_model(Into.LIVE)  # training waits: the live model and θ_r both become the run's model
+        assert_on_the_run_model(c, a, b)
     finally:
         c.close()
