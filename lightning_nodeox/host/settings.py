@@ -98,18 +98,6 @@ class Connection:
             raise ValueError(f"{ENV_CA_FILE}={self.ca_file} is not a file; point it at the PEM certificate (or CA) "
                              "the coordinator serves")
 
-    @staticmethod
-    def host_id_from_env(host_id: str | None = None) -> str:
-        """The host id given, else ``NODEOX_HOST_ID``, else the machine's name."""
-        return host_id or os.environ.get(ENV_HOST_ID) or default_host_id()
-
-    @classmethod
-    def resolve(cls, *, coordinator_url: str | None = None, host_id: str | None = None, token: str | None = None,
-                telemetry_url: str | None = None) -> Connection:
-        """The arguments given, then the environment, then defaults."""
-        return ConnectionSettings(coordinator_url=coordinator_url, host_id=host_id, token=token,
-                                  telemetry_url=telemetry_url).resolve()
-
 
 @dataclass(frozen=True)
 class ConnectionSettings:
@@ -122,7 +110,7 @@ class ConnectionSettings:
 
     def resolved_host_id(self) -> str:
         """The host id given, else ``NODEOX_HOST_ID``, else the machine's name."""
-        return Connection.host_id_from_env(self.host_id)
+        return self.host_id or os.environ.get(ENV_HOST_ID) or default_host_id()
 
     def resolve(self) -> Connection:
         """The arguments given, then the environment, then defaults."""
