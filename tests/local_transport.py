@@ -16,10 +16,10 @@ from lightning_nodeox.coordinator.config import CoordinatorConfig
 from lightning_nodeox.coordinator.rounds import Rounds
 from lightning_nodeox.coordinator.runlog import RunLog
 from lightning_nodeox.core.pool import WorkerPool
+from lightning_nodeox.core.protocol import JoinReply, RunComplete, SyncReady, SyncReply, Upload
 from lightning_nodeox.core.specs import specs_from_json
-from lightning_nodeox.core.protocol import (
-    JoinReply, Reason, Refusal, RunComplete, SyncGone, SyncReady, SyncReply, Upload,
-)
+from lightning_nodeox.core.transport import delta_outcome, sync_outcome
+from lightning_nodeox.host.clock import ClockOffset
 
 
 class BytesBody:
@@ -66,7 +66,8 @@ class LocalCoordinator:
 
 
 class LocalClient:
-    """The protocol's calls for host ``host``, straight into ``LocalCoordinator.rounds``.
+    """The protocol's calls for host ``host`` (a :class:`~lightning_nodeox.core.transport.HostClient`), straight
+    into ``LocalCoordinator.rounds``.
 
     ``break_next_sync``: the next sync download ends half-way. ``drop_sync_of``: the sync of that round is
     never applied by this host (as if lost), so its next delta is computed against a stale model."""
@@ -79,6 +80,11 @@ class LocalClient:
         self.host = host
         self.break_next_sync = False
         self.credential = ""
+        self.clock = ClockOffset()  # one process, one clock: offset 0
+
+    @property
+    def joined(self) -> bool:
+        return bool(self.credential)
 
     def cancel(self) -> None:
         pass
@@ -103,31 +109,22 @@ class LocalClient:
             self.rounds.check_upload(self.host, round_, buffer.numel())
             await self.rounds.accept_delta(self.host, round_, buffer, time.time())
 
-        try:
-            self.coordinator.call(post())
-        except Refusal as e:
-            if e.reason is Reason.DUPLICATE:
-                return Upload.TAKEN
-            if e.reason in (Reason.LATE, Reason.STALE_BASE):
-                return Upload(e.reason.value)
-            raise
-        return Upload.TAKEN
+        return delta_outcome(lambda: self.coordinator.call(post()), self.host, round_)
 
     def wait_sync(self, round_: int, poll: float = 5.0) -> SyncReply:
         while True:
-            try:
-                message = self.coordinator.call(self.rounds.wait_sync(round_, poll, self.host))
-            except Refusal as e:
-                if e.reason is Reason.GONE:
-                    return SyncGone()
-                raise
-            if message is not None:
-                complete = self.rounds.complete and self.rounds.published_round == round_
-                data = bytes(message.view())
-                broken, self.break_next_sync = self.break_next_sync, False
-                return SyncReady(round_, BytesBody(data, len(data) // 2 if broken else None), complete)
-            if self.rounds.complete:
-                return RunComplete()
+            reply = sync_outcome(lambda: self._sync_reply(round_, poll))
+            if reply is not None:
+                return reply
+
+    def _sync_reply(self, round_: int, poll: float) -> SyncReply | None:
+        message = self.coordinator.call(self.rounds.wait_sync(round_, poll, self.host))
+        if message is not None:
+            complete = self.rounds.complete and self.rounds.published_round == round_
+            data = bytes(message.view())
+            broken, self.break_next_sync = self.break_next_sync, False
+            return SyncReady(round_, BytesBody(data, len(data) // 2 if broken else None), complete)
+        return RunComplete() if self.rounds.complete else None
 
     def get_model(self) -> BytesBody:
         async def chunks() -> bytes:
@@ -138,6 +135,9 @@ class LocalClient:
 
     def post_events(self, records: list[dict], *, retry_for: float = 0.0) -> None:
         pass
+
+    def heartbeat(self) -> float:
+        return float(self.coordinator.call(self.rounds.heartbeat(self.host))["lease"])
 
     def leave(self) -> None:
         self.coordinator.call(self.rounds.leave(self.host))

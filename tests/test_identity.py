@@ -17,7 +17,7 @@ from lightning_nodeox.core.pool import WorkerPool
 from lightning_nodeox.core.protocol import Reason, Refusal
 from lightning_nodeox.core.settings import Q4Settings
 from lightning_nodeox.host.client import HttpClient
-from lightning_nodeox.host.settings import Connection
+from lightning_nodeox.host.settings import Connection, ConnectionSettings
 from test_coordinator import SPECS, model_file
 from test_strategy import TwoOptimizers, data
 
@@ -34,11 +34,11 @@ def test_the_default_host_id_is_the_machine_and_the_local_rank_or_the_process(mo
     monkeypatch.setenv("NODEOX_COORDINATOR_URL", "http://127.0.0.1:1")
     monkeypatch.delenv("NODEOX_HOST_ID", raising=False)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    by_pid = Connection.resolve().host_id
+    by_pid = ConnectionSettings().resolve().host_id
     assert by_pid.endswith(f"-{os.getpid()}") and re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", by_pid)
     monkeypatch.setenv("LOCAL_RANK", "3")
-    assert Connection.resolve().host_id == by_pid.removesuffix(str(os.getpid())) + "3"
-    assert Connection.resolve(host_id="gpu-7").host_id == "gpu-7"
+    assert ConnectionSettings().resolve().host_id == by_pid.removesuffix(str(os.getpid())) + "3"
+    assert ConnectionSettings(host_id="gpu-7").resolve().host_id == "gpu-7"
 
 
 def test_a_second_process_with_a_live_id_is_refused_and_a_restarted_one_gets_back_in(coordinator, tmp_path) -> None:
