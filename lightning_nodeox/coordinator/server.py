@@ -337,9 +337,9 @@ async def post_events(request: web.Request) -> web.Response:
         raise Refusal(Reason.TOO_LARGE, f"event batch of {size} bytes is larger than {intake.MAX_EVENTS_BYTES}; "
                                         "send smaller batches")
     request.app[BUDGET].charge(host, size)  # before reading: a flood costs its sender's budget, not our time
-    records = intake.parse_records(await request.read(), host)
-    request.app[ROUNDS].record(*records)
-    return web.json_response({"written": len(records)})
+    batch = intake.parse_records(await request.read(), host)
+    request.app[ROUNDS].record(*batch.records)
+    return web.json_response(batch.answer())
 
 
 async def leave(request: web.Request) -> web.Response:
