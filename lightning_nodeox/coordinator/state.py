@@ -12,7 +12,9 @@ sync), the coordinator writes:
   hosts keep theirs across a restart), the codec and outer-optimizer settings and the names of the files
   above. It only ever names complete files.
 
-Files are created readable by their owner only (``run.json`` holds the hosts' credentials).
+Files are created readable by their owner only (``run.json`` holds the hosts' credentials). A ``run.json`` that
+cannot be read, or a file it names that is missing, truncated or garbled, is refused at start naming ``--fresh``.
+A new run moves aside only :data:`RECORDS`, what a run writes; a user's own files in the directory stay.
 
 Each file is written under a temporary name, synced and renamed, so a crash at any moment leaves the previous
 state whole; files that ``run.json`` no longer names are removed once it is replaced. Nothing is pickled:
