@@ -35,7 +35,7 @@ def start_coordinator(run_dir: Path, *args: str, timeout: float = 60) -> subproc
     """A `nodeox coordinator` expected to refuse (it is not waited for to serve)."""
     return subprocess.run(
         [sys.executable, "-m", "lightning_nodeox", "coordinator", "--hosts", "1", "--run-dir", str(run_dir), "--bind",
-         "127.0.0.1:0", "--threads", "1", *args], capture_output=True, text=True, timeout=timeout,
+         "127.0.0.1:0", "--threads", "1", *args], check=False, capture_output=True, text=True, timeout=timeout,
         env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
 

@@ -9,7 +9,7 @@ import pytest
 import requests
 import torch
 from safetensors.torch import save_file
-from test_coordinator import MODEL, SPECS, model_file
+from test_coordinator import SPECS, model_file
 
 from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.phases import PhaseLog

@@ -15,6 +15,7 @@ its folder) ``RunLog.RETRY_S`` seconds later."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -125,10 +126,8 @@ class LineFile:
         except OSError as e:
             self.trouble.failed(e, lost)
             if self._fd is not None:
-                try:
+                with contextlib.suppress(OSError):  # else cut at the next write
                     os.ftruncate(self._fd, self._end)
-                except OSError:
-                    pass  # cut at the next write instead
             return
         self._end += self._pending_bytes
         self._pending, self._pending_bytes = [], 0
@@ -234,10 +233,8 @@ class RunLog:
     def _drop_writer(self, host: str) -> None:
         writer = self._writers.pop(host, None)
         self._retry_at[host] = time.monotonic() + self.RETRY_S
-        try:
+        with contextlib.suppress(Exception):  # a dead writer may raise its error again while closing
             writer.close()
-        except Exception:  # noqa: BLE001 - a dead writer may raise its error again while closing
-            pass
 
     def flush(self) -> None:
         for host, w in list(self._writers.items()):
