@@ -230,6 +230,16 @@ def test_the_events_log_keeps_every_record_across_a_full_disk_and_never_holds_pa
     assert any("writing" in m and "again" in m and "0 records lost" in m for m in caplog.messages)
 
 
+def test_an_events_log_left_with_part_of_a_line_is_cut_back_to_its_last_whole_line(tmp_path, caplog) -> None:
+    whole = json.dumps(record(0).to_json(), separators=(",", ":")) + "\n"
+    (tmp_path / "events.jsonl").write_text(whole + whole[:30])  # an earlier coordinator died mid-line
+    runlog = RunLog(tmp_path)
+    runlog.write([record(1)])
+    runlog.close()
+    assert [e["round"] for e in lines(tmp_path)] == [0, 1]
+    assert any("ended in part of a line" in m for m in caplog.messages)
+
+
 def test_records_beyond_what_a_failing_log_can_hold_are_counted_and_the_rest_written(tmp_path, monkeypatch,
                                                                                      caplog) -> None:
     monkeypatch.setattr(RunLog, "_tb", lambda self, r: None)

@@ -136,8 +136,12 @@ class LineFile:
 
     def _open(self) -> int:
         if self._fd is None:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            self._end = os.fstat(self._fd).st_size
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+            self._end = _last_line_end(fd, os.fstat(fd).st_size)
+            if self._end != os.fstat(fd).st_size:
+                log.warning("nodeox coordinator: %s ended in part of a line (an earlier crash); cut back to its last "
+                            "whole line", self.path)
+            self._fd = fd
         return self._fd
 
     @staticmethod
@@ -148,6 +152,21 @@ class LineFile:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def _last_line_end(fd: int, size: int, chunk: int = 1 << 16) -> int:
+    """Where the file's last whole line ends (0 if it has none)."""
+    pos = size
+    while pos > 0:
+        start = max(0, pos - chunk)
+        data = os.pread(fd, pos - start, start)
+        if pos == size and data.endswith(b"\n"):
+            return size
+        i = data.rfind(b"\n")
+        if i >= 0:
+            return start + i + 1
+        pos = start
+    return 0
 
 
 class RunLog:
