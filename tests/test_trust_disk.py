@@ -149,6 +149,7 @@ DAMAGE = {
     "the outer state truncated": ("outer", _truncate),
     "the snapshot's header garbled": ("model", _garble_header),
     "the snapshot missing": ("model", lambda path: path.unlink()),
+    "the snapshot with a flipped byte": ("model", _flip_last_byte),
 }
 
 
