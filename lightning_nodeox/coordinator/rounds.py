@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.modelfile import model_header, read_model
+from ..core.modelfile import arrange, model_header, read_model, read_named_model
 from ..core.phases import AGGREGATE, COORDINATOR, PERSIST, RECEIVE, RSS, SYNC_PREPARE, PhaseRecord
 from ..core.pool import WorkerPool
 from ..core.protocol import JoinReply, Reason, Refusal
@@ -95,6 +95,8 @@ class Rounds:
         self.wanted: tuple[int, str] | None = None  # resumed run: (round, hash) of the model being given back
         self.downloads: set[ModelStream] = set()
         self.provider_specs: tuple[TensorSpec, ...] = ()
+        self.initial: dict[str, torch.Tensor] | None = None  # --initial-model's tensors by name, until a join
+        self._taking_initial = asyncio.Lock()
         self.changed = asyncio.Condition()
         self.finished = asyncio.Event()
         self._parse = ThreadPoolExecutor(1, thread_name_prefix="nodeox-parse")
@@ -150,9 +152,25 @@ class Rounds:
 
     # -- model ----------------------------------------------------------------------------------------------
     async def load_initial_model(self, data: torch.Tensor) -> None:
-        _, _, specs, tensors = read_model(data)
-        await self._set_model(await self._in(self._work, CoordinatorModel.for_run, self.config, self.pool, specs,
-                                             tensors), "--initial-model")
+        """Read ``--initial-model`` (any safetensors file); its tensors become the model at the first join,
+        matched by name to that host's specs (the file's order is not the model's)."""
+        self.initial, skipped = read_named_model(data, "--initial-model")
+        if skipped:
+            log.warning("nodeox coordinator: --initial-model: tensors that are not floating point are not exchanged; "
+                        "skipped %s", ", ".join(skipped))
+
+    async def _take_initial_model(self, host: str, specs: tuple[TensorSpec, ...]) -> None:
+        async with self._taking_initial:  # hosts joining at once: one makes the model, the others find it made
+            if self.model is not None:
+                return
+            try:
+                tensors = arrange(self.initial, specs, f"--initial-model, for host {host}'s model,")
+            except PayloadError as e:
+                raise Refusal(Reason.INVALID, str(e)) from None
+            model = await self._in(self._work, CoordinatorModel.for_run, self.config, self.pool, specs,
+                                   tensors)
+            self.initial = None
+            await self._set_model(model, "--initial-model")
 
     def check_model_upload(self, host: str, size: int) -> None:
         """Refuse a model upload before its body is read (or allocated for): only the chosen provider, only when
@@ -260,6 +278,8 @@ class Rounds:
         (``model_hash``, ``round_``), so that it can give the model back. A host whose model does not fit the run
         is refused and not registered."""
         self._check_admission(host, credential)
+        if self.model is None and self.initial is not None:
+            await self._take_initial_model(host, specs)
         if self.model is None:
             now = time.time()
             free = self.provider in (None, host) or now - self.provider_since > self.config.provider_timeout

@@ -38,6 +38,7 @@ from ..core.protocol import HTTP_STATUS, Reason, Refusal
 from ..core.specs import PayloadError
 from . import intake
 from .config import CoordinatorConfig, parse_bind
+from .lock import RunDirLock
 from .rounds import Host, Rounds
 from .runlog import RunLog
 from .state import RunStore, take_up
@@ -336,9 +337,9 @@ async def post_events(request: web.Request) -> web.Response:
         raise Refusal(Reason.TOO_LARGE, f"event batch of {size} bytes is larger than {intake.MAX_EVENTS_BYTES}; "
                                         "send smaller batches")
     request.app[BUDGET].charge(host, size)  # before reading: a flood costs its sender's budget, not our time
-    records = intake.parse_records(await request.read(), host)
-    request.app[ROUNDS].record(*records)
-    return web.json_response({"written": len(records)})
+    batch = intake.parse_records(await request.read(), host)
+    request.app[ROUNDS].record(*batch.records)
+    return web.json_response(batch.answer())
 
 
 async def leave(request: web.Request) -> web.Response:
@@ -400,7 +401,8 @@ async def serve(config: CoordinatorConfig, ready_file: Path | None = None, befor
     torch.set_num_threads(1)  # codec ops never thread inside ATen here; the codec pool parallelizes
     run_dir = Path(config.run_dir)
     try:
-        config, saved = take_up(config, keep=[ready_file.name] if ready_file is not None else [])
+        lock = RunDirLock(run_dir)  # noqa: F841 - one coordinator per run directory, held until serve() returns
+        config, saved = take_up(config)
     except ValueError as e:
         print(f"nodeox coordinator: {e}", file=sys.stderr, flush=True)
         return 2
