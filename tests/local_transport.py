@@ -1,6 +1,7 @@
 """An in-process transport: the real coordinator run (``CoordinatorRun``, started, ticked and ended by its own
-lifecycle) on an event loop of its own, and a client that calls it directly. It is the second client/server pair the protocol allows (the first is HTTP),
-so tests can drive each recovery rule of a host's round without a network, and break things on purpose."""
+lifecycle) on an event loop of its own, and a client that calls it directly. It is the second client/server pair
+the protocol allows (the first is HTTP), so tests can drive each recovery rule of a host's round without a
+network, and break things on purpose."""
 
 from __future__ import annotations
 

@@ -77,9 +77,9 @@ class CoordinatorRun:
                                           extra={"model_hash": saved.model_hash,
                                                  "snapshot_round": saved.snapshot_round}))
             from_snapshot = await self.recovery.restore()
+            source = "from its snapshot" if from_snapshot else "given back by the first host that rejoins"
             print(f"nodeox coordinator: resuming the run in {config.run_dir} at round {saved.round} (model "
-                  f"{saved.model_hash}, {'from its snapshot' if from_snapshot else 'given back by the first host that rejoins'}); "
-                  "start with --fresh to begin a new run instead", flush=True)
+                  f"{saved.model_hash}, {source}); start with --fresh to begin a new run instead", flush=True)
         elif config.initial_model is not None:
             path = Path(config.initial_model)
             await self.load_initial_model(torch.from_file(str(path), shared=False, size=path.stat().st_size,

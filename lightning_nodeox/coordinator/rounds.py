@@ -84,8 +84,8 @@ class Rounds:
                           f"{state.round}{'' if late else ': fetch the model'}", round=state.round)
         if size is not None and size != model.layout.total:
             q4 = state.config.q4
-            raise Refusal(Reason.INVALID, f"delta is {size} bytes but this model's q4 delta is {model.layout.total} bytes "
-                                  f"(block size {q4.block_size}, {q4.scale_dtype} scales)")
+            raise Refusal(Reason.INVALID, f"delta is {size} bytes but this model's q4 delta is {model.layout.total} "
+                                          f"bytes (block size {q4.block_size}, {q4.scale_dtype} scales)")
         state.hosts.seen(entry)
         return model
 
@@ -118,8 +118,8 @@ class Rounds:
                                   f"{message.max_scale:.3g} would overflow the accumulator; the host's training "
                                   "diverged or its sample count is wrong")
         if meta.base_hash != model.hash:
-            raise Refusal(Reason.STALE_BASE, f"delta of host {host} was computed against model {meta.base_hash}, but round "
-                                  f"{round_} started from {model.hash}; fetch the model and rejoin",
+            raise Refusal(Reason.STALE_BASE, f"delta of host {host} was computed against model {meta.base_hash}, but "
+                                             f"round {round_} started from {model.hash}; fetch the model and rejoin",
                           model_hash=model.hash)
         self.received[host] = meta.samples
         self.metrics[host] = meta.metrics
@@ -158,7 +158,8 @@ class Rounds:
         if any(not f.done() for f in self._accumulating) or len(self.received) < self.needed():
             return False
         hosts = state.hosts
-        everyone = len(hosts) >= state.config.hosts and all(h.id in self.received for h in hosts.expected(self.received))
+        everyone = (len(hosts) >= state.config.hosts
+                    and all(h.id in self.received for h in hosts.expected(self.received)))
         timeout = state.config.round_timeout
         return everyone or (timeout is not None and time.time() - state.round_opened >= timeout)
 
