@@ -56,8 +56,7 @@ class CoordinatorRun:
                  before_publish: BeforePublish | None = None) -> None:
         self.state = RunState(config, runlog, pool)
         self.recovery = Recovery(self.state, store)
-        self.rounds = Rounds(self.state, self.recovery)
-        self.rounds.before_publish = before_publish
+        self.rounds = Rounds(self.state, self.recovery, before_publish)
         self.membership = Membership(self.state, self.recovery, self.rounds)
         self._last_status = 0.0
         self._next_rss = time.time()

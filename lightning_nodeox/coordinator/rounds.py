@@ -47,9 +47,10 @@ BeforePublish = Callable[[RunState, int, Q4Message], Awaitable[None]]
 
 
 class Rounds:
-    """The open round's deltas and its close; syncs for the hosts that wait for them."""
+    """The open round's deltas and its close; syncs for the hosts that wait for them. ``before_publish`` (for
+    comparisons only, benchmarks/exchange.py) is awaited with each round's sync before it is published."""
 
-    def __init__(self, state: RunState, recovery: Recovery) -> None:
+    def __init__(self, state: RunState, recovery: Recovery, before_publish: BeforePublish | None = None) -> None:
         self.state = state
         self.recovery = recovery
         self.received: dict[str, int] = {}  # the round's deltas: host -> samples
@@ -58,7 +59,7 @@ class Rounds:
         self.closing = False
         self.shutting_down = False  # no round starts closing
         self.downloads: set[ModelStream] = set()  # full-model downloads in flight (copy-on-publish)
-        self.before_publish: BeforePublish | None = None  # a comparison hook (benchmarks/exchange.py)
+        self.before_publish = before_publish
         self._accumulating: list[asyncio.Future] = []
 
     @property

@@ -40,7 +40,7 @@ class RunState:
         self.round = 0  # the open round (rounds; recovery on resume)
         self.published_round = -1  # the last round whose sync is published
         self.round_opened = time.time()  # when the open round started (or the model arrived)
-        self.complete = False  # the run's last round is published (rounds)
+        self.complete = False  # the last round is published, or no host still trains (rounds)
         self.hosts = Hosts(config.lease)  # who takes part (membership; rounds note uploads and syncs)
         self.changed = asyncio.Condition()  # notified whenever any of the above changes
         self.finished = asyncio.Event()  # complete, and every host gone: the coordinator may stop
