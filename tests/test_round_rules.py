@@ -95,7 +95,7 @@ def test_a_retried_delta_is_taken_once(coordinator) -> None:
 
 def test_a_tick_drops_a_host_whose_lease_expired_and_the_round_closes_without_it(coordinator) -> None:
     c = coordinator(lease=1.0)  # the in-process transport ticks with the server's own lifecycle
-    a, b = join(c, "a", "b")
+    a, _ = join(c, "a", "b")  # b is never heard from again
     train(a, 0)
     assert upload(a) is Upload.TAKEN
     time.sleep(1.2)  # neither host sent a heartbeat since
