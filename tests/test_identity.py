@@ -11,7 +11,7 @@ from lightning.pytorch import Trainer
 
 from lightning_nodeox import NodeoxStrategy
 from lightning_nodeox.coordinator.config import CoordinatorConfig
-from lightning_nodeox.coordinator.rounds import Rounds
+from lightning_nodeox.coordinator.lifecycle import CoordinatorRun
 from lightning_nodeox.coordinator.runlog import RunLog
 from lightning_nodeox.core.pool import WorkerPool
 from lightning_nodeox.core.protocol import Reason, Refusal
@@ -67,16 +67,16 @@ def test_joins_beyond_hosts_need_elastic(tmp_path, elastic) -> None:
         config = CoordinatorConfig(hosts=1, run_dir=tmp_path, elastic=elastic, long_poll=0.05)
         pool = WorkerPool(Q4Settings(), "cpu", 1)
         runlog = RunLog(tmp_path)
-        rounds = Rounds(config, runlog, pool)
+        run = CoordinatorRun(config, runlog, pool)
         try:
-            out = [await rounds.join("a", SPECS)]
+            out = [await run.membership.join("a", SPECS)]
             try:
-                out.append(await rounds.join("b", SPECS))
+                out.append(await run.membership.join("b", SPECS))
             except Refusal as e:
                 out.append(e)
             return out
         finally:
-            rounds.close()
+            run.close()
             pool.close()
             runlog.close()
 
