@@ -1,6 +1,7 @@
-"""An in-process transport: the real coordinator round object (``Rounds``) on an event loop of its own, and a
-client that calls it directly. It is the second client/server pair the protocol allows (the first is HTTP),
-so tests can drive each recovery rule of a host's round without a network, and break things on purpose."""
+"""An in-process transport: the real coordinator run (``CoordinatorRun``, started, ticked and ended by its own
+lifecycle) on an event loop of its own, and a client that calls it directly. It is the second client/server pair
+the protocol allows (the first is HTTP), so tests can drive each recovery rule of a host's round without a
+network, and break things on purpose."""
 
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ from pathlib import Path
 import torch
 
 from lightning_nodeox.coordinator.config import CoordinatorConfig
-from lightning_nodeox.coordinator.rounds import Rounds
+from lightning_nodeox.coordinator.lifecycle import CoordinatorRun
 from lightning_nodeox.coordinator.runlog import RunLog
 from lightning_nodeox.core.pool import WorkerPool
+from lightning_nodeox.core.protocol import JoinReply, RunComplete, SyncReady, SyncReply, Upload
 from lightning_nodeox.core.specs import specs_from_json
-from lightning_nodeox.core.protocol import (
-    JoinReply, Reason, Refusal, RunComplete, SyncGone, SyncReady, SyncReply, Upload,
-)
+from lightning_nodeox.core.transport import delta_outcome, sync_outcome
+from lightning_nodeox.host.clock import ClockOffset
 
 
 class BytesBody:
@@ -37,7 +38,8 @@ class BytesBody:
 
 
 class LocalCoordinator:
-    """``Rounds`` on a background event loop; ``tick()`` does what the server's ticker does."""
+    """A ``CoordinatorRun`` on a background event loop (nothing saved); ``tick()`` is one pass of its periodic work
+    (the server's ticker runs it four times a second)."""
 
     def __init__(self, run_dir: Path, hosts: int = 2, **config) -> None:
         self.config = CoordinatorConfig(hosts=hosts, run_dir=run_dir, bind="127.0.0.1:0", threads=1, **config)
@@ -46,19 +48,23 @@ class LocalCoordinator:
         self.thread.start()
         self.pool = WorkerPool(self.config.q4, "cpu", 1)
         self.runlog = RunLog(run_dir)
-        self.rounds: Rounds = self.call(self._make())
+        self.run: CoordinatorRun = self.call(self._start())
+        self.state, self.rounds, self.membership = self.run.state, self.run.rounds, self.run.membership
 
-    async def _make(self) -> Rounds:
-        return Rounds(self.config, self.runlog, self.pool)
+    async def _start(self) -> CoordinatorRun:
+        run = CoordinatorRun(self.config, self.runlog, self.pool)
+        await run.start(None)
+        return run
 
     def call(self, coroutine, timeout: float = 30.0):
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
 
     def tick(self) -> None:
-        self.call(self.rounds.maybe_close())
+        self.call(self.run.tick())
 
     def close(self) -> None:
-        self.rounds.close()
+        self.call(self.run.save_at_shutdown())
+        self.run.close()
         self.pool.close()
         self.runlog.close()
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -66,7 +72,8 @@ class LocalCoordinator:
 
 
 class LocalClient:
-    """The protocol's calls for host ``host``, straight into ``LocalCoordinator.rounds``.
+    """The protocol's calls for host ``host`` (a :class:`~lightning_nodeox.core.transport.HostClient`), straight
+    into ``LocalCoordinator.run``.
 
     ``break_next_sync``: the next sync download ends half-way. ``drop_sync_of``: the sync of that round is
     never applied by this host (as if lost), so its next delta is computed against a stale model."""
@@ -75,16 +82,21 @@ class LocalClient:
 
     def __init__(self, coordinator: LocalCoordinator, host: str) -> None:
         self.coordinator = coordinator
-        self.rounds = coordinator.rounds
+        self.state, self.rounds, self.membership = coordinator.state, coordinator.rounds, coordinator.membership
         self.host = host
         self.break_next_sync = False
         self.credential = ""
+        self.clock = ClockOffset()  # one process, one clock: offset 0
+
+    @property
+    def joined(self) -> bool:
+        return bool(self.credential)
 
     def cancel(self) -> None:
         pass
 
     def join(self, tensors: list, *, model_hash: str | None = None, round_: int | None = None) -> JoinReply:
-        reply = self.coordinator.call(self.rounds.join(self.host, specs_from_json(tensors), self.credential,
+        reply = self.coordinator.call(self.membership.join(self.host, specs_from_json(tensors), self.credential,
                                                        model_hash, round_))
         self.credential = reply.credential or self.credential
         return reply
@@ -94,7 +106,7 @@ class LocalClient:
         while chunk := body.read(1 << 20):
             data += bytes(chunk)
         tensor = torch.frombuffer(data, dtype=torch.uint8)
-        return self.coordinator.call(self.rounds.put_model(self.host, tensor))["model_hash"]
+        return self.coordinator.call(self.membership.put_model(self.host, tensor))["model_hash"]
 
     def post_delta(self, round_: int, body: memoryview) -> Upload:
         buffer = torch.frombuffer(bytearray(body), dtype=torch.uint8)
@@ -103,41 +115,35 @@ class LocalClient:
             self.rounds.check_upload(self.host, round_, buffer.numel())
             await self.rounds.accept_delta(self.host, round_, buffer, time.time())
 
-        try:
-            self.coordinator.call(post())
-        except Refusal as e:
-            if e.reason is Reason.DUPLICATE:
-                return Upload.TAKEN
-            if e.reason in (Reason.LATE, Reason.STALE_BASE):
-                return Upload(e.reason.value)
-            raise
-        return Upload.TAKEN
+        return delta_outcome(lambda: self.coordinator.call(post()), self.host, round_)
 
     def wait_sync(self, round_: int, poll: float = 5.0) -> SyncReply:
         while True:
-            try:
-                message = self.coordinator.call(self.rounds.wait_sync(round_, poll, self.host))
-            except Refusal as e:
-                if e.reason is Reason.GONE:
-                    return SyncGone()
-                raise
-            if message is not None:
-                complete = self.rounds.complete and self.rounds.published_round == round_
-                data = bytes(message.view())
-                broken, self.break_next_sync = self.break_next_sync, False
-                return SyncReady(round_, BytesBody(data, len(data) // 2 if broken else None), complete)
-            if self.rounds.complete:
-                return RunComplete()
+            reply = sync_outcome(lambda: self._sync_reply(round_, poll))
+            if reply is not None:
+                return reply
+
+    def _sync_reply(self, round_: int, poll: float) -> SyncReply | None:
+        message = self.coordinator.call(self.rounds.wait_sync(round_, poll, self.host))
+        if message is not None:
+            complete = self.state.complete and self.state.published_round == round_
+            data = bytes(message.view())
+            broken, self.break_next_sync = self.break_next_sync, False
+            return SyncReady(round_, BytesBody(data, len(data) // 2 if broken else None), complete)
+        return RunComplete() if self.state.complete else None
 
     def get_model(self) -> BytesBody:
         async def chunks() -> bytes:
-            model = self.rounds.require_model()
-            return b"".join(bytes(v) for v in model.model_chunks(self.rounds.round))
+            model = self.state.require_model()
+            return b"".join(bytes(v) for v in model.model_chunks(self.state.round))
 
         return BytesBody(self.coordinator.call(chunks()))
 
     def post_events(self, records: list[dict], *, retry_for: float = 0.0) -> None:
         pass
 
+    def heartbeat(self) -> float:
+        return float(self.coordinator.call(self.membership.heartbeat(self.host))["lease"])
+
     def leave(self) -> None:
-        self.coordinator.call(self.rounds.leave(self.host))
+        self.coordinator.call(self.membership.leave(self.host))

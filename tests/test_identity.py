@@ -11,13 +11,13 @@ from lightning.pytorch import Trainer
 
 from lightning_nodeox import NodeoxStrategy
 from lightning_nodeox.coordinator.config import CoordinatorConfig
-from lightning_nodeox.coordinator.rounds import Rounds
+from lightning_nodeox.coordinator.lifecycle import CoordinatorRun
 from lightning_nodeox.coordinator.runlog import RunLog
 from lightning_nodeox.core.pool import WorkerPool
 from lightning_nodeox.core.protocol import Reason, Refusal
 from lightning_nodeox.core.settings import Q4Settings
 from lightning_nodeox.host.client import HttpClient
-from lightning_nodeox.host.settings import Connection
+from lightning_nodeox.host.settings import Connection, ConnectionSettings
 from helpers import SPECS, TwoOptimizers, data, model_file
 
 TENSORS = [s.as_json() for s in SPECS]
@@ -33,11 +33,11 @@ def test_the_default_host_id_is_the_machine_and_the_local_rank_or_the_process(mo
     monkeypatch.setenv("NODEOX_COORDINATOR_URL", "http://127.0.0.1:1")
     monkeypatch.delenv("NODEOX_HOST_ID", raising=False)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    by_pid = Connection.resolve().host_id
+    by_pid = ConnectionSettings().resolve().host_id
     assert by_pid.endswith(f"-{os.getpid()}") and re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", by_pid)
     monkeypatch.setenv("LOCAL_RANK", "3")
-    assert Connection.resolve().host_id == by_pid.removesuffix(str(os.getpid())) + "3"
-    assert Connection.resolve(host_id="gpu-7").host_id == "gpu-7"
+    assert ConnectionSettings().resolve().host_id == by_pid.removesuffix(str(os.getpid())) + "3"
+    assert ConnectionSettings(host_id="gpu-7").resolve().host_id == "gpu-7"
 
 
 @pytest.mark.slow
@@ -67,16 +67,16 @@ def test_joins_beyond_hosts_need_elastic(tmp_path, elastic) -> None:
         config = CoordinatorConfig(hosts=1, run_dir=tmp_path, elastic=elastic, long_poll=0.05)
         pool = WorkerPool(Q4Settings(), "cpu", 1)
         runlog = RunLog(tmp_path)
-        rounds = Rounds(config, runlog, pool)
+        run = CoordinatorRun(config, runlog, pool)
         try:
-            out = [await rounds.join("a", SPECS)]
+            out = [await run.membership.join("a", SPECS)]
             try:
-                out.append(await rounds.join("b", SPECS))
+                out.append(await run.membership.join("b", SPECS))
             except Refusal as e:
                 out.append(e)
             return out
         finally:
-            rounds.close()
+            run.close()
             pool.close()
             runlog.close()
 

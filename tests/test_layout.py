@@ -1,5 +1,7 @@
 """The package's rooms keep to their rules: host/ and coordinator/ never import each other, core/ imports
-neither, and HTTP (requests, aiohttp, status numbers, header names) lives only in the two transport modules."""
+neither, HTTP (requests, aiohttp, status numbers, header names) lives only in the two transport modules, no room's
+modules import each other in a circle, and the coordinator's transports reach the run only through its
+lifecycle."""
 
 from __future__ import annotations
 
@@ -12,6 +14,10 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_nodeox"
 TRANSPORTS = {"host/client.py", "coordinator/server.py"}
 FORBIDDEN_ROOMS = {"host": {"coordinator", "tools"}, "coordinator": {"host", "tools"}, "core": {"host", "coordinator", "tools"}}
+ROOMS = ("coordinator", "host", "core", "tools")
+# what a coordinator transport may import of the coordinator: the run's lifecycle (which hands it the run's
+# parts), its settings and the limits of what is taken from the network; never the round's logic itself
+TRANSPORT_MAY_IMPORT = {"lifecycle", "config", "intake"}
 
 
 def modules() -> list[Path]:
@@ -68,3 +74,80 @@ def test_the_checks_see_a_violation(tmp_path: Path) -> None:
     bad.write_text("import requests\nfrom ..coordinator import rounds\n")
     names = imported(bad, root=tmp_path / "lightning_nodeox")
     assert "requests" in names and "lightning_nodeox.coordinator.rounds" in names
+
+
+def module_name(path: Path, root: Path = PACKAGE) -> str:
+    return ".".join(["lightning_nodeox", *path.relative_to(root).with_suffix("").parts])
+
+
+def imports_within(room_dir: Path, root: Path = PACKAGE) -> dict[str, set[str]]:
+    """Each module of a room (by its last name) -> the modules of the same room it imports (at any level of
+    the file: inside functions and ``if TYPE_CHECKING:`` too)."""
+    paths = {module_name(p, root): p for p in sorted(room_dir.glob("*.py")) if p.name != "__init__.py"}
+    return {name.rsplit(".", 1)[1]: {n.rsplit(".", 1)[1] for n in imported(path, root) if n in paths and n != name}
+            for name, path in paths.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle of imports (its modules in order, the first repeated at the end), or None."""
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        if node in path:
+            return path[path.index(node):] + [node]
+        if node in done:
+            return None
+        for nxt in sorted(graph.get(node, ())):
+            cycle = visit(nxt, [*path, node])
+            if cycle:
+                return cycle
+        done.add(node)
+        return None
+
+    for start in sorted(graph):
+        cycle = visit(start, [])
+        if cycle:
+            return cycle
+    return None
+
+
+@pytest.mark.parametrize("room_name", ROOMS)
+def test_no_room_imports_itself_in_a_circle(room_name: str) -> None:
+    graph = imports_within(PACKAGE / room_name)
+    assert len(graph) > 2  # the room was found and read
+    cycle = find_cycle(graph)
+    assert cycle is None, f"{room_name}/ imports in a circle: {' -> '.join(cycle)}"
+
+
+def coordinator_imports(path: Path, root: Path = PACKAGE) -> set[str]:
+    """The coordinator modules (last names) that ``path`` imports."""
+    prefix = "lightning_nodeox.coordinator."
+    modules = {p.stem for p in (root / "coordinator").glob("*.py")} if (root / "coordinator").exists() else set()
+    return {n[len(prefix):].split(".")[0] for n in imported(path, root) if n.startswith(prefix)} & modules
+
+
+def test_the_server_imports_no_round_logic_beyond_the_lifecycle() -> None:
+    imports = coordinator_imports(PACKAGE / "coordinator" / "server.py")
+    assert "lifecycle" in imports
+    assert imports <= TRANSPORT_MAY_IMPORT, f"server.py imports {sorted(imports - TRANSPORT_MAY_IMPORT)}"
+
+
+def test_the_in_process_transport_runs_the_same_lifecycle() -> None:
+    tests = Path(__file__).resolve().parent
+    imports = coordinator_imports(tests / "local_transport.py", root=tests)
+    names = imported(tests / "local_transport.py", root=tests)
+    assert "lightning_nodeox.coordinator.lifecycle.CoordinatorRun" in names
+    assert imports <= TRANSPORT_MAY_IMPORT | {"runlog"}, f"local_transport.py imports {sorted(imports)}"
+
+
+def test_the_layout_checks_see_a_circle_and_a_server_reaching_past_the_lifecycle(tmp_path: Path) -> None:
+    root = tmp_path / "lightning_nodeox"
+    (root / "coordinator").mkdir(parents=True)
+    (root / "coordinator" / "a.py").write_text("from .b import B\n")
+    (root / "coordinator" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                                "    from .a import A\n")
+    (root / "coordinator" / "server.py").write_text("from . import lifecycle\nfrom .rounds import Rounds\n")
+    for name in ("lifecycle", "rounds"):
+        (root / "coordinator" / f"{name}.py").write_text("")
+    assert find_cycle(imports_within(root / "coordinator", root)) == ["a", "b", "a"]
+    assert coordinator_imports(root / "coordinator" / "server.py", root) - TRANSPORT_MAY_IMPORT == {"rounds"}

@@ -12,7 +12,7 @@ import torch
 from helpers import MODEL, SPECS, delta_message, model_file
 
 from lightning_nodeox.coordinator.config import CoordinatorConfig
-from lightning_nodeox.coordinator.rounds import Rounds
+from lightning_nodeox.coordinator.lifecycle import CoordinatorRun
 from lightning_nodeox.coordinator.runlog import RunLog
 from lightning_nodeox.coordinator.state import RunStore
 from lightning_nodeox.core.pool import WorkerPool
@@ -29,7 +29,8 @@ async def scenario(tmp_path, monkeypatch) -> list[int]:
     config = CoordinatorConfig(hosts=2, run_dir=tmp_path, threads=1)
     pool = WorkerPool(config.q4, "cpu", 1)
     runlog = RunLog(tmp_path)
-    rounds = Rounds(config, runlog, pool, RunStore(tmp_path))
+    run = CoordinatorRun(config, runlog, pool, RunStore(tmp_path))
+    state, rounds = run.state, run.rounds
     parsed: list[tuple[int, weakref.ref]] = []
     parse = Q4Message.parse
 
@@ -39,31 +40,31 @@ async def scenario(tmp_path, monkeypatch) -> list[int]:
         return message
 
     monkeypatch.setattr(Q4Message, "parse", staticmethod(parse_and_watch))
-    await rounds.load_initial_model(torch.frombuffer(bytearray(model_file()), dtype=torch.uint8))
+    await run.load_initial_model(torch.frombuffer(bytearray(model_file()), dtype=torch.uint8))
     for host in "ab":
-        await rounds.join(host, SPECS)
+        await run.membership.join(host, SPECS)
     buffers: list[tuple[int, weakref.ref]] = []
     counts = []
     gen = torch.Generator().manual_seed(0)
     for r in range(ROUNDS):
         for host in "ab":
             deltas = [torch.randn(t.shape, generator=gen) * 0.01 for _, t in MODEL]
-            message = delta_message(deltas, round_=r, host=host, base_hash=rounds.model.hash, samples=8)
+            message = delta_message(deltas, round_=r, host=host, base_hash=state.model.hash, samples=8)
             buf = torch.frombuffer(bytearray(message.view()), dtype=torch.uint8)
             del message
             await rounds.accept_delta(host, r, buf, time.time())
             buffers.append((r, weakref.ref(buf)))
             del buf
         deadline = time.monotonic() + 30
-        while rounds.round != r + 1:  # the round closes on its own once both deltas are accumulated
+        while state.round != r + 1:  # the round closes on its own once both deltas are accumulated
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
-        await rounds.save_at_shutdown() if r == ROUNDS - 1 else rounds._persisting
+        await (run.save_at_shutdown() if r == ROUNDS - 1 else run.recovery.saved())
         # round r + 1 has started: nothing of round r's deltas is alive
         assert [rr for rr, ref in buffers if ref() is not None] == []
         assert [rr for rr, ref in parsed if ref() is not None and rr <= r] == []
         counts.append(live_messages())
-    rounds.close()
+    run.close()
     pool.close()
     runlog.close()
     return counts

@@ -66,6 +66,22 @@ def test_a_retried_delta_is_taken_once(local_coordinator) -> None:
     assert_on_the_run_model(c, a, b)
 
 
+def test_a_tick_drops_a_host_whose_lease_expired_and_the_round_closes_without_it(local_coordinator) -> None:
+    c = local_coordinator(lease=1.0)  # the in-process transport ticks with the server's own lifecycle
+    a, _ = join(c, "a", "b")  # b is never heard from again
+    train(a, 0)
+    assert upload(a) is Upload.TAKEN
+    time.sleep(1.2)  # neither host sent a heartbeat since
+    c.call(c.membership.heartbeat("a"))
+    c.tick()
+    status = c.run.status()
+    assert status["hosts"] == {"a": "training", "b": "dropped"}
+    assert (status["published_round"], status["round"], status["complete"]) == (0, 1, False)
+    a.synchronize()
+    assert a.round == 1
+    assert_on_the_run_model(c, a)
+
+
 def test_a_late_delta_is_dropped_and_its_round_sync_still_applies(local_coordinator) -> None:
     c = local_coordinator(round_timeout=0.2, min_hosts=1)
     a, b = join(c, "a", "b")

@@ -7,16 +7,19 @@ the run log or TensorBoard.
   accepted shapes are flat.
 - Joins: a valid host id and the model's tensor specs (at most ``MAX_MODEL_BYTES`` of tensors).
 - Phase records: at most ``MAX_RECORDS`` a batch, only the sender's own host id, only host phases, finite times,
-  at most ``MAX_EXTRA_FIELDS`` extra fields of plain values (strings up to ``MAX_TEXT`` characters).
+  at most ``MAX_EXTRA_FIELDS`` extra fields of plain values (strings up to ``MAX_TEXT`` characters). A record that
+  breaks these is dropped and counted in the answer; the rest of its batch is kept.
 - Telemetry: at most ``TELEMETRY_BYTES_PER_MINUTE`` per host, refused with ``RATE_LIMITED`` beyond it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import time
+from dataclasses import dataclass
 
 from ..core.phases import HOST_PHASES, PhaseRecord
 from ..core.protocol import Reason, Refusal
@@ -32,6 +35,7 @@ MAX_EXTRA_FIELDS = 16
 MAX_TEXT = 256
 MAX_INT = 1 << 62
 TELEMETRY_BYTES_PER_MINUTE = 4 << 20
+log = logging.getLogger(__name__)
 _FIELD_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
 _RECORD_FIELDS = ("round", "host", "phase", "start", "end", "bytes")
 
@@ -124,8 +128,8 @@ def _extra(key: str, value: object) -> object:
 
 def phase_record(d: object, host: str) -> PhaseRecord:
     """One host phase record of ``host``, checked field by field."""
-    if not isinstance(d, dict):
-        raise ValueError("a record must be an object")
+    if not isinstance(d, dict) or d.get("host") != host:
+        raise ValueError(f"a record must be an object naming its host ({host})")
     phase = d.get("phase")
     if phase not in HOST_PHASES:
         raise ValueError(f"phase {str(phase)[:40]!r} is not one of {', '.join(HOST_PHASES)}")
@@ -140,8 +144,23 @@ def phase_record(d: object, host: str) -> PhaseRecord:
                        None if size is None else _int(size, "bytes"), {k: _extra(k, v) for k, v in extra.items()})
 
 
-def parse_records(body: bytes, host: str) -> list[PhaseRecord]:
-    """The phase records of an events request sent by ``host``."""
+@dataclass
+class Batch:
+    """An events batch: the records that passed, and how many were dropped (with the first one's reason)."""
+
+    records: list[PhaseRecord]
+    dropped: int = 0
+    first_error: str = ""
+
+    def answer(self) -> dict:
+        return {"written": len(self.records), "dropped": self.dropped,
+                **({"error": self.first_error} if self.dropped else {})}
+
+
+def parse_records(body: bytes, host: str) -> Batch:
+    """The phase records of an events request sent by ``host``: a bad record is dropped and counted, the others
+    kept; the whole batch is refused only when it is malformed (not JSON, not a list of records, too many,
+    another host's records) or none of its records passes."""
     usage = 'events need {"records": [{round, host, phase, start, end[, bytes, ...]}, ...]}'
     value = decode_json(body, "events")
     records = value.get("records") if isinstance(value, dict) else None
@@ -150,13 +169,32 @@ def parse_records(body: bytes, host: str) -> list[PhaseRecord]:
     if len(records) > MAX_RECORDS:
         raise Refusal(Reason.INVALID, f"{len(records)} records in one batch; send at most {MAX_RECORDS}")
     for d in records:
-        if isinstance(d, dict) and d.get("host") != host:
+        if isinstance(d, dict) and d.get("host", host) != host:
             raise Refusal(Reason.FORBIDDEN, f"record of host {str(d.get('host'))[:70]!r} sent by host {host}: a host "
                                             "sends only its own records")
-    try:
-        return [phase_record(d, host) for d in records]
-    except ValueError as e:
-        raise Refusal(Reason.INVALID, f"events refused: {e}") from None
+    batch = Batch([])
+    for d in records:
+        try:
+            batch.records.append(phase_record(d, host))
+        except ValueError as e:
+            batch.dropped += 1
+            batch.first_error = batch.first_error or f"events refused: {e}"
+    if batch.dropped and not batch.records:
+        raise Refusal(Reason.INVALID, batch.first_error)
+    if batch.dropped:
+        _report_dropped(host, batch)
+    return batch
+
+
+_dropped_reported: dict[str, float] = {}  # host -> when its dropped records were last logged
+
+
+def _report_dropped(host: str, batch: Batch, every: float = 60.0) -> None:
+    now = time.monotonic()
+    if now - _dropped_reported.get(host, -every) >= every:
+        _dropped_reported[host] = now
+        log.warning("nodeox coordinator: host %s sent %d bad phase records among %d (dropped; the first: %s)", host,
+                    batch.dropped, batch.dropped + len(batch.records), batch.first_error)
 
 
 class TelemetryBudget:

@@ -6,14 +6,21 @@ saw them round by round, are ``nodeox_round/...`` (``nodeox_round/wait_s``), so 
 ``nodeox/...`` curves each host's PhaseMonitor logs against its global step.
 
 Records arrive checked (:mod:`~lightning_nodeox.coordinator.intake`: admitted host ids only, finite numbers);
-a line that would still hold NaN or Infinity is not written. Work per record is constant."""
+a line that would still hold NaN or Infinity is not written. Work per record is constant.
+
+A disk that fails (full, unwritable) never stops the run: the failure is logged once, then every minute; lines
+that could not be written wait (up to 8 MiB) and follow once writing works, and a line is written whole or not at
+all; a TensorBoard writer whose thread died on a write error is closed and made again (a new event file in
+its folder) ``RunLog.RETRY_S`` seconds later."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -23,6 +30,8 @@ log = logging.getLogger(__name__)
 
 RSS_METRIC = "nodeox/coordinator_rss_bytes"
 HOST_PREFIX = "nodeox_round"
+EVENTS_FILE = "events.jsonl"
+TB_DIR = "tb"
 
 
 def tag(host: str, phase: str, unit: str = "s") -> str:
@@ -55,34 +64,153 @@ def tb_folder(host: str) -> str:
     return "coordinator" if host == COORDINATOR else f"host_{host}"  # ids are [A-Za-z0-9_.-]
 
 
+class Trouble:
+    """A sink that cannot write: said once, then at most every ``REPORT_EVERY`` seconds, and when it recovers."""
+
+    REPORT_EVERY = 60.0
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.failing_since: float | None = None
+        self._reported = 0.0
+        self.lost = 0
+
+    def failed(self, error: Exception, lost: int = 0) -> None:
+        now = time.monotonic()
+        self.lost += lost
+        if self.failing_since is None:
+            self.failing_since, self._reported = now, now
+            log.error("nodeox coordinator: cannot write %s (%s); the run goes on, writing is tried again", self.what,
+                      error)
+        elif now - self._reported >= self.REPORT_EVERY:
+            self._reported = now
+            log.error("nodeox coordinator: %s still cannot be written after %.0f s (%s); %d records lost so far",
+                      self.what, now - self.failing_since, error, self.lost)
+
+    def ok(self) -> None:
+        if self.failing_since is not None:
+            log.warning("nodeox coordinator: writing %s again after %.0f s (%d records lost meanwhile)", self.what,
+                        time.monotonic() - self.failing_since, self.lost)
+            self.failing_since, self.lost = None, 0
+
+
+class LineFile:
+    """An append-only file of whole lines: a write that fails half-way is cut back to the last whole line, so the
+    file never holds part of one. Lines that could not be written wait (up to ``MAX_PENDING`` bytes, the oldest
+    dropped beyond it) and go out with the next write that works."""
+
+    MAX_PENDING = 8 << 20
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.trouble = Trouble(str(path))
+        self._fd: int | None = None
+        self._end = 0  # the file's size after its last whole line
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
+
+    def append(self, lines: list[bytes]) -> None:
+        self._pending += lines
+        self._pending_bytes += sum(len(b) for b in lines)
+        lost = 0
+        while self._pending_bytes > self.MAX_PENDING and len(self._pending) > 1:
+            self._pending_bytes -= len(self._pending.pop(0))
+            lost += 1
+        try:
+            fd = self._open()
+            if os.fstat(fd).st_size != self._end:
+                os.ftruncate(fd, self._end)  # a failed write's part line (truncating works on a full disk)
+            view = memoryview(b"".join(self._pending))
+            while view:
+                view = view[self._write(fd, view):]
+        except OSError as e:
+            self.trouble.failed(e, lost)
+            if self._fd is not None:
+                with contextlib.suppress(OSError):  # else cut at the next write
+                    os.ftruncate(self._fd, self._end)
+            return
+        self._end += self._pending_bytes
+        self._pending, self._pending_bytes = [], 0
+        self.trouble.lost += lost
+        self.trouble.ok()
+
+    def _open(self) -> int:
+        if self._fd is None:
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+            self._end = _last_line_end(fd, os.fstat(fd).st_size)
+            if self._end != os.fstat(fd).st_size:
+                log.warning("nodeox coordinator: %s ended in part of a line (an earlier crash); cut back to its last "
+                            "whole line", self.path)
+            self._fd = fd
+        return self._fd
+
+    @staticmethod
+    def _write(fd: int, data: memoryview) -> int:
+        return os.write(fd, data)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _last_line_end(fd: int, size: int, chunk: int = 1 << 16) -> int:
+    """Where the file's last whole line ends (0 if it has none)."""
+    pos = size
+    while pos > 0:
+        start = max(0, pos - chunk)
+        data = os.pread(fd, pos - start, start)
+        if pos == size and data.endswith(b"\n"):
+            return size
+        i = data.rfind(b"\n")
+        if i >= 0:
+            return start + i + 1
+        pos = start
+    return 0
+
+
 class RunLog:
-    """Appends records to ``events.jsonl`` and writes their durations and bytes as TensorBoard scalars."""
+    """Appends records to ``events.jsonl`` and writes their durations and bytes as TensorBoard scalars; a disk
+    that fails for a while costs records, never the run (both recover once writing works again)."""
+
+    RETRY_S = 10.0  # how soon a TensorBoard writer that failed is made again
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
-        self._events = open(run_dir / "events.jsonl", "a", encoding="utf-8")
+        self._events = LineFile(run_dir / EVENTS_FILE)
         self._writers: dict[str, object] = {}
+        self._retry_at: dict[str, float] = {}  # host -> when its failed TensorBoard writer may be made again
+        self._tb_trouble = Trouble(f"{run_dir / TB_DIR}")
         self._sync_parts: dict[str, dict[int, dict[str, float]]] = {}  # host -> round -> sync part -> seconds
 
     def write(self, records: Iterable[PhaseRecord]) -> None:
         lines = []
         for r in records:
             try:
-                lines.append(json.dumps(r.to_json(), separators=(",", ":"), allow_nan=False))
+                lines.append(json.dumps(r.to_json(), separators=(",", ":"), allow_nan=False).encode() + b"\n")
             except ValueError:
                 log.error("nodeox coordinator: a %s record of %s holds a non-finite number; not written", r.phase,
                           r.host)
                 continue
-            self._scalars(r)
+            self._tb(r)
         if lines:
-            self._events.write("\n".join(lines) + "\n")
-            self._events.flush()
+            self._events.append(lines)
 
-    def _scalars(self, r: PhaseRecord) -> None:
+    def _tb(self, r: PhaseRecord) -> None:
+        """``r``'s scalars; a writer that fails (its thread died on a write error) is closed and made again."""
         writer = self._writer(r.host)
         if writer is None:
             return
+        try:
+            self._scalars(writer, r)
+        except Exception as e:  # noqa: BLE001 - TensorBoard re-raises its writer thread's error on every call
+            self._tb_trouble.failed(e, 1)
+            self._drop_writer(r.host)
+            return
+        self._tb_trouble.ok()
+
+    def _scalars(self, writer, r: PhaseRecord) -> None:
         if r.phase == RSS:
             writer.add_scalar(RSS_METRIC, r.extra.get("rss_bytes", 0), r.round, walltime=r.end)
             return
@@ -103,25 +231,41 @@ class RunLog:
                 del rounds[min(rounds)]
 
     def _writer(self, host: str):
-        if host not in self._writers:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._writers[host] = SummaryWriter(str(self.run_dir / "tb" / tb_folder(host)))
-            except ImportError:  # tensorboard missing: events.jsonl still has everything
-                log.warning("nodeox: tensorboard is not installed; %s/tb is not written", self.run_dir)
-                self._writers[host] = None
+        if host in self._writers:
+            return self._writers[host]
+        if time.monotonic() < self._retry_at.get(host, 0.0):
+            return None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # tensorboard missing: events.jsonl still has everything
+            log.warning("nodeox: tensorboard is not installed; %s/%s is not written", self.run_dir, TB_DIR)
+            self._writers[host] = None
+            return None
+        try:
+            self._writers[host] = SummaryWriter(str(self.run_dir / TB_DIR / tb_folder(host)))
+        except OSError as e:
+            self._tb_trouble.failed(e, 1)
+            self._retry_at[host] = time.monotonic() + self.RETRY_S
+            return None
         return self._writers[host]
 
+    def _drop_writer(self, host: str) -> None:
+        writer = self._writers.pop(host, None)
+        self._retry_at[host] = time.monotonic() + self.RETRY_S
+        with contextlib.suppress(Exception):  # a dead writer may raise its error again while closing
+            writer.close()
+
     def flush(self) -> None:
-        self._events.flush()
-        for w in self._writers.values():
+        for host, w in list(self._writers.items()):
             if w is not None:
-                w.flush()
+                try:
+                    w.flush()
+                except Exception as e:  # noqa: BLE001 - see _tb
+                    self._tb_trouble.failed(e)
+                    self._drop_writer(host)
 
     def close(self) -> None:
         self.flush()
         self._events.close()
-        for w in self._writers.values():
-            if w is not None:
-                w.close()
+        for host in [h for h, w in self._writers.items() if w is not None]:
+            self._drop_writer(host)

@@ -1,9 +1,12 @@
 """The coordinator's HTTP server (aiohttp): the protocol's routes (:mod:`lightning_nodeox.core.protocol`), mapped
-onto the round state machine; refusals become JSON errors with the status their reason maps to.
+onto the coordinator's run (:class:`~lightning_nodeox.coordinator.lifecycle.CoordinatorRun`, which also starts and
+ends it); refusals become JSON errors with the status their reason maps to. This module holds only what is HTTP:
+routes, authentication and the mapping of errors, reading bodies, and TLS and binding.
 
 Every response carries the coordinator's clock in ``X-Nodeox-Time``, for clock alignment. Calls that name a
-host are authenticated by that host's credential (:meth:`Rounds.authenticate`); request bodies go through
-:mod:`~lightning_nodeox.coordinator.intake` before anything else sees them. With ``--tls-cert`` it serves HTTPS.
+host are authenticated by that host's credential (:mod:`~lightning_nodeox.coordinator.membership`); request
+bodies go through :mod:`~lightning_nodeox.coordinator.intake` before anything else sees them. With ``--tls-cert``
+it serves HTTPS.
 
 Slow and stuck peers cannot hold the run: every body read and every response write has a time limit of
 ``--transfer-timeout`` plus one second per MB (then the connection is cut and its buffer released); a receive
@@ -21,9 +24,7 @@ import ipaddress
 import json
 import logging
 import os
-import signal
 import ssl
-import sys
 import time
 from pathlib import Path
 
@@ -31,20 +32,16 @@ import torch
 from aiohttp import web
 
 from ..core import protocol as proto
-from ..core.cpu import choose_threads
-from ..core.phases import COORDINATOR, MODEL_MATERIALIZE, RESTART, PhaseRecord
-from ..core.pool import WorkerPool
+from ..core.phases import COORDINATOR, MODEL_MATERIALIZE, PhaseRecord
 from ..core.protocol import HTTP_STATUS, Reason, Refusal
 from ..core.specs import PayloadError
-from . import intake
+from . import intake, lifecycle
 from .config import CoordinatorConfig, parse_bind
-from .rounds import Host, Rounds
-from .runlog import RunLog
-from .state import RunStore, take_up
+from .lifecycle import CoordinatorRun
 
 log = logging.getLogger(__name__)
 
-ROUNDS = web.AppKey("rounds", Rounds)
+RUN = web.AppKey("run", CoordinatorRun)
 TOKEN = web.AppKey("token", str)
 BUFFERS = web.AppKey("buffers", object)
 UPLOADS = web.AppKey("uploads", object)
@@ -155,13 +152,13 @@ async def stamp_time(request: web.Request, response: web.StreamResponse) -> None
     response.headers[proto.TIME_HEADER] = repr(time.time())
 
 
-def _caller(request: web.Request, host: str | None = None) -> Host:
-    """The host a call names (``?host=ID`` unless given), authenticated by its credential."""
+def _caller(request: web.Request, host: str | None = None) -> str:
+    """The id of the host a call names (``?host=ID`` unless given), authenticated by its credential."""
     host = request.query.get("host", "") if host is None else host
     if not host:
         raise Refusal(Reason.INVALID, "query parameter host=ID is missing")
     credential = request.headers.get(proto.CREDENTIAL_HEADER, "")
-    return request.app[ROUNDS].authenticate(intake.host_id(host), credential)
+    return request.app[RUN].membership.authenticate(intake.host_id(host), credential).id
 
 
 async def _body(request: web.Request, limit: int) -> bytes:
@@ -200,45 +197,46 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def status(request: web.Request) -> web.Response:
-    return web.json_response({**request.app[ROUNDS].status(), "uploads": len(request.app[UPLOADS].hosts)})
+    return web.json_response({**request.app[RUN].status(), "uploads": len(request.app[UPLOADS].hosts)})
 
 
 async def join(request: web.Request) -> web.Response:
     host, specs, held = intake.parse_join(await _body(request, intake.MAX_JSON_BYTES))
     credential = request.headers.get(proto.CREDENTIAL_HEADER, "")  # a rejoin may present its old one
-    reply = await request.app[ROUNDS].join(host, specs, credential, *held)
+    reply = await request.app[RUN].membership.join(host, specs, credential, *held)
     return web.json_response(reply.to_json())
 
 
 async def heartbeat(request: web.Request) -> web.Response:
-    host = _caller(request, request.match_info["host"]).id
-    return web.json_response(await request.app[ROUNDS].heartbeat(host))
+    host = _caller(request, request.match_info["host"])
+    return web.json_response(await request.app[RUN].membership.heartbeat(host))
 
 
 async def put_model(request: web.Request) -> web.Response:
-    host = _caller(request).id
-    rounds = request.app[ROUNDS]
+    host = _caller(request)
+    run = request.app[RUN]
     size = request.content_length
     if size is None:
         raise Refusal(Reason.LENGTH_REQUIRED, "the model upload needs a Content-Length")
-    rounds.check_model_upload(host, size)  # before reading (or allocating for) a single byte
+    run.membership.check_model_upload(host, size)  # before reading (or allocating for) a single byte
     buf = torch.empty(size, dtype=torch.uint8)
-    await within(request, transfer_seconds(rounds.config, size), read_body_into(request, buf),
+    await within(request, transfer_seconds(run.config, size), read_body_into(request, buf),
                  f"host {host}'s model upload")
-    return web.json_response(await rounds.put_model(host, buf))
+    return web.json_response(await run.membership.put_model(host, buf))
 
 
 async def get_model(request: web.Request) -> web.StreamResponse:
     """The full model, streamed from θ's tensors; a round that closes meanwhile copies aside what is not sent
     yet (copy-on-publish) instead of waiting for the download."""
-    rounds = request.app[ROUNDS]
-    host = _caller(request).id
-    rounds.require_model()
+    run = request.app[RUN]
+    state, rounds = run.state, run.rounds
+    host = _caller(request)
+    state.require_model()
     await rounds.wait_stable()  # θ is not being changed by a round's close
     if len(rounds.downloads) >= MAX_MODEL_DOWNLOADS:
         raise Refusal(Reason.BUSY, f"{MAX_MODEL_DOWNLOADS} model downloads are in flight; try again shortly")
-    start, round_ = time.time(), rounds.round
-    stream = rounds.model.stream(round_)
+    start, round_ = time.time(), state.round
+    stream = state.model.stream(round_)
     rounds.downloads.add(stream)
     response = web.StreamResponse(headers={"Content-Type": proto.OCTETS, "Content-Length": str(stream.size)})
 
@@ -249,19 +247,20 @@ async def get_model(request: web.Request) -> web.StreamResponse:
         await finish(request, response)
 
     try:
-        await within(request, transfer_seconds(rounds.config, stream.size), send(), f"host {host}'s model download")
+        await within(request, transfer_seconds(run.config, stream.size), send(), f"host {host}'s model download")
     except Refusal:
         return response
     finally:
         rounds.downloads.discard(stream)
-    rounds.record(PhaseRecord(round_, COORDINATOR, MODEL_MATERIALIZE, start, time.time(), stream.size,
-                              extra={"for_host": host, "kept_bytes": stream.kept_bytes}))
+    state.record(PhaseRecord(round_, COORDINATOR, MODEL_MATERIALIZE, start, time.time(), stream.size,
+                             extra={"for_host": host, "kept_bytes": stream.kept_bytes}))
     return response
 
 
 async def post_delta(request: web.Request) -> web.Response:
-    rounds = request.app[ROUNDS]
-    host, round_ = _caller(request).id, _int(request.match_info["round"], "round")
+    run = request.app[RUN]
+    rounds = run.rounds
+    host, round_ = _caller(request), _int(request.match_info["round"], "round")
     start = time.time()
     rounds.check_upload(host, round_, request.content_length)  # a buffer only for an expected host ...
     uploads: Uploads = request.app[UPLOADS]
@@ -272,7 +271,7 @@ async def post_delta(request: web.Request) -> web.Response:
             buffers: ReceiveBuffers = request.app[BUFFERS]
             buf = buffers.get(model.layout.total)
             try:
-                await within(request, transfer_seconds(rounds.config, len(buf)), read_body_into(request, buf),
+                await within(request, transfer_seconds(run.config, len(buf)), read_body_into(request, buf),
                              f"host {host}'s delta upload")
                 result = await rounds.accept_delta(host, round_, buf, start)
             except BaseException:
@@ -281,18 +280,19 @@ async def post_delta(request: web.Request) -> web.Response:
     finally:
         uploads.release(host)
     # the buffer is released back once the delta has been accumulated
-    asyncio.ensure_future(_recycle_after(rounds, buffers, buf))
+    asyncio.ensure_future(_recycle_after(run, buffers, buf))
     return web.json_response(result, status=202)
 
 
-async def _recycle_after(rounds: Rounds, buffers: ReceiveBuffers, buf: torch.Tensor) -> None:
-    await rounds.accumulated()
+async def _recycle_after(run: CoordinatorRun, buffers: ReceiveBuffers, buf: torch.Tensor) -> None:
+    await run.rounds.accumulated()
     buffers.put(buf)
 
 
 async def get_sync(request: web.Request) -> web.StreamResponse:
-    rounds = request.app[ROUNDS]
-    host = _caller(request).id
+    run = request.app[RUN]
+    state = run.state
+    host = _caller(request)
     round_ = _int(request.match_info["round"], "round")
     try:
         wait = float(request.query.get("wait", 0) or 0)
@@ -300,15 +300,15 @@ async def get_sync(request: web.Request) -> web.StreamResponse:
         wait = float("nan")
     if not 0 <= wait < float("inf"):
         raise Refusal(Reason.INVALID, f"wait must be a number of seconds, got {request.query.get('wait')!r}")
-    wait = min(wait, rounds.config.long_poll)
-    message = await rounds.wait_sync(round_, wait, host)
+    wait = min(wait, run.config.long_poll)
+    message = await run.rounds.wait_sync(round_, wait, host)
     if message is None:
-        return web.Response(status=204, headers={proto.COMPLETE_HEADER: "1" if rounds.complete else "0"})
-    model = rounds.model  # None while a resumed run serves its saved sync without a model
+        return web.Response(status=204, headers={proto.COMPLETE_HEADER: "1" if state.complete else "0"})
+    model = state.model  # None while a resumed run serves its saved sync without a model
     if model is not None:
         model.reading(message, +1)
     try:
-        complete = rounds.complete and rounds.published_round == round_
+        complete = state.complete and state.published_round == round_
         response = web.StreamResponse(headers={"Content-Type": proto.OCTETS, "Content-Length": str(len(message)),
                                                proto.COMPLETE_HEADER: "1" if complete else "0"})
 
@@ -317,7 +317,7 @@ async def get_sync(request: web.Request) -> web.StreamResponse:
             await write_chunked(response, message.view())
             await finish(request, response)
 
-        await within(request, transfer_seconds(rounds.config, len(message)), send(),
+        await within(request, transfer_seconds(run.config, len(message)), send(),
                      f"host {host}'s sync download of round {round_}")
     except Refusal:
         return response
@@ -328,7 +328,7 @@ async def get_sync(request: web.Request) -> web.StreamResponse:
 
 
 async def post_events(request: web.Request) -> web.Response:
-    host = _caller(request).id
+    host = _caller(request)
     size = request.content_length
     if size is None:
         raise Refusal(Reason.LENGTH_REQUIRED, "an event batch needs a Content-Length")
@@ -336,20 +336,20 @@ async def post_events(request: web.Request) -> web.Response:
         raise Refusal(Reason.TOO_LARGE, f"event batch of {size} bytes is larger than {intake.MAX_EVENTS_BYTES}; "
                                         "send smaller batches")
     request.app[BUDGET].charge(host, size)  # before reading: a flood costs its sender's budget, not our time
-    records = intake.parse_records(await request.read(), host)
-    request.app[ROUNDS].record(*records)
-    return web.json_response({"written": len(records)})
+    batch = intake.parse_records(await request.read(), host)
+    request.app[RUN].state.record(*batch.records)
+    return web.json_response(batch.answer())
 
 
 async def leave(request: web.Request) -> web.Response:
-    host = _caller(request, request.match_info["host"]).id
-    await request.app[ROUNDS].leave(host)
+    host = _caller(request, request.match_info["host"])
+    await request.app[RUN].membership.leave(host)
     return web.json_response({"left": True})
 
 
-def make_app(rounds: Rounds, token: str | None) -> web.Application:
+def make_app(run: CoordinatorRun, token: str | None) -> web.Application:
     app = web.Application(middlewares=[errors_and_auth], client_max_size=intake.MAX_JSON_BYTES)
-    app[ROUNDS] = rounds
+    app[RUN] = run
     app[TOKEN] = token or ""
     app[BUFFERS] = ReceiveBuffers()
     app[UPLOADS] = Uploads()
@@ -395,84 +395,23 @@ def bound_url(scheme: str, bind_host: str, sockname: tuple) -> str:
 
 
 async def serve(config: CoordinatorConfig, ready_file: Path | None = None, before_publish=None) -> int:
-    """Run the coordinator until the run completes (or a signal); returns the exit status. ``before_publish``
-    (for comparisons only) is awaited with each round's sync before it is published."""
-    torch.set_num_threads(1)  # codec ops never thread inside ATen here; the codec pool parallelizes
-    run_dir = Path(config.run_dir)
-    try:
-        config, saved = take_up(config, keep=[ready_file.name] if ready_file is not None else [])
-    except ValueError as e:
-        print(f"nodeox coordinator: {e}", file=sys.stderr, flush=True)
-        return 2
-    threads = choose_threads(config.threads, purpose="coordinator codec")
-    pool = WorkerPool(config.q4, "cpu", threads)
-    runlog = RunLog(run_dir)
-    rounds = Rounds(config, runlog, pool, RunStore(run_dir))
-    rounds.before_publish = before_publish
-    if saved is not None:
-        rounds.resume(saved)
-        now = time.time()
-        rounds.record(PhaseRecord(saved.round, COORDINATOR, RESTART, now, now,
-                                  extra={"model_hash": saved.model_hash, "snapshot_round": saved.snapshot_round}))
-        from_snapshot = await rounds.restore()
-        print(f"nodeox coordinator: resuming the run in {run_dir} at round {saved.round} (model {saved.model_hash}, "
-              f"{'from its snapshot' if from_snapshot else 'given back by the first host that rejoins'}); "
-              "start with --fresh to begin a new run instead", flush=True)
-    elif config.initial_model is not None:
-        data = torch.from_file(str(config.initial_model), shared=False, size=Path(config.initial_model).stat().st_size,
-                               dtype=torch.uint8)
-        await rounds.load_initial_model(data)
-    app = make_app(rounds, config.token)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    host, port = parse_bind(config.bind)
-    site = web.TCPSite(runner, host, port, ssl_context=tls_context(config))
-    await site.start()
-    url = bound_url(config.scheme, host, runner.addresses[0])
-    info = {"url": url, "pid": os.getpid(), "started": time.time()}
-    (Path(config.run_dir) / "coordinator.json").write_text(json.dumps(info))
-    if ready_file is not None:
-        ready_file.write_text(url)
-    print(f"nodeox coordinator listening on {url} (run dir {config.run_dir}, {config.hosts} hosts)", flush=True)
+    """Run the coordinator over HTTP until the run completes (or a signal); returns the exit status. Its URL is
+    written to ``ready_file`` once it listens; ``before_publish`` (for comparisons only) is awaited with each
+    round's sync before it is published."""
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
-            pass
+    async def listen(run: CoordinatorRun):
+        config = run.config  # as taken up: a resumed run's settings
+        runner = web.AppRunner(make_app(run, config.token), access_log=None)
+        await runner.setup()
+        host, port = parse_bind(config.bind)
+        site = web.TCPSite(runner, host, port, ssl_context=tls_context(config))
+        await site.start()
+        url = bound_url(config.scheme, host, runner.addresses[0])
+        info = {"url": url, "pid": os.getpid(), "started": time.time()}
+        (Path(config.run_dir) / "coordinator.json").write_text(json.dumps(info))
+        if ready_file is not None:
+            ready_file.write_text(url)
+        print(f"nodeox coordinator listening on {url} (run dir {config.run_dir}, {config.hosts} hosts)", flush=True)
+        return runner.cleanup
 
-    async def ticker() -> None:
-        next_rss = time.time()
-        while True:
-            await asyncio.sleep(0.25)
-            try:
-                await rounds.check_leases()
-                await rounds.maybe_close()  # rounds whose timeout has passed
-                await rounds.fall_back_to_snapshot()
-                rounds.log_waiting()
-                if time.time() >= next_rss:
-                    rounds.sample_memory()
-                    next_rss = time.time() + config.rss_interval
-            except Exception:  # noqa: BLE001 - keep ticking; the failure is logged
-                log.exception("nodeox coordinator: periodic work failed")
-
-    tick_task = asyncio.ensure_future(ticker())
-    finished = asyncio.ensure_future(rounds.finished.wait())
-    stopped = asyncio.ensure_future(stop.wait())
-    waiting = {stopped} | ({finished} if config.exit_when_done else set())
-    await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-    tick_task.cancel()
-    for task in (finished, stopped):
-        task.cancel()
-    await runner.cleanup()
-    await rounds.save_at_shutdown()
-    rounds.sample_memory()
-    rounds.close()
-    pool.close()
-    runlog.close()
-    status = (f"complete after round {rounds.published_round}" if rounds.complete
-              else f"stopped before the run completed, at round {rounds.round}")
-    print(f"nodeox coordinator: run {status}; peak RSS {rounds.peak_rss / 2**20:.0f} MiB", flush=True)
-    return 0 if rounds.complete else 1
+    return await lifecycle.run(config, listen, before_publish=before_publish)

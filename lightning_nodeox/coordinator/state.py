@@ -12,7 +12,9 @@ sync), the coordinator writes:
   hosts keep theirs across a restart), the codec and outer-optimizer settings and the names of the files
   above. It only ever names complete files.
 
-Files are created readable by their owner only (``run.json`` holds the hosts' credentials).
+Files are created readable by their owner only (``run.json`` holds the hosts' credentials). A ``run.json`` that
+cannot be read, or a file it names that is missing, truncated or garbled, is refused at start naming ``--fresh``.
+A new run moves aside only :data:`RECORDS`, what a run writes; a user's own files in the directory stay.
 
 Each file is written under a temporary name, synced and renamed, so a crash at any moment leaves the previous
 state whole; files that ``run.json`` no longer names are removed once it is replaced. Nothing is pickled:
@@ -32,14 +34,20 @@ from pathlib import Path
 
 import torch
 
-from ..core.modelfile import model_header, read_model
+from ..core.hashing import model_hash
+from ..core.modelfile import check_model_file, model_header, read_model
 from ..core.specs import PayloadError, TensorSpec
 from ..core.wire import Q4Message
 from .config import CoordinatorConfig, OuterSettings
+from .hosts import HostState
+from .runlog import EVENTS_FILE, TB_DIR
 
 log = logging.getLogger(__name__)
 
 STATE_DIR = "state"
+# what a run writes into its directory, moved aside at a new run: its state, events log and TensorBoard files,
+# the coordinator's address (server.py) and the hosts' folders under ``nodeox launch`` (host/machine.py)
+RECORDS = (STATE_DIR, EVENTS_FILE, TB_DIR, "coordinator.json", "hosts")
 RUN_FILE = "run.json"
 FORMAT = "nodeox-run-state"
 VERSION = 1
@@ -121,10 +129,35 @@ class RunStore:
         if not path.exists():
             return None
         try:
-            return SavedRun.from_json(json.loads(path.read_text()))
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{path} cannot be read ({e}); start with --fresh to begin a new run "
-                             "(the old records are moved aside)") from None
+            saved = SavedRun.from_json(json.loads(path.read_text()))
+            for entry in saved.hosts.values():
+                HostState(entry["state"])  # a state this version knows
+                if not isinstance(entry["credential"], str):
+                    raise TypeError("a host's credential is not a string")
+        except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
+            raise ValueError(f"{path} cannot be read ({type(e).__name__}: {e}); start with --fresh to begin a new "
+                             "run (the old records are moved aside)") from None
+        return saved
+
+    def check(self, saved: SavedRun) -> None:
+        """Refuse, naming the file and --fresh, a file ``run.json`` names that is missing, truncated or garbled:
+        the sync is parsed whole (CRC included), the snapshot hashed (one pass over the model: about 0.35 s per
+        80 MB), the outer state's header and size checked."""
+        for kind, name in saved.files.items():
+            path = self.dir / name
+            try:
+                if kind == "sync":
+                    Q4Message.parse(self._read(name))
+                    continue
+                check_model_file(path)
+                if kind == "model" and saved.snapshot_hash is not None:
+                    _, _, specs, tensors = read_model(self._read(name))
+                    got = model_hash([(s.name, t) for s, t in zip(specs, tensors)])
+                    if got != saved.snapshot_hash:
+                        raise PayloadError(f"its tensors hash to {got}, not the {saved.snapshot_hash} saved with it")
+            except (PayloadError, OSError, RuntimeError) as e:
+                raise ValueError(f"{path} is missing or damaged ({e}); start with --fresh to begin a new run (the "
+                                 "old records are moved aside)") from None
 
     def save(self, saved: SavedRun, *, sync: Q4Message | None, outer: dict[str, torch.Tensor],
              model_chunks: list[memoryview] | None) -> int:
@@ -174,13 +207,11 @@ class RunStore:
         path = self.dir / name
         return torch.from_file(str(path), shared=False, size=path.stat().st_size, dtype=torch.uint8)
 
-    def archive(self, keep: Iterable[str] = ()) -> Path | None:
-        """Move every record of an earlier run to ``DIR/previous-<timestamp>/`` (not earlier archives, nor the
-        names in ``keep``); returns where they went, or None when there was nothing to move."""
-        if not self.run_dir.exists():
-            return None
-        keep = set(keep)
-        old = [p for p in self.run_dir.iterdir() if not p.name.startswith("previous-") and p.name not in keep]
+    def archive(self) -> Path | None:
+        """Move the records an earlier run wrote (:data:`RECORDS`) to ``DIR/previous-<timestamp>/``; anything
+        else in the directory (a user's own files) stays. Returns where they went, or None when there was
+        nothing to move."""
+        old = [self.run_dir / name for name in RECORDS if (self.run_dir / name).exists()]
         if not old:
             return None
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -195,12 +226,13 @@ class RunStore:
         return target
 
 
-def take_up(config: CoordinatorConfig, keep: Iterable[str] = ()) -> tuple[CoordinatorConfig, SavedRun | None]:
+def take_up(config: CoordinatorConfig) -> tuple[CoordinatorConfig, SavedRun | None]:
     """The unfinished run saved in the run directory, to resume (its codec and outer optimizer win over the
     command line's), or None for a new run; an earlier run's records are then moved aside, saying where."""
     store = RunStore(config.run_dir)
     saved = None if config.fresh else store.load()
     if saved is not None and not saved.complete:
+        store.check(saved)
         q4 = replace(config.q4, codec=str(saved.q4.get("codec", "q4")), block_size=int(saved.q4["block_size"]),
                      scale_dtype=str(saved.q4["scale_dtype"]))
         outer = saved.outer
@@ -210,7 +242,7 @@ def take_up(config: CoordinatorConfig, keep: Iterable[str] = ()) -> tuple[Coordi
         if config.initial_model is not None:
             log.warning("nodeox coordinator: --initial-model is ignored: the run in %s is resumed", config.run_dir)
         return replace(config, q4=q4, outer=outer), saved
-    moved = store.archive(keep)
+    moved = store.archive()
     if moved is not None:
         why = "--fresh" if config.fresh else ("it held a finished run" if saved is not None else
                                               "it held records of an earlier run")

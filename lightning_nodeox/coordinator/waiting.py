@@ -1,42 +1,43 @@
-"""Why the run has not moved on, in one line naming whom it waits for (the coordinator logs it every few
-seconds of a round that has not closed, so no combination of settings waits silently)."""
+"""Why the run has not moved on, in one line naming whom it waits for (the coordinator logs it every
+``status_interval`` seconds of a round that has not closed, so no combination of settings waits silently)."""
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .rounds import Rounds
+from .recovery import Recovery
+from .rounds import Rounds
+from .runstate import RunState
 
 
-def waiting_for(rounds: Rounds) -> tuple[int, str] | None:
-    """A log level and a line saying why the run waits (None when it does not)."""
-    if rounds.complete or rounds.closing:
+def waiting_for(state: RunState, rounds: Rounds, recovery: Recovery, provider: str | None) -> tuple[int, str] | None:
+    """A log level and a line saying why the run waits (None when it does not); ``provider``: the host asked for
+    the model, if any."""
+    if state.complete or rounds.closing:
         return None
-    config = rounds.config
-    if rounds.model is None:
-        if rounds.resumed is not None:
-            saved = rounds.resumed.saved
+    config = state.config
+    if state.model is None:
+        if recovery.resumed is not None:
+            saved = recovery.resumed.saved
             fallback = (f" (falls back to the snapshot of round {saved.snapshot_round} after "
                         f"{config.provider_timeout:.0f} s)" if saved.snapshot_hash else
                         "; no snapshot was saved to fall back to")
             return logging.WARNING, (f"resumed run at round {saved.round} waits for a host holding its model "
                                      f"{saved.model_hash} to join again and give it back{fallback}")
-        who = f"host {rounds.provider}" if rounds.provider else "the first host to join"
+        who = f"host {provider}" if provider else "the first host to join"
         return logging.INFO, f"waiting for the initial model from {who}"
-    hosts, received = rounds.hosts, rounds.received
+    hosts, received = state.hosts, rounds.received
     if len(hosts) < config.hosts:
-        return logging.INFO, (f"round {rounds.round} waits for {config.hosts - len(hosts)} more host(s) to join "
+        return logging.INFO, (f"round {state.round} waits for {config.hosts - len(hosts)} more host(s) to join "
                               f"(--hosts {config.hosts}); joined: {', '.join(sorted(hosts)) or 'none'}")
     missing = sorted(h.id for h in hosts.expected(received) if h.id not in received)
     got = f"deltas from {', '.join(sorted(received)) or 'no host'}"
     needed = rounds.needed()
     if len(received) + len(missing) < needed:
         return logging.WARNING, (
-            f"round {rounds.round} cannot close: it needs {needed} deltas (--min-hosts) and has {got}; live hosts "
+            f"round {state.round} cannot close: it needs {needed} deltas (--min-hosts) and has {got}; live hosts "
             f"still to send: {', '.join(missing) or 'none'}; dropped: {hosts.dropped()}. Start the missing hosts "
             "again, or stop this coordinator and start it with a lower --min-hosts (the run resumes)")
     if missing:
-        return logging.INFO, f"round {rounds.round} waits for {', '.join(missing)} ({got}; dropped: {hosts.dropped()})"
+        return logging.INFO, f"round {state.round} waits for {', '.join(missing)} ({got}; dropped: {hosts.dropped()})"
     return None

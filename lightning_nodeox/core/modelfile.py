@@ -7,12 +7,14 @@ at the start, when the first host provides the initial model. Metadata: ``round`
 from __future__ import annotations
 
 import json
+import math
+import os
 
 import torch
 
 from . import safetensors
 from .protocol import read_fully
-from .specs import PayloadError, TensorSpec, check_same_model
+from .specs import ModelMismatchError, PayloadError, TensorSpec, check_same_model, spec_of
 from .wire import VERSION
 
 SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
@@ -57,6 +59,18 @@ def parse_header(header_json: bytes) -> tuple[int, str, tuple[TensorSpec, ...], 
     return round_, model_hash, specs, offsets
 
 
+def check_model_file(path) -> None:
+    """Raise PayloadError unless the file at ``path`` has a model file's header and exactly the size it describes
+    (its bytes are not read)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        length = safetensors.header_length(f.read(safetensors.PREFIX_BYTES), size, f"model file {path}")
+        _, _, _, offsets = parse_header(f.read(length))
+    end = safetensors.PREFIX_BYTES + length + (offsets[-1][1] if offsets else 0)
+    if end != size:
+        raise PayloadError(f"model file {path} is {size} bytes but its header describes {end}")
+
+
 def read_model(data: torch.Tensor) -> tuple[int, str, tuple[TensorSpec, ...], list[torch.Tensor]]:
     """Round, model hash, specs and tensors viewing ``data`` (a whole model file in memory)."""
     raw = data.numpy()
@@ -72,6 +86,61 @@ def read_model(data: torch.Tensor) -> tuple[int, str, tuple[TensorSpec, ...], li
             chunk = chunk.clone()  # misaligned after a tensor of a smaller dtype
         tensors.append(chunk.view(spec.torch_dtype).view(spec.shape))
     return round_, model_hash, specs, tensors
+
+
+# bytes per element of the other safetensors dtypes: such tensors (a BatchNorm's num_batches_tracked) may sit
+# in a user's file; they are not exchanged, so they are skipped by name
+OTHER_DTYPE_BYTES = {"I64": 8, "U64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+                     "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def read_named_model(data: torch.Tensor, what: str) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """The floating-point tensors of any safetensors file in memory (``safetensors.torch.save_file`` of a
+    state_dict, in whatever order it stored them) by name, and the names of the other tensors, skipped."""
+    raw = data.numpy()
+    header_json, start = safetensors.split(raw, what)
+    codes = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+    try:
+        header = json.loads(header_json)
+        header.pop("__metadata__", None)
+        entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+        named, skipped, pos = {}, [], 0
+        for name, e in entries:
+            shape, (a, b) = tuple(int(d) for d in e["shape"]), e["data_offsets"]
+            numel = math.prod(shape)
+            if e["dtype"] not in codes:
+                if (a, b) != (pos, pos + numel * OTHER_DTYPE_BYTES[e["dtype"]]):
+                    raise ValueError(f"entry {name!r} has offsets {[a, b]}")
+                skipped.append(name)
+                pos = b
+                continue
+            dtype = TensorSpec(name, codes[e["dtype"]], shape).torch_dtype
+            if (a, b) != (pos, pos + numel * dtype.itemsize) or min(shape, default=0) < 0:
+                raise ValueError(f"entry {name!r} has offsets {[a, b]} for shape {list(shape)}")
+            chunk = data[start + a : start + b]
+            if (start + a) % dtype.itemsize:
+                chunk = chunk.clone()
+            named[name] = chunk.view(dtype).view(shape)
+            pos = b
+    except KeyError as e:
+        raise PayloadError(f"{what}: an entry lacks a field or has an unknown dtype: {e}") from None
+    except (ValueError, TypeError, AttributeError, IndexError) as e:
+        raise PayloadError(f"{what}: the header is malformed: {e}") from None
+    if start + pos != len(raw):
+        raise PayloadError(f"{what} is {len(raw)} bytes but its header describes {start + pos}")
+    return named, skipped
+
+
+def arrange(named: dict[str, torch.Tensor], specs: tuple[TensorSpec, ...], what: str) -> list[torch.Tensor]:
+    """``named``'s tensors in the order of ``specs``, matched by name; PayloadError naming the missing and extra
+    names, or the first tensor whose dtype or shape differs."""
+    missing = [s.name for s in specs if s.name not in named]
+    extra = sorted(set(named) - {s.name for s in specs})
+    if missing or extra:
+        raise ModelMismatchError(f"{what} does not hold the model's tensors: missing {missing or 'none'}, extra "
+                                 f"{extra or 'none'}")
+    check_same_model(specs, spec_of((s.name, named[s.name]) for s in specs), what)
+    return [named[s.name] for s in specs]
 
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor:

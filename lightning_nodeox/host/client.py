@@ -30,7 +30,6 @@ from ..core.protocol import (
     Reason,
     Refusal,
     RunComplete,
-    SyncGone,
     SyncReady,
     SyncReply,
     TransferBroken,
@@ -38,6 +37,7 @@ from ..core.protocol import (
     Upload,
 )
 from ..core.settings import ENV_CA_FILE
+from ..core.transport import delta_outcome, sync_outcome
 from .clock import ClockOffset
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,8 @@ class ResponseStream:
 
 
 class HttpClient:
-    """Talks to one coordinator over HTTP(S) on behalf of host ``host``."""
+    """Talks to one coordinator over HTTP(S) on behalf of host ``host``: a
+    :class:`~lightning_nodeox.core.transport.HostClient`."""
 
     def __init__(self, url: str, *, host: str, token: str | None = None, ca_file: str | None = None,
                  connect_timeout: float = 5.0, read_timeout: float = 120.0, retry_for: float = 60.0,
@@ -171,35 +172,26 @@ class HttpClient:
                              headers={"Content-Type": proto.OCTETS}).json()["model_hash"]
 
     def post_delta(self, round_: int, body: memoryview) -> Upload:
-        try:
-            self._request("POST", proto.DELTA.format(round=round_), params={"host": self.host}, data=body, ok=(202,),
-                          headers={"Content-Type": proto.OCTETS})
-        except Refusal as e:
-            if e.reason is Reason.DUPLICATE:
-                return Upload.TAKEN
-            if e.reason in (Reason.LATE, Reason.STALE_BASE):
-                log.warning("nodeox: host %s: delta of round %d not taken: %s", self.host, round_, e)
-                return Upload(e.reason.value)
-            raise
-        return Upload.TAKEN
+        return delta_outcome(lambda: self._request("POST", proto.DELTA.format(round=round_), params={"host": self.host},
+                                                   data=body, ok=(202,), headers={"Content-Type": proto.OCTETS}),
+                             self.host, round_)
 
     def wait_sync(self, round_: int, poll: float = SYNC_POLL) -> SyncReply:
         """Long-poll until round ``round_``'s sync is ready (or the run completed, or the sync is gone)."""
         path = proto.SYNC.format(round=round_)
         while True:
-            try:
-                response = self._request("GET", path, params={"wait": poll, "host": self.host}, ok=(200, 204),
-                                         stream=True, read_timeout=poll + self.read_timeout)
-            except Refusal as e:
-                if e.reason is Reason.GONE:
-                    return SyncGone()
-                raise
-            complete = response.headers.get(proto.COMPLETE_HEADER) == "1"
-            if response.status_code == 200:
-                return SyncReady(round_, ResponseStream(response), complete)
-            response.close()
-            if complete:
-                return RunComplete()
+            reply = sync_outcome(lambda: self._sync_reply(round_, path, poll))
+            if reply is not None:
+                return reply
+
+    def _sync_reply(self, round_: int, path: str, poll: float) -> SyncReply | None:
+        response = self._request("GET", path, params={"wait": poll, "host": self.host}, ok=(200, 204), stream=True,
+                                 read_timeout=poll + self.read_timeout)
+        complete = response.headers.get(proto.COMPLETE_HEADER) == "1"
+        if response.status_code == 200:
+            return SyncReady(round_, ResponseStream(response), complete)
+        response.close()
+        return RunComplete() if complete else None
 
     def get_model(self) -> ByteStream:
         return ResponseStream(self._request("GET", proto.MODEL, params={"host": self.host}, stream=True))

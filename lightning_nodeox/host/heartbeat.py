@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import threading
 
+from ..core.transport import HostClient
+
 log = logging.getLogger(__name__)
 
 MAX_INTERVAL = 2.0
@@ -22,7 +24,7 @@ BEATS_PER_LEASE = 4
 class Heartbeat:
     """Posts ``client.heartbeat()`` on a thread of its own until :meth:`stop`."""
 
-    def __init__(self, client) -> None:
+    def __init__(self, client: HostClient) -> None:
         self.client = client
         self.interval = MAX_INTERVAL
         self.beats = 0
@@ -33,7 +35,7 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            if not getattr(self.client, "joined", True):  # nothing to keep before the join has answered
+            if not self.client.joined:  # nothing to keep before the join has answered
                 self._stop.wait(0.1)
                 continue
             try:

@@ -20,14 +20,16 @@ The rules, each in terms of the protocol's outcomes (never HTTP):
 
 from __future__ import annotations
 
+import enum
 import logging
 from dataclasses import dataclass, field
 
 from ..core import phases as P
 from ..core.phases import PhaseLog
-from ..core.protocol import Refusal, Reason, RunComplete, SyncGone, TransferBroken, Upload
+from ..core.protocol import Reason, Refusal, RunComplete, SyncGone, TransferBroken, Upload
 from ..core.settings import Q4Settings
 from ..core.specs import ModelMismatchError, PayloadError
+from ..core.transport import HostClient
 from ..core.wire import Q4Message, Q4Meta
 from .tensors import HostTensors
 
@@ -36,6 +38,13 @@ log = logging.getLogger(__name__)
 DOWNLOAD_TRIES = 3
 REJOIN_TRIES = 3
 REJOIN = (Reason.NOT_JOINED, Reason.NO_MODEL)
+
+
+class Into(enum.Enum):
+    """Where a sync or a fetched model goes; the caller says, for each call."""
+
+    LIVE = "live"  # the live model, and θ_r := it: training waits for the exchange
+    BASE = "base"  # θ_r (``base``) only: training goes on in the live model, which folds it in (overlap)
 
 
 @dataclass
@@ -50,7 +59,7 @@ class RoundResult:
 class HostRound:
     """One host's place in the run: its round, its model's hash, and the steps of a round."""
 
-    def __init__(self, tensors: HostTensors, client, phases: PhaseLog, *, rounding: str = "nearest",
+    def __init__(self, tensors: HostTensors, client: HostClient, phases: PhaseLog, *, rounding: str = "nearest",
                  error_feedback: bool = True, codec_threads: int = 1) -> None:
         self.tensors = tensors
         self.client = client
@@ -63,7 +72,6 @@ class HostRound:
         self.complete = False
         self._sent: Q4Message | None = None  # the last delta uploaded (resent if the coordinator lost it)
         self._final = False  # this host has sent (or is sending) its final delta
-        self.into_live = True  # syncs and fetched models go into the live model; False while training overlaps
         self._seed = int.from_bytes(client.host.encode()[:8].ljust(8, b"\0"), "little")
 
     @property
@@ -91,7 +99,7 @@ class HostRound:
             except Refusal as e:
                 if e.reason is not Reason.HAS_MODEL:
                     raise
-                self.fetch_model()  # another host provided it meanwhile
+                self.fetch_model(Into.LIVE)  # another host provided it meanwhile
                 return
             if theirs != ours:
                 raise RuntimeError(f"coordinator hashed the initial model as {theirs}, this host as {ours}; "
@@ -100,7 +108,7 @@ class HostRound:
         elif ours == reply.model_hash:
             self.model_hash = ours
         else:
-            self.fetch_model()
+            self.fetch_model(Into.LIVE)
 
     def _join_reply(self, model_hash: str | None):
         specs = [s.as_json() for s in self.tensors.specs]
@@ -109,16 +117,16 @@ class HostRound:
             reply = self.client.join(specs, model_hash=model_hash, round_=self.round)
         return reply
 
-    def rejoin(self) -> None:
+    def rejoin(self, into: Into = Into.LIVE) -> None:
         """Join again, keeping this host's model and round (the coordinator restarted or forgot this host): give
-        the round's base model back if asked, fetch the coordinator's if it differs."""
+        the round's base model back if asked, fetch the coordinator's (``into``) if it differs."""
         reply = self._join_reply(self.model_hash)
         if reply.complete:
             self.complete = True
             return
         theirs = self._give_back() if reply.provide_model else reply.model_hash
         if theirs != self.model_hash:
-            self.fetch_model()
+            self.fetch_model(into)
             return
         log.info("nodeox: host %s joined again at round %d%s", self.host, self.round,
                  " and gave the model back" if reply.provide_model else "")
@@ -132,9 +140,9 @@ class HostRound:
                 raise
             return e.extra.get("model_hash")  # another host gave it back first
 
-    def _call(self, fn, *args):
+    def _call(self, fn, *args, into: Into):
         """A call to the coordinator; if it no longer knows this host or has no model (it restarted), join again
-        and call once more."""
+        (a model fetched meanwhile goes ``into``) and call once more."""
         for attempt in range(1, REJOIN_TRIES + 1):
             try:
                 return fn(*args)
@@ -142,32 +150,30 @@ class HostRound:
                 if e.reason not in REJOIN or attempt == REJOIN_TRIES:
                     raise
                 log.warning("nodeox: host %s: %s; joining again", self.host, e)
-                self.rejoin()
+                self.rejoin(into)
 
     # -- a round --------------------------------------------------------------------------------------------------
     def run_round(self, samples: int, final: bool, metrics: dict[str, list] | None = None) -> RoundResult:
         """One whole exchange while training waits: encode, upload, then sync (following later rounds if this
         is the final one). ``metrics``: this host's latest sync_dist values, ``{name: [value, reduction]}``."""
-        self.into_live = True
         message = self.encode(self.tensors.live, samples, final, metrics)
-        return self._finish_round(message, final)
+        return self._finish_round(message, final, Into.LIVE)
 
     def run_overlapped(self, samples: int, delayed: bool, metrics: dict[str, list] | None = None) -> RoundResult:
         """One exchange while training goes on: the delta is the snapshot's, and the sync goes into ``base``
         only; the training side folds it into the live model (:meth:`HostTensors.fold`)."""
-        self.into_live = False
         message = self.encode(self.tensors.snapshot, samples, False, metrics)
         if delayed:
             self.tensors.snapshot_base()
-        return self._finish_round(message, False)
+        return self._finish_round(message, False, Into.BASE)
 
-    def _finish_round(self, message: Q4Message, final: bool) -> RoundResult:
+    def _finish_round(self, message: Q4Message, final: bool, into: Into) -> RoundResult:
         self._final = final
-        outcome = self.upload(message)
-        result = self.synchronize(follow_to_end=final and outcome is not Upload.LATE)
+        outcome = self.upload(message, into=into)
+        result = self.synchronize(follow_to_end=final and outcome is not Upload.LATE, into=into)
         if final and outcome is Upload.LATE and not self.complete:
-            self._send_empty(final=True)  # so the coordinator knows this host has finished
-            result = self.synchronize(follow_to_end=True)
+            self._send_empty(final=True, into=into)  # so the coordinator knows this host has finished
+            result = self.synchronize(follow_to_end=True, into=into)
         result.contributed = outcome is Upload.TAKEN and result.contributed
         return result
 
@@ -181,82 +187,83 @@ class HostRound:
             rec.bytes = len(message)
         return message
 
-    def upload(self, message: Q4Message) -> Upload:
+    def upload(self, message: Q4Message, *, into: Into = Into.LIVE) -> Upload:
         """Send the delta. ``TAKEN``; ``LATE``: the round closed without it, but its sync can be applied; or
-        ``STALE_BASE``, after which this host has fetched the model and taken part in the current round anew
-        (with an empty delta). Unless taken, this round's local work is dropped."""
+        ``STALE_BASE``, after which this host has fetched the model (``into``) and taken part in the current round
+        anew (with an empty delta). Unless taken, this round's local work is dropped."""
         self._sent = message
         with self.phases.timed(self.round, P.UPLOAD) as rec:
             rec.bytes = len(message)
-            outcome = self._call(self.client.post_delta, self.round, message.view())
+            outcome = self._call(self.client.post_delta, self.round, message.view(), into=into)
             if outcome is not Upload.TAKEN:
                 rec.extra["rejected"] = outcome.value
         if outcome is Upload.STALE_BASE:
-            self.fetch_model()
-            self._send_empty(message.meta.final)
+            self.fetch_model(into)
+            self._send_empty(message.meta.final, into=into)
         return outcome
 
-    def _send_empty(self, final: bool) -> None:
+    def _send_empty(self, final: bool, *, into: Into) -> None:
         """Take part in the current round without a contribution (no samples: it adds nothing)."""
         with self.phases.timed(self.round, P.UPLOAD, empty=True) as rec:
             message = self.tensors.encode(self.tensors.base, Q4Meta("delta", self.round, self.host, self.model_hash,
                                                                     samples=0, final=final), None)
             rec.bytes = len(message)
             self._sent = message
-            self._call(self.client.post_delta, self.round, message.view())
+            self._call(self.client.post_delta, self.round, message.view(), into=into)
 
-    def _resend(self) -> None:
+    def _resend(self, into: Into) -> None:
         """The coordinator lost this host's delta of the current round (it restarted): send it again."""
         sent = self._sent
         if sent is None or sent.meta.round != self.round or sent.meta.base_hash != self.model_hash:
-            self._send_empty(self._final)
+            self._send_empty(self._final, into=into)
             return
         with self.phases.timed(self.round, P.UPLOAD, resent=True) as rec:
             rec.bytes = len(sent)
-            outcome = self._call(self.client.post_delta, self.round, sent.view())
+            outcome = self._call(self.client.post_delta, self.round, sent.view(), into=into)
         if outcome is Upload.STALE_BASE:
-            self.fetch_model()
-            self._send_empty(self._final)
+            self.fetch_model(into)
+            self._send_empty(self._final, into=into)
 
     # -- syncs -------------------------------------------------------------------------------------------------------
-    def synchronize(self, *, follow_to_end: bool = False) -> RoundResult:
-        """Wait for the round's sync, apply it and verify the model hash (fetching the model if needed).
-        With ``follow_to_end`` keep applying later rounds' syncs until the run completes."""
+    def synchronize(self, *, follow_to_end: bool = False, into: Into = Into.LIVE) -> RoundResult:
+        """Wait for the round's sync, apply it ``into`` the live model or base and verify the model hash (fetching
+        the model if needed). With ``follow_to_end`` keep applying later rounds' syncs until the run completes."""
         while True:
             round_ = self.round
-            sync = self.download()
+            sync = self.download(into)
             if sync is None:
                 result = RoundResult(round_, self.model_hash, self.complete, False)
             else:
-                result = self.apply(sync)
+                result = self.apply(sync, into)
             if result.complete or not follow_to_end:
                 return result
 
-    def download(self) -> Q4Message | None:
+    def download(self, into: Into = Into.LIVE) -> Q4Message | None:
         """Round ``self.round``'s sync, parsed; None when there is none to apply (the run completed, or the host
-        fetched the model instead)."""
+        fetched the model ``into`` the live model or base instead). Training waits for it (``WAIT``) unless it
+        goes into base (``POLL``: training overlaps)."""
         round_ = self.round
         attempt = 0
         while attempt < DOWNLOAD_TRIES:
             attempt += 1
             try:
-                with self.phases.timed(round_, P.WAIT if self.into_live else P.POLL):
-                    reply = self._call(self.client.wait_sync, round_)
+                with self.phases.timed(round_, P.WAIT if into is Into.LIVE else P.POLL):
+                    reply = self._call(self.client.wait_sync, round_, into=into)
             except Refusal as e:
                 if e.reason is not Reason.NO_DELTA or attempt == DOWNLOAD_TRIES:
                     raise
                 log.warning("nodeox: host %s: %s", self.host, e)
-                self._resend()
+                self._resend(into)
                 if self.round != round_:  # the host fetched a model of another round meanwhile
                     return None
                 continue
             if isinstance(reply, RunComplete):  # no later sync: this host's base is the run's final model
                 self.complete = True
-                if self.into_live:  # (overlapped, the training side does it between two steps)
+                if into is Into.LIVE:  # (overlapped, the training side does it between two steps)
                     self.tensors.restore_live()
                 return None
             if isinstance(reply, SyncGone):
-                self.fetch_model()
+                self.fetch_model(into)
                 return None
             with self.phases.timed(round_, P.DOWNLOAD) as rec:
                 try:
@@ -278,34 +285,36 @@ class HostRound:
             if sync.meta.base_hash == self.model_hash and sync.meta.round == round_:
                 return sync
             break
-        self.fetch_model()
+        self.fetch_model(into)
         return None
 
-    def apply(self, sync: Q4Message) -> RoundResult:
-        """Apply a downloaded sync and check the resulting model hash against the coordinator's."""
+    def apply(self, sync: Q4Message, into: Into = Into.LIVE) -> RoundResult:
+        """Apply a downloaded sync ``into`` the live model (and base) or base only, and check the resulting model
+        hash against the coordinator's."""
         round_ = sync.meta.round
         with self.phases.timed(round_, P.APPLY):
-            hashers = self.tensors.apply(sync, self.into_live)
+            hashers = self.tensors.apply(sync, into is Into.LIVE)
         with self.phases.timed(round_, P.VERIFY):
             got = self.tensors.digest(hashers)
         self.round = round_ + 1
         if got != sync.meta.model_hash:
             log.warning("nodeox: host %s: model hash %s after round %d differs from the coordinator's %s; "
                         "fetching the model", self.host, got, round_, sync.meta.model_hash)
-            self.fetch_model()
+            self.fetch_model(into)
             return RoundResult(round_, self.model_hash, self.complete, False)
         self.model_hash = got
         return RoundResult(round_, got, self.complete, True, sync.meta.metrics)
 
     # -- the full model ------------------------------------------------------------------------------------------------
-    def fetch_model(self) -> None:
+    def fetch_model(self, into: Into = Into.LIVE) -> None:
         """Replace this host's model with the coordinator's (the fallback when a sync cannot be applied),
-        streamed straight into the model's tensors; a download that breaks off is asked for again."""
+        streamed straight into the live model (then θ_r := it) or into base only; a download that breaks off is
+        asked for again."""
         tensors = self.tensors
-        target = tensors.live if self.into_live else tensors.base
+        target = tensors.live if into is Into.LIVE else tensors.base
         with self.phases.timed(self.round, P.FALLBACK_FETCH) as rec:
             for attempt in range(1, DOWNLOAD_TRIES + 1):
-                body = self._call(self.client.get_model)
+                body = self._call(self.client.get_model, into=into)
                 rec.bytes = body.size
                 try:
                     round_, remote_hash = tensors.read_model(body, target)
@@ -316,7 +325,7 @@ class HostRound:
                     if attempt == DOWNLOAD_TRIES:
                         raise
                     log.warning("nodeox: host %s: model download failed (%s); retrying", self.host, e)
-            tensors.after_fetch(self.into_live)
+            tensors.after_fetch(into is Into.LIVE)
             got = tensors.model_hash(target)
             if got != remote_hash:
                 raise RuntimeError(f"the fetched model hashes to {got}, not the coordinator's {remote_hash}")

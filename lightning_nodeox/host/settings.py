@@ -3,6 +3,7 @@ connects (resolved when training starts, from the arguments given or the environ
 
 from __future__ import annotations
 
+import enum
 import os
 import re
 import socket
@@ -21,14 +22,26 @@ from ..core.settings import (
 )
 
 
-OVERLAP_MODES = (None, "eager", "delayed")
+class Overlap(enum.Enum):
+    """What training does while a round's exchange is in flight (``NodeoxStrategy(overlap=...)``)."""
 
+    OFF = "off"  # it waits for the exchange
+    EAGER = "eager"  # it goes on from this host's own result; the sync is folded in when it arrives
+    DELAYED = "delayed"  # it goes on from the round's shared model instead
 
-def overlap_mode(overlap: bool | str) -> str | None:
-    """``NodeoxStrategy(overlap=...)`` as a mode: False -> None, True -> "eager", or the mode named."""
-    if overlap is True:
-        return "eager"
-    return None if overlap is False or overlap is None else overlap
+    @classmethod
+    def of(cls, overlap: bool | str | Overlap | None) -> Overlap:
+        """The public argument as a mode: False/None -> OFF, True -> EAGER, or the mode named."""
+        if isinstance(overlap, Overlap):
+            return overlap
+        if overlap is True:
+            return cls.EAGER
+        if overlap is False or overlap is None:
+            return cls.OFF
+        if isinstance(overlap, str) and overlap in ("eager", "delayed"):
+            return cls(overlap)
+        raise ValueError(f"overlap={overlap!r} is not known; use NodeoxStrategy(overlap=False), overlap=True "
+                         "(eager) or overlap='delayed'")
 
 
 @dataclass(frozen=True)
@@ -41,14 +54,14 @@ class HostSettings:
     codec_threads: int | None = None
     request_timeout: float = 120.0
     retry_for: float = 60.0
-    overlap: str | None = None  # None, "eager" or "delayed"
+    overlap: Overlap = Overlap.OFF
     round_seconds: float | None = None
 
     def __post_init__(self) -> None:
         if self.local_steps < 1:
             raise ValueError(f"local_steps must be at least 1, got {self.local_steps}")
-        if self.overlap not in OVERLAP_MODES:
-            raise ValueError(f"overlap={self.overlap!r} is not known; use False, True (eager) or 'delayed'")
+        if not isinstance(self.overlap, Overlap):
+            raise TypeError(f"overlap must be an Overlap mode (Overlap.of({self.overlap!r})), got {self.overlap!r}")
         if self.round_seconds is not None and not self.round_seconds > 0:
             raise ValueError(f"round_seconds must be positive seconds (or None for local_steps), got {self.round_seconds}")
         check_rounding(self.rounding)
@@ -85,21 +98,28 @@ class Connection:
             raise ValueError(f"{ENV_CA_FILE}={self.ca_file} is not a file; point it at the PEM certificate (or CA) "
                              "the coordinator serves")
 
-    @staticmethod
-    def host_id_from_env(host_id: str | None = None) -> str:
-        """The host id given, else ``NODEOX_HOST_ID``, else the machine's name."""
-        return host_id or os.environ.get(ENV_HOST_ID) or default_host_id()
 
-    @classmethod
-    def resolve(cls, *, coordinator_url: str | None = None, host_id: str | None = None, token: str | None = None,
-                telemetry_url: str | None = None) -> Connection:
+@dataclass(frozen=True)
+class ConnectionSettings:
+    """Where a host connects as given to NodeoxStrategy (None: from the environment when training starts)."""
+
+    coordinator_url: str | None = None
+    host_id: str | None = None
+    token: str | None = None
+    telemetry_url: str | None = None
+
+    def resolved_host_id(self) -> str:
+        """The host id given, else ``NODEOX_HOST_ID``, else the machine's name."""
+        return self.host_id or os.environ.get(ENV_HOST_ID) or default_host_id()
+
+    def resolve(self) -> Connection:
         """The arguments given, then the environment, then defaults."""
-        url = coordinator_url or os.environ.get(ENV_URL)
+        url = self.coordinator_url or os.environ.get(ENV_URL)
         if not url:
             raise ValueError(
                 "NodeoxStrategy needs the coordinator's URL: pass NodeoxStrategy(coordinator_url='http://HOST:8470') "
                 f"or set {ENV_URL} (`nodeox launch` sets it for the hosts it starts)")
-        return cls(coordinator_url=url, host_id=cls.host_id_from_env(host_id),
-                   token=token or os.environ.get(ENV_TOKEN) or None,
-                   telemetry_url=telemetry_url or os.environ.get(ENV_TELEMETRY_URL) or None,
-                   ca_file=os.environ.get(ENV_CA_FILE) or None)
+        return Connection(coordinator_url=url, host_id=self.resolved_host_id(),
+                          token=self.token or os.environ.get(ENV_TOKEN) or None,
+                          telemetry_url=self.telemetry_url or os.environ.get(ENV_TELEMETRY_URL) or None,
+                          ca_file=os.environ.get(ENV_CA_FILE) or None)

@@ -2,9 +2,12 @@
 
 Each host is its own world: Lightning's barrier, broadcast and reduce never wait on another host, and every
 host's rank 0 is its own rank zero (its loggers and checkpoints write). A host of one device is a world of one
-(no process group); a host of K devices is Lightning's DDP over its K ranks, of which rank 0 alone exchanges
-with the coordinator and the others follow it (:mod:`lightning_nodeox.host.ranks`). After every ``local_steps``
-optimizer steps the strategy closes a round; the round logic itself lives in :mod:`lightning_nodeox.host.round`.
+(no process group); a host of K devices is Lightning's DDP over its K ranks (the difference is one object,
+:mod:`lightning_nodeox.host.devices`), of which rank 0 alone exchanges with the coordinator through its link to
+the run (:mod:`lightning_nodeox.host.link`) and the others follow it (:mod:`lightning_nodeox.host.ranks`). The
+strategy closes a round when it is due (:mod:`lightning_nodeox.host.timing`), waiting for its exchange or
+overlapping it (:mod:`lightning_nodeox.host.overlap`); the round logic itself lives in
+:mod:`lightning_nodeox.host.round`.
 
 Stopping together: when ``fit`` ends on one host (max_steps, max_epochs, early stopping), it sends what it
 trained since its last round as its final delta, and that round completes the run: the other hosts stop at
@@ -19,39 +22,34 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
 from collections import deque
-from concurrent.futures import Future
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.strategies import DDPStrategy, Strategy, StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
 from typing_extensions import override
 
-from ..core import phases as P
 from ..core.cpu import choose_threads, granted_cpus
-from ..core.phases import PhaseLog, PhaseRecord
+from ..core.phases import PhaseRecord
+from ..core.transport import HostClient
 from . import machine
-from .client import HttpClient
-from .clock import ClockOffset
-from .heartbeat import Heartbeat
+from .devices import OneDevice, SeveralDevices, devices_of
+from .link import RunLink, http_client
 from .metrics import SharedMetrics
-from .progress import RoundProgress
-from .ranks import HostRanks, OneRank, WorldOfOne
-from .round import HostRound, RoundResult
-from .settings import Connection, HostSettings, overlap_mode
+from .overlap import InFlight
+from .ranks import HostRanks, OneRank
+from .round import RoundResult
+from .settings import Connection, ConnectionSettings, HostSettings, Overlap
 from .signals import SigtermHandler, exit_code_for
 from .stopping import ends_after_this_batch, steps_taken
-from .telemetry import TelemetryShipper
 from .tensors import HostTensors, shared_tensors
-from .worker import ExchangeWorker
+from .timing import RoundTiming
 
 log = logging.getLogger(__name__)
-
-TELEMETRY_FLUSH_SECONDS = 4.0
 
 
 class NodeoxStrategy(DDPStrategy):
@@ -91,6 +89,11 @@ class NodeoxStrategy(DDPStrategy):
         round_seconds: work to a time budget instead of ``local_steps``: a round closes at the first step after
             this many seconds of training, so a fast host does more steps than a slow one and nobody idles at the
             barrier (deltas are weighted by the samples they saw).
+        client: how rank 0 talks to the coordinator: called with the resolved
+            :class:`~lightning_nodeox.host.settings.Connection`, returns a
+            :class:`~lightning_nodeox.core.transport.HostClient` (default: HTTP(S) to ``coordinator_url``, with
+            ``request_timeout`` and ``retry_for``). Give one for another transport: an in-process coordinator in
+            tests, a relay's upstream.
         ddp_kwargs: passed to ``torch.nn.parallel.DistributedDataParallel`` on a host with several devices, e.g.
             ``find_unused_parameters=True``; ignored on one device.
     """
@@ -113,6 +116,7 @@ class NodeoxStrategy(DDPStrategy):
         retry_for: float = 60.0,
         overlap: bool | str = False,
         round_seconds: float | None = None,
+        client: Callable[[Connection], HostClient] | None = None,
         accelerator=None,
         checkpoint_io=None,
         precision_plugin=None,
@@ -122,41 +126,29 @@ class NodeoxStrategy(DDPStrategy):
                          **ddp_kwargs)
         self.settings = HostSettings(local_steps=local_steps, rounding=rounding, error_feedback=error_feedback,
                                      codec_threads=codec_threads, request_timeout=request_timeout,
-                                     retry_for=retry_for, overlap=overlap_mode(overlap), round_seconds=round_seconds)
-        self._given = dict(coordinator_url=coordinator_url, host_id=host_id, token=token, telemetry_url=telemetry_url)
+                                     retry_for=retry_for, overlap=Overlap.of(overlap), round_seconds=round_seconds)
+        self._connection_settings = ConnectionSettings(coordinator_url=coordinator_url, host_id=host_id, token=token,
+                                                      telemetry_url=telemetry_url)
         if cpu_threads is not None and cpu_threads < 1:
             raise ValueError(f"cpu_threads must be at least 1 (or None for the CPU quota), got {cpu_threads}")
         self.cpu_threads = cpu_threads
+        self._client = client or http_client(self.settings)
         self.connection: Connection | None = None
         self._ranks: OneRank | HostRanks | None = None  # while fitting: this host's ranks
+        self._link: RunLink | None = None  # rank 0, once joined
+        self._overlap: InFlight | None = None  # while fitting
+        self._timing = RoundTiming(self.settings.local_steps, self.settings.round_seconds)
         self._hash = ""  # ranks other than 0: the model hash rank 0 last shared
-        self._pending = False  # an overlapped round's exchange is in flight (known on every rank)
         self.phase_records: deque[PhaseRecord] = deque(maxlen=100_000)
         self.last_result: RoundResult | None = None
-        self._round: HostRound | None = None
-        self._worker: ExchangeWorker | None = None
-        self._in_flight: Future | None = None  # overlap: the exchange of the round that closed last
-        self._in_flight_round = 0
-        self._in_flight_step = 0  # where the overlapped round closed (for its progress line)
-        self._telemetry: TelemetryShipper | None = None
-        self._heartbeat: Heartbeat | None = None
-        self._phases: PhaseLog | None = None
-        self._depth = 0
-        self._stepped = False
-        self._steps = 0
-        self._samples = 0
-        self._round_start = 0.0
-        self._deadline = 0.0  # with round_seconds: when the current round closes
         self._closed_rounds = 0
-        self._left = False
         self.metrics = SharedMetrics()
-        self._progress: RoundProgress | None = None  # rank 0
         self._sigterm = SigtermHandler(self._cancel_waits)
 
-    # -- devices and ranks ------------------------------------------------------------------------------------
+    # -- devices and ranks: one device plays Lightning's single-device strategy, several its DDP (host/devices.py)
     @property
-    def _one_device(self) -> bool:
-        return not self.parallel_devices or len(self.parallel_devices) == 1
+    def _devices(self) -> OneDevice | SeveralDevices:
+        return devices_of(self)
 
     @property
     @override
@@ -170,31 +162,19 @@ class NodeoxStrategy(DDPStrategy):
     def set_world_ranks(self) -> None:
         """One device: rank 0 of a world of one, whatever launched this process. Several: the ranks of Lightning's
         DDP world, which must be this one machine."""
-        if self._one_device:  # its local rank: its place among the hosts on this machine (prepare_data)
-            self.cluster_environment = WorldOfOne(machine.local_rank())
-        elif self.num_nodes != 1:
-            raise ValueError(
-                f"NodeoxStrategy joins machines through its coordinator: a host is one machine, got "
-                f"Trainer(num_nodes={self.num_nodes}). Use Trainer(devices=K, num_nodes=1, strategy=NodeoxStrategy()) "
-                "and start each machine as its own host with its own NODEOX_HOST_ID (on SLURM: one task per node "
-                "running `torchrun --standalone --nproc-per-node K`; see docs/clusters.md)")
-        super().set_world_ranks()
+        self._devices.set_world_ranks(self)
 
     @override
     def _configure_launcher(self) -> None:
-        if self._one_device:
-            self._launcher = None  # nothing to start: this process is the host
-        else:
-            super()._configure_launcher()
+        self._devices.configure_launcher(self)
 
     @override
     def setup_environment(self) -> None:
         """Use the run folder, size torch's CPU threads to this rank's share of the CPU quota; on several devices,
         join the host's process group."""
         trainer = self.lightning_module.trainer
-        machine.use_run_folder(trainer, Connection.host_id_from_env(self._given["host_id"]))
-        if self._one_device:  # each host loads its own data: no DistributedSampler (Lightning has no public switch)
-            trainer._accelerator_connector.use_distributed_sampler = False
+        machine.use_run_folder(trainer, self._connection_settings.resolved_host_id())
+        self._devices.setup_environment(trainer)
         ranks = len(self.parallel_devices or ()) or 1  # the host's ranks share this machine's CPU quota
         threads = self.cpu_threads or min(torch.get_num_threads(), max(1, granted_cpus() // ranks))
         if threads != torch.get_num_threads():
@@ -205,23 +185,17 @@ class NodeoxStrategy(DDPStrategy):
 
     @override
     def setup_distributed(self) -> None:
-        if self._one_device:
-            self.set_world_ranks()  # rank zero of its own world: its loggers write; no process group
-        else:
-            super().setup_distributed()
+        self._devices.setup_distributed(self)
 
     @override
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
         """Hosts never wait on each other. One device: only at ``pre_setup`` do the hosts of one machine wait until
         its local rank 0 has run ``prepare_data``. Several: the host's ranks wait for each other (DDP)."""
-        if not self._one_device:
-            super().barrier(name, *args, **kwargs)
-        elif name == "pre_setup":
-            machine.after_prepare_data(self.lightning_module.trainer, self.local_rank)
+        self._devices.barrier(self, name, *args, **kwargs)
 
     @override
     def broadcast(self, obj, src: int = 0):
-        return obj if self._one_device else super().broadcast(obj, src)
+        return self._devices.broadcast(self, obj, src)
 
     @property
     def is_distributed(self) -> bool:
@@ -234,7 +208,7 @@ class NodeoxStrategy(DDPStrategy):
         (this host's own value until the value was first shared); see :mod:`lightning_nodeox.host.metrics`. On a
         host of several devices the value is first reduced across its ranks (so every rank holds the host's)."""
         def across_ranks(t):
-            return t if self._one_device else DDPStrategy.reduce(self, t, group, reduce_op)
+            return self._devices.reduce(self, t, group, reduce_op)
 
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or trainer.state.fn != TrainerFn.FITTING:
@@ -244,11 +218,11 @@ class NodeoxStrategy(DDPStrategy):
 
     @override
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
-        return tensor if self._one_device else super().all_gather(tensor, group, sync_grads)
+        return self._devices.all_gather(self, tensor, group, sync_grads)
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        return model if self._one_device else super()._setup_model(model)
+        return self._devices.setup_model(self, model)
 
     # -- joining the run --------------------------------------------------------------------------------------
     @override
@@ -256,181 +230,89 @@ class NodeoxStrategy(DDPStrategy):
         """One device: set up as Lightning's single-device strategy does (the loaders keep their own samplers).
         Several: as DDP does (the model wrapped, a DistributedSampler splitting the host's data among its ranks).
         Then, when fitting, rank 0 joins the run and every rank takes its model."""
-        if self._one_device:
-            Strategy.setup(self, trainer)
-        else:
-            super().setup(trainer)
+        devices = self._devices
+        devices.setup(self, trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        if self._one_device:
-            self._ranks = OneRank()
-        else:
-            per_step = self.settings.overlap is not None or self.settings.round_seconds is not None
-            self._ranks = HostRanks([t for _, t in shared_tensors(self.lightning_module)], per_step=per_step)
+        per_step = self.settings.overlap is not Overlap.OFF or self.settings.round_seconds is not None
+        self._ranks = devices.ranks([t for _, t in shared_tensors(self.lightning_module)], per_step=per_step)
         self.connection, self._hash = self._ranks.lead(self._join)
-        self._round_start = time.time()
-        self._schedule_deadline(overlapped=False)
+        self._overlap = InFlight(self.settings.overlap, self._ranks, self._link)
+        self._timing.begin()
 
     def _join(self) -> tuple[Connection, str]:
-        """Rank 0: join the run and agree on the starting model."""
-        settings = self.settings
-        conn = Connection.resolve(**self._given)
-        clock = ClockOffset()
-        client = HttpClient(conn.coordinator_url, host=conn.host_id, token=conn.token, ca_file=conn.ca_file,
-                            read_timeout=settings.request_timeout, retry_for=settings.retry_for, clock=clock)
-        # the token and the host's credential go to the coordinator only, never to another telemetry address
-        telemetry_client = client if conn.telemetry_url is None else HttpClient(
-            conn.telemetry_url, host=conn.host_id, ca_file=conn.ca_file, retry_for=0.0)
-        self._phases = PhaseLog(conn.host_id)
-        self._telemetry = TelemetryShipper(telemetry_client, clock)
-        self._progress = RoundProgress(conn.host_id)
-        self._phases.listeners += [self.phase_records.append, self._telemetry, self._progress]
-        codec_threads = 1 if self.root_device.type != "cpu" else choose_threads(settings.codec_threads,
+        """Rank 0: join the run through the client made for this connection, and agree on the starting model."""
+        conn = self._connection_settings.resolve()
+        codec_threads = 1 if self.root_device.type != "cpu" else choose_threads(self.settings.codec_threads,
                                                                                    purpose="host codec")
-        tensors = HostTensors(shared_tensors(self.lightning_module))
-        self._round = HostRound(tensors, client, self._phases, rounding=settings.rounding,
-                                error_feedback=settings.error_feedback, codec_threads=codec_threads)
-        log.info("NodeoxStrategy: host %s joining %s (%d tensors, %.1f MB, local_steps=%d, %d rank%s)", conn.host_id,
-                 conn.coordinator_url, len(tensors.live), tensors.nbytes / 1e6, settings.local_steps,
-                 self._ranks.size, "" if self._ranks.size == 1 else "s")
-        self._heartbeat = Heartbeat(client)  # keeps this host's lease from its join's answer until it leaves
-        try:
-            self._round.join()
-        except BaseException:
-            self._heartbeat.stop()
-            self._telemetry.close(timeout=2.0)
-            self._round.close()
-            raise
-        self._worker = ExchangeWorker()
-        return conn, self._round.model_hash
+        self._link = RunLink.join(conn, self._client(conn), HostTensors(shared_tensors(self.lightning_module)),
+                                  self.settings, codec_threads=codec_threads, sigterm=self._sigterm,
+                                  listeners=[self.phase_records.append], ranks=self._ranks.size)
+        return conn, self._link.round.model_hash
 
-    # -- round boundaries -------------------------------------------------------------------------------------
+    # -- round boundaries: when (host/timing.py), and overlapped or not (host/overlap.py) -----------------------
     @override
     def training_step(self, *args: Any, **kwargs: Any):
-        self._depth += 1
-        try:
+        with self._timing.inside():
             output = super().training_step(*args, **kwargs)
-        finally:
-            self._depth -= 1
-        self._samples += _batch_size(args[0] if args else kwargs.get("batch"))
+        self._timing.add_samples(_batch_size(args[0] if args else kwargs.get("batch")))
         self._at_batch_end()
         return output
 
     @override
     def optimizer_step(self, optimizer, closure, model: LightningModule | None = None, **kwargs: Any):
-        self._depth += 1
-        try:
+        with self._timing.inside():
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        finally:
-            self._depth -= 1
-        self._stepped = True
+        self._timing.stepped()
         self._at_batch_end()
         return output
 
     def _at_batch_end(self) -> None:
         """Count a batch that stepped (once, however many optimizers stepped); fold an arrived sync into the live
         model (overlap); close the round when due. On a host of several devices rank 0 decides both for all."""
-        if self._depth or not self._stepped or self._ranks is None:
+        if self._ranks is None or not self._timing.batch_ended():
             return
-        self._stepped = False
-        self._steps += 1
-        arrived = self._in_flight is not None and self._in_flight.done()
-        arrived, due = self._ranks.decide(arrived, self._round_due())
+        arrived, due = self._ranks.decide(self._overlap.arrived(), self._timing.due())
         if arrived:
-            self._fold()
+            self._took(self._overlap.fold(), self._overlap.step)
         if due:
             self._close_round(final=ends_after_this_batch(self.lightning_module.trainer))
 
-    def _round_due(self) -> bool:
-        if self.settings.round_seconds is not None:
-            return time.time() >= self._deadline
-        return self._steps >= self.settings.local_steps
-
     def _close_round(self, final: bool = False) -> None:
-        """Hand the round to the exchange worker; wait for it unless training overlaps. The first round is never
-        overlapped (the hosts' rounds start together after it, whatever their start-up took), nor the final one.
-        On a host of several devices rank 0 does this, with the samples of all ranks, and the others take its
-        result and model."""
-        if self._pending:  # overlap: the previous round's sync has not been folded in yet
-            self._wait_and_fold()
-        samples = self._ranks.total(self._samples)
-        mode = self.settings.overlap
-        overlapped = mode is not None and not final and self._closed_rounds > 0
+        """Hand the round to the exchange worker; wait for it unless training overlaps. On a host of several
+        devices rank 0 does this, with the samples of all ranks, and the others take its result and model."""
+        if self._overlap.pending:  # the previous round's sync has not been folded in yet
+            self._took(self._overlap.fold(wait=True), self._overlap.step)
+        timing = self._timing
+        samples = self._ranks.total(timing.samples)
+        step = steps_taken(self.lightning_module.trainer)
+        overlapped = self._overlap.overlaps(final=final, closed_rounds=self._closed_rounds)
+
+        def trained() -> None:
+            self._link.trained(timing.start, timing.steps, samples, self._ranks.size)
+
         if overlapped:
-            self._ranks.lead(lambda: self._start_round(samples, mode), model=mode == "delayed")
-            self._pending = True
-            self._in_flight_step = steps_taken(self.lightning_module.trainer)
+            self._overlap.start(samples, step, begin=trained, metrics=self.metrics.take)
         else:
-            self.last_result = self._ranks.lead(lambda: self._run_round(samples, final))
-            self._hash = self.last_result.model_hash
-            self._after_round(self.last_result, steps_taken(self.lightning_module.trainer))
+            def exchange() -> RoundResult:
+                trained()
+                return self._link.run_round(samples, final, self.metrics.take())
+
+            self._took(self._ranks.lead(exchange), step)
         self._closed_rounds += 1
-        self._steps = self._samples = 0
-        self._round_start = time.time()
-        self._schedule_deadline(overlapped)
+        timing.begin(overlapped=overlapped)
 
-    def _schedule_deadline(self, overlapped: bool) -> None:
-        """With ``round_seconds``: a round that waited for its sync starts a budget of its own; overlapped rounds
-        keep to a fixed schedule (boundaries ``round_seconds`` apart), so time lost at a boundary or to a step that
-        overran is made up and the hosts' boundaries do not drift apart."""
-        budget = self.settings.round_seconds
-        if budget is None:
-            return
-        self._deadline = self._deadline + budget if overlapped else self._round_start + budget
-        if self._deadline <= self._round_start:  # behind by a whole round: start afresh
-            self._deadline = self._round_start + budget
-
-    def _emit_train(self, samples: int) -> None:
-        self._phases.emit(PhaseRecord(self._round.round, self.connection.host_id, P.TRAIN, self._round_start,
-                                      time.time(), extra={"steps": self._steps, "samples": samples,
-                                                          "ranks": self._ranks.size}))
-
-    def _run_round(self, samples: int, final: bool) -> RoundResult:
-        """Rank 0: the whole exchange, while training waits."""
-        self._emit_train(samples)
-        return self._sigterm.wait(self._worker.submit(self._round.run_round, samples, final, self.metrics.take()))
-
-    def _start_round(self, samples: int, mode: str) -> None:
-        """Rank 0: set the round's snapshot aside and start its exchange; training goes on."""
-        self._emit_train(samples)
-        self._round.tensors.take_snapshot(restart_from_base=mode == "delayed")
-        self._in_flight_round = self._round.round
-        self._in_flight = self._worker.submit(self._round.run_overlapped, samples, mode == "delayed",
-                                              self.metrics.take())
-
-    def _wait_and_fold(self) -> None:
-        self._fold(wait=True)
-
-    def _fold(self, wait: bool = False) -> None:
-        """The overlapped round's sync has arrived (``wait``: training waits for it first): the live model becomes
-        it plus the progress made since (or just it, when the run completed with that round: every host ends on
-        the same model). Rank 0 folds; the other ranks take its folded model."""
-        self.last_result = self._ranks.lead(lambda: self._fold_in(wait))
-        self._hash = self.last_result.model_hash
-        self._pending = False
-        self._after_round(self.last_result, self._in_flight_step)
-
-    def _fold_in(self, wait: bool) -> RoundResult:
-        if wait:
-            with self._phases.timed(self._in_flight_round, P.WAIT):
-                self._sigterm.wait(self._in_flight)
-        result = self._in_flight.result()
-        self._in_flight = None
-        with self._phases.timed(result.round, P.FOLD):
-            if result.complete:
-                self._round.tensors.restore_live()
-            else:
-                self._round.tensors.fold()
-        return result
-
-    def _after_round(self, result: RoundResult, step: int) -> None:
-        """Every rank: take the run's shared values, show the round's progress line (rank 0; ``step``: where the
-        round closed), and stop when the run is complete."""
+    def _took(self, result: RoundResult, step: int) -> None:
+        """Every rank: a round's result is in. Take the run's shared values, show the round's progress line (rank 0;
+        ``step``: where the round closed), and stop when the run is complete."""
+        self.last_result = result
+        self._hash = result.model_hash
         trainer = self.lightning_module.trainer
         self.metrics.update(result.metrics)
-        if self._progress is not None:
-            self._progress.show(trainer, self._progress.line(result.round, step, result.model_hash,
-                                                             trainer.callback_metrics, result.complete))
+        if self._link is not None:
+            progress = self._link.progress
+            progress.show(trainer, progress.line(result.round, step, result.model_hash, trainer.callback_metrics,
+                                                 result.complete))
         if result.complete:
             trainer.should_stop = True  # a host's training ended: every host stops at this round
 
@@ -440,17 +322,17 @@ class NodeoxStrategy(DDPStrategy):
         super().on_train_start()
 
     def _cancel_waits(self) -> None:
-        if self._round is not None:
-            self._round.client.cancel()
+        if self._link is not None:
+            self._link.cancel()
 
     @override
     def on_train_end(self) -> None:
         """This host's final round (what it trained since its last round; never overlapped), unless the run has
         completed already (another host's training ended, or this host's last batch closed its final round); then
         the run's values of the metrics logged with ``sync_dist=True`` go into ``trainer.callback_metrics``."""
-        if self._pending:
-            self._wait_and_fold()
-        if self._ranks is not None and not self._ranks.lead(lambda: self._round.complete, model=False):
+        if self._overlap is not None and self._overlap.pending:
+            self._took(self._overlap.fold(wait=True), self._overlap.step)
+        if self._ranks is not None and not self._ranks.lead(lambda: self._link.round.complete, model=False):
             self._close_round(final=True)
         self.metrics.publish(self.lightning_module.trainer.callback_metrics)
         super().on_train_end()
@@ -458,7 +340,8 @@ class NodeoxStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         self._sigterm.uninstall()
-        self._leave()
+        if self._link is not None:
+            self._link.leave()
         if self._ranks is not None:
             self._ranks.close()
             self._ranks = None
@@ -467,33 +350,14 @@ class NodeoxStrategy(DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         exit_code_for(exception)
-        self._leave(interrupted=True)
+        if self._link is not None:
+            self._link.leave(interrupted=True)
         super().on_exception(exception)
-
-    def _leave(self, interrupted: bool = False) -> None:
-        """Flush this host's phase records and tell the coordinator it left, within about 10 s (the flush, then
-        the goodbye's own deadline), whether training ended or failed: cancelling stops only the exchange in
-        flight, not the goodbye, so other hosts never wait for a host that is gone."""
-        if self._worker is None or self._left:
-            return
-        self._left = True
-        if interrupted:
-            self._round.client.cancel()  # an exchange in flight gives up instead of waiting for its sync
-        self._worker.close(wait=not interrupted)
-        if not interrupted:
-            self._round.close()
-        self._heartbeat.stop()
-        self._telemetry.close(timeout=TELEMETRY_FLUSH_SECONDS)  # first: the coordinator may stop once all left
-        try:
-            self._round.client.leave()
-        except Exception as e:  # noqa: BLE001 - leaving is a courtesy; the coordinator's lease drops the host
-            log.warning("NodeoxStrategy: could not tell the coordinator that host %s left: %s",
-                        self.connection.host_id, e)
 
     @property
     def model_hash(self) -> str | None:
         """Hash of this host's current shared model (as agreed with the coordinator)."""
-        return self._round.model_hash if self._round is not None else self._hash or None
+        return self._link.round.model_hash if self._link is not None else self._hash or None
 
     @classmethod
     @override

@@ -14,7 +14,7 @@ from collections import deque
 
 from ..core.phases import PhaseRecord
 from ..core.protocol import Reason, Refusal
-from .clock import ClockOffset
+from ..core.transport import Clock, HostClient
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 class TelemetryShipper:
     """Batches records and posts them, mapped onto the coordinator's clock, to ``POST /v1/events``."""
 
-    def __init__(self, client, clock: ClockOffset, *, interval: float = 1.0,
+    def __init__(self, client: HostClient, clock: Clock, *, interval: float = 1.0,
                  max_pending: int = 100_000, batch: int = 2000) -> None:
         self.client = client
         self.clock = clock

@@ -1,0 +1,195 @@
+"""A coordinator's run from its start to its end, whatever transport carries the protocol (HTTP in
+:mod:`~lightning_nodeox.coordinator.server`, in-process in the tests).
+
+Start: a saved, unfinished run in the run directory is resumed (its model from its snapshot, or given back by a
+host that rejoins, :mod:`~lightning_nodeox.coordinator.recovery`); else ``--initial-model`` is loaded when given;
+else the first host to join provides the model.
+
+While it runs, four times a second: hosts whose lease expired are dropped, a round whose ``--round-timeout``
+passed closes, a resumed run whose model no host gave back in time falls back to its snapshot, whom an open round
+waits for is logged every ``status_interval`` seconds, and memory is sampled every ``--rss-interval``.
+
+End: on SIGINT/SIGTERM, or (``exit_when_done``) once the run is complete and every host is gone. The transport
+stops first, then a round that is closing publishes (no other starts), and the run's state is written with a
+snapshot of the model; the exit status is 0 for a completed run, 1 for one stopped before, 2 for one that could
+not start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import torch
+
+from ..core.cpu import choose_threads
+from ..core.modelfile import read_named_model
+from ..core.phases import COORDINATOR, RESTART, PhaseRecord
+from ..core.pool import WorkerPool
+from .config import CoordinatorConfig
+from .lock import RunDirLock
+from .membership import Membership
+from .recovery import Recovery
+from .rounds import BeforePublish, Rounds
+from .runlog import RunLog
+from .runstate import RunState
+from .state import RunStore, SavedRun, take_up
+from .waiting import waiting_for
+
+log = logging.getLogger(__name__)
+
+TICK = 0.25  # seconds between the periodic checks
+
+Listen = Callable[["CoordinatorRun"], Awaitable[Callable[[], Awaitable[None]]]]
+
+
+class CoordinatorRun:
+    """One run's parts, sharing one :class:`RunState`: who takes part (``membership``), the round (``rounds``)
+    and what survives a restart (``recovery``); a transport calls these, and this class starts, ticks and ends
+    them. ``store`` None: nothing is saved (nor resumed)."""
+
+    def __init__(self, config: CoordinatorConfig, runlog: RunLog, pool: WorkerPool, store: RunStore | None = None,
+                 before_publish: BeforePublish | None = None) -> None:
+        self.state = RunState(config, runlog, pool)
+        self.recovery = Recovery(self.state, store)
+        self.rounds = Rounds(self.state, self.recovery, before_publish)
+        self.membership = Membership(self.state, self.recovery, self.rounds)
+        self._last_status = 0.0
+        self._next_rss = time.time()
+
+    @property
+    def config(self) -> CoordinatorConfig:
+        return self.state.config
+
+    # -- start ----------------------------------------------------------------------------------------------
+    async def start(self, saved: SavedRun | None) -> None:
+        """Resume ``saved`` (from its snapshot when that is its model), or load ``--initial-model`` if given."""
+        config = self.config
+        if saved is not None:
+            self.recovery.resume(saved)
+            now = time.time()
+            self.state.record(PhaseRecord(saved.round, COORDINATOR, RESTART, now, now,
+                                          extra={"model_hash": saved.model_hash,
+                                                 "snapshot_round": saved.snapshot_round}))
+            from_snapshot = await self.recovery.restore()
+            source = "from its snapshot" if from_snapshot else "given back by the first host that rejoins"
+            print(f"nodeox coordinator: resuming the run in {config.run_dir} at round {saved.round} (model "
+                  f"{saved.model_hash}, {source}); start with --fresh to begin a new run instead", flush=True)
+        elif config.initial_model is not None:
+            path = Path(config.initial_model)
+            await self.load_initial_model(torch.from_file(str(path), shared=False, size=path.stat().st_size,
+                                                          dtype=torch.uint8))
+
+    async def load_initial_model(self, data: torch.Tensor) -> None:
+        """``data``: any safetensors file, the run's initial model; its tensors become the model at the first join,
+        matched by name to that host's specs (the file's order need not be the model's)."""
+        initial, skipped = read_named_model(data, "--initial-model")
+        if skipped:
+            log.warning("nodeox coordinator: --initial-model: tensors that are not floating point are not exchanged; "
+                        "skipped %s", ", ".join(skipped))
+        self.membership.initial = initial
+
+    # -- while it runs --------------------------------------------------------------------------------------
+    async def tick(self) -> None:
+        """The periodic work, once (see the module's docstring)."""
+        await self.membership.check_leases()
+        await self.rounds.maybe_close()  # rounds whose timeout has passed
+        await self.recovery.fall_back_to_snapshot(self.membership.provider_since)
+        self._log_waiting()
+        if time.time() >= self._next_rss:
+            self.state.sample_memory()
+            self._next_rss = time.time() + self.config.rss_interval
+
+    async def tick_forever(self) -> None:
+        while True:
+            await asyncio.sleep(TICK)
+            try:
+                await self.tick()
+            except Exception:  # noqa: BLE001 - keep ticking; the failure is logged
+                log.exception("nodeox coordinator: periodic work failed")
+
+    def _log_waiting(self) -> None:
+        """Every ``status_interval`` seconds of a round that has not closed, say whom it waits for."""
+        now = time.time()
+        if now - max(self.state.round_opened, self._last_status) < self.config.status_interval:
+            return
+        said = waiting_for(self.state, self.rounds, self.recovery, self.membership.provider)
+        if said is not None:
+            self._last_status = now
+            log.log(said[0], "nodeox coordinator: %s", said[1])
+
+    def status(self) -> dict:
+        """The run at a glance (what ``GET /v1/status`` shows)."""
+        state, q4 = self.state, self.config.q4
+        return {
+            "round": state.round, "published_round": state.published_round, "complete": state.complete,
+            "model_hash": None if state.model is None else state.model.hash,
+            "hosts": {h.id: h.state.value for h in state.hosts.values()},
+            "received": sorted(self.rounds.received), "peak_rss_bytes": state.peak_rss, "lease": self.config.lease,
+            "downloads": len(self.rounds.downloads), "codec": q4.codec,
+            "block_size": q4.block_size, "scale_dtype": q4.scale_dtype,
+        }
+
+    # -- end ------------------------------------------------------------------------------------------------
+    async def save_at_shutdown(self) -> None:
+        """Let a round that is closing publish (no other starts closing), wait for its state, then write the state
+        with a snapshot."""
+        await self.rounds.stop_closing()
+        await self.recovery.save_with_snapshot()
+
+    def close(self) -> None:
+        """Stop the run's threads (after :meth:`save_at_shutdown`)."""
+        self.state.close()
+        self.recovery.close()
+
+
+async def run(config: CoordinatorConfig, listen: Listen, *, before_publish: BeforePublish | None = None) -> int:
+    """Run a coordinator until its run completes (or a signal); returns the exit status. ``listen(run)`` starts the
+    transport and returns what stops it;
+    ``before_publish`` (for comparisons only) is awaited with each round's sync before it is published."""
+    torch.set_num_threads(1)  # codec ops never thread inside ATen here; the codec pool parallelizes
+    run_dir = Path(config.run_dir)
+    try:
+        lock = RunDirLock(run_dir)  # noqa: F841 - one coordinator per run directory, held until run() returns
+        config, saved = take_up(config)
+    except ValueError as e:
+        print(f"nodeox coordinator: {e}", file=sys.stderr, flush=True)
+        return 2
+    threads = choose_threads(config.threads, purpose="coordinator codec")
+    pool = WorkerPool(config.q4, "cpu", threads)
+    runlog = RunLog(run_dir)
+    coordinator = CoordinatorRun(config, runlog, pool, RunStore(run_dir), before_publish)
+    await coordinator.start(saved)
+    stop_listening = await listen(coordinator)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    tick_task = asyncio.ensure_future(coordinator.tick_forever())
+    finished = asyncio.ensure_future(coordinator.state.finished.wait())
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({stopped} | ({finished} if config.exit_when_done else set()),
+                       return_when=asyncio.FIRST_COMPLETED)
+    tick_task.cancel()
+    for task in (finished, stopped):
+        task.cancel()
+    await stop_listening()
+    await coordinator.save_at_shutdown()
+    state = coordinator.state
+    state.sample_memory()
+    coordinator.close()
+    pool.close()
+    runlog.close()
+    status = (f"complete after round {state.published_round}" if state.complete
+              else f"stopped before the run completed, at round {state.round}")
+    print(f"nodeox coordinator: run {status}; peak RSS {state.peak_rss / 2**20:.0f} MiB", flush=True)
+    return 0 if state.complete else 1

@@ -1,0 +1,104 @@
+"""What a host's client must offer, whatever carries its calls (HTTP, an in-process coordinator, a relay's
+upstream), and what a refusal means for a host: written once here, so every client maps them alike.
+
+A client raises :class:`~lightning_nodeox.core.protocol.Refusal` for a refused call and turns the refusals that
+are outcomes into values with :func:`delta_outcome` and :func:`sync_outcome`: a duplicate delta was taken, a late
+or stale one is an :class:`~lightning_nodeox.core.protocol.Upload` outcome, a sync that was replaced is
+:class:`~lightning_nodeox.core.protocol.SyncGone`; every other refusal stays an error.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+from .protocol import ByteStream, JoinReply, Reason, Refusal, SyncGone, SyncReply, Upload
+
+log = logging.getLogger(__name__)
+
+UPLOAD_OUTCOMES = {Reason.DUPLICATE: Upload.TAKEN, Reason.LATE: Upload.LATE, Reason.STALE_BASE: Upload.STALE_BASE}
+
+
+def delta_outcome(send: Callable[[], object], host: str, round_: int) -> Upload:
+    """Run ``send`` (one delta upload) and say what became of the delta; refusals other than those in
+    :data:`UPLOAD_OUTCOMES` are raised."""
+    try:
+        send()
+    except Refusal as e:
+        outcome = UPLOAD_OUTCOMES.get(e.reason)
+        if outcome is None:
+            raise
+        if outcome is not Upload.TAKEN:
+            log.warning("nodeox: host %s: delta of round %d not taken: %s", host, round_, e)
+        return outcome
+    return Upload.TAKEN
+
+
+def sync_outcome(ask: Callable[[], SyncReply | None]) -> SyncReply | None:
+    """Run ``ask`` (one wait for a sync: a reply, or None when not ready yet); a sync that was replaced
+    (``GONE``) is :class:`SyncGone`, other refusals are raised."""
+    try:
+        return ask()
+    except Refusal as e:
+        if e.reason is Reason.GONE:
+            return SyncGone()
+        raise
+
+
+class Clock(Protocol):
+    """The coordinator's clock minus this host's, in seconds (0 when they share one)."""
+
+    @property
+    def offset(self) -> float: ...
+
+
+@runtime_checkable
+class HostClient(Protocol):
+    """A host's calls to its coordinator. Every call but :meth:`leave`, :meth:`heartbeat` and :meth:`post_events`
+    gives up (:class:`~lightning_nodeox.core.protocol.Cancelled`) once :meth:`cancel` was called."""
+
+    url: str  # where the coordinator is, for messages
+    host: str  # the host this client acts for
+    clock: Clock  # aligns the host's phase records to the coordinator's clock
+
+    @property
+    def joined(self) -> bool:
+        """Whether a join has answered (the calls on the host's behalf can be made)."""
+        ...
+
+    def join(self, tensors: list, *, model_hash: str | None = None, round_: int | None = None) -> JoinReply:
+        """Join the run (again: saying which model and round this host holds)."""
+        ...
+
+    def put_model(self, body) -> str:
+        """Provide the model (a reader with ``read``); returns the coordinator's hash of it."""
+        ...
+
+    def post_delta(self, round_: int, body: memoryview) -> Upload:
+        """Send round ``round_``'s delta (see :func:`delta_outcome`)."""
+        ...
+
+    def wait_sync(self, round_: int) -> SyncReply:
+        """Wait until round ``round_``'s sync is ready, the run completed, or the sync is gone."""
+        ...
+
+    def get_model(self) -> ByteStream:
+        """The coordinator's full model, as a model file."""
+        ...
+
+    def post_events(self, records: list[dict], *, retry_for: float = 0.0) -> None:
+        """Phase records of this host."""
+        ...
+
+    def heartbeat(self) -> float:
+        """This host is alive (one try); returns the lease in seconds."""
+        ...
+
+    def leave(self) -> None:
+        """This host takes no further part (whatever the cancel state)."""
+        ...
+
+    def cancel(self) -> None:
+        """Make the calls in progress give up at their next poll."""
+        ...

@@ -1,0 +1,131 @@
+"""Rank 0's link to the run: its client, its round, the exchange worker, its phase records (kept, shipped to the
+coordinator, summed into progress lines) and its heartbeat; opened by joining, closed by leaving.
+
+Only rank 0 of a host holds one; the other ranks follow rank 0 through :mod:`lightning_nodeox.host.ranks`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from ..core import phases as P
+from ..core.phases import PhaseLog, PhaseRecord
+from ..core.transport import HostClient
+from .client import HttpClient
+from .heartbeat import Heartbeat
+from .progress import RoundProgress
+from .round import HostRound, RoundResult
+from .settings import Connection, HostSettings
+from .signals import SigtermHandler
+from .telemetry import TelemetryShipper
+from .tensors import HostTensors
+from .worker import ExchangeWorker
+
+log = logging.getLogger(__name__)
+
+TELEMETRY_FLUSH_SECONDS = 4.0
+
+ClientFactory = Callable[[Connection], HostClient]
+
+
+def http_client(settings: HostSettings) -> ClientFactory:
+    """The default transport: HTTP(S) to the connection's coordinator, with the settings' timeouts."""
+
+    def make(conn: Connection) -> HostClient:
+        return HttpClient(conn.coordinator_url, host=conn.host_id, token=conn.token, ca_file=conn.ca_file,
+                          read_timeout=settings.request_timeout, retry_for=settings.retry_for)
+
+    return make
+
+
+def telemetry_client(conn: Connection, client: HostClient) -> HostClient:
+    """Where phase records go: the coordinator's client, or (``telemetry_url``) an HTTP client of their own that
+    carries neither the token nor the host's credential, which go to the coordinator only."""
+    if conn.telemetry_url is None:
+        return client
+    return HttpClient(conn.telemetry_url, host=conn.host_id, ca_file=conn.ca_file, retry_for=0.0)
+
+
+class RunLink:
+    """A joined host's exchange with the coordinator, as rank 0 runs it."""
+
+    def __init__(self, conn: Connection, round_: HostRound, sigterm: SigtermHandler,
+                 listeners: list[Callable[[PhaseRecord], None]], telemetry: HostClient) -> None:
+        self.connection = conn
+        self.round = round_
+        self.sigterm = sigterm
+        self.telemetry = TelemetryShipper(telemetry, round_.client.clock)
+        self.progress = RoundProgress(conn.host_id)
+        round_.phases.listeners += [*listeners, self.telemetry, self.progress]
+        self.heartbeat = Heartbeat(round_.client)  # keeps this host's lease from its join's answer until it leaves
+        self.worker: ExchangeWorker | None = None
+        self._left = False
+
+    @classmethod
+    def join(cls, conn: Connection, client: HostClient, tensors: HostTensors, settings: HostSettings, *,
+             codec_threads: int, sigterm: SigtermHandler, listeners: list[Callable[[PhaseRecord], None]],
+             ranks: int) -> RunLink:
+        """Join the run and agree on the starting model; a failed join leaves nothing running."""
+        round_ = HostRound(tensors, client, PhaseLog(conn.host_id), rounding=settings.rounding,
+                           error_feedback=settings.error_feedback, codec_threads=codec_threads)
+        link = cls(conn, round_, sigterm, listeners, telemetry_client(conn, client))
+        log.info("NodeoxStrategy: host %s joining %s (%d tensors, %.1f MB, local_steps=%d, %d rank%s)", conn.host_id,
+                 conn.coordinator_url, len(tensors.live), tensors.nbytes / 1e6, settings.local_steps, ranks,
+                 "" if ranks == 1 else "s")
+        try:
+            round_.join()
+        except BaseException:
+            link.heartbeat.stop()
+            link.telemetry.close(timeout=2.0)
+            round_.close()
+            raise
+        link.worker = ExchangeWorker()
+        return link
+
+    @property
+    def phases(self) -> PhaseLog:
+        return self.round.phases
+
+    def trained(self, start: float, steps: int, samples: int, ranks: int) -> None:
+        """The round's training phase, from ``start`` until now."""
+        self.phases.emit(PhaseRecord(self.round.round, self.connection.host_id, P.TRAIN, start, time.time(),
+                                     extra={"steps": steps, "samples": samples, "ranks": ranks}))
+
+    def submit(self, fn: Callable, *args) -> Future:
+        """Run ``fn(*args)`` on the exchange worker."""
+        return self.worker.submit(fn, *args)
+
+    def wait(self, future: Future):
+        """The exchange's result, given up at once on SIGTERM."""
+        return self.sigterm.wait(future)
+
+    def run_round(self, samples: int, final: bool, metrics: dict[str, list]) -> RoundResult:
+        """The whole exchange, while training waits."""
+        return self.wait(self.submit(self.round.run_round, samples, final, metrics))
+
+    def cancel(self) -> None:
+        """Make the exchange's calls in progress give up."""
+        self.round.client.cancel()
+
+    def leave(self, interrupted: bool = False) -> None:
+        """Flush this host's phase records and tell the coordinator it left, within about 10 s (the flush, then
+        the goodbye's own deadline), whether training ended or failed: cancelling stops only the exchange in
+        flight, not the goodbye, so other hosts never wait for a host that is gone."""
+        if self.worker is None or self._left:
+            return
+        self._left = True
+        if interrupted:
+            self.cancel()  # an exchange in flight gives up instead of waiting for its sync
+        self.worker.close(wait=not interrupted)
+        if not interrupted:
+            self.round.close()
+        self.heartbeat.stop()
+        self.telemetry.close(timeout=TELEMETRY_FLUSH_SECONDS)  # first: the coordinator may stop once all left
+        try:
+            self.round.client.leave()
+        except Exception as e:  # noqa: BLE001 - leaving is a courtesy; the coordinator's lease drops the host
+            log.warning("NodeoxStrategy: could not tell the coordinator that host %s left: %s",
+                        self.connection.host_id, e)

@@ -1,0 +1,72 @@
+"""When a host's round closes: after ``local_steps`` optimizer steps, or with ``round_seconds`` at the first step
+after a time budget.
+
+A step is counted once per batch, however many optimizers stepped in it: Lightning's ``training_step`` and
+``optimizer_step`` nest (automatic optimization runs the training step inside the optimizer's closure, manual
+optimization steps inside the training step), so a batch ends when the outermost of them returns after a step.
+
+With ``round_seconds``, a round that waited for its sync starts a budget of its own; overlapped rounds keep to a
+fixed schedule (boundaries ``round_seconds`` apart), so time lost at a boundary or to a step that overran is made
+up and the hosts' boundaries do not drift apart.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+
+class RoundTiming:
+    """The current round's steps, samples and start, and whether it is due to close."""
+
+    def __init__(self, local_steps: int, round_seconds: float | None, *, clock: Callable[[], float] = time.time):
+        self.local_steps = local_steps
+        self.round_seconds = round_seconds
+        self.clock = clock
+        self.steps = 0
+        self.samples = 0
+        self.start = 0.0
+        self.deadline = 0.0  # with round_seconds: when the current round closes
+        self._depth = 0
+        self._stepped = False
+
+    @contextmanager
+    def inside(self) -> Iterator[None]:
+        """Around a (possibly nested) ``training_step`` or ``optimizer_step``."""
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+
+    def stepped(self) -> None:
+        """An optimizer stepped in the batch now running."""
+        self._stepped = True
+
+    def add_samples(self, samples: int) -> None:
+        self.samples += samples
+
+    def batch_ended(self) -> bool:
+        """Whether a batch that stepped just ended (outside every nested step); it is then counted, once."""
+        if self._depth or not self._stepped:
+            return False
+        self._stepped = False
+        self.steps += 1
+        return True
+
+    def due(self) -> bool:
+        if self.round_seconds is not None:
+            return self.clock() >= self.deadline
+        return self.steps >= self.local_steps
+
+    def begin(self, *, overlapped: bool = False) -> None:
+        """A round starts now (``overlapped``: the last one closed without waiting for its sync)."""
+        self.steps = self.samples = 0
+        self.start = self.clock()
+        budget = self.round_seconds
+        if budget is None:
+            return
+        self.deadline = self.deadline + budget if overlapped else self.start + budget
+        if self.deadline <= self.start:  # behind by a whole round: start afresh
+            self.deadline = self.start + budget

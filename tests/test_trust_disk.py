@@ -1,0 +1,293 @@
+"""A run you can trust with its own disk: one coordinator per run directory, a new run moves aside only what a
+run wrote, damaged state is refused naming --fresh, and the events log and TensorBoard recover with the disk."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+from helpers import Coordinator, model
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.summary.writer.record_writer import RecordWriter
+
+from lightning_nodeox.coordinator.lock import LOCK_FILE
+from lightning_nodeox.coordinator.runlog import LineFile, RunLog, Trouble, tag
+from lightning_nodeox.core.phases import PhaseLog, PhaseRecord
+from lightning_nodeox.host.client import HttpClient
+from lightning_nodeox.host.round import HostRound
+from lightning_nodeox.host.tensors import HostTensors
+
+ENOSPC = OSError(errno.ENOSPC, "No space left on device")
+
+
+def start_coordinator(run_dir: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """A `nodeox coordinator` expected to refuse (it is not waited for to serve)."""
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_nodeox", "coordinator", "--hosts", "1", "--run-dir", str(run_dir), "--bind",
+         "127.0.0.1:0", "--threads", "1", *args], check=False, capture_output=True, text=True, timeout=timeout,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+# -- one coordinator per run directory -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_second_coordinator_on_a_run_directory_refuses_at_once_naming_the_first(coordinator, tmp_path) -> None:
+    first = coordinator(1, run_dir=tmp_path / "run")
+    before = {name: (first.run_dir / name).read_text() for name in (LOCK_FILE, "coordinator.json")}
+    began = time.monotonic()
+    second = start_coordinator(first.run_dir)
+    assert second.returncode == 2, second.stderr
+    assert time.monotonic() - began < 30  # at once: no wait for a lease or a timeout
+    assert f"another coordinator holds {first.run_dir} (pid {first.proc.pid} on {socket.gethostname()}" in second.stderr
+    assert "Traceback" not in second.stderr
+    assert {name: (first.run_dir / name).read_text() for name in before} == before  # the second changed nothing
+    assert json.loads(before[LOCK_FILE])["pid"] == first.proc.pid
+    assert requests.get(f"{first.url}/v1/status", timeout=10).json()["round"] == 0  # the first serves on
+
+    first.proc.send_signal(signal.SIGKILL)  # the kernel releases the lock of a process that dies
+    assert first.wait(30) == -signal.SIGKILL
+    again = coordinator(1, run_dir=first.run_dir)
+    assert requests.get(f"{again.url}/v1/status", timeout=10).json()["round"] == 0
+    assert json.loads((again.run_dir / LOCK_FILE).read_text())["pid"] == again.proc.pid
+
+
+# -- a new run moves aside what a run wrote, and nothing else --------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_new_run_moves_aside_only_the_records_a_run_wrote(coordinator, tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    for name in ("state/run.json", "events.jsonl", "tb/coordinator/events.out", "hosts/host0/ckpt", "coordinator.json"):
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_text(f"earlier {name}")
+    (run_dir / "my-notes.txt").write_text("mine")
+    (run_dir / "train.log").write_text("my own log")
+    (run_dir / "data").mkdir()
+    (run_dir / "data" / "x.csv").write_text("1,2")
+
+    coord = coordinator(1, "--fresh", run_dir=run_dir)
+    (previous,) = run_dir.glob("previous-*")
+    assert f"the earlier records are now in {previous}" in coord.log_path.read_text()
+    assert sorted(p.name for p in previous.iterdir()) == ["coordinator.json", "events.jsonl", "hosts", "state", "tb"]
+    assert (previous / "hosts" / "host0" / "ckpt").read_text() == "earlier hosts/host0/ckpt"
+    assert (previous / "state" / "run.json").read_text() == "earlier state/run.json"
+    assert (run_dir / "my-notes.txt").read_text() == "mine"
+    assert (run_dir / "train.log").read_text() == "my own log"
+    assert (run_dir / "data" / "x.csv").read_text() == "1,2"
+    assert not (run_dir / "state").exists() and not (run_dir / "hosts").exists()
+
+
+# -- damaged state is refused, naming --fresh ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved_state(tmp_path_factory) -> Path:
+    """The state/ of a real run stopped (SIGTERM) after one round, with Nesterov: run.json, sync, outer, model."""
+    root = tmp_path_factory.mktemp("saved")
+    coord = Coordinator(root / "run", 1, "--outer-optimizer", "nesterov", "--snapshot-every", "1")
+    try:
+        host = HostRound(HostTensors(model(0)), HttpClient(coord.url, host="a", retry_for=30), PhaseLog("a"))
+        host.join()
+        with torch.no_grad():
+            host.tensors.live[0].add_(0.01)
+        assert host.run_round(16, final=False).round == 0
+        host.close()
+    finally:
+        coord.stop()
+    state = root / "run" / "state"
+    names = json.loads((state / "run.json").read_text())["files"]
+    assert sorted(names) == ["model", "outer", "sync"]
+    return state
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _edit_run(change) -> callable:
+    def edit(path: Path) -> None:
+        d = json.loads(path.read_text())
+        change(d)
+        path.write_text(json.dumps(d))
+    return edit
+
+
+def _garble_header(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[8:24] = b"}{ not json at a"
+    path.write_bytes(bytes(data))
+
+
+# name: (the file of state/ that is damaged: run.json or the kind run.json names it by, the damage)
+DAMAGE = {
+    "run.json truncated": ("run.json", _truncate),
+    "run.json whose hosts are a list": ("run.json", _edit_run(lambda d: d.update(hosts=[1]))),
+    "run.json with a host state this version does not know": (
+        "run.json", _edit_run(lambda d: d["hosts"]["a"].update(state="sleeping"))),
+    "the sync with a flipped byte": ("sync", _flip_last_byte),
+    "the outer state truncated": ("outer", _truncate),
+    "the snapshot's header garbled": ("model", _garble_header),
+    "the snapshot missing": ("model", lambda path: path.unlink()),
+    "the snapshot with a flipped byte": ("model", _flip_last_byte),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(DAMAGE))
+def test_damaged_state_is_refused_naming_fresh_not_a_traceback(saved_state: Path, tmp_path, name: str) -> None:
+    which, damage = DAMAGE[name]
+    run_dir = tmp_path / "run"
+    shutil.copytree(saved_state, run_dir / "state")
+    file = which if which == "run.json" else json.loads((saved_state / "run.json").read_text())["files"][which]
+    damage(run_dir / "state" / file)
+    left = sorted(p.name for p in (run_dir / "state").iterdir())
+    result = start_coordinator(run_dir)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith(f"nodeox coordinator: {run_dir / 'state' / file} ") and "start with --fresh" in message
+    assert sorted(p.name for p in (run_dir / "state").iterdir()) == left  # nothing removed nor moved aside
+
+
+@pytest.mark.slow
+def test_undamaged_state_resumes(coordinator, saved_state: Path, tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(saved_state, run_dir / "state")
+    coord = coordinator(1, run_dir=run_dir)
+    assert "resuming the run in" in coord.log_path.read_text()
+    assert requests.get(f"{coord.url}/v1/status", timeout=10).json()["round"] == 1
+
+
+# -- the events log and TensorBoard recover when the disk does -------------------------------------------------------
+
+
+def record(round_: int, host: str = "a") -> PhaseRecord:
+    return PhaseRecord(round_, host, "encode", 100.0 + round_, 100.5 + round_, 1000 + round_)
+
+
+class FullDisk:
+    """``LineFile``'s writes while ``full``: half the bytes reach the file, then ENOSPC (a write cut mid-line)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.full = False
+        self.calls = 0
+        monkeypatch.setattr(LineFile, "_write", staticmethod(self.write))
+
+    def write(self, fd: int, data: memoryview) -> int:
+        self.calls += 1
+        if self.full:
+            os.write(fd, data[: max(1, len(data) // 2)])
+            raise ENOSPC
+        return os.write(fd, data)
+
+
+def lines(run_dir: Path) -> list[dict]:
+    text = (run_dir / "events.jsonl").read_text()
+    assert text.endswith("\n")
+    return [json.loads(line) for line in text.splitlines()]  # every line parses
+
+
+def test_the_events_log_keeps_every_record_across_a_full_disk_and_never_holds_part_of_a_line(
+        tmp_path, monkeypatch, caplog) -> None:
+    monkeypatch.setattr(RunLog, "_tb", lambda self, r: None)  # TensorBoard has its own test
+    disk = FullDisk(monkeypatch)
+    runlog = RunLog(tmp_path)
+    runlog.write([record(0), record(1)])
+    disk.full = True
+    caplog.set_level("WARNING", logger="lightning_nodeox.coordinator.runlog")
+    for r in (2, 3, 4):
+        runlog.write([record(r)])
+        assert [e["round"] for e in lines(tmp_path)] == [0, 1]  # the half-written line was cut back
+    errors = [m for m in caplog.messages if "cannot" in m]
+    assert len(errors) == 1 and "cannot write" in errors[0] and "No space left" in errors[0]  # said once
+    monkeypatch.setattr(Trouble, "REPORT_EVERY", 0.0)  # then at a slow interval (here: at once)
+    runlog.write([record(5)])
+    assert sum("still cannot be written" in m for m in caplog.messages) == 1
+    disk.full = False
+    runlog.write([record(6)])
+    runlog.write([record(7)])
+    runlog.close()
+    assert [e["round"] for e in lines(tmp_path)] == list(range(8))  # those of the outage too, in order
+    assert [e["bytes"] for e in lines(tmp_path)] == [1000 + r for r in range(8)]
+    assert any("writing" in m and "again" in m and "0 records lost" in m for m in caplog.messages)
+
+
+def test_an_events_log_left_with_part_of_a_line_is_cut_back_to_its_last_whole_line(tmp_path, caplog) -> None:
+    whole = json.dumps(record(0).to_json(), separators=(",", ":")) + "\n"
+    (tmp_path / "events.jsonl").write_text(whole + whole[:30])  # an earlier coordinator died mid-line
+    runlog = RunLog(tmp_path)
+    runlog.write([record(1)])
+    runlog.close()
+    assert [e["round"] for e in lines(tmp_path)] == [0, 1]
+    assert any("ended in part of a line" in m for m in caplog.messages)
+
+
+def test_records_beyond_what_a_failing_log_can_hold_are_counted_and_the_rest_written(tmp_path, monkeypatch,
+                                                                                     caplog) -> None:
+    monkeypatch.setattr(RunLog, "_tb", lambda self, r: None)
+    one_line = len(json.dumps(record(0).to_json(), separators=(",", ":"))) + 1
+    monkeypatch.setattr(LineFile, "MAX_PENDING", 3 * one_line + 5)  # room for three records
+    disk = FullDisk(monkeypatch)
+    runlog = RunLog(tmp_path)
+    disk.full = True
+    caplog.set_level("WARNING", logger="lightning_nodeox.coordinator.runlog")
+    for r in range(5):
+        runlog.write([record(r)])
+    disk.full = False
+    runlog.write([record(5)])
+    runlog.close()
+    assert [e["round"] for e in lines(tmp_path)] == [3, 4, 5]  # at most three wait: the oldest were dropped
+    assert any("3 records lost" in m for m in caplog.messages)
+
+
+def tb_steps(folder: Path, name: str) -> list[int]:
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return sorted(e.step for e in acc.Scalars(name))
+
+
+def test_tensorboard_writes_again_once_the_disk_recovers(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(RunLog, "RETRY_S", 0.0)
+    write = RecordWriter.write
+    full = {"on": False}
+
+    def failing(self, data):
+        if full["on"]:
+            raise ENOSPC
+        return write(self, data)
+
+    monkeypatch.setattr(RecordWriter, "write", failing)
+    runlog = RunLog(tmp_path)
+    runlog.write([record(0)])
+    runlog.flush()
+    full["on"] = True
+    runlog.write([record(1)])
+    runlog.flush()  # the writer's thread dies on the failed write; the writer is dropped
+    assert "a" not in runlog._writers
+    runlog.write([record(2)])  # a new writer, whose thread dies too
+    runlog.flush()
+    full["on"] = False
+    for r in (3, 4, 5):
+        runlog.write([record(r)])  # no error: the scalars go to a writer made again
+    runlog.close()
+    steps = tb_steps(tmp_path / "tb" / "host_a", tag("a", "encode"))
+    assert steps == [0, 3, 4, 5]
+    assert [e["round"] for e in lines(tmp_path)] == list(range(6))  # events.jsonl was never affected
