@@ -27,3 +27,11 @@ def coordinator(tmp_path):
     yield start
     for c in started:
         c.stop()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that takes the ``coordinator`` fixture starts a process: it is ``slow`` whether marked or not (the
+    others that start processes carry the marker themselves)."""
+    for item in items:
+        if "coordinator" in getattr(item, "fixturenames", ()) and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.slow)
