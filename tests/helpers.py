@@ -1,5 +1,6 @@
-"""What tests share: tiny models and their stand-in training, q4 messages and model files built by hand, reading
-what hosts saved, and the processes of a run (a coordinator, `nodeox launch`) on 127.0.0.1 port 0.
+"""What tests share: tiny models and their stand-in training, rounds in this process (local_transport's
+coordinator), q4 messages and model files built by hand, reading what hosts saved, and the processes of a run (a
+coordinator, `nodeox launch`) on 127.0.0.1 port 0.
 
 Fixtures live in conftest.py; everything a test module imports from another lives here."""
 
