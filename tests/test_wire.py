@@ -142,10 +142,12 @@ def test_model_file_round_trip_and_checks() -> None:
         read_model(torch.frombuffer(body[:-4], dtype=torch.uint8))
 
 
-def test_spec_of_refuses_integer_tensors() -> None:
-    with pytest.raises(ValueError, match="floating-point"):
-        spec_of([("steps", torch.tensor(3))])
-    assert TensorSpec("a", "float32", (2, 3)).numel == 6
+def test_spec_of_takes_integer_and_boolean_tensors_as_raw_and_refuses_other_dtypes() -> None:
+    steps, mask = spec_of([("steps", torch.tensor(3)), ("mask", torch.ones(3, dtype=torch.bool))])
+    assert (steps.dtype, steps.raw, steps.nbytes) == ("int64", True, 8) and (mask.raw, mask.nbytes) == (True, 3)
+    with pytest.raises(ValueError, match="floating-point, integer and boolean"):
+        spec_of([("z", torch.zeros(2, dtype=torch.complex64))])
+    assert TensorSpec("a", "float32", (2, 3)).numel == 6 and not TensorSpec("a", "float32", (2, 3)).raw
 
 
 def test_metrics_travel_in_the_header_without_changing_the_layout() -> None:
