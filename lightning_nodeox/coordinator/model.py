@@ -88,7 +88,7 @@ class CoordinatorModel:
             self.raw_from = None
         if self.raw and (self.raw_from is None or raw_source_key(message.meta.host) < raw_source_key(self.raw_from)):
             for taken, i in zip(self.raw_taken, self.raw):
-                taken.copy_(message.codes(i))
+                taken.copy_(message.raw(i))
             self.raw_from = message.meta.host
 
         def work(k, i: int, start: int, stop: int) -> None:
@@ -149,14 +149,14 @@ class CoordinatorModel:
     def _raw_sync(self, message: Q4Message, taken: bool) -> None:
         """The sync's raw tensors: the values taken this round (``taken``), else θ's own (a no-op)."""
         for j, i in enumerate(self.raw):
-            message.codes(i).copy_(self.raw_taken[j] if taken else _bytes(self.tensors[i]))
+            message.raw(i).copy_(self.raw_taken[j] if taken else _bytes(self.tensors[i]))
 
     def _apply(self, message: Q4Message, inv_weight: float, committing: bool) -> str:
         """θ += the dequantized sync (and the outer step's state update), θ's raw tensors := the sync's; returns
         θ's new hash."""
         hashers = [RowHasher(t) for t in self.tensors]
         for i in self.raw:
-            _bytes(self.tensors[i]).copy_(message.codes(i))
+            _bytes(self.tensors[i]).copy_(message.raw(i))
 
         def work(k, i: int, start: int, stop: int) -> None:
             if committing:

@@ -6,8 +6,9 @@ with spaces to a fixed reserved size, then for each model tensor ``NAME/scales``
 host, base-model hash, resulting-model hash (sync only), sample count, tensor specs and ``crc32``. The
 CRC covers the header (with its ``crc32`` digits read as zeros) and all data.
 
-A raw tensor (integer or boolean, :attr:`TensorSpec.raw`) has no scales, and its ``codes`` are its own bytes:
-in a delta the host's values, in a sync the values every host takes (never a difference; no codec touches them).
+A raw tensor (integer or boolean, :attr:`TensorSpec.raw`) has no scales, and its ``codes`` are its own bytes
+(padded to 8, so that every region after it stays aligned): in a delta the host's values, in a sync the values
+every host takes (never a difference; no codec touches them).
 
 An optional ``metrics`` key holds values logged with ``self.log(..., sync_dist=True)``, as JSON
 ``{name: [value, reduction]}``: in a delta the host's latest values, in a sync their reduction across hosts.
@@ -106,8 +107,8 @@ def regions_for(specs: tuple[TensorSpec, ...], codec: Codec) -> list[Region]:
     scale_size = codec.scale_dtype.itemsize
     out, pos = [], 0
     for s in specs:
-        if s.raw:  # its own bytes
-            sc, cd = (pos, pos), (pos, pos + s.nbytes)
+        if s.raw:  # its own bytes, padded to 8
+            sc, cd = (pos, pos), (pos, pos + -(-s.nbytes // 8) * 8)
             out.append(Region(sc, cd))
             pos = cd[1]
             continue
@@ -189,6 +190,10 @@ class Q4Message:
     def codes(self, i: int) -> torch.Tensor:
         a, b = self.layout.regions[i].codes
         return self.data[a:b]
+
+    def raw(self, i: int) -> torch.Tensor:
+        """A raw tensor's bytes (without its region's padding)."""
+        return self.codes(i)[: self.layout.specs[i].nbytes]
 
     def write_header(self, meta: Q4Meta) -> None:
         """Write the header for ``meta`` and the CRC over header and data (after the data is in place)."""

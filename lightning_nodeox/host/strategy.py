@@ -37,6 +37,7 @@ from ..core.phases import PhaseLog, PhaseRecord
 from . import machine
 from .client import HttpClient
 from .clock import ClockOffset
+from .agreement import FinalHash
 from .heartbeat import Heartbeat
 from .metrics import SharedMetrics
 from .progress import RoundProgress
@@ -152,6 +153,7 @@ class NodeoxStrategy(DDPStrategy):
         self.metrics = SharedMetrics()
         self._progress: RoundProgress | None = None  # rank 0
         self._sigterm = SigtermHandler(self._cancel_waits)
+        self._final = FinalHash()  # once the run completed: the hash of the weights held (host/agreement.py)
 
     # -- devices and ranks ------------------------------------------------------------------------------------
     @property
@@ -453,11 +455,19 @@ class NodeoxStrategy(DDPStrategy):
         if self._ranks is not None and not self._ranks.lead(lambda: self._round.complete, model=False):
             self._close_round(final=True)
         self.metrics.publish(self.lightning_module.trainer.callback_metrics)
+        self._check_final()
         super().on_train_end()
+
+    def _check_final(self) -> None:
+        """Rank 0, once the run completed: hash the weights held (a callback may have changed them since)."""
+        if self._round is not None and self._round.complete and not self._left:
+            self._final.check(self.lightning_module.trainer, self.connection.host_id, self._round.model_hash,
+                              self._round.tensors.pool)
 
     @override
     def teardown(self) -> None:
         self._sigterm.uninstall()
+        self._check_final()
         self._leave()
         if self._ranks is not None:
             self._ranks.close()
@@ -492,7 +502,10 @@ class NodeoxStrategy(DDPStrategy):
 
     @property
     def model_hash(self) -> str | None:
-        """Hash of this host's current shared model (as agreed with the coordinator)."""
+        """Hash of this host's shared model: as agreed with the coordinator after each round; once the run completed,
+        of the weights this host holds (a callback that changed them after the final round is reported)."""
+        if self._final.value is not None:
+            return self._final.value
         return self._round.model_hash if self._round is not None else self._hash or None
 
     @classmethod

@@ -184,7 +184,7 @@ class HostTensors:
         with torch.no_grad():
             self.pool.over_ranges(self._coded, work)
             for i in self.raw:  # raw tensors: their values as they are
-                self._region(message, i)[0].copy_(_bytes(source[i]))
+                self._region(message, i)[0][: self.specs[i].nbytes].copy_(_bytes(source[i]))
         if self._staging is not None:
             cuda = self.device.type == "cuda"
             message.data.copy_(self._staging, non_blocking=cuda)
@@ -234,7 +234,7 @@ class HostTensors:
         with torch.no_grad():
             self.pool.over_ranges(self._coded, work)
             for i in self.raw:  # raw tensors: the sync's values, for base and the target alike
-                values = self._region(sync, i)[0]
+                values = self._region(sync, i)[0][: self.specs[i].nbytes]
                 _bytes(self.base[i]).copy_(values)
                 if target is not self.base:
                     _bytes(target[i]).copy_(values)
