@@ -31,7 +31,8 @@ def load(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 def same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k].view(torch.int32), b[k].view(torch.int32)) for k in a)
+    return a.keys() == b.keys() and all(torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))
+                                        for k in a)
 
 
 def assert_all_end_identical(out: Path, published: str) -> None:
