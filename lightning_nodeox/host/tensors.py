@@ -52,8 +52,6 @@ class HostTensors:
     """The exchanged tensors of one host and the tensor work of a round (encode, apply, hash, read the model)."""
 
     def __init__(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        if not named:
-            raise ValueError("the model has no floating-point parameters or buffers to exchange")
         for name, t in named:
             if not t.is_contiguous():
                 raise ValueError(f"tensor {name!r} is not contiguous; nodeox updates tensors in place")
