@@ -12,7 +12,6 @@ the run's final model, a warning says so, with both hashes, the callbacks that c
 
 from __future__ import annotations
 
-
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.utilities import rank_zero_warn
@@ -25,7 +24,6 @@ try:  # Lightning >= 2.6
     from lightning.pytorch.callbacks import WeightAveraging
 except ImportError:  # pragma: no cover - older Lightning
     WeightAveraging = StochasticWeightAveraging
-
 
 AVERAGING = (StochasticWeightAveraging, WeightAveraging)  # write their average into the model in on_train_end
 AFTER_FINAL_ROUND = ("on_train_batch_end", "on_train_epoch_end", "on_validation_end", "on_train_end", "on_fit_end")
