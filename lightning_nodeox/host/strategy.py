@@ -35,9 +35,9 @@ from ..core import phases as P
 from ..core.cpu import choose_threads, granted_cpus
 from ..core.phases import PhaseLog, PhaseRecord
 from . import machine
+from .agreement import FinalHash
 from .client import HttpClient
 from .clock import ClockOffset
-from .agreement import FinalHash
 from .heartbeat import Heartbeat
 from .metrics import SharedMetrics
 from .progress import RoundProgress
