@@ -199,3 +199,22 @@ def test_batchnorm_counters_are_equal_on_every_host_after_uneven_steps_and_hashe
     assert model_hash(changed) != published[2]  # the hash covers the counter
     assert "ends fit holding model" not in result.stdout
     assert result.stdout.count("integer and boolean tensors, equal on every host from each round on") == 2
+
+
+def test_overlap_folds_the_runs_raw_values_into_the_live_model() -> None:
+    tensors = HostTensors(model())
+    tensors.allocate(Q4Settings(), 1)
+    try:
+        live = dict(tensors.named())
+        tensors.take_snapshot(restart_from_base=False)  # the round's boundary: its exchange goes on meanwhile
+        with torch.no_grad():
+            live["w"].add_(1.0)  # training after the boundary
+            live[COUNTER].fill_(7)
+            base = dict(tensors.named(tensors.base))
+            base[COUNTER].fill_(5)  # the round's sync arrived: θ_{r+1}
+            base["w"].add_(0.5)
+        expected_w = base["w"] + 1.0
+        tensors.fold()
+        assert int(live[COUNTER]) == 5 and torch.allclose(live["w"], expected_w)
+    finally:
+        tensors.close()
