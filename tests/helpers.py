@@ -186,6 +186,11 @@ def load(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
         return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()  # noqa: SIM118 - safe_open is not iterable
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes (any dtype, 0-d included), for bit-for-bit comparisons."""
+    return t.reshape(-1).view(torch.uint8)
+
+
 # Processes of a run
 
 class socket_closed_port:

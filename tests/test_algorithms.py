@@ -9,11 +9,11 @@ from __future__ import annotations
 import threading
 
 import torch
+from helpers import assert_on_the_run_model, deltas, exchange, hosts, train
+from local_transport import LocalCoordinator
 
 from lightning_nodeox.coordinator.config import OuterSettings
 from lightning_nodeox.core.settings import Q4Settings
-from local_transport import LocalCoordinator
-from helpers import assert_on_the_run_model, deltas, exchange, hosts, train
 
 FP32 = Q4Settings(codec="fp32")
 

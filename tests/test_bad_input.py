@@ -174,7 +174,7 @@ CASES = {
     "a join of another model": (lambda r: r.join({"host": "b", "tensors": [["fc.weight", "float32", [40, 31]],
                                                                           *TENSORS[1:]]}, as_="b"),
                                 400, "invalid", "does not match the model's"),
-    "a join of an integer tensor": (lambda r: r.join({"host": "c", "tensors": [["w", "int8", [1]]]}), 400, "invalid",
+    "a join of a complex tensor": (lambda r: r.join({"host": "c", "tensors": [["w", "complex64", [1]]]}), 400, "invalid",
                                     "invalid dtype"),
     "a round that is not a number": (
         lambda r: requests.get(f"{r.url}/v1/rounds/zero/sync", params={"host": "b"}, headers=r.headers(), timeout=30),

@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference_q4 import decode_reference, encode_reference, kernels
 
 from lightning_nodeox.core.codec import (
-    accumulate_tensor, apply_sync, decode_tensor, encode_delta, encode_sync_and_apply, encode_tensor, relative_error,
+    accumulate_tensor,
+    apply_sync,
+    decode_tensor,
+    encode_delta,
+    encode_sync_and_apply,
+    encode_tensor,
+    relative_error,
 )
 from lightning_nodeox.core.codecs import codec_for
 from lightning_nodeox.core.codecs.q4 import block_count, code_bytes
 from lightning_nodeox.core.pool import WorkerPool
 from lightning_nodeox.core.settings import BLOCK_SIZES, Q4Settings
-from reference_q4 import decode_reference, encode_reference, kernels
 
 SIZES = [0, 1, 2, 31, 63, 64, 65, 255, 256, 257, 1000, 4099]
 

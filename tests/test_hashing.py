@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from lightning_nodeox.core.hashing import ROW_WORDS, model_hash
 from lightning_nodeox.core.pool import WorkerPool
 from lightning_nodeox.core.settings import Q4Settings
-from lightning_nodeox.core.hashing import ROW_WORDS, model_hash
 
 
 def named(*tensors):

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import TwoOptimizers, assert_on_the_run_model, data, model, train
 from lightning.pytorch import Trainer
 from local_transport import LocalClient, LocalCoordinator
-from helpers import TwoOptimizers, assert_on_the_run_model, data, model, train
 
 from lightning_nodeox import NodeoxStrategy
 from lightning_nodeox.core.hashing import model_hash

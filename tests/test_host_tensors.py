@@ -47,8 +47,10 @@ def test_delta_beyond_fp16_scales_names_the_fix() -> None:
     fp32.close()
 
 
-def test_shared_tensors_take_float_parameters_and_buffers_once() -> None:
+def test_shared_tensors_take_parameters_and_buffers_once_integer_ones_included() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 4))
     model[2].weight = model[0].weight  # tied
     names = [n for n, _ in shared_tensors(model)]
-    assert names == ["0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean", "1.running_var", "2.bias"]
+    assert names == ["0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean", "1.running_var",
+                     "1.num_batches_tracked", "2.bias"]
+    assert HostTensors(shared_tensors(model)).raw_names == ["1.num_batches_tracked"]

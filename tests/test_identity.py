@@ -7,6 +7,7 @@ import os
 import re
 
 import pytest
+from helpers import SPECS, TwoOptimizers, data, model_file
 from lightning.pytorch import Trainer
 
 from lightning_nodeox import NodeoxStrategy
@@ -18,7 +19,6 @@ from lightning_nodeox.core.protocol import Reason, Refusal
 from lightning_nodeox.core.settings import Q4Settings
 from lightning_nodeox.host.client import HttpClient
 from lightning_nodeox.host.settings import Connection, ConnectionSettings
-from helpers import SPECS, TwoOptimizers, data, model_file
 
 TENSORS = [s.as_json() for s in SPECS]
 

@@ -25,7 +25,8 @@ BATCH, LOCAL_STEPS, MAX_STEPS = 32, 4, 12
 
 
 def same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k].view(torch.int32), b[k].view(torch.int32)) for k in a)
+    return a.keys() == b.keys() and all(torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))
+                                        for k in a)
 
 
 def assert_all_end_identical(out: Path, published: str) -> None:

@@ -7,8 +7,8 @@ from dataclasses import fields
 
 import pytest
 import torch
-from local_transport import LocalCoordinator
 from helpers import assert_on_the_run_model, deltas, exchange, hosts, train
+from local_transport import LocalCoordinator
 
 from lightning_nodeox.coordinator.config import CoordinatorConfig, OuterSettings
 from lightning_nodeox.coordinator.outer import OuterOptimizer, make_outer, outer_names, register

@@ -7,13 +7,14 @@ import time
 
 import pytest
 import torch
+from helpers import assert_on_the_run_model, model, train
+from local_transport import LocalClient, LocalCoordinator
 
 from lightning_nodeox.core.phases import PhaseLog
 from lightning_nodeox.core.protocol import Upload
 from lightning_nodeox.host.round import HostRound
 from lightning_nodeox.host.tensors import HostTensors
-from helpers import assert_on_the_run_model, model, train
-from local_transport import LocalClient, LocalCoordinator
+
 
 @pytest.fixture
 def local_coordinator(tmp_path):

@@ -6,15 +6,15 @@ import time
 
 import pytest
 import torch
+from helpers import TwoOptimizers, data, socket_closed_port
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import SequentialSampler
 
 from lightning_nodeox import NodeoxStrategy, PhaseMonitor
+from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.protocol import Unreachable
 from lightning_nodeox.host.tensors import shared_tensors
-from lightning_nodeox.core.hashing import model_hash
-from helpers import TwoOptimizers, data, socket_closed_port
 
 
 def test_registered_as_nodeox() -> None:

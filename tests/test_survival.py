@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import HOSTS, REPO, launch, load, read_events
+from helpers import HOSTS, REPO, bits, launch, load, read_events
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -51,7 +51,7 @@ def assert_identical(out: Path, hosts: list[str]) -> str:
     for h in hosts[1:]:
         t, m = load(out / f"host{h}_final.safetensors")
         assert m["model_hash"] == m0["model_hash"], (h, m["model_hash"], m0["model_hash"])
-        assert all(torch.equal(t0[k].view(torch.int32), t[k].view(torch.int32)) for k in t0), h
+        assert all(torch.equal(bits(t0[k]), bits(t[k])) for k in t0), h
     return m0["model_hash"]
 
 

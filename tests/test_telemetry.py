@@ -7,15 +7,14 @@ import logging
 import threading
 
 import pytest
-
 import torch
+from helpers import TwoOptimizers, data, socket_closed_port
 from lightning.pytorch import Trainer
 
 from lightning_nodeox import NodeoxStrategy, PhaseMonitor
+from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.host.clock import ClockOffset
 from lightning_nodeox.host.tensors import shared_tensors
-from lightning_nodeox.core.hashing import model_hash
-from helpers import TwoOptimizers, data, socket_closed_port
 
 
 def test_clock_offset_is_within_half_the_fastest_round_trip() -> None:

@@ -8,8 +8,8 @@ import json
 import pytest
 import requests
 import torch
-from safetensors.torch import save_file
 from helpers import SPECS, model_file
+from safetensors.torch import save_file
 
 from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.phases import PhaseLog

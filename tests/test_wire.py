@@ -6,14 +6,15 @@ import struct
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from helpers import encoded
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load as safetensors_load
 
 from lightning_nodeox.core.modelfile import model_header, read_model
 from lightning_nodeox.core.settings import Q4Settings
 from lightning_nodeox.core.specs import PayloadError, TensorSpec, check_same_model, spec_of
 from lightning_nodeox.core.wire import Q4Message, Q4Meta, fit_metrics
-from helpers import encoded
 
 NAMED = [("layer.weight", torch.randn(33, 7)), ("layer.bias", torch.randn(33)), ("bn.running_var", torch.rand(5))]
 
@@ -137,10 +138,12 @@ def test_model_file_round_trip_and_checks() -> None:
         read_model(torch.frombuffer(body[:-4], dtype=torch.uint8))
 
 
-def test_spec_of_refuses_integer_tensors() -> None:
-    with pytest.raises(ValueError, match="floating-point"):
-        spec_of([("steps", torch.tensor(3))])
-    assert TensorSpec("a", "float32", (2, 3)).numel == 6
+def test_spec_of_takes_integer_and_boolean_tensors_as_raw_and_refuses_other_dtypes() -> None:
+    steps, mask = spec_of([("steps", torch.tensor(3)), ("mask", torch.ones(3, dtype=torch.bool))])
+    assert (steps.dtype, steps.raw, steps.nbytes) == ("int64", True, 8) and (mask.raw, mask.nbytes) == (True, 3)
+    with pytest.raises(ValueError, match="floating-point, integer and boolean"):
+        spec_of([("z", torch.zeros(2, dtype=torch.complex64))])
+    assert TensorSpec("a", "float32", (2, 3)).numel == 6 and not TensorSpec("a", "float32", (2, 3)).raw
 
 
 def test_metrics_travel_in_the_header_without_changing_the_layout() -> None:

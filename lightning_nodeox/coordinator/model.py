@@ -3,6 +3,11 @@ full-model downloads in flight.
 
 Tensor work here runs on the coordinator's work thread, never on the event loop; a :class:`ModelStream` is read
 on the loop, a chunk at a time.
+
+Raw tensors (integer and boolean: BatchNorm's ``num_batches_tracked``, counters) are not averaged: each round
+takes them from one host, the one whose id sorts first (:func:`raw_source_key`) among the hosts whose delta the
+round took with samples; a round that took none keeps the model's values. The choice does not depend on the
+order in which deltas arrive, so a restarted round chooses the same host.
 """
 
 from __future__ import annotations
@@ -32,6 +37,12 @@ class ClosedRound:
     not_finite: list[str] = field(default_factory=list)
 
 
+def raw_source_key(host: str) -> tuple:
+    """The order in which hosts are preferred as the source of a round's raw tensors: numeric ids by number
+    (``"2"`` before ``"10"``), before other ids, which go by text."""
+    return (0, int(host), host) if host.isdecimal() else (1, 0, host)
+
+
 class CoordinatorModel:
     """θ (in the hosts' dtypes), the fp32 accumulator of weighted deltas, and double-buffered sync messages."""
 
@@ -42,7 +53,10 @@ class CoordinatorModel:
         self.settings = settings
         self.pool = pool
         self.layout = Q4Layout.of(specs, settings)
-        self.acc = [torch.empty(s.numel, dtype=torch.float32) for s in specs]
+        self.acc = [torch.empty(0 if s.raw else s.numel, dtype=torch.float32) for s in specs]
+        self.raw = [i for i, s in enumerate(specs) if s.raw]
+        self.raw_taken = [torch.empty(specs[i].nbytes, dtype=torch.uint8) for i in self.raw]  # the round's choice
+        self.raw_from: str | None = None  # the host they were taken from
         self.outer = make_outer(outer, specs)
         self.weight = 0
         self.hash = model_hash(self.named(), pool)
@@ -70,6 +84,12 @@ class CoordinatorModel:
         if samples <= 0:
             return
         assign = self.weight == 0
+        if assign:
+            self.raw_from = None
+        if self.raw and (self.raw_from is None or raw_source_key(message.meta.host) < raw_source_key(self.raw_from)):
+            for taken, i in zip(self.raw_taken, self.raw):
+                taken.copy_(message.raw(i))
+            self.raw_from = message.meta.host
 
         def work(k, i: int, start: int, stop: int) -> None:
             accumulate_tensor(k, message.codes(i), message.scales(i), self.acc[i], float(samples), start=start,
@@ -106,9 +126,11 @@ class CoordinatorModel:
                 not_finite.add(i)
 
         self.pool.over_ranges(sizes, quantize)
+        self._raw_sync(message, taken=self.weight > 0 and not not_finite)
         if not_finite:
             for i in range(len(self.specs)):
-                self.layout.codec.fill_noop(message.codes(i), message.scales(i))
+                if not self.specs[i].raw:
+                    self.layout.codec.fill_noop(message.codes(i), message.scales(i))
             message.write_header(Q4Meta("sync", round_, "coordinator", base_hash, samples=0, model_hash=base_hash,
                                         metrics=metrics or {}))
             self.weight = 0
@@ -124,9 +146,17 @@ class CoordinatorModel:
         self.weight = 0
         return ClosedRound(message)
 
+    def _raw_sync(self, message: Q4Message, taken: bool) -> None:
+        """The sync's raw tensors: the values taken this round (``taken``), else θ's own (a no-op)."""
+        for j, i in enumerate(self.raw):
+            message.raw(i).copy_(self.raw_taken[j] if taken else _bytes(self.tensors[i]))
+
     def _apply(self, message: Q4Message, inv_weight: float, committing: bool) -> str:
-        """θ += the dequantized sync (and the outer step's state update); returns θ's new hash."""
+        """θ += the dequantized sync (and the outer step's state update), θ's raw tensors := the sync's; returns
+        θ's new hash."""
         hashers = [RowHasher(t) for t in self.tensors]
+        for i in self.raw:
+            _bytes(self.tensors[i]).copy_(message.raw(i))
 
         def work(k, i: int, start: int, stop: int) -> None:
             if committing:
@@ -137,7 +167,9 @@ class CoordinatorModel:
             apply_sync(k, message.codes(i), message.scales(i), theta, theta, start=start, stop=stop, hasher=fused)
 
         self.pool.over_ranges([a.numel() for a in self.acc], work)
-        self.pool.run([t for h in hashers if not h.fusable(self.pool.chunk) for t in h.tasks()])
+        raw = set(self.raw)
+        self.pool.run([t for i, h in enumerate(hashers) if i in raw or not h.fusable(self.pool.chunk)
+                       for t in h.tasks()])
         return combine(self.named(), hashers)
 
     def publish(self, message: Q4Message) -> None:
@@ -233,3 +265,7 @@ class ModelStream:
         for i, copy in copies:
             self.parts[i] = copy
             self.kept_bytes += copy.numel()
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(-1).view(torch.uint8)

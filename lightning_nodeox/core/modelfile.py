@@ -17,7 +17,8 @@ from .protocol import read_fully
 from .specs import ModelMismatchError, PayloadError, TensorSpec, check_same_model, spec_of
 from .wire import VERSION
 
-SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
+SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64",
+                      "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
 BOUNCE_BYTES = 64 << 20  # host-memory staging for tensors on a GPU
 
 
@@ -34,7 +35,7 @@ def model_header(specs: tuple[TensorSpec, ...], round_: int, model_hash: str) ->
 
 
 def parse_header(header_json: bytes) -> tuple[int, str, tuple[TensorSpec, ...], list[tuple[int, int]]]:
-    """Round, model hash, specs and data offsets from a safetensors header (ours, or any float-only one)."""
+    """Round, model hash, specs and data offsets from a safetensors header (ours, or any of the dtypes nodeox exchanges)."""
     names_by_code = {v: k for k, v in SAFETENSORS_DTYPES.items()}
     try:
         header = json.loads(header_json)
@@ -45,7 +46,7 @@ def parse_header(header_json: bytes) -> tuple[int, str, tuple[TensorSpec, ...], 
                       for name, e in entries)
         offsets = [tuple(e["data_offsets"]) for _, e in entries]
     except KeyError as e:
-        raise PayloadError(f"model file holds a tensor that is not floating point, or lacks a field: {e}") from None
+        raise PayloadError(f"model file holds a tensor of a dtype nodeox does not exchange, or lacks a field: {e}") from None
     except (ValueError, TypeError, AttributeError, IndexError) as e:
         raise PayloadError(f"model file header is malformed: {e}") from None
     if any(len(o) != 2 for o in offsets) or any(d < 0 for s in specs for d in s.shape):

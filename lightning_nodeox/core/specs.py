@@ -1,5 +1,9 @@
 """Tensor specs: the name, dtype and shape of each exchanged tensor, in order, as hosts, messages and model
-files describe them; and the errors raised when something received does not fit."""
+files describe them; and the errors raised when something received does not fit.
+
+Floating-point tensors are averaged through the run's codec; integer and boolean tensors (BatchNorm's
+``num_batches_tracked``, any counter or mask) are *raw*: they travel as their own bytes and are taken from one
+host (see :mod:`lightning_nodeox.coordinator.model`)."""
 
 from __future__ import annotations
 
@@ -10,6 +14,11 @@ import torch
 _FLOAT_DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
 }
+_RAW_DTYPES = {
+    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_DTYPES = {**_FLOAT_DTYPES, **_RAW_DTYPES}
 
 
 class PayloadError(ValueError):
@@ -35,7 +44,16 @@ class TensorSpec:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _FLOAT_DTYPES[self.dtype]
+        return _DTYPES[self.dtype]
+
+    @property
+    def raw(self) -> bool:
+        """An integer or boolean tensor: it travels as its own bytes, taken from one host, never averaged."""
+        return self.dtype in _RAW_DTYPES
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.torch_dtype.itemsize
 
     def as_json(self) -> list:
         return [self.name, self.dtype, list(self.shape)]
@@ -43,8 +61,9 @@ class TensorSpec:
 
 def dtype_name(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
-    if name not in _FLOAT_DTYPES:
-        raise ValueError(f"nodeox exchanges floating-point tensors only, not {dtype}")
+    if name not in _DTYPES:
+        raise ValueError(f"nodeox exchanges floating-point, integer and boolean tensors ({', '.join(_DTYPES)}), "
+                         f"not {dtype}")
     return name
 
 
@@ -59,7 +78,7 @@ def specs_from_json(items) -> tuple[TensorSpec, ...]:
     except (TypeError, ValueError) as e:
         raise PayloadError(f"tensor list in the header is malformed: {e}") from None
     for s in specs:
-        if s.dtype not in _FLOAT_DTYPES or any(d < 0 for d in s.shape):
+        if s.dtype not in _DTYPES or any(d < 0 for d in s.shape):
             raise PayloadError(f"tensor {s.name!r} has an invalid dtype or shape: {s.dtype} {list(s.shape)}")
     return specs
 

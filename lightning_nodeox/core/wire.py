@@ -6,6 +6,10 @@ with spaces to a fixed reserved size, then for each model tensor ``NAME/scales``
 host, base-model hash, resulting-model hash (sync only), sample count, tensor specs and ``crc32``. The
 CRC covers the header (with its ``crc32`` digits read as zeros) and all data.
 
+A raw tensor (integer or boolean, :attr:`TensorSpec.raw`) has no scales, and its ``codes`` are its own bytes
+(padded to 8, so that every region after it stays aligned): in a delta the host's values, in a sync the values
+every host takes (never a difference; no codec touches them).
+
 An optional ``metrics`` key holds values logged with ``self.log(..., sync_dist=True)``, as JSON
 ``{name: [value, reduction]}``: in a delta the host's latest values, in a sync their reduction across hosts.
 The header reserves :data:`METRICS_BYTES` for it, so every message of a run keeps one layout;
@@ -103,6 +107,11 @@ def regions_for(specs: tuple[TensorSpec, ...], codec: Codec) -> list[Region]:
     scale_size = codec.scale_dtype.itemsize
     out, pos = [], 0
     for s in specs:
+        if s.raw:  # its own bytes, padded to 8
+            sc, cd = (pos, pos), (pos, pos + -(-s.nbytes // 8) * 8)
+            out.append(Region(sc, cd))
+            pos = cd[1]
+            continue
         sc = (pos, pos + codec.scale_count(s.numel) * scale_size)
         cd = (sc[1], sc[1] + codec.code_bytes(s.numel))
         out.append(Region(sc, cd))
@@ -181,6 +190,10 @@ class Q4Message:
     def codes(self, i: int) -> torch.Tensor:
         a, b = self.layout.regions[i].codes
         return self.data[a:b]
+
+    def raw(self, i: int) -> torch.Tensor:
+        """A raw tensor's bytes (without its region's padding)."""
+        return self.codes(i)[: self.layout.specs[i].nbytes]
 
     def write_header(self, meta: Q4Meta) -> None:
         """Write the header for ``meta`` and the CRC over header and data (after the data is in place)."""
@@ -265,9 +278,10 @@ class Q4Message:
 
     def scale_maxima(self) -> list[float]:
         """Each tensor's largest scale magnitude (NaN or Inf when any of its scales is), one pass over the scales;
-        unquantized, its largest value magnitude."""
+        unquantized, its largest value magnitude; 0.0 for a raw tensor (its bytes are not values of the codec)."""
         codec = self.layout.codec
-        return [codec.magnitude(self.codes(i), self.scales(i)) for i in range(len(self.layout.specs))]
+        return [0.0 if spec.raw else codec.magnitude(self.codes(i), self.scales(i))
+                for i, spec in enumerate(self.layout.specs)]
 
     def check_scales(self) -> None:
         """Refuse NaN or Inf scales; remember the largest scale for :meth:`weighted_scales_finite`."""

@@ -6,9 +6,8 @@ import math
 from collections import defaultdict
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from typing_extensions import override
-
 from lightning_utilities.core.rank_zero import rank_zero_warn
+from typing_extensions import override
 
 from ..core import phases as P
 from ..core.phases import PhaseRecord, metric_name

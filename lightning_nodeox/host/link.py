@@ -102,6 +102,11 @@ class RunLink:
         """The exchange's result, given up at once on SIGTERM."""
         return self.sigterm.wait(future)
 
+    @property
+    def left(self) -> bool:
+        """Whether :meth:`leave` ran (this host takes no further part)."""
+        return self._left
+
     def run_round(self, samples: int, final: bool, metrics: dict[str, list]) -> RoundResult:
         """The whole exchange, while training waits."""
         return self.wait(self.submit(self.round.run_round, samples, final, metrics))

@@ -37,6 +37,7 @@ from ..core.cpu import choose_threads, granted_cpus
 from ..core.phases import PhaseRecord
 from ..core.transport import HostClient
 from . import machine
+from .agreement import FinalHash
 from .devices import OneDevice, SeveralDevices, devices_of
 from .link import RunLink, http_client
 from .metrics import SharedMetrics
@@ -144,6 +145,7 @@ class NodeoxStrategy(DDPStrategy):
         self._closed_rounds = 0
         self.metrics = SharedMetrics()
         self._sigterm = SigtermHandler(self._cancel_waits)
+        self._final = FinalHash()  # once the run completed: the hash of the weights held (host/agreement.py)
 
     # -- devices and ranks: one device plays Lightning's single-device strategy, several its DDP (host/devices.py)
     @property
@@ -335,12 +337,21 @@ class NodeoxStrategy(DDPStrategy):
         if self._ranks is not None and not self._ranks.lead(lambda: self._link.round.complete, model=False):
             self._close_round(final=True)
         self.metrics.publish(self.lightning_module.trainer.callback_metrics)
+        self._check_final()
         super().on_train_end()
+
+    def _check_final(self) -> None:
+        """Rank 0, once the run completed: hash the weights held (a callback may have changed them since)."""
+        link = self._link
+        if link is not None and link.round.complete and not link.left:
+            self._final.check(self.lightning_module.trainer, self.connection.host_id, link.round.model_hash,
+                              link.round.tensors.pool)
 
     @override
     def teardown(self) -> None:
         self._sigterm.uninstall()
         if self._link is not None:
+            self._check_final()
             self._link.leave()
         if self._ranks is not None:
             self._ranks.close()
@@ -356,7 +367,10 @@ class NodeoxStrategy(DDPStrategy):
 
     @property
     def model_hash(self) -> str | None:
-        """Hash of this host's current shared model (as agreed with the coordinator)."""
+        """Hash of this host's shared model: as agreed with the coordinator after each round; once the run completed,
+        of the weights this host holds (a callback that changed them after the final round is reported)."""
+        if self._final.value is not None:
+            return self._final.value
         return self._link.round.model_hash if self._link is not None else self._hash or None
 
     @classmethod

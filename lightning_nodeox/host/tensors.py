@@ -4,12 +4,17 @@ residual, the snapshot a round sends while training goes on, and the reusable me
 Everything here is tensor work on the training device; none of it knows about rounds, retries or the
 transport (that is :mod:`lightning_nodeox.host.round`).
 
+Integer and boolean tensors (BatchNorm's ``num_batches_tracked``, counters, masks) are *raw*: a delta carries
+their values as they are and a sync the values every host takes (one host's, chosen by the coordinator), so they
+are equal on every host after each round and covered by the model hash; no codec or residual touches them.
+
 Memory beyond the model: the base (1x the exchanged tensors), the residual (bf16, 0.5x), two q4 messages
 (about 0.14x each), on a GPU a device staging area of one message, and with overlap the snapshot (1x).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -23,15 +28,17 @@ from ..core.settings import Q4Settings
 from ..core.specs import spec_of
 from ..core.wire import Q4Layout, Q4Message, Q4Meta
 
+log = logging.getLogger(__name__)
+
 ERROR_SAMPLE = 1 << 15  # values per round used to estimate the q4 error metric
 
 
 def shared_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The tensors that travel: floating-point parameters and persistent buffers, in state_dict order,
-    each storage once (tied weights travel under their first name)."""
+    """The tensors that travel: parameters and persistent buffers (floating-point ones averaged, integer and
+    boolean ones raw), in state_dict order, each storage once (tied weights travel under their first name)."""
     out, seen = [], set()
     for name, tensor in module.state_dict(keep_vars=True).items():
-        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+        if not isinstance(tensor, torch.Tensor):
             continue
         key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape))
         if key in seen:
@@ -45,14 +52,16 @@ class HostTensors:
     """The exchanged tensors of one host and the tensor work of a round (encode, apply, hash, read the model)."""
 
     def __init__(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        if not named:
-            raise ValueError("the model has no floating-point parameters or buffers to exchange")
         for name, t in named:
             if not t.is_contiguous():
                 raise ValueError(f"tensor {name!r} is not contiguous; nodeox updates tensors in place")
         self.names = [n for n, _ in named]
         self.live = [t for _, t in named]
         self.specs = spec_of(named)
+        self.raw = [i for i, s in enumerate(self.specs) if s.raw]  # integer and boolean tensors: their own bytes
+        if len(self.raw) == len(self.specs):
+            raise ValueError("the model has no floating-point parameters or buffers to exchange")
+        self._coded = [0 if s.raw else s.numel for s in self.specs]  # values the codec works on, per tensor
         self.device = self.live[0].device
         if any(t.device != self.device for t in self.live):
             raise ValueError("all parameters and buffers must be on one device")
@@ -82,8 +91,16 @@ class HostTensors:
             self._staging = torch.empty(self.layout.total - self.layout.data_start, dtype=torch.uint8,
                                         device=self.device)
         self.base = [t.detach().clone() for t in self.live]
-        self.residual = ([torch.zeros(t.numel(), dtype=RESIDUAL_DTYPE, device=self.device) for t in self.live]
+        if self.raw:
+            log.info("nodeox: integer and boolean tensors, equal on every host from each round on (the values of "
+                     "the host with the first id among those the round took): %s", ", ".join(self.raw_names))
+        self.residual = ([torch.zeros(n, dtype=RESIDUAL_DTYPE, device=self.device) for n in self._coded]
                          if settings.error_feedback else None)
+
+    @property
+    def raw_names(self) -> list[str]:
+        """The integer and boolean tensors (listed at join)."""
+        return [self.names[i] for i in self.raw]
 
     def named(self, tensors: list[torch.Tensor] | None = None) -> list[tuple[str, torch.Tensor]]:
         return list(zip(self.names, self.live if tensors is None else tensors))
@@ -140,7 +157,7 @@ class HostTensors:
 
     def estimate_error(self, source: list[torch.Tensor]) -> float:
         """Relative q4 error of a sample of the delta (for the ``q4_rel_error`` metric)."""
-        i = max(range(len(source)), key=lambda j: source[j].numel())
+        i = max(range(len(source)), key=lambda j: self._coded[j])
         k = self.pool.kernels()
         m = min(source[i].numel(), ERROR_SAMPLE, k.chunk)
         res = None if self.residual is None else self.residual[i][:m]
@@ -163,7 +180,9 @@ class HostTensors:
                          start=start, stop=stop, seed=None if seed is None else seed + i)
 
         with torch.no_grad():
-            self.pool.over_ranges([t.numel() for t in source], work)
+            self.pool.over_ranges(self._coded, work)
+            for i in self.raw:  # raw tensors: their values as they are
+                self._region(message, i)[0][: self.specs[i].nbytes].copy_(_bytes(source[i]))
         if self._staging is not None:
             cuda = self.device.type == "cuda"
             message.data.copy_(self._staging, non_blocking=cuda)
@@ -211,19 +230,31 @@ class HostTensors:
                        hasher=fused)
 
         with torch.no_grad():
-            self.pool.over_ranges([t.numel() for t in target], work)
+            self.pool.over_ranges(self._coded, work)
+            for i in self.raw:  # raw tensors: the sync's values, for base and the target alike
+                values = self._region(sync, i)[0][: self.specs[i].nbytes]
+                _bytes(self.base[i]).copy_(values)
+                if target is not self.base:
+                    _bytes(target[i]).copy_(values)
         return hashers
 
     def digest(self, hashers: list[RowHasher]) -> str:
         """The model hash from :meth:`apply`'s hashers (digesting the rows the apply could not)."""
-        self.pool.run([t for h in hashers if not h.fusable(self.pool.chunk) for t in h.tasks()])
+        raw = set(self.raw)
+        self.pool.run([t for i, h in enumerate(hashers) if i in raw or not h.fusable(self.pool.chunk)
+                       for t in h.tasks()])
         return combine(self.named([h.tensor for h in hashers]), hashers)
 
     def fold(self) -> None:
         """Overlap: the live model becomes θ_{r+1} plus the local progress made since the snapshot
-        (``live += base - snapshot``), on the training device, between two training steps."""
+        (``live += base - snapshot``), on the training device, between two training steps. A raw tensor takes
+        θ_{r+1}'s values (what it counted since the snapshot is dropped)."""
+        raw = set(self.raw)
         with torch.no_grad():
-            for t, b, s in zip(self.live, self.base, self.snapshot):
+            for i, (t, b, s) in enumerate(zip(self.live, self.base, self.snapshot)):
+                if i in raw:
+                    t.copy_(b)
+                    continue
                 s.sub_(b).neg_()  # the snapshot buffer is free now: reuse it for base - snapshot
                 t.add_(s.to(t.dtype))
 
@@ -243,3 +274,8 @@ class HostTensors:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes, as a flat uint8 view."""
+    return t.view(-1).view(torch.uint8)

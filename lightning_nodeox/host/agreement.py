@@ -1,0 +1,80 @@
+"""The hash a host reports once its run has completed: of the weights it holds, never just the run's.
+
+Every host ends the final round on the run's final model, bit for bit. A callback may still change the weights
+after that round: Lightning's ``StochasticWeightAveraging`` and ``WeightAveraging`` (``EMAWeightAveraging``) copy
+their own average into the model in ``on_train_end``, and any callback or the LightningModule may write into it
+in ``on_train_end`` or ``on_fit_end``. Each host's average is its own, so the hosts then hold different weights.
+
+So once the run has completed, the host hashes the tensors it holds (after ``on_train_end``, and again at
+``teardown``, when ``fit`` returns): that hash is what ``NodeoxStrategy.model_hash`` reports. When it differs from
+the run's final model, a warning says so, with both hashes, the callbacks that could have done it, and what to do.
+"""
+
+from __future__ import annotations
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import StochasticWeightAveraging
+from lightning.pytorch.utilities import rank_zero_warn
+
+from ..core.hashing import model_hash
+from ..core.pool import WorkerPool
+from .tensors import shared_tensors
+
+try:  # Lightning >= 2.6
+    from lightning.pytorch.callbacks import WeightAveraging
+except ImportError:  # pragma: no cover - older Lightning
+    WeightAveraging = StochasticWeightAveraging
+
+AVERAGING = (StochasticWeightAveraging, WeightAveraging)  # write their average into the model in on_train_end
+AFTER_FINAL_ROUND = ("on_train_batch_end", "on_train_epoch_end", "on_validation_end", "on_train_end", "on_fit_end")
+_OWN_PACKAGES = ("lightning.", "pytorch_lightning.", "lightning_nodeox.")  # callbacks known not to change weights
+
+
+def suspects(trainer: Trainer) -> list[str]:
+    """The callbacks (and the LightningModule) that could have changed the weights after the final round: the
+    weight-averaging ones, and any other outside Lightning that overrides a hook run after it."""
+    found = []
+    for callback in trainer.callbacks:
+        kind = type(callback)
+        if isinstance(callback, AVERAGING):
+            found.append(f"{kind.__name__} (writes this host's own average into the model in on_train_end)")
+        elif not kind.__module__.startswith(_OWN_PACKAGES):
+            hooks = [h for h in AFTER_FINAL_ROUND if getattr(kind, h, None) is not getattr(Callback, h)]
+            if hooks:
+                found.append(f"{kind.__name__} ({', '.join(hooks)})")
+    module = trainer.lightning_module
+    hooks = [h for h in ("on_train_end", "on_fit_end") if getattr(type(module), h) is not getattr(LightningModule, h)]
+    if hooks:
+        found.append(f"{type(module).__name__} ({', '.join(hooks)})")
+    return found
+
+
+class FinalHash:
+    """The hash of the weights a host holds after its run completed, checked against the run's final model."""
+
+    def __init__(self) -> None:
+        self.value: str | None = None
+        self._reported: set[str] = set()
+
+    def check(self, trainer: Trainer, host: str, run_hash: str, pool: WorkerPool | None = None) -> str:
+        """Hash the weights held now; warn (once per hash) when they are not the run's final model ``run_hash``."""
+        held = model_hash(shared_tensors(trainer.lightning_module), pool)
+        self.value = held
+        if held != run_hash and held not in self._reported:
+            self._reported.add(held)
+            rank_zero_warn(disagreement(host, held, run_hash, suspects(trainer)))
+        return held
+
+
+def disagreement(host: str, held: str, run_hash: str, found: list[str]) -> str:
+    """The warning: which weights this host holds, which model the run ended on, who could have changed them,
+    and what to do."""
+    culprits = "; ".join(found) if found else "a callback or the LightningModule (none could be named)"
+    return (
+        f"NodeoxStrategy: host {host} ends fit holding model {held}, NOT the run's final model {run_hash} that every "
+        f"host agreed on: the weights were changed after the final round, by {culprits}. The hosts no longer hold "
+        f"the same weights; NodeoxStrategy.model_hash on this host reports {held}, and each host reports its own. "
+        "To end every host on one model, keep the callback from writing into the model at the end of training "
+        "(StochasticWeightAveraging/EMAWeightAveraging: leave them out under NodeoxStrategy, or average on one host "
+        f"after the run), or evaluate and save the run's final model {run_hash} (the weights of a host without such a "
+        "callback) instead of this host's weights.")
