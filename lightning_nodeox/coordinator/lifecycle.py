@@ -90,7 +90,7 @@ class CoordinatorRun:
         matched by name to that host's specs (the file's order need not be the model's)."""
         initial, skipped = read_named_model(data, "--initial-model")
         if skipped:
-            log.warning("nodeox coordinator: --initial-model: tensors that are not floating point are not exchanged; "
+            log.warning("nodeox coordinator: --initial-model: tensors of a dtype nodeox does not exchange are "
                         "skipped %s", ", ".join(skipped))
         self.membership.initial = initial
 

@@ -96,8 +96,8 @@ OTHER_DTYPE_BYTES = {"I64": 8, "U64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2,
 
 
 def read_named_model(data: torch.Tensor, what: str) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """The floating-point tensors of any safetensors file in memory (``safetensors.torch.save_file`` of a
-    state_dict, in whatever order it stored them) by name, and the names of the other tensors, skipped."""
+    """The tensors of any safetensors file in memory (``safetensors.torch.save_file`` of a state_dict, in whatever
+    order it stored them) by name, and the names of those of a dtype the run does not exchange, skipped."""
     raw = data.numpy()
     header_json, start = safetensors.split(raw, what)
     codes = {v: k for k, v in SAFETENSORS_DTYPES.items()}
