@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
+import socket
 import time
 from dataclasses import dataclass, replace
 
@@ -22,6 +24,7 @@ from local_transport import BytesBody, LocalClient, LocalCoordinator
 from reference_q4 import kernels
 from test_coordinator import MODEL, SETTINGS, body_bytes, expected_after_round, model_file
 from test_round_rules import assert_on_the_run_model, keep_records, model, recorded, train  # noqa: F401 (fixture)
+from test_slow_peers import raw_request
 
 from lightning_nodeox.core.codec import encode_tensor
 from lightning_nodeox.core.hashing import model_hash
@@ -51,6 +54,14 @@ def encoded(named, values, meta: Q4Meta, settings: Q4Settings = SETTINGS) -> byt
         encode_tensor(k, v.reshape(-1), message.codes(i), message.scales(i))
     message.write_header(meta)
     return bytes(message.view())
+
+
+def refusal(r: requests.Response) -> tuple[int, dict]:
+    """A response's status and JSON error ({} when it has none: then it was no refusal)."""
+    try:
+        return r.status_code, r.json()
+    except ValueError:
+        return r.status_code, {}
 
 
 def hash_after(named, contributions) -> str:
@@ -88,7 +99,7 @@ class Run:
         """A raw delta upload: the HTTP status and the JSON error."""
         r = requests.post(f"{self.url}/v1/rounds/{round_}/delta", params={"host": host}, data=body, timeout=30,
                           headers={"Content-Type": OCTETS, CREDENTIAL_HEADER: self.credentials[host]})
-        return r.status_code, r.json()
+        return refusal(r)
 
     def sync(self, host: str, round_: int, wait: float = 0) -> requests.Response:
         return requests.get(f"{self.url}/v1/rounds/{round_}/sync", params={"host": host, "wait": wait}, timeout=30,
@@ -128,7 +139,7 @@ def test_a_delta_computed_against_another_model_is_refused_and_changes_nothing(c
     run = start(coordinator)
     run.send("a", GOOD_A, 30)
     status, body = run.post("b", run.delta(BAD, "b", base=model_hash(OTHER_MODEL)))
-    assert (status, body["reason"], body["model_hash"]) == (409, "stale_base", run.initial)
+    assert (status, body.get("reason"), body.get("model_hash")) == (409, "stale_base", run.initial)
     assert f"computed against model {model_hash(OTHER_MODEL)}" in body["error"]
     run.unchanged(["a"])
     run.send("b", GOOD_B, 10)
@@ -139,7 +150,7 @@ def test_a_delta_for_a_round_that_has_not_started_is_refused_and_changes_nothing
     run = start(coordinator)
     run.send("a", GOOD_A, 30)
     status, body = run.post("b", run.delta(BAD, "b", round_=5), round_=5)  # a payload consistent with its URL
-    assert (status, body["reason"], body["round"]) == (409, "stale_base", 0)
+    assert (status, body.get("reason"), body.get("round")) == (409, "stale_base", 0)
     assert "round 5 is not open" in body["error"]
     run.unchanged(["a"])
     run.send("b", GOOD_B, 10)
@@ -153,7 +164,7 @@ def test_a_delta_for_the_round_just_published_is_late_and_changes_nothing(coordi
     after = run.published("b")
     assert after == hash_after(MODEL, [(GOOD_A, 30), (GOOD_B, 10)])
     status, body = run.post("a", run.delta(BAD, "a", base=after))
-    assert (status, body["reason"], body["round"]) == (409, "late", 1)
+    assert (status, body.get("reason"), body.get("round")) == (409, "late", 1)
     assert "round 0 is not open" in body["error"]
     run.unchanged([], round_=1, model=after)
 
@@ -163,7 +174,7 @@ def test_a_second_delta_of_a_host_in_one_round_is_refused_and_the_first_one_coun
     run.send("a", GOOD_A, 30)
     run.send("b", GOOD_B, 10)
     status, body = run.post("b", run.delta(BAD, "b", samples=50))
-    assert (status, body["reason"]) == (409, "duplicate") and "already sent its delta for round 0" in body["error"]
+    assert (status, body.get("reason")) == (409, "duplicate") and "already sent its delta for round 0" in body["error"]
     run.unchanged(["a", "b"])
     run.send("c", GOOD_C, 20)
     assert run.published("c") == hash_after(MODEL, [(GOOD_A, 30), (GOOD_B, 10), (GOOD_C, 20)])
@@ -177,7 +188,7 @@ def test_a_delta_in_another_codec_of_the_same_size_is_refused_and_changes_nothin
     run = start(coordinator, "ab", named=named)
     run.send("a", good_a, 30)
     status, body = run.post("b", encoded(named, bad, Q4Meta("delta", 0, "b", run.initial, samples=10), other))
-    assert (status, body["reason"]) == (400, "invalid")
+    assert (status, body.get("reason")) == (400, "invalid")
     assert "payload uses q4, block size 128 with fp32 scales; this run uses q4, 64 with fp16" in body["error"]
     run.unchanged(["a"])
     run.send("b", good_b, 10)
@@ -193,7 +204,8 @@ def test_a_delta_whose_scales_would_overflow_the_accumulator_is_refused_and_chan
         run.send("a", GOOD_A, 30)
         if refused_first:
             status, body = run.post("b", run.delta(huge, "b"))
-            assert (status, body["reason"]) == (400, "invalid") and "would overflow the accumulator" in body["error"]
+            assert (status, body.get("reason")) == (400, "invalid")
+            assert "would overflow the accumulator" in body["error"]
             run.unchanged(["a"])
         run.send("b", GOOD_B, 10)
         return run.published("b")
@@ -205,7 +217,7 @@ def test_a_delta_of_a_host_that_left_is_refused_and_changes_nothing(coordinator)
     run = start(coordinator)
     run.clients["b"].leave()
     status, body = run.post("b", run.delta(BAD, "b"))
-    assert (status, body["reason"]) == (409, "not_joined") and "host b is not in the run (it left)" in body["error"]
+    assert (status, body.get("reason")) == (409, "not_joined") and "host b is not in the run (it left)" in body["error"]
     run.unchanged([])
     assert run.status()["hosts"] == {"a": "training", "b": "left"}
     run.send("a", GOOD_A, 30)  # the round closes with a's delta alone
@@ -220,7 +232,8 @@ def test_a_delta_before_the_run_has_a_model_is_refused_and_leaves_nothing_behind
     delta = encoded(MODEL, BAD, Q4Meta("delta", 0, "a", initial, samples=10))
     r = requests.post(f"{coord.url}/v1/rounds/0/delta", params={"host": "a"}, data=delta, timeout=30,
                       headers={"Content-Type": OCTETS, CREDENTIAL_HEADER: credential})
-    assert (r.status_code, r.json()["reason"]) == (409, "no_model") and "has no model yet" in r.json()["error"]
+    status, body = refusal(r)
+    assert (status, body.get("reason")) == (409, "no_model") and "has no model yet" in body["error"]
     assert a.put_model(memoryview(model_file())) == initial
     state = requests.get(f"{coord.url}/v1/status", timeout=30).json()
     assert (state["round"], state["received"], state["model_hash"]) == (0, [], initial)
@@ -255,7 +268,8 @@ def test_an_initial_model_that_is_not_a_model_file_is_refused_and_the_run_waits_
     garbage = b"\x07" * len(model_file())  # the size of the model declared, but no safetensors file
     r = requests.put(f"{coord.url}/v1/model", params={"host": "a"}, data=garbage, timeout=30,
                      headers={CREDENTIAL_HEADER: credential})
-    assert (r.status_code, r.json()["reason"]) == (400, "invalid") and "model rejected" in r.json()["error"]
+    status, body = refusal(r)
+    assert (status, body.get("reason")) == (400, "invalid") and "model rejected" in body["error"]
     assert requests.get(f"{coord.url}/v1/status", timeout=30).json()["model_hash"] is None
     assert a.put_model(memoryview(model_file())) == model_hash(MODEL)
 
@@ -295,15 +309,73 @@ def test_a_model_given_back_that_is_not_the_one_the_host_said_it_holds_is_refuse
     assert (state["round"], state["model_hash"]) == (1, after)
 
 
+def held_back(coord: Coordinator, credential: str, body: bytes, *, end: str) -> None:
+    """Half of an initial model upload, then the uploader stalls (``end="stall"``) or hangs up (``"close"``);
+    returns once the coordinator has let go of the connection."""
+    sock = raw_request(coord.url, f"PUT /v1/model?host=a HTTP/1.1\r\nHost: x\r\n{CREDENTIAL_HEADER}: {credential}\r\n"
+                                  f"Content-Type: {OCTETS}\r\nContent-Length: {len(body)}\r\n\r\n")
+    sock.sendall(body[: len(body) // 2])
+    if end == "close":
+        sock.shutdown(socket.SHUT_WR)
+    sock.settimeout(15)
+    try:
+        while sock.recv(4096):
+            pass
+    except OSError:
+        pass  # reset: cut
+    sock.close()
+    time.sleep(1.0)  # what the coordinator would do with the half it read, it has done by now
+
+
+@pytest.mark.parametrize("end", ["stall", "close"])
+def test_an_initial_model_upload_that_does_not_arrive_whole_is_not_taken(coordinator, end) -> None:
+    """Stalled past its time limit, or ended early: the half-read model is not the run's (a model file has no
+    checksum: only the transfer's own guards stand between a half-filled buffer and the run)."""
+    coord = coordinator(1, "--transfer-timeout", "1")
+    a = HttpClient(coord.url, host="a", retry_for=5)
+    credential = a.join([s.as_json() for s in spec_of(MODEL)]).credential
+    held_back(coord, credential, model_file(), end=end)
+    assert requests.get(f"{coord.url}/v1/status", timeout=30).json()["model_hash"] is None
+    assert a.put_model(memoryview(model_file())) == model_hash(MODEL)
+
+
+def test_a_model_download_beyond_the_ones_in_flight_is_refused_as_busy(coordinator) -> None:
+    coord = coordinator(1)
+    named = [("big", torch.randn(4 << 20, generator=_gen))]  # 16 MB: a reader that stops holds its download open
+    a = HttpClient(coord.url, host="a", retry_for=5)
+    credential = a.join([s.as_json() for s in spec_of(named)]).credential
+    a.put_model(memoryview(model_file(named)))
+    stalled = [raw_request(coord.url, f"GET /v1/model?host=a HTTP/1.1\r\nHost: x\r\n{CREDENTIAL_HEADER}: "
+                                      f"{credential}\r\n\r\n", rcvbuf=64 << 10) for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 10
+        while requests.get(f"{coord.url}/v1/status", timeout=30).json()["downloads"] != 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        r = requests.get(f"{coord.url}/v1/model", params={"host": "a"}, headers={CREDENTIAL_HEADER: credential},
+                         timeout=30, stream=True)
+        status, body = refusal(r)
+        r.close()
+        assert (status, body.get("reason")) == (503, "busy") and "2 model downloads are in flight" in body["error"]
+    finally:
+        for sock in stalled:
+            sock.close()
+    deadline = time.monotonic() + 10
+    while requests.get(f"{coord.url}/v1/status", timeout=30).json()["downloads"] != 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert read_model(body_bytes(a.get_model()))[1] == model_hash(named)
+
+
 # -- syncs --------------------------------------------------------------------------------------------------------
 
 
 def test_a_sync_of_a_round_that_has_not_started_is_refused_and_changes_nothing(coordinator) -> None:
     run = start(coordinator)
     run.send("a", GOOD_A, 30)
-    r = run.sync("a", 5)
-    assert (r.status_code, r.json()["reason"], r.json()["round"]) == (409, "not_open", 0)
-    assert "round 5 has not started" in r.json()["error"]
+    status, body = refusal(run.sync("a", 5))
+    assert (status, body.get("reason"), body.get("round")) == (409, "not_open", 0)
+    assert "round 5 has not started" in body["error"]
     run.unchanged(["a"])
     run.send("b", GOOD_B, 10)
     assert run.published("a") == hash_after(MODEL, [(GOOD_A, 30), (GOOD_B, 10)])
@@ -312,9 +384,9 @@ def test_a_sync_of_a_round_that_has_not_started_is_refused_and_changes_nothing(c
 def test_a_host_waiting_for_a_sync_without_having_sent_its_delta_is_told_to_send_it(coordinator) -> None:
     run = start(coordinator)
     run.send("a", GOOD_A, 30)
-    r = run.sync("b", 0)
-    assert (r.status_code, r.json()["reason"]) == (409, "no_delta")
-    assert "holds no delta of host b for round 0" in r.json()["error"]
+    status, body = refusal(run.sync("b", 0))
+    assert (status, body.get("reason")) == (409, "no_delta")
+    assert "holds no delta of host b for round 0" in body["error"]
     run.unchanged(["a"])
     run.send("b", GOOD_B, 10)
     assert run.published("b") == hash_after(MODEL, [(GOOD_A, 30), (GOOD_B, 10)])
@@ -327,10 +399,51 @@ def test_a_sync_replaced_by_later_rounds_is_gone_and_names_the_round_to_fetch(co
     message = run.delta(GOOD_B, "a", round_=1, base=after)
     assert run.clients["a"].post_delta(1, memoryview(message)) is Upload.TAKEN
     later = run.published("a", 1)
-    r = run.sync("a", 0)
-    assert (r.status_code, r.json()["reason"], r.json()["round"]) == (410, "gone", 2)
-    assert "the sync of round 0 is gone; the model is at round 2" in r.json()["error"]
+    status, body = refusal(run.sync("a", 0))
+    assert (status, body.get("reason"), body.get("round")) == (410, "gone", 2)
+    assert "the sync of round 0 is gone; the model is at round 2" in body["error"]
     run.unchanged([], round_=2, model=later)
+
+
+def test_a_sync_the_restarted_coordinator_does_not_hold_is_gone_not_waited_for(coordinator, tmp_path) -> None:
+    """The coordinator dies after publishing round 1 but before saving it (its state is round 1's start); host a
+    gives back round 2's model; host b, which had not fetched round 1's sync, is told it is gone (so it fetches the
+    model) instead of being answered "not ready" for ever."""
+    run_dir = tmp_path / "resumed"
+    first = coordinator(2, "--snapshot-every", "100", run_dir=run_dir)
+    tensors = [s.as_json() for s in spec_of(MODEL)]
+    a, b = (HttpClient(first.url, host=h, retry_for=5) for h in "ab")
+    a.join(tensors)
+    base = a.put_model(memoryview(model_file()))
+    credential = b.join(tensors).credential
+    saved = run_dir / "state" / "run.json"
+    for round_ in (0, 1):
+        for client, values in ((a, GOOD_A), (b, GOOD_B)):
+            message = encoded(MODEL, values, Q4Meta("delta", round_, client.host, base, samples=10))
+            assert client.post_delta(round_, memoryview(message)) is Upload.TAKEN
+        base = Q4Message.parse(body_bytes(a.wait_sync(round_).body)).meta.model_hash
+        if round_ == 0:
+            deadline = time.monotonic() + 30
+            while not (saved.exists() and json.loads(saved.read_text())["round"] == 1):
+                assert time.monotonic() < deadline, "round 1's state was never saved"
+                time.sleep(0.05)
+            time.sleep(0.5)
+            shutil.copytree(run_dir / "state", tmp_path / "state-of-round-1")
+    held = bytes(body_bytes(a.get_model()).numpy())
+    first.proc.kill()
+    first.wait()
+    shutil.rmtree(run_dir / "state")
+    shutil.copytree(tmp_path / "state-of-round-1", run_dir / "state")
+    second = coordinator(2, "--snapshot-every", "100", run_dir=run_dir)
+    a.url = b.url = second.url
+    assert a.join(tensors, model_hash=base, round_=2).provide_model
+    assert a.put_model(memoryview(held)) == base
+    status, body = refusal(requests.get(f"{second.url}/v1/rounds/1/sync", params={"host": "b", "wait": 0},
+                                        headers={CREDENTIAL_HEADER: credential}, timeout=30))
+    assert (status, body.get("reason")) == (410, "gone") and "fetch GET /v1/model" in body["error"]
+    state = requests.get(f"{second.url}/v1/status", timeout=30).json()
+    assert (state["round"], state["model_hash"], state["received"]) == (2, base, [])
+    assert read_model(body_bytes(b.get_model()))[1] == base
 
 
 # -- a host checks what it is sent ------------------------------------------------------------------------------
@@ -458,7 +571,8 @@ def test_a_fetched_model_that_does_not_hash_to_the_coordinators_hash_is_refused(
         return model_header(specs, round_, model_hash(OTHER_MODEL)) + b"".join(t.numpy().tobytes() for t in tensors)
 
     b.client.model = claim_another_hash  # b holds another model than a's, so it fetches a's at its join
-    with pytest.raises(RuntimeError, match=f"hashes to {a.model_hash}, not the coordinator's {model_hash(OTHER_MODEL)}"):
+    claimed = model_hash(OTHER_MODEL)
+    with pytest.raises(RuntimeError, match=f"hashes to {a.model_hash}, not the coordinator's {claimed}"):
         b.join()
     assert b.model_hash == ""  # b never took the model as the run's
 
