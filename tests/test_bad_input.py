@@ -205,6 +205,27 @@ CASES = {
                                                "id_in_use", "host id b is in use by another live process"),
     "a join beyond --hosts": (lambda r: r.join({"host": "c", "tensors": TENSORS}, as_=None), 409, "full",
                               "already has its 2 hosts"),
+    "a join whose model_hash is not a string": (
+        lambda r: r.join({"host": "b", "tensors": TENSORS, "model_hash": 5}, as_="b"), 400, "invalid",
+        "model_hash must be a string"),
+    "a join whose round is not an integer": (
+        lambda r: r.join({"host": "b", "tensors": TENSORS, "model_hash": "x", "round": -1}, as_="b"), 400, "invalid",
+        "join: round must be an integer"),
+    "a join larger than its limit": (lambda r: declared_only(r.url, "POST", "/v1/join", r.headers(), 17 << 20), 413,
+                                     "too_large", "request body of 17825792 bytes is larger than"),
+    "events without records": (lambda r: r.events({"rows": []}), 400, "invalid", 'events need {"records"'),
+    "more than 10000 records in one batch": (lambda r: r.events({"records": [record()] * 10_001}), 400, "invalid",
+                                             "10001 records in one batch"),
+    "an event batch without a Content-Length": (
+        lambda r: requests.post(f"{r.url}/v1/events", params={"host": "b"}, data=iter([b'{"records": []}']),
+                                headers=r.headers(), timeout=30), 411, "length_required", "needs a Content-Length"),
+    "a model upload without a Content-Length": (
+        lambda r: requests.put(f"{r.url}/v1/model", params={"host": "a"}, data=iter([model_file()]),
+                               headers=r.headers(as_="a"), timeout=30), 411, "length_required",
+        "needs a Content-Length"),
+    "a call that names no host": (
+        lambda r: requests.post(f"{r.url}/v1/rounds/0/delta", data=r.delta(), headers=r.headers(), timeout=30), 400,
+        "invalid", "query parameter host=ID is missing"),
 }
 
 
