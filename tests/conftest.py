@@ -13,6 +13,8 @@ torch.set_num_threads(1)
 
 from helpers import Coordinator  # noqa: E402 - after the path that finds it
 
+from lightning_nodeox.core.phases import PhaseLog  # noqa: E402
+
 
 @pytest.fixture
 def coordinator(tmp_path):
@@ -35,3 +37,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "coordinator" in getattr(item, "fixturenames", ()) and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def keep_records(monkeypatch):
+    """Give every PhaseLog a list of the records it emitted (``host.phases.records``)."""
+    original = PhaseLog.__init__
+
+    def init(self, host: str) -> None:
+        original(self, host)
+        self.records = []
+        self.listeners.append(self.records.append)
+
+    monkeypatch.setattr(PhaseLog, "__init__", init)

@@ -261,3 +261,19 @@ def launch(run_dir: Path, hosts: int, command: list[str], *coordinator_args: str
 def read_events(run_dir: Path) -> list[dict]:
     """The run's events.jsonl, one dict a line."""
     return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def raw_request(url: str, head: str, *, rcvbuf: int | None = None) -> socket.socket:
+    """A socket that has sent ``head`` (a request, maybe half of one) to the coordinator at ``url``."""
+    host, port = url.removeprefix("http://").split(":")
+    s = socket.socket()
+    if rcvbuf is not None:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.connect((host, int(port)))
+    s.sendall(head.encode())
+    return s
+
+
+def recorded(host) -> list:
+    """The phase records a host emitted (with the ``keep_records`` fixture)."""
+    return host.phases.records

@@ -19,12 +19,21 @@ from dataclasses import dataclass, replace
 import pytest
 import requests
 import torch
-from conftest import Coordinator
+from helpers import (
+    MODEL,
+    SETTINGS,
+    Coordinator,
+    assert_on_the_run_model,
+    body_bytes,
+    expected_after_round,
+    model,
+    model_file,
+    raw_request,
+    recorded,
+    train,
+)
 from local_transport import BytesBody, LocalClient, LocalCoordinator
 from reference_q4 import kernels
-from test_coordinator import MODEL, SETTINGS, body_bytes, expected_after_round, model_file
-from test_round_rules import assert_on_the_run_model, keep_records, model, recorded, train  # noqa: F401 (fixture)
-from test_slow_peers import raw_request
 
 from lightning_nodeox.core.codec import encode_tensor
 from lightning_nodeox.core.hashing import model_hash
@@ -37,6 +46,8 @@ from lightning_nodeox.core.wire import Q4Layout, Q4Message, Q4Meta
 from lightning_nodeox.host.client import HttpClient
 from lightning_nodeox.host.round import HostRound
 from lightning_nodeox.host.tensors import HostTensors
+
+pytestmark = pytest.mark.usefixtures("keep_records")  # every PhaseLog keeps its records
 
 _gen = torch.Generator().manual_seed(15)
 GOOD_A = [torch.randn(t.shape, generator=_gen) * 0.01 for _, t in MODEL]

@@ -7,13 +7,15 @@ import time
 
 import pytest
 import torch
-from helpers import assert_on_the_run_model, model, train
+from helpers import assert_on_the_run_model, model, recorded, train
 from local_transport import LocalClient, LocalCoordinator
 
 from lightning_nodeox.core.phases import PhaseLog
 from lightning_nodeox.core.protocol import Upload
 from lightning_nodeox.host.round import HostRound
 from lightning_nodeox.host.tensors import HostTensors
+
+pytestmark = pytest.mark.usefixtures("keep_records")  # every PhaseLog keeps its records
 
 
 @pytest.fixture
@@ -153,18 +155,3 @@ def test_a_model_hash_mismatch_makes_the_host_fetch_the_model(local_coordinator)
     assert_on_the_run_model(c, a, b)
 
 
-def recorded(host: HostRound) -> list:
-    return host.phases.records
-
-
-@pytest.fixture(autouse=True)
-def keep_records(monkeypatch):
-    """Give every PhaseLog a list of the records it emitted (``host.phases.records``)."""
-    original = PhaseLog.__init__
-
-    def init(self, host: str) -> None:
-        original(self, host)
-        self.records = []
-        self.listeners.append(self.records.append)
-
-    monkeypatch.setattr(PhaseLog, "__init__", init)

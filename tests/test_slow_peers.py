@@ -4,14 +4,13 @@ model it started with), and a round that cannot close says why."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
 import pytest
 import requests
 import torch
-from helpers import body_bytes, delta_message, model_file
+from helpers import body_bytes, delta_message, model_file, raw_request
 
 from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.modelfile import read_model
@@ -36,16 +35,6 @@ def joined(url: str, named, hosts: str) -> tuple[list[HttpClient], str]:
     for c in clients[1:]:
         c.join(specs)
     return clients, initial
-
-
-def raw_request(url: str, head: str, *, rcvbuf: int | None = None) -> socket.socket:
-    host, port = url.removeprefix("http://").split(":")
-    s = socket.socket()
-    if rcvbuf is not None:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-    s.connect((host, int(port)))
-    s.sendall(head.encode())
-    return s
 
 
 def status(url: str) -> dict:
