@@ -125,7 +125,7 @@ class HttpClient:
                 raise Cancelled(f"{method} {path} cancelled: this host's training was interrupted")
             if hasattr(kwargs.get("data"), "rewind"):
                 kwargs["data"].rewind()
-            sent = time.time()
+            sent, clock_sent = time.time(), time.monotonic()  # the round trip on a clock no step of the wall moves
             try:
                 response = self.session.request(
                     method, url, timeout=(self.connect_timeout, read_timeout or self.read_timeout),
@@ -137,7 +137,7 @@ class HttpClient:
             else:
                 stamp = response.headers.get(proto.TIME_HEADER)
                 if stamp:
-                    self.clock.add(sent, time.time(), float(stamp))
+                    self.clock.add(sent, sent + time.monotonic() - clock_sent, float(stamp))
                 if response.status_code in ok:
                     return response
                 body = _json_or_empty(response)
