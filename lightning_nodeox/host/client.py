@@ -179,12 +179,12 @@ class HttpClient:
                 return "it speaks plain HTTP, not TLS", (
                     f"use {self.url.replace('https://', 'http://', 1)} (or start the coordinator with --tls-cert and "
                     "--tls-key)")
-        elif urlsplit(self.url).scheme == "http" and any(
-                s in text for s in ("Connection aborted", "Connection reset", "RemoteDisconnected", "BadStatusLine")):
-            if _speaks_tls(self.url, self.connect_timeout):
-                return "it speaks TLS, not plain HTTP", (
-                    f"use {self.url.replace('http://', 'https://', 1)} (and set {ENV_CA_FILE}=/path/to/cert.pem when "
-                    "its certificate is self-signed or private)")
+            return None
+        cut = any(s in text for s in ("Connection aborted", "Connection reset", "RemoteDisconnected", "BadStatusLine"))
+        if cut and urlsplit(self.url).scheme == "http" and _speaks_tls(self.url, self.connect_timeout):
+            return "it speaks TLS, not plain HTTP", (
+                f"use {self.url.replace('http://', 'https://', 1)} (and set {ENV_CA_FILE}=/path/to/cert.pem when its "
+                "certificate is self-signed or private)")
         return None
 
     # -- the protocol's calls -------------------------------------------------------------------------------------
@@ -267,7 +267,10 @@ def _speaks_plain_http(url: str, timeout: float) -> bool:
     try:
         with socket.create_connection(_address(url), timeout=timeout) as raw:
             raw.sendall(b"HEAD / HTTP/1.0\r\n\r\n")
-            return raw.recv(5) == b"HTTP/"
+            start = b""
+            while len(start) < 5 and (piece := raw.recv(5 - len(start))):
+                start += piece
+            return start == b"HTTP/"
     except OSError:
         return False
 

@@ -59,9 +59,10 @@ def run_completed(url: str, round_: int, model_hash: str | None) -> RunCompleted
         "training goes on from the weights this host holds.")
 
 
-def run_not_completed(host: str, url: str, round_: int, steps: int, model_hash: str, cause: Exception) -> RunNotCompleted:
+def run_not_completed(host: str, url: str, round_: int, steps: int, model_hash: str,
+                      cause: Exception) -> RunNotCompleted:
     return RunNotCompleted(
-        f"host {host}: the run did not complete: its coordinator at {url} stopped answering in round {round_}, after "
-        f"{steps} training steps of this host (last model agreed: {model_hash or 'none'}): {str(cause).rstrip('.')}. Start the "
-        "coordinator again on the same run directory (it resumes the run) and this host's training again: it "
-        "rejoins where the run stood.")
+        f"host {host}: the run did not complete: its coordinator at {url} stopped answering in round {round_}, "
+        f"after {steps} training steps of this host (last model agreed: {model_hash or 'none'}): "
+        f"{str(cause).rstrip('.')}. Start the coordinator again on the same run directory (it resumes the run) "
+        "and this host's training again: it rejoins where the run stood.")

@@ -1,10 +1,10 @@
 """Rank 0's link to the run: its client, its round, the exchange worker, its phase records (kept, shipped to the
 coordinator, summed into progress lines) and its heartbeat; opened by joining, closed by leaving.
 
-Only rank 0 of a host holds one; the other ranks follow rank 0 through :mod:`lightning_nodeox.host.ranks`. A coordinator
-that stops answering mid-run ends the exchange with :class:`~lightning_nodeox.host.ending.RunNotCompleted`, and a join
-to a run this process saw complete, whose coordinator is gone, with :class:`~lightning_nodeox.host.ending.RunCompleted`
-(:mod:`lightning_nodeox.host.ending`).
+Only rank 0 of a host holds one; the other ranks follow rank 0 through :mod:`lightning_nodeox.host.ranks`.
+A coordinator that stops answering mid-run ends the exchange with :class:`~lightning_nodeox.host.ending.RunNotCompleted`,
+and a join to a run this process saw complete, whose coordinator is gone, with
+:class:`~lightning_nodeox.host.ending.RunCompleted` (:mod:`lightning_nodeox.host.ending`).
 """
 
 from __future__ import annotations
