@@ -134,3 +134,17 @@ def test_a_host_whose_coordinator_stops_before_the_run_completed_exits_non_zero_
     round_, steps = int(found.group(1)), int(found.group(2))
     assert published <= round_ <= published + 1 and steps == 2 * (round_ + 1)  # rounds of 2 steps, the last one's too
     assert "Start the coordinator again on the same run directory" in out
+
+
+@pytest.mark.slow
+def test_a_fit_against_a_completed_run_whose_coordinator_still_serves_fails_at_once_saying_so(coordinator,
+                                                                                              tmp_path) -> None:
+    coord = coordinator(1, "--keep-running")
+    model = Tiny()
+    fit(coord.url, model, tmp_path)
+    final = model_hash(shared_tensors(model))
+    start = time.monotonic()
+    with pytest.raises(RunCompleted, match=re.escape(f"has completed (after round 1, model hash {final})")):
+        fit(coord.url, Tiny(), tmp_path)  # the coordinator answers: its join says the run is complete
+    assert time.monotonic() - start < 5
+    assert coord.proc.poll() is None
