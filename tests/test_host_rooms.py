@@ -4,6 +4,8 @@ that goes where the caller says."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from helpers import TwoOptimizers, assert_on_the_run_model, data, model, train
@@ -126,3 +128,21 @@ def test_a_fetched_model_goes_where_the_caller_says(tmp_path) -> None:
         assert_on_the_run_model(c, a, b)
     finally:
         c.close()
+
+
+def test_a_round_budget_is_kept_on_a_monotonic_clock_whatever_the_wall_clock_does() -> None:
+    assert RoundTiming(local_steps=20, round_seconds=10.0).clock is time.monotonic
+    steady, wall = [500.0], [1_000_000.0]
+    timing = RoundTiming(local_steps=20, round_seconds=10.0, clock=lambda: steady[0], wall=lambda: wall[0])
+    timing.begin()
+    assert timing.start == 1_000_000.0  # the training record's timestamp stays wall-clock time
+    steady[0], wall[0] = 505.0, wall[0] - 3600.0  # the wall clock steps back an hour mid-round
+    assert not timing.due()
+    steady[0] = 510.0  # ten seconds of training: the round closes on time
+    assert timing.due()
+    timing.begin(overlapped=True)
+    assert timing.deadline == 520.0 and timing.start == 1_000_000.0 - 3600.0
+    steady[0], wall[0] = 520.0, wall[0] + 7200.0  # and a step forward does not close the next one early
+    timing.begin()
+    steady[0] = 529.9
+    assert not timing.due()

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +20,7 @@ from helpers import MODEL, SPECS, Coordinator, body_bytes, delta_message, expect
 from lightning_nodeox.coordinator.config import CoordinatorConfig
 from lightning_nodeox.coordinator.server import bound_url
 from lightning_nodeox.core.hashing import model_hash
-from lightning_nodeox.core.protocol import SyncReady, Unreachable, Upload
+from lightning_nodeox.core.protocol import SyncReady, TlsMismatch, Unreachable, Upload
 from lightning_nodeox.core.wire import Q4Message
 from lightning_nodeox.host.client import HttpClient
 
@@ -172,3 +175,77 @@ def test_launch_passes_tls_and_the_token_to_its_hosts(tmp_path) -> None:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "[host 0] sync complete: True" in out.stdout
     assert "listening on https://127.0.0.1:" in out.stdout
+
+
+# -- TLS mistakes are not transient: they fail at once, naming the fix -------------------------------------------------
+def refused_at_once(client: HttpClient, match: str) -> str:
+    """``client``'s join fails with a TLS mistake within a few seconds (its retry budget is 60 s); the message."""
+    start = time.monotonic()
+    with pytest.raises(TlsMismatch, match=match) as raised:
+        client.join(TENSORS)
+    assert time.monotonic() - start < 5, "a TLS mistake was retried"
+    return str(raised.value)
+
+
+@pytest.mark.slow
+def test_an_http_url_for_a_tls_coordinator_fails_at_once_naming_https(coordinator, tmp_path) -> None:
+    cert, key = self_signed(tmp_path)
+    coord = coordinator(1, "--tls-cert", str(cert), "--tls-key", str(key))
+    plain = coord.url.replace("https://", "http://")
+    message = refused_at_once(HttpClient(plain, host="a", ca_file=str(cert)), "speaks TLS, not plain HTTP")
+    assert f"use {coord.url}" in message
+
+
+@pytest.mark.slow
+def test_an_https_url_for_a_plain_coordinator_fails_at_once_naming_http(coordinator) -> None:
+    coord = coordinator(1)
+    secure = coord.url.replace("http://", "https://")
+    message = refused_at_once(HttpClient(secure, host="a"), "speaks plain HTTP, not TLS")
+    assert f"use {coord.url}" in message
+
+
+@pytest.mark.slow
+def test_a_coordinator_certificate_the_host_does_not_trust_fails_at_once_naming_the_ca_file(coordinator,
+                                                                                            tmp_path) -> None:
+    cert, key = self_signed(tmp_path)
+    coord = coordinator(1, "--tls-cert", str(cert), "--tls-key", str(key))
+    unset = refused_at_once(HttpClient(coord.url, host="a"), "certificate is not trusted")
+    assert "NODEOX_CA_FILE is not set" in unset and "set NODEOX_CA_FILE=/path/to/cert.pem" in unset
+    (tmp_path / "other").mkdir()
+    other, _ = self_signed(tmp_path / "other")  # a certificate, but not the coordinator's
+    wrong = refused_at_once(HttpClient(coord.url, host="a", ca_file=str(other)), "certificate is not trusted")
+    assert f"NODEOX_CA_FILE={other} does not verify it" in wrong
+    (tmp_path / "garbage.pem").write_text("not a certificate\n")
+    garbage = refused_at_once(HttpClient(coord.url, host="a", ca_file=str(tmp_path / "garbage.pem")),
+                              "cannot be read as a certificate")
+    assert "point NODEOX_CA_FILE at the PEM certificate the coordinator serves" in garbage
+    assert HttpClient(coord.url, host="a", ca_file=str(cert)).join(TENSORS).provide_model  # the fix works
+
+
+def test_a_connection_cut_that_is_no_tls_mistake_is_still_retried() -> None:
+    """A plain server that closes every connection unanswered looks like an http:// request to a TLS port, but it
+    completes no TLS handshake: the host retries (for its budget) instead of blaming the URL's scheme."""
+    server = socket.create_server(("127.0.0.1", 0))
+    cuts = []
+
+    def cut_every_connection() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            cuts.append(1)
+            conn.close()
+
+    threading.Thread(target=cut_every_connection, daemon=True).start()
+    url = f"http://127.0.0.1:{server.getsockname()[1]}"
+    start = time.monotonic()
+    try:
+        with pytest.raises(Unreachable, match=f"coordinator at {url} did not answer") as raised:
+            HttpClient(url, host="a", retry_for=1.5).join(TENSORS)
+    finally:
+        server.close()
+    assert not isinstance(raised.value, TlsMismatch)
+    tries = int(re.search(r"after (\d+) tries", str(raised.value)).group(1))
+    assert tries >= 3 and len(cuts) == 2 * tries  # each try, and each try's probe of a TLS handshake, was cut
+    assert time.monotonic() - start < 10

@@ -92,6 +92,11 @@ class Unreachable(ConnectionError):
     """The coordinator did not answer within the retry budget."""
 
 
+class TlsMismatch(Unreachable):
+    """The coordinator cannot be talked to as configured (``http://`` for a TLS coordinator, ``https://`` for a
+    plain one, a certificate this host does not trust): no retry mends it, the message names the fix."""
+
+
 class TransferBroken(OSError):
     """A download broke off half-way; asking again may succeed."""
 

@@ -3,7 +3,10 @@
 Every HTTP detail of the host side is here: statuses and headers are turned into the protocol's outcomes
 (:mod:`lightning_nodeox.core.protocol`), so the host's round logic never sees them. Connection errors and
 5xx (and 408, a transfer cut off as too slow) are retried with exponential backoff for up to ``retry_for``
-seconds, so a host rides out a coordinator restart; a refusal raises at once.
+seconds, so a host rides out a coordinator restart; a refusal raises at once, and so does a TLS mistake
+(:class:`~lightning_nodeox.core.protocol.TlsMismatch`: the URL's scheme is not what the coordinator speaks, or its
+certificate is not trusted), which no retry mends: a connection that fails in a way such a mistake could explain
+is checked with one probe of the coordinator's port (does it complete a TLS handshake, does it answer plain HTTP).
 
 :meth:`HttpClient.cancel` stops the exchange's calls (waits and retries) at their next poll; saying goodbye
 (:meth:`HttpClient.leave`), heartbeats and phase records are not cancellable and have short deadlines of
@@ -17,8 +20,11 @@ when given, else the system's store (or ``REQUESTS_CA_BUNDLE``, the requests con
 from __future__ import annotations
 
 import logging
+import socket
+import ssl
 import threading
 import time
+from urllib.parse import urlsplit
 
 import requests
 
@@ -32,6 +38,7 @@ from ..core.protocol import (
     RunComplete,
     SyncReady,
     SyncReply,
+    TlsMismatch,
     TransferBroken,
     Unreachable,
     Upload,
@@ -125,19 +132,21 @@ class HttpClient:
                 raise Cancelled(f"{method} {path} cancelled: this host's training was interrupted")
             if hasattr(kwargs.get("data"), "rewind"):
                 kwargs["data"].rewind()
-            sent = time.time()
+            sent, clock_sent = time.time(), time.monotonic()  # the round trip on a clock no step of the wall moves
             try:
                 response = self.session.request(
                     method, url, timeout=(self.connect_timeout, read_timeout or self.read_timeout),
                     headers=headers, **({"verify": self._verify} if self._verify else {}), **kwargs)
             except (requests.ConnectionError, requests.Timeout) as e:
+                mistake = self._tls_mistake(e)
+                if mistake:
+                    what, fix = mistake
+                    raise TlsMismatch(f"coordinator at {self.url}: {what} ({type(e).__name__}: {e}); {fix}") from None
                 problem: str = f"{type(e).__name__}: {e}"
-                if isinstance(e, requests.exceptions.SSLError):
-                    problem += f"; to trust a self-signed or private certificate, set {ENV_CA_FILE} to it"
             else:
                 stamp = response.headers.get(proto.TIME_HEADER)
                 if stamp:
-                    self.clock.add(sent, time.time(), float(stamp))
+                    self.clock.add(sent, sent + time.monotonic() - clock_sent, float(stamp))
                 if response.status_code in ok:
                     return response
                 body = _json_or_empty(response)
@@ -152,6 +161,31 @@ class HttpClient:
             log.warning("nodeox: %s %s failed (%s); retrying in %.1fs", method, path, problem, delay)
             time.sleep(delay)
             delay = min(delay * 2, 5.0)
+
+    def _tls_mistake(self, error: Exception) -> tuple[str, str] | None:
+        """What is wrong and its fix, when ``error`` comes from a TLS mistake rather than a passing failure."""
+        text = str(error)
+        if isinstance(error, requests.exceptions.SSLError):
+            if "CERTIFICATE_VERIFY_FAILED" in text:
+                trusted = (f"{ENV_CA_FILE}={self._verify} does not verify it" if self._verify else
+                           f"{ENV_CA_FILE} is not set and the system's store (or REQUESTS_CA_BUNDLE) does not trust it")
+                return "its TLS certificate is not trusted", (
+                    f"{trusted}: set {ENV_CA_FILE}=/path/to/cert.pem, the certificate the coordinator serves (its "
+                    "--tls-cert) or the CA that signed it")
+            if self._verify and any(s in text for s in ("NO_CERTIFICATE_OR_CRL_FOUND", "[X509", "[PEM")):
+                return f"{ENV_CA_FILE}={self._verify} cannot be read as a certificate", (
+                    f"point {ENV_CA_FILE} at the PEM certificate the coordinator serves (its --tls-cert) or its CA")
+            if _speaks_plain_http(self.url, self.connect_timeout):
+                return "it speaks plain HTTP, not TLS", (
+                    f"use {self.url.replace('https://', 'http://', 1)} (or start the coordinator with --tls-cert and "
+                    "--tls-key)")
+            return None
+        cut = any(s in text for s in ("Connection aborted", "Connection reset", "RemoteDisconnected", "BadStatusLine"))
+        if cut and urlsplit(self.url).scheme == "http" and _speaks_tls(self.url, self.connect_timeout):
+            return "it speaks TLS, not plain HTTP", (
+                f"use {self.url.replace('http://', 'https://', 1)} (and set {ENV_CA_FILE}=/path/to/cert.pem when its "
+                "certificate is self-signed or private)")
+        return None
 
     # -- the protocol's calls -------------------------------------------------------------------------------------
     def join(self, tensors: list, *, model_hash: str | None = None, round_: int | None = None) -> JoinReply:
@@ -210,6 +244,35 @@ class HttpClient:
         """Say goodbye, whatever the cancel state, within about ``LEAVE_WITHIN`` seconds (plus a connect)."""
         self._request("POST", proto.LEAVE.format(host=self.host), retry_for=LEAVE_WITHIN,
                       read_timeout=LEAVE_WITHIN, cancellable=False)
+
+
+def _address(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    return parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+
+
+def _speaks_tls(url: str, timeout: float) -> bool:
+    """Whether the server at ``url``'s address completes a TLS handshake (its certificate unchecked: a probe)."""
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    try:
+        with socket.create_connection(_address(url), timeout=timeout) as raw, context.wrap_socket(raw):
+            return True
+    except (OSError, ssl.SSLError):
+        return False
+
+
+def _speaks_plain_http(url: str, timeout: float) -> bool:
+    """Whether the server at ``url``'s address answers a plain HTTP request."""
+    try:
+        with socket.create_connection(_address(url), timeout=timeout) as raw:
+            raw.sendall(b"HEAD / HTTP/1.0\r\n\r\n")
+            start = b""
+            while len(start) < 5 and (piece := raw.recv(5 - len(start))):
+                start += piece
+            return start == b"HTTP/"
+    except OSError:
+        return False
 
 
 def _refusal(status: int, message: str, body: dict) -> Refusal:

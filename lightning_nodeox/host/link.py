@@ -2,19 +2,25 @@
 coordinator, summed into progress lines) and its heartbeat; opened by joining, closed by leaving.
 
 Only rank 0 of a host holds one; the other ranks follow rank 0 through :mod:`lightning_nodeox.host.ranks`.
+A coordinator that stops answering mid-run ends the exchange with :class:`~lightning_nodeox.host.ending.RunNotCompleted`,
+and a join to a run this process saw complete, whose coordinator is gone, with
+:class:`~lightning_nodeox.host.ending.RunCompleted` (:mod:`lightning_nodeox.host.ending`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 
 from ..core import phases as P
 from ..core.phases import PhaseLog, PhaseRecord
+from ..core.protocol import Unreachable
 from ..core.transport import HostClient
 from .client import HttpClient
+from .ending import completed_at, note_completed, run_not_completed
 from .heartbeat import Heartbeat
 from .progress import RoundProgress
 from .round import HostRound, RoundResult
@@ -62,6 +68,7 @@ class RunLink:
         round_.phases.listeners += [*listeners, self.telemetry, self.progress]
         self.heartbeat = Heartbeat(round_.client)  # keeps this host's lease from its join's answer until it leaves
         self.worker: ExchangeWorker | None = None
+        self.steps = 0  # training steps of the rounds this host closed
         self._left = False
 
     @classmethod
@@ -69,6 +76,9 @@ class RunLink:
              codec_threads: int, sigterm: SigtermHandler, listeners: list[Callable[[PhaseRecord], None]],
              ranks: int) -> RunLink:
         """Join the run and agree on the starting model; a failed join leaves nothing running."""
+        completed = completed_at(conn.coordinator_url)
+        if completed is not None and not _answers(client):
+            raise completed.error() from None
         round_ = HostRound(tensors, client, PhaseLog(conn.host_id), rounding=settings.rounding,
                            error_feedback=settings.error_feedback, codec_threads=codec_threads)
         link = cls(conn, round_, sigterm, listeners, telemetry_client(conn, client))
@@ -91,6 +101,7 @@ class RunLink:
 
     def trained(self, start: float, steps: int, samples: int, ranks: int) -> None:
         """The round's training phase, from ``start`` until now."""
+        self.steps += steps
         self.phases.emit(PhaseRecord(self.round.round, self.connection.host_id, P.TRAIN, start, time.time(),
                                      extra={"steps": steps, "samples": samples, "ranks": ranks}))
 
@@ -100,7 +111,27 @@ class RunLink:
 
     def wait(self, future: Future):
         """The exchange's result, given up at once on SIGTERM."""
-        return self.sigterm.wait(future)
+        with self.standing():
+            return self.sigterm.wait(future)
+
+    def result(self, future: Future):
+        """The result of an exchange that has finished."""
+        with self.standing():
+            return future.result()
+
+    @contextmanager
+    def standing(self) -> Iterator[None]:
+        """Around an exchange: a coordinator that stopped answering raises
+        :class:`~lightning_nodeox.host.ending.RunNotCompleted`, saying where this host stood; a run that completed
+        is noted, for a later ``fit`` of this process."""
+        round_ = self.round
+        try:
+            yield
+        except Unreachable as e:
+            raise run_not_completed(self.connection.host_id, self.connection.coordinator_url, round_.round,
+                                    self.steps, round_.model_hash, e) from e
+        if round_.complete:
+            note_completed(self.connection.coordinator_url, round_.round - 1, round_.model_hash)
 
     @property
     def left(self) -> bool:
@@ -134,3 +165,14 @@ class RunLink:
         except Exception as e:  # noqa: BLE001 - leaving is a courtesy; the coordinator's lease drops the host
             log.warning("NodeoxStrategy: could not tell the coordinator that host %s left: %s",
                         self.connection.host_id, e)
+
+
+def _answers(client: HostClient) -> bool:
+    """Whether anything answers at the client's coordinator (one try: a refusal is an answer)."""
+    try:
+        client.heartbeat()
+    except Unreachable:
+        return False
+    except Exception:  # noqa: BLE001 - a refusal: a coordinator is there
+        return True
+    return True

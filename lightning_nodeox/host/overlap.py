@@ -72,7 +72,7 @@ class InFlight:
         if wait:
             with link.phases.timed(self._round, P.WAIT):
                 link.wait(self._future)
-        result = self._future.result()
+        result = link.result(self._future)
         self._future = None
         with link.phases.timed(result.round, P.FOLD):
             if result.complete:

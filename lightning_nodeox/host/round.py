@@ -31,6 +31,7 @@ from ..core.settings import Q4Settings
 from ..core.specs import ModelMismatchError, PayloadError
 from ..core.transport import HostClient
 from ..core.wire import Q4Message, Q4Meta
+from .ending import run_completed
 from .tensors import HostTensors
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ class HostRound:
         """Join the run and agree on the starting model (provide it, keep ours if equal, or fetch it)."""
         reply = self._join_reply(None)
         if reply.complete:
-            raise RuntimeError(f"the run at {self.client.url} has already completed; start a new coordinator")
+            raise run_completed(self.client.url, reply.round - 1, reply.model_hash)
         settings = Q4Settings(block_size=reply.block_size, scale_dtype=reply.scale_dtype, codec=reply.codec,
                               rounding=self.rounding, error_feedback=self.error_feedback)
         self.tensors.allocate(settings, self.codec_threads)

@@ -8,6 +8,10 @@ optimization steps inside the training step), so a batch ends when the outermost
 With ``round_seconds``, a round that waited for its sync starts a budget of its own; overlapped rounds keep to a
 fixed schedule (boundaries ``round_seconds`` apart), so time lost at a boundary or to a step that overran is made
 up and the hosts' boundaries do not drift apart.
+
+Durations and deadlines are measured on a monotonic clock, so a step of the wall clock (NTP, a suspended VM)
+neither stalls a round nor closes it early; only :attr:`RoundTiming.start`, the training record's timestamp, is
+wall-clock time (phase records are mapped onto the coordinator's clock).
 """
 
 from __future__ import annotations
@@ -20,14 +24,16 @@ from contextlib import contextmanager
 class RoundTiming:
     """The current round's steps, samples and start, and whether it is due to close."""
 
-    def __init__(self, local_steps: int, round_seconds: float | None, *, clock: Callable[[], float] = time.time):
+    def __init__(self, local_steps: int, round_seconds: float | None, *, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
         self.local_steps = local_steps
         self.round_seconds = round_seconds
-        self.clock = clock
+        self.clock = clock  # monotonic: what durations and deadlines are measured on
+        self.wall = wall
         self.steps = 0
         self.samples = 0
-        self.start = 0.0
-        self.deadline = 0.0  # with round_seconds: when the current round closes
+        self.start = 0.0  # wall-clock time the current round started (for its training record)
+        self.deadline = 0.0  # with round_seconds: when the current round closes, on ``clock``
         self._depth = 0
         self._stepped = False
 
@@ -63,10 +69,11 @@ class RoundTiming:
     def begin(self, *, overlapped: bool = False) -> None:
         """A round starts now (``overlapped``: the last one closed without waiting for its sync)."""
         self.steps = self.samples = 0
-        self.start = self.clock()
+        self.start = self.wall()
         budget = self.round_seconds
         if budget is None:
             return
-        self.deadline = self.deadline + budget if overlapped else self.start + budget
-        if self.deadline <= self.start:  # behind by a whole round: start afresh
-            self.deadline = self.start + budget
+        now = self.clock()
+        self.deadline = self.deadline + budget if overlapped else now + budget
+        if self.deadline <= now:  # behind by a whole round: start afresh
+            self.deadline = now + budget
