@@ -21,7 +21,9 @@ from typing import Protocol
 
 log = logging.getLogger(__name__)
 
-RESERVED_FILES = 256  # files kept for the run itself: state, logs, TensorBoard, the lock, pipes, stdio
+# files kept free of connections: the run's own (state, logs, a TensorBoard file per host, the lock, stdio) and the
+# connections accepted at once before they are counted here (the server's backlog, 128)
+RESERVED_FILES = 256
 MAX_DEFAULT = 16384  # the default limit's ceiling (about 4,000 hosts' connections)
 SWEEP_EVERY = 0.5  # seconds between closing the connections that waited too long
 

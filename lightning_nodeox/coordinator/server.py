@@ -43,7 +43,7 @@ from ..core.protocol import HTTP_STATUS, Reason, Refusal
 from ..core.specs import PayloadError
 from . import intake, lifecycle
 from .config import CoordinatorConfig, parse_bind
-from .connections import Connections, connection_limit, raise_open_file_limit
+from .connections import RESERVED_FILES, Connections, connection_limit, raise_open_file_limit
 from .lifecycle import CoordinatorRun
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ MIN_RATE = 1e6  # bytes/s: a transfer slower than this (after --transfer-timeout
 MAX_UPLOADS = 8  # delta bodies read at once (each needs a receive buffer of the delta's size)
 MAX_MODEL_DOWNLOADS = 2  # full-model downloads at once (each may keep up to the model's size at a publish)
 MAX_HEADER_BYTES = 8190  # the request line and each header field (aiohttp's default, stated)
-BACKLOG = 1024  # connections the kernel queues before the coordinator accepts them
+BACKLOG = 128  # connections queued before they are accepted; also the most asyncio accepts at once, uncounted
 
 
 class ReceiveBuffers:
@@ -184,6 +184,7 @@ class Handler(web.RequestHandler):
         if not self._nodeox_admitted:
             transport.write(_refused(self._nodeox_connections.limit))  # type: ignore[attr-defined]
             transport.close()
+            self.force_close()  # aiohttp never sees this connection: it reads and answers nothing more
             return
         super().connection_made(transport)
 
@@ -194,6 +195,7 @@ class Handler(web.RequestHandler):
 
     def log_access(self, request, response, time) -> None:  # called once a response has been sent
         self._nodeox_connections.idle(self)
+        super().log_access(request, response, time)
 
     def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
@@ -471,6 +473,10 @@ async def serve(config: CoordinatorConfig, ready_file: Path | None = None, befor
     async def listen(run: CoordinatorRun):
         config = run.config  # as taken up: a resumed run's settings
         connections = Connections(config.max_connections or connection_limit(open_files), config.idle_timeout)
+        if connections.limit > open_files - RESERVED_FILES:
+            log.warning("nodeox coordinator: --max-connections %d leaves fewer than %d of the %d files this process "
+                        "may open for the run itself; lower it or raise the open-file limit (ulimit -Hn)",
+                        connections.limit, RESERVED_FILES, open_files)
         runner = web.AppRunner(make_app(run, config.token, connections), access_log=None)
         await runner.setup()
         loop = asyncio.get_running_loop()
