@@ -6,7 +6,6 @@ limit, a malformed request line) is answered with the JSON error."""
 from __future__ import annotations
 
 import json
-import resource
 import selectors
 import socket
 import time
@@ -218,6 +217,8 @@ def test_a_connection_beyond_the_limit_while_every_one_is_busy_is_refused_at_onc
 @pytest.mark.skipif(not Path("/proc/self/limits").exists(), reason="reads /proc/PID/limits")
 def test_the_coordinator_raises_its_open_file_limit_to_the_hard_limit_and_sizes_its_connection_limit_from_it(
         coordinator) -> None:
+    import resource
+
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     low = min(hard, 1024) // 2
     resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))  # the coordinator inherits the low soft limit
