@@ -16,8 +16,9 @@ TRANSPORTS = {"host/client.py", "coordinator/server.py"}
 FORBIDDEN_ROOMS = {"host": {"coordinator", "tools"}, "coordinator": {"host", "tools"}, "core": {"host", "coordinator", "tools"}}
 ROOMS = ("coordinator", "host", "core", "tools")
 # what a coordinator transport may import of the coordinator: the run's lifecycle (which hands it the run's
-# parts), its settings and the limits of what is taken from the network; never the round's logic itself
-TRANSPORT_MAY_IMPORT = {"lifecycle", "config", "intake"}
+# parts), its settings and the limits of what is taken from the network (bodies, connections); never the round's
+# logic itself
+TRANSPORT_MAY_IMPORT = {"lifecycle", "config", "intake", "connections"}
 
 
 def modules() -> list[Path]:

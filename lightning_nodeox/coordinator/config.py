@@ -45,6 +45,10 @@ class CoordinatorConfig:
         snapshot_every: write the model to ``state/`` every this many rounds (and at shutdown); between snapshots a
             restarted coordinator takes the model back from a host that holds it.
         transfer_timeout: seconds any upload or download may take, plus one second per MB of it.
+        idle_timeout: seconds a connection may wait for its next request's headers (from its opening or its last
+            response); then it is closed, so half-sent requests and idle keep-alives free their files.
+        max_connections: connections open at once (None: sized from the open-file limit); beyond it a new one
+            closes the one that has waited longest for a request (refused only when every one is busy).
         fresh: start a new run even if ``run_dir`` holds an unfinished one (its records are moved aside).
         token: bearer token every request must carry (None: no authentication; then ``bind`` must be a
             loopback address unless ``insecure``).
@@ -81,6 +85,8 @@ class CoordinatorConfig:
     lease: float = 10.0
     snapshot_every: int = 10
     transfer_timeout: float = 60.0
+    idle_timeout: float = 30.0
+    max_connections: int | None = None
     fresh: bool = False
     status_interval: float = 5.0
 
@@ -97,6 +103,10 @@ class CoordinatorConfig:
             raise ValueError(f"--snapshot-every must be at least 1 round, got {self.snapshot_every}")
         if not self.transfer_timeout > 0:
             raise ValueError(f"--transfer-timeout must be positive seconds, got {self.transfer_timeout}")
+        if not self.idle_timeout > 0:
+            raise ValueError(f"--idle-timeout must be positive seconds, got {self.idle_timeout}")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(f"--max-connections must be at least 1, got {self.max_connections}")
         if self.rss_interval <= 0:
             raise ValueError(f"--rss-interval must be positive seconds, got {self.rss_interval}")
         if self.initial_model is not None and not Path(self.initial_model).is_file():

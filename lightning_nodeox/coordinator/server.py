@@ -13,7 +13,12 @@ Slow and stuck peers cannot hold the run: every body read and every response wri
 buffer is taken only for a host the round expects, with no upload of its own in flight (else ``BUSY``), and
 at most ``MAX_UPLOADS`` bodies are read at once (others wait their turn, unread); at most
 ``MAX_MODEL_DOWNLOADS`` full-model downloads run at once, for joined hosts only, and a round never waits for
-one (copy-on-publish, :class:`~lightning_nodeox.coordinator.model.ModelStream`).
+one (copy-on-publish, :class:`~lightning_nodeox.coordinator.model.ModelStream`). Connections are counted and
+limited (:mod:`~lightning_nodeox.coordinator.connections`): one that waits ``--idle-timeout`` for its request's
+headers is closed, and at most ``--max-connections`` are open.
+
+What aiohttp refuses before any route sees it (a request line or header over ``MAX_HEADER_BYTES``, a malformed
+request) is answered with the same JSON error as a refusal.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from pathlib import Path
 
 import torch
 from aiohttp import web
+from aiohttp.http_exceptions import LineTooLong
 
 from ..core import protocol as proto
 from ..core.phases import COORDINATOR, MODEL_MATERIALIZE, PhaseRecord
@@ -37,6 +43,7 @@ from ..core.protocol import HTTP_STATUS, Reason, Refusal
 from ..core.specs import PayloadError
 from . import intake, lifecycle
 from .config import CoordinatorConfig, parse_bind
+from .connections import RESERVED_FILES, Connections, connection_limit, raise_open_file_limit
 from .lifecycle import CoordinatorRun
 
 log = logging.getLogger(__name__)
@@ -46,10 +53,13 @@ TOKEN = web.AppKey("token", str)
 BUFFERS = web.AppKey("buffers", object)
 UPLOADS = web.AppKey("uploads", object)
 BUDGET = web.AppKey("budget", intake.TelemetryBudget)
+CONNECTIONS = web.AppKey("connections", Connections)
 SEND_CHUNK = 8 << 20  # bytes handed to the transport at a time, so its buffer never holds a whole payload
 MIN_RATE = 1e6  # bytes/s: a transfer slower than this (after --transfer-timeout) is cut off
 MAX_UPLOADS = 8  # delta bodies read at once (each needs a receive buffer of the delta's size)
 MAX_MODEL_DOWNLOADS = 2  # full-model downloads at once (each may keep up to the model's size at a publish)
+MAX_HEADER_BYTES = 8190  # the request line and each header field (aiohttp's default, stated)
+BACKLOG = 128  # connections queued before they are accepted; also the most asyncio accepts at once, uncounted
 
 
 class ReceiveBuffers:
@@ -124,6 +134,7 @@ def error(reason: Reason, message: str, **extra) -> web.Response:
 
 @web.middleware
 async def errors_and_auth(request: web.Request, handler):
+    request.app[CONNECTIONS].busy(request.protocol)  # its headers are in: no longer waiting (Handler.log_access)
     try:
         token = request.app[TOKEN]
         if token and request.path != proto.HEALTH:
@@ -146,6 +157,63 @@ async def errors_and_auth(request: web.Request, handler):
     except Exception as e:  # noqa: BLE001 - a bug must not take the coordinator down; say it and go on
         log.exception("nodeox coordinator: %s %s failed", request.method, request.path)
         return web.json_response({"error": f"coordinator error: {type(e).__name__}: {e}"}, status=500)
+
+
+def protocol_error(status: int, exc: BaseException | None, message: str | None) -> web.Response:
+    """The JSON error for a request aiohttp refused before any route saw it (``status`` is aiohttp's)."""
+    if isinstance(exc, LineTooLong):
+        return error(Reason.TOO_LARGE, f"the request line or a header is longer than the coordinator's limit of "
+                                       f"{MAX_HEADER_BYTES} bytes", limit=MAX_HEADER_BYTES)
+    if status < 500:
+        return error(Reason.INVALID, f"malformed HTTP request: {message or exc}")
+    log.error("nodeox coordinator: request failed", exc_info=exc)
+    return web.json_response({"error": f"coordinator error: {type(exc).__name__}: {exc}"}, status=status)
+
+
+class Handler(web.RequestHandler):
+    """aiohttp's handler of one connection, counted in :class:`Connections` (one refused there is answered
+    ``BUSY`` and closed), answering what aiohttp refuses itself with the JSON error (:func:`protocol_error`)."""
+
+    def __init__(self, server: web.Server, connections: Connections, **kwargs) -> None:
+        super().__init__(server, **kwargs)
+        self._nodeox_connections = connections
+        self._nodeox_admitted = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._nodeox_admitted = self._nodeox_connections.opened(self)
+        if not self._nodeox_admitted:
+            transport.write(_refused(self._nodeox_connections.limit))  # type: ignore[attr-defined]
+            transport.close()
+            self.force_close()  # aiohttp never sees this connection: it reads and answers nothing more
+            return
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._nodeox_admitted:
+            self._nodeox_connections.closed(self)
+            super().connection_lost(exc)
+
+    def log_access(self, request, response, time) -> None:  # called once a response has been sent
+        self._nodeox_connections.idle(self)
+        super().log_access(request, response, time)
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        log.info("nodeox coordinator: refused a request from %s: %s", request.remote, message or exc)
+        if request.writer.output_size > 0:  # as aiohttp: a response has begun, so the connection is broken
+            raise ConnectionError("the response has begun; cannot send an error instead")
+        response = protocol_error(status, exc, message)
+        response.force_close()
+        return response
+
+
+def _refused(limit: int) -> bytes:
+    """The whole answer to a connection refused because all ``limit`` open ones are busy."""
+    body = json.dumps({"error": f"the coordinator has {limit} connections open, all busy (--max-connections); try "
+                                "again shortly", "reason": Reason.BUSY.value}).encode()
+    head = (f"HTTP/1.1 {HTTP_STATUS[Reason.BUSY]} Service Unavailable\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+    return head.encode() + body
 
 
 async def stamp_time(request: web.Request, response: web.StreamResponse) -> None:
@@ -197,7 +265,8 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def status(request: web.Request) -> web.Response:
-    return web.json_response({**request.app[RUN].status(), "uploads": len(request.app[UPLOADS].hosts)})
+    return web.json_response({**request.app[RUN].status(), "uploads": len(request.app[UPLOADS].hosts),
+                              "connections": request.app[CONNECTIONS].status()})
 
 
 async def join(request: web.Request) -> web.Response:
@@ -347,10 +416,11 @@ async def leave(request: web.Request) -> web.Response:
     return web.json_response({"left": True})
 
 
-def make_app(run: CoordinatorRun, token: str | None) -> web.Application:
+def make_app(run: CoordinatorRun, token: str | None, connections: Connections) -> web.Application:
     app = web.Application(middlewares=[errors_and_auth], client_max_size=intake.MAX_JSON_BYTES)
     app[RUN] = run
     app[TOKEN] = token or ""
+    app[CONNECTIONS] = connections
     app[BUFFERS] = ReceiveBuffers()
     app[UPLOADS] = Uploads()
     app[BUDGET] = intake.TelemetryBudget()
@@ -398,20 +468,42 @@ async def serve(config: CoordinatorConfig, ready_file: Path | None = None, befor
     """Run the coordinator over HTTP until the run completes (or a signal); returns the exit status. Its URL is
     written to ``ready_file`` once it listens; ``before_publish`` (for comparisons only) is awaited with each
     round's sync before it is published."""
+    open_files = raise_open_file_limit()
 
     async def listen(run: CoordinatorRun):
         config = run.config  # as taken up: a resumed run's settings
-        runner = web.AppRunner(make_app(run, config.token), access_log=None)
+        connections = Connections(config.max_connections or connection_limit(open_files), config.idle_timeout)
+        if connections.limit > open_files - RESERVED_FILES:
+            log.warning("nodeox coordinator: --max-connections %d leaves fewer than %d of the %d files this process "
+                        "may open for the run itself; lower it or raise the open-file limit (ulimit -Hn)",
+                        connections.limit, RESERVED_FILES, open_files)
+        runner = web.AppRunner(make_app(run, config.token, connections), access_log=None)
         await runner.setup()
+        loop = asyncio.get_running_loop()
+
+        def handler() -> Handler:
+            return Handler(runner.server, connections, loop=loop, access_log=None, max_line_size=MAX_HEADER_BYTES,
+                           max_field_size=MAX_HEADER_BYTES)
+
         host, port = parse_bind(config.bind)
-        site = web.TCPSite(runner, host, port, ssl_context=tls_context(config))
-        await site.start()
-        url = bound_url(config.scheme, host, runner.addresses[0])
+        tls = tls_context(config)
+        server = await loop.create_server(handler, host, port, ssl=tls, backlog=BACKLOG,
+                                          ssl_handshake_timeout=config.idle_timeout if tls else None)
+        sweeping = asyncio.ensure_future(connections.sweep_forever())
+        url = bound_url(config.scheme, host, server.sockets[0].getsockname())
         info = {"url": url, "pid": os.getpid(), "started": time.time()}
         (Path(config.run_dir) / "coordinator.json").write_text(json.dumps(info))
         if ready_file is not None:
             ready_file.write_text(url)
         print(f"nodeox coordinator listening on {url} (run dir {config.run_dir}, {config.hosts} hosts)", flush=True)
-        return runner.cleanup
+        log.info("nodeox coordinator: at most %d connections (open-file limit %d); one waiting %g s for a request "
+                 "is closed", connections.limit, open_files, connections.idle_timeout)
+
+        async def stop() -> None:
+            sweeping.cancel()
+            server.close()
+            await runner.cleanup()
+
+        return stop
 
     return await lifecycle.run(config, listen, before_publish=before_publish)

@@ -38,6 +38,10 @@ def _coordinator_options(p: argparse.ArgumentParser, *, bind: str) -> None:
                    "RUN_DIR/state every K rounds (default %(default)s; always at shutdown)")
     p.add_argument("--transfer-timeout", type=float, default=run["transfer_timeout"], help="seconds any upload or "
                    "download may take, plus 1 s per MB (default %(default)g)")
+    p.add_argument("--idle-timeout", type=float, default=run["idle_timeout"], help="seconds a connection may wait "
+                   "for its next request's headers before it is closed (default %(default)g)")
+    p.add_argument("--max-connections", type=int, help="connections open at once; beyond it the one waiting "
+                   "longest for a request is closed (default: from the open-file limit, raised to its hard limit)")
     p.add_argument("--fresh", action="store_true", help="start a new run even if RUN_DIR holds an unfinished one "
                    "(its records are moved to RUN_DIR/previous-TIME)")
     p.add_argument("--token-file", type=Path, help="file holding the bearer token hosts must send")
@@ -93,6 +97,7 @@ def _config(args: argparse.Namespace) -> CoordinatorConfig:
             initial_model=args.initial_model, threads=args.threads, rss_interval=args.rss_interval,
             exit_when_done=not getattr(args, "keep_running", False), lease=args.lease,
             snapshot_every=args.snapshot_every, transfer_timeout=args.transfer_timeout, fresh=args.fresh,
+            idle_timeout=args.idle_timeout, max_connections=args.max_connections,
             outer=OuterSettings(args.outer_optimizer, args.outer_lr, args.outer_momentum))
     except ValueError as e:
         raise SystemExit(f"nodeox: {e}") from None
