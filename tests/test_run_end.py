@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, read_events
+from test_coordinator import SPECS, model_file
 from test_restart import model as restart_model
 from test_restart import train as restart_train
 from test_round_rules import join, keep_records, train, upload  # noqa: F401 - keep_records: autouse fixture
@@ -28,7 +29,6 @@ from lightning_nodeox.core.specs import spec_of
 from lightning_nodeox.host.client import HttpClient
 from lightning_nodeox.host.round import HostRound
 from lightning_nodeox.host.tensors import HostTensors
-from test_coordinator import SPECS, model_file
 
 
 @pytest.fixture
@@ -200,10 +200,11 @@ def test_a_resumed_runs_hosts_are_not_yet_heard_from_so_a_new_process_takes_the_
 
 def start_launch(run_dir: Path, out: Path, log: Path, *args: str) -> subprocess.Popen:
     """`nodeox launch` of 2 digits hosts in a session of its own (so a test can Ctrl-C its process group)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "lightning_nodeox", "launch", "--hosts", "2", "--run-dir", str(run_dir), "--threads", "1",
-         *args], cwd=REPO, stdout=open(log, "a"), stderr=subprocess.STDOUT, start_new_session=True,  # noqa: SIM115
-        env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
+    with open(log, "a") as sink:  # the child holds its own copy
+        return subprocess.Popen(
+            [sys.executable, "-m", "lightning_nodeox", "launch", "--hosts", "2", "--run-dir", str(run_dir),
+             "--threads", "1", *args], cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+            env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
 
 
 def end(proc: subprocess.Popen) -> None:
