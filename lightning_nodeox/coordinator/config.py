@@ -35,13 +35,16 @@ class CoordinatorConfig:
     """How the coordinator runs.
 
     Args:
-        hosts: hosts expected; round 0 waits until this many have joined.
+        hosts: hosts expected; the run's first round waits until this many have joined (or ``round_timeout``).
         run_dir: where events.jsonl, TensorBoard files and the run's state (``state/``) go.
         bind: ``HOST:PORT`` to listen on.
         min_hosts: the fewest deltas a round closes with (None: 1), lowered to the number of hosts that have not
             finished, so finishing hosts never block the end of the run.
         round_timeout: seconds a round waits for its last live hosts (None: wait for every live host).
         lease: seconds a host stays expected without a heartbeat; then it is dropped until it is heard from again.
+        no_hosts_timeout: seconds the run waits with no live host (every host dropped or left) before the
+            coordinator stops, the run saved unfinished: started again, it resumes. Raise it when hosts may be
+            cut off or restarted for longer.
         snapshot_every: write the model to ``state/`` every this many rounds (and at shutdown); between snapshots a
             restarted coordinator takes the model back from a host that holds it.
         transfer_timeout: seconds any upload or download may take, plus one second per MB of it.
@@ -83,6 +86,7 @@ class CoordinatorConfig:
     provider_timeout: float = 300.0
     long_poll: float = 30.0
     lease: float = 10.0
+    no_hosts_timeout: float = 600.0
     snapshot_every: int = 10
     transfer_timeout: float = 60.0
     idle_timeout: float = 30.0
@@ -99,6 +103,8 @@ class CoordinatorConfig:
             raise ValueError(f"--round-timeout must be positive seconds, got {self.round_timeout}")
         if not self.lease > 0:
             raise ValueError(f"--lease must be positive seconds, got {self.lease}")
+        if not self.no_hosts_timeout > 0:
+            raise ValueError(f"--no-hosts-timeout must be positive seconds, got {self.no_hosts_timeout}")
         if self.snapshot_every < 1:
             raise ValueError(f"--snapshot-every must be at least 1 round, got {self.snapshot_every}")
         if not self.transfer_timeout > 0:

@@ -1,9 +1,10 @@
 """Who takes part in the run: the host registry, each host's state and its lease.
 
 A host is expected in every round while it is ``TRAINING`` and heard from (heartbeat, join, upload, sync)
-within the lease; a host not heard from for longer is ``DROPPED``: no round waits for it until it is heard
-from again. ``FINISHED`` hosts have sent their final delta; ``LEFT`` hosts said goodbye (training ended or
-failed) and take part again only by joining again.
+within the lease: it is *live*. A host not heard from for longer is ``DROPPED``: no round waits for it until it
+is heard from again, and then it trains on. ``FINISHED`` hosts have sent their final delta; ``LEFT`` hosts said
+goodbye (training ended or failed) and take part again only by joining again. The hosts of a resumed run are
+*not yet heard from* (``heard`` False): rounds wait for them for one lease, and a new process may take the id.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class Host:
     state: HostState = HostState.TRAINING
     seen: float = field(default_factory=time.monotonic)  # when last heard from
     joined: float = field(default_factory=time.time)
+    heard: bool = True  # False for a resumed run's host until this coordinator hears from it
 
 
 class Hosts(dict[str, Host]):
@@ -42,9 +44,10 @@ class Hosts(dict[str, Host]):
         self.lease = lease
 
     def restore(self, saved: dict[str, dict]) -> None:
-        """Hosts of a resumed run (``{"state", "credential"}`` each), each with a fresh lease."""
+        """Hosts of a resumed run (``{"state", "credential"}`` each), each with a fresh lease, not yet heard from."""
         now = time.monotonic()
-        self.update({h: Host(h, str(d["credential"]), HostState(d["state"]), now) for h, d in saved.items()})
+        self.update({h: Host(h, str(d["credential"]), HostState(d["state"]), now, heard=False)
+                     for h, d in saved.items()})
 
     def saved(self) -> dict[str, dict]:
         """What :meth:`restore` takes back."""
@@ -53,7 +56,7 @@ class Hosts(dict[str, Host]):
     def register(self, host: str, credential: str) -> Host:
         """(Re)admit ``host`` with a new ``credential``; returns its entry."""
         entry = self.setdefault(host, Host(host, credential))
-        entry.credential, entry.seen, entry.joined = credential, time.monotonic(), time.time()
+        entry.credential, entry.seen, entry.joined, entry.heard = credential, time.monotonic(), time.time(), True
         if entry.state is not HostState.FINISHED:  # a finished host that joins again stays finished
             entry.state = HostState.TRAINING
         return entry
@@ -68,7 +71,7 @@ class Hosts(dict[str, Host]):
 
     def seen(self, entry: Host) -> None:
         """The host was heard from: its lease starts over, and a dropped host is expected again."""
-        entry.seen = time.monotonic()
+        entry.seen, entry.heard = time.monotonic(), True
         if entry.state is HostState.DROPPED:
             entry.state = HostState.TRAINING
             log.info("nodeox coordinator: host %s is back; rounds wait for it again", entry.id)
@@ -92,8 +95,14 @@ class Hosts(dict[str, Host]):
         """Hosts that may still send a delta this round: training or dropped (they may come back), or sent one."""
         return sum(h.state in (HostState.TRAINING, HostState.DROPPED) or h.id in received for h in self.values())
 
-    def still_training(self) -> bool:
-        return any(h.state is HostState.TRAINING for h in self.values())
+    def live(self) -> list[Host]:
+        """The hosts training and heard from within the lease (a resumed run's: given one lease to be heard from)."""
+        return [h for h in self.values() if h.state is HostState.TRAINING]
+
+    def takeable(self, entry: Host) -> bool:
+        """Whether a new process may take ``entry``'s id: its holder left, was dropped, or (a resumed run) has not
+        been heard from since the restart."""
+        return entry.state in (HostState.LEFT, HostState.DROPPED) or not entry.heard
 
     def all_gone(self) -> bool:
         """Every host has left or is no longer heard from."""
@@ -104,3 +113,10 @@ class Hosts(dict[str, Host]):
         now = time.monotonic()
         return ", ".join(f"{h.id} (not heard from for {now - h.seen:.0f} s)" for h in self.values()
                          if h.state is HostState.DROPPED) or "none"
+
+    def absent(self) -> str:
+        """The hosts not live, each with why (dropped for how long, left, finished)."""
+        now = time.monotonic()
+        return ", ".join(f"{h.id} (" + (f"not heard from for {now - h.seen:.0f} s" if h.state is HostState.DROPPED
+                                        else h.state.value) + ")"
+                         for h in self.values() if h.state is not HostState.TRAINING) or "none"

@@ -9,7 +9,8 @@ While it runs, four times a second: hosts whose lease expired are dropped, a rou
 passed closes, a resumed run whose model no host gave back in time falls back to its snapshot, whom an open round
 waits for is logged every ``status_interval`` seconds, and memory is sampled every ``--rss-interval``.
 
-End: on SIGINT/SIGTERM, or (``exit_when_done``) once the run is complete and every host is gone. The transport
+End: on SIGINT/SIGTERM, once no host was live for ``--no-hosts-timeout`` (the run unfinished), or
+(``exit_when_done``) once the run is complete and every host is gone. The transport
 stops first, then a round that is closing publishes (no other starts), and the run's state is written with a
 snapshot of the model; the exit status is 0 for a completed run, 1 for one stopped before, 2 for one that could
 not start.
@@ -177,10 +178,11 @@ async def run(config: CoordinatorConfig, listen: Listen, *, before_publish: Befo
     tick_task = asyncio.ensure_future(coordinator.tick_forever())
     finished = asyncio.ensure_future(coordinator.state.finished.wait())
     stopped = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({stopped} | ({finished} if config.exit_when_done else set()),
+    given_up = asyncio.ensure_future(coordinator.state.given_up.wait())
+    await asyncio.wait({stopped, given_up} | ({finished} if config.exit_when_done else set()),
                        return_when=asyncio.FIRST_COMPLETED)
     tick_task.cancel()
-    for task in (finished, stopped):
+    for task in (finished, stopped, given_up):
         task.cancel()
     await stop_listening()
     await coordinator.save_at_shutdown()

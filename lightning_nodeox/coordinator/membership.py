@@ -3,7 +3,8 @@
 Identity: a join admits a host id (at most ``--hosts`` distinct ids unless ``--elastic``) and returns a
 credential that every later call of that host must present (:meth:`Membership.authenticate`). An id already held
 by a live host is refused (``ID_IN_USE``); it can be taken again once its holder has left or was dropped (its
-lease expired), or by a join presenting the holder's credential. Taking it issues a new credential, so the
+lease expired), by a join presenting the holder's credential, or, in a resumed run, while its holder has not been
+heard from since the restart. Taking it issues a new credential, so the
 previous holder, should it still run, is refused from then on. Credentials are part of the saved run state,
 so hosts keep acting (and rejoin) with theirs across a coordinator restart.
 
@@ -14,7 +15,9 @@ none, and only of the size its join's tensor specs give; other hosts that join m
 and are told to try again.
 
 Leases (the rules are in :mod:`~lightning_nodeox.coordinator.hosts`): a host that leaves or whose lease expires is
-no longer waited for, so the open round may close and the run may finish.
+no longer waited for, so the open round may close. It never ends the run: when no host is live, the run waits for
+its hosts to come back, up to ``--no-hosts-timeout`` seconds, and then the coordinator stops with the run
+unfinished (it resumes when started again).
 """
 
 from __future__ import annotations
@@ -109,7 +112,7 @@ class Membership:
                 raise Refusal(Reason.FULL, f"host {host} cannot join: the run already has its {config.hosts} "
                                            "hosts (--hosts). A restarted host must keep its NODEOX_HOST_ID to take its "
                                            "place; start the coordinator with --elastic to admit more hosts")
-        elif entry.state not in (HostState.LEFT, HostState.DROPPED) and not _same(credential, entry.credential):
+        elif not self.state.hosts.takeable(entry) and not _same(credential, entry.credential):
             raise Refusal(Reason.ID_IN_USE, f"host id {host} is in use by another live process (joined "
                                             f"{time.time() - entry.joined:.0f} s ago, {entry.state.value}). Give this "
                                             "process its own NODEOX_HOST_ID, or stop the other one first (a stopped "
@@ -122,8 +125,9 @@ class Membership:
         log.info("nodeox coordinator: host %s joined", host)
         return entry.credential
 
-    def authenticate(self, host: str, credential: str) -> Host:
-        """The host ``host``, if ``credential`` is its credential (from its join)."""
+    def authenticate(self, host: str, credential: str, *, left_ok: bool = False) -> Host:
+        """The host ``host``, if ``credential`` is its credential (from its join) and it has not left (unless
+        ``left_ok``: a goodbye said again)."""
         entry = self.state.hosts.get(host)
         if entry is None:
             raise Refusal(Reason.NOT_JOINED, f"host {host} has not joined; POST /v1/join first")
@@ -131,6 +135,9 @@ class Membership:
             raise Refusal(Reason.FORBIDDEN, f"missing or wrong credential for host {host}: only the process that "
                                             f"joined as {host} may act for it (if that process restarted, it joins "
                                             "again)")
+        if entry.state is HostState.LEFT and not left_ok:
+            raise Refusal(Reason.FORBIDDEN, f"host {host} left the run: its credential no longer acts for it; "
+                                            "join again to take part")
         return entry
 
     # -- the model's provider -------------------------------------------------------------------------------
@@ -187,11 +194,29 @@ class Membership:
 
     async def check_leases(self) -> None:
         """Drop training hosts not heard from within the lease (rounds stop waiting for them); the run may have
-        finished (every host gone)."""
+        finished (every host gone), or have had no live host for ``--no-hosts-timeout`` (it gives up)."""
         if self.state.hosts.expire():
             await self.rounds.maybe_close()
             await self.state.notify()
         self.rounds.check_finished()
+        self._check_alone()
+
+    def _check_alone(self) -> None:
+        """Note since when no host is live; past ``--no-hosts-timeout`` the coordinator stops, resumable."""
+        state = self.state
+        if state.complete or not state.hosts or state.hosts.live():
+            state.alone_since = None
+            return
+        now = time.monotonic()
+        if state.alone_since is None:
+            state.alone_since = now
+            log.warning("nodeox coordinator: no host is live (%s); the run waits for them up to %g s "
+                        "(--no-hosts-timeout)", state.hosts.absent(), state.config.no_hosts_timeout)
+        elif now - state.alone_since >= state.config.no_hosts_timeout and not state.given_up.is_set():
+            log.error("nodeox coordinator: no host was live for %.0f s (--no-hosts-timeout %g): stopping with the run "
+                      "unfinished at round %d; start the coordinator again on %s to resume it", now - state.alone_since,
+                      state.config.no_hosts_timeout, state.round, state.config.run_dir)
+            state.given_up.set()
 
 
 def _same(given: str, expected: str) -> bool:

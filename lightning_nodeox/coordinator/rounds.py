@@ -4,7 +4,8 @@ A rejected upload changes nothing: it is checked completely (on the parse thread
 the accumulator (on the work thread, in order with the round's close).
 
 When a round closes (the rule, also in docs/clusters.md):
-- round 0 waits until ``--hosts`` hosts have joined (or for ``--round-timeout``);
+- round 0 (only) waits until ``--hosts`` hosts have joined (or for ``--round-timeout``); later rounds never wait
+  for hosts that have not joined, whatever ``--hosts`` (also after a restart with a larger one);
 - a round closes once every *live* host has sent its delta: a host is live while it is training and has been
   heard from within ``--lease`` seconds (hosts send heartbeats); a host whose lease expires is dropped (no
   longer waited for) until it is heard from again;
@@ -16,9 +17,10 @@ When a round closes (the rule, also in docs/clusters.md):
 
 Stopping together: a host's final delta (its training ended: max_steps, max_epochs, early stopping) makes
 its round the run's last one. That round's sync completes the run, so every host ends on the same model
-after the same round, and a host that is still training stops at its next round boundary. The run is also
-complete once no host is still training (dropped hosts do not hold its end); the coordinator may stop once every
-host has left or is no longer heard from.
+after the same round, and a host that is still training stops at its next round boundary. Nothing else completes
+it: hosts that leave or are no longer heard from never end the run (see
+:mod:`~lightning_nodeox.coordinator.membership` for a run left without live hosts). Once complete, the coordinator
+may stop when every host has left or is no longer heard from.
 """
 
 from __future__ import annotations
@@ -159,8 +161,8 @@ class Rounds:
         if any(not f.done() for f in self._accumulating) or len(self.received) < self.needed():
             return False
         hosts = state.hosts
-        everyone = (len(hosts) >= state.config.hosts
-                    and all(h.id in self.received for h in hosts.expected(self.received)))
+        joined = state.round > 0 or len(hosts) >= state.config.hosts  # only the run's first round waits for joins
+        everyone = joined and all(h.id in self.received for h in hosts.expected(self.received))
         timeout = state.config.round_timeout
         return everyone or (timeout is not None and time.time() - state.round_opened >= timeout)
 
@@ -248,11 +250,8 @@ class Rounds:
         await self.wait_stable()
 
     def check_finished(self) -> None:
-        """Complete once no host is still training; finished (the coordinator may stop) once every host is gone."""
+        """Finished (the coordinator may stop) once the run is complete and every host is gone."""
         state = self.state
-        everyone = len(state.hosts) >= state.config.hosts
-        if everyone and not self.received and not state.hosts.still_training():
-            state.complete = True
         if state.complete and state.hosts.all_gone():
             state.finished.set()
 
@@ -276,7 +275,7 @@ class Rounds:
             raise Refusal(Reason.NO_DELTA, f"the coordinator holds no delta of host {host} for round {round_} (it "
                                            "restarted, or the delta was never sent): send it again")
         if entry is not None:
-            entry.seen = time.monotonic()
+            entry.seen, entry.heard = time.monotonic(), True
 
         def left() -> bool:
             return entry is not None and entry.state is HostState.LEFT

@@ -40,10 +40,12 @@ class RunState:
         self.round = 0  # the open round (rounds; recovery on resume)
         self.published_round = -1  # the last round whose sync is published
         self.round_opened = time.time()  # when the open round started (or the model arrived)
-        self.complete = False  # the last round is published, or no host still trains (rounds)
+        self.complete = False  # the round of a final delta is published: the run's end (rounds)
         self.hosts = Hosts(config.lease)  # who takes part (membership; rounds note uploads and syncs)
         self.changed = asyncio.Condition()  # notified whenever any of the above changes
         self.finished = asyncio.Event()  # complete, and every host gone: the coordinator may stop
+        self.alone_since: float | None = None  # time.monotonic() since when no host is live (membership)
+        self.given_up = asyncio.Event()  # no host live for --no-hosts-timeout: stop, resumable (membership)
         self.peak_rss = 0
         self._parse = ThreadPoolExecutor(1, thread_name_prefix="nodeox-parse")
         self._work = ThreadPoolExecutor(1, thread_name_prefix="nodeox-work")

@@ -220,13 +220,14 @@ async def stamp_time(request: web.Request, response: web.StreamResponse) -> None
     response.headers[proto.TIME_HEADER] = repr(time.time())
 
 
-def _caller(request: web.Request, host: str | None = None) -> str:
-    """The id of the host a call names (``?host=ID`` unless given), authenticated by its credential."""
+def _caller(request: web.Request, host: str | None = None, *, left_ok: bool = False) -> str:
+    """The id of the host a call names (``?host=ID`` unless given), authenticated by its credential (a host that
+    left only to say goodbye again: ``left_ok``)."""
     host = request.query.get("host", "") if host is None else host
     if not host:
         raise Refusal(Reason.INVALID, "query parameter host=ID is missing")
     credential = request.headers.get(proto.CREDENTIAL_HEADER, "")
-    return request.app[RUN].membership.authenticate(intake.host_id(host), credential).id
+    return request.app[RUN].membership.authenticate(intake.host_id(host), credential, left_ok=left_ok).id
 
 
 async def _body(request: web.Request, limit: int) -> bytes:
@@ -411,7 +412,7 @@ async def post_events(request: web.Request) -> web.Response:
 
 
 async def leave(request: web.Request) -> web.Response:
-    host = _caller(request, request.match_info["host"])
+    host = _caller(request, request.match_info["host"], left_ok=True)
     await request.app[RUN].membership.leave(host)
     return web.json_response({"left": True})
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from .recovery import Recovery
 from .rounds import Rounds
@@ -16,6 +17,12 @@ def waiting_for(state: RunState, rounds: Rounds, recovery: Recovery, provider: s
     if state.complete or rounds.closing:
         return None
     config = state.config
+    if state.alone_since is not None:
+        left = config.no_hosts_timeout - (time.monotonic() - state.alone_since)
+        return logging.WARNING, (f"no host is live at round {state.round}: waiting for {state.hosts.absent()} to "
+                                 f"come back, {max(left, 0):.0f} s more (--no-hosts-timeout "
+                                 f"{config.no_hosts_timeout:g}); then the coordinator stops and the run resumes "
+                                 "when it is started again")
     if state.model is None:
         if recovery.resumed is not None:
             saved = recovery.resumed.saved
@@ -27,7 +34,7 @@ def waiting_for(state: RunState, rounds: Rounds, recovery: Recovery, provider: s
         who = f"host {provider}" if provider else "the first host to join"
         return logging.INFO, f"waiting for the initial model from {who}"
     hosts, received = state.hosts, rounds.received
-    if len(hosts) < config.hosts:
+    if state.round == 0 and len(hosts) < config.hosts:
         return logging.INFO, (f"round {state.round} waits for {config.hosts - len(hosts)} more host(s) to join "
                               f"(--hosts {config.hosts}); joined: {', '.join(sorted(hosts)) or 'none'}")
     missing = sorted(h.id for h in hosts.expected(received) if h.id not in received)

@@ -34,6 +34,9 @@ def _coordinator_options(p: argparse.ArgumentParser, *, bind: str) -> None:
                    "until every live host has sent)")
     p.add_argument("--lease", type=float, default=run["lease"], help="seconds a host stays expected without a "
                    "heartbeat (default %(default)g)")
+    p.add_argument("--no-hosts-timeout", type=float, default=run["no_hosts_timeout"], help="seconds the run waits "
+                   "with no live host before the coordinator stops, the run saved unfinished (started again, it "
+                   "resumes; default %(default)g)")
     p.add_argument("--snapshot-every", type=int, default=run["snapshot_every"], help="save the model to "
                    "RUN_DIR/state every K rounds (default %(default)s; always at shutdown)")
     p.add_argument("--transfer-timeout", type=float, default=run["transfer_timeout"], help="seconds any upload or "
@@ -96,6 +99,7 @@ def _config(args: argparse.Namespace) -> CoordinatorConfig:
             q4=Q4Settings(block_size=args.block_size, scale_dtype=args.scale_dtype, codec=args.codec),
             initial_model=args.initial_model, threads=args.threads, rss_interval=args.rss_interval,
             exit_when_done=not getattr(args, "keep_running", False), lease=args.lease,
+            no_hosts_timeout=args.no_hosts_timeout,
             snapshot_every=args.snapshot_every, transfer_timeout=args.transfer_timeout, fresh=args.fresh,
             idle_timeout=args.idle_timeout, max_connections=args.max_connections,
             outer=OuterSettings(args.outer_optimizer, args.outer_lr, args.outer_momentum))

@@ -12,6 +12,11 @@ Outputs are shown line by line with a prefix; a progress bar, which redraws its 
 shows as its line ends rather than once per refresh. A host that fails (exits non-zero, e.g. after a SIGTERM)
 is named at once; the others go on (as on a cluster: it left, or its lease expires), and launch exits
 non-zero. If the coordinator fails, the hosts are stopped.
+
+Ctrl-C (SIGINT) or SIGTERM stops the run, resumable: every child runs in a process group of its own, so the
+terminal's SIGINT reaches launch alone; launch sends SIGTERM to the hosts (they leave and exit 143, without
+tracebacks), then to the coordinator (it saves the run unfinished), and prints one line per process. The same
+command started again resumes the run.
 """
 
 from __future__ import annotations
@@ -57,7 +62,8 @@ def _write_line(prefix: str, line: str, out) -> None:
 
 
 def _start(cmd: list[str], env: dict, prefix: str, cpus: list[int] | None = None) -> tuple[subprocess.Popen, threading.Thread]:
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            process_group=0)  # a Ctrl-C in the terminal reaches launch, which forwards SIGTERM
     if cpus:
         try:
             os.sched_setaffinity(proc.pid, cpus)  # before the interpreter has started any thread of its own
@@ -165,7 +171,16 @@ def launch(config: CoordinatorConfig, coordinator_args: list[str], command: list
         threads.append(thread)
 
     def forward(signum, _frame):
-        _stop(procs + [coordinator])
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, signal.SIG_IGN)  # one stop at a time; it ends within 2 x STOP_GRACE
+        print(f"nodeox launch: {signal.Signals(signum).name}: stopping the hosts, then the coordinator (the run is "
+              "saved; the same command resumes it)", flush=True)
+        _stop(procs)  # first: they say goodbye while the coordinator listens
+        _stop([coordinator])
+        for t in threads + [coord_thread]:
+            t.join(5)
+        for name, p in [*((f"host {i}", p) for i, p in enumerate(procs)), ("coordinator", coordinator)]:
+            print(f"nodeox launch: {name}: {_exit_status(p.returncode)}", flush=True)
         sys.exit(128 + signum)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
