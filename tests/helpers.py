@@ -27,7 +27,7 @@ from lightning_nodeox.core.codec import accumulate_tensor, encode_sync_and_apply
 from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.modelfile import model_header
 from lightning_nodeox.core.phases import PhaseLog
-from lightning_nodeox.core.protocol import read_fully
+from lightning_nodeox.core.protocol import Upload, read_fully
 from lightning_nodeox.core.settings import Q4Settings
 from lightning_nodeox.core.specs import TensorSpec, spec_of
 from lightning_nodeox.core.wire import Q4Layout, Q4Message, Q4Meta
@@ -104,6 +104,28 @@ def hosts(coordinator: LocalCoordinator, *ids: str) -> list[HostRound]:
     for h in out:
         h.join()
     return out
+
+
+def join(c: LocalCoordinator, *ids: str) -> list[HostRound]:
+    """Hosts ``ids`` joined to ``c``, each from its own model (the first provides it), with no records yet."""
+    hosts = [HostRound(HostTensors(model(seed=i)), LocalClient(c, h), PhaseLog(h)) for i, h in enumerate(ids)]
+    for h in hosts:
+        h.join()
+        h.phases.records.clear()  # what happens from here on is the test's
+    return hosts
+
+
+def upload(host: HostRound, samples: int = 8, final: bool = False) -> Upload:
+    """Encode and send the host's live model's delta."""
+    return host.upload(host.encode(host.tensors.live, samples, final))
+
+
+def train_on_model(host: HostRound, k: int, round_: int) -> None:
+    """This round's deterministic "training": a change that depends on the model, the host and the round (unlike
+    helpers.train's nudge, so a host that trained on another model would send another delta)."""
+    with torch.no_grad():
+        for i, t in enumerate(host.tensors.live):
+            t.mul_(1 + 1e-3 * k).add_(1e-3 * ((i + k + round_) % 5 - 2))
 
 
 def deltas(host: HostRound) -> list[torch.Tensor]:
@@ -277,3 +299,52 @@ def raw_request(url: str, head: str, *, rcvbuf: int | None = None) -> socket.soc
 def recorded(host) -> list:
     """The phase records a host emitted (with the ``keep_records`` fixture)."""
     return host.phases.records
+
+
+# Digits hosts started one by one (as `nodeox launch` would)
+
+DIGITS = [sys.executable, str(HOSTS / "digits_host.py")]
+
+
+def start_host(host: str, url: str, out: Path, *args: str) -> subprocess.Popen:
+    """A digits host process (as `nodeox launch` would start it), its output in OUT/hostH-N.log."""
+    out.mkdir(parents=True, exist_ok=True)
+    n = len(list(out.glob(f"host{host}-*.log")))
+    log = open(out / f"host{host}-{n}.log", "w")  # noqa: SIM115 - the child writes it; closed when the test ends
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", NODEOX_HOST_ID=host, NODEOX_COORDINATOR_URL=url)
+    return subprocess.Popen([*DIGITS, "--out", str(out), *args], cwd=REPO, env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    """Poll ``predicate`` until it holds, failing the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def published(run_dir: Path) -> dict[int, dict]:
+    """The sync_prepare record of every round published so far."""
+    path = run_dir / "events.jsonl"
+    if not path.exists():
+        return {}
+    return {e["round"]: e for e in map(json.loads, path.read_text().splitlines()) if e["phase"] == "sync_prepare"}
+
+
+def assert_identical(out: Path, hosts: list[str]) -> str:
+    """Every host's final model holds the same bytes and hash; returns the hash."""
+    t0, m0 = load(out / f"host{hosts[0]}_final.safetensors")
+    for h in hosts[1:]:
+        t, m = load(out / f"host{h}_final.safetensors")
+        assert m["model_hash"] == m0["model_hash"], (h, m["model_hash"], m0["model_hash"])
+        assert all(torch.equal(bits(t0[k]), bits(t[k])) for k in t0), h
+    return m0["model_hash"]
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    """Kill the processes still running."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

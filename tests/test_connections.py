@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from test_coordinator import SPECS, model_file
+from helpers import SPECS, model_file
 
 from lightning_nodeox.coordinator.connections import Connections, connection_limit
 from lightning_nodeox.core.protocol import CREDENTIAL_HEADER, JOIN, MODEL

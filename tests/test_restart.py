@@ -11,8 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-import torch
-from helpers import Coordinator, model
+from helpers import Coordinator, model, train_on_model
 
 from lightning_nodeox.core.phases import PhaseLog
 from lightning_nodeox.host.client import HttpClient
@@ -27,14 +26,6 @@ AVERAGE = ("--outer-optimizer", "average")
 TUNED = ("--outer-optimizer", "nesterov", "--outer-lr", "0.5", "--outer-momentum", "0.8")  # every setting not its default
 
 
-def train(host: HostRound, k: int, round_: int) -> None:
-    """This round's deterministic "training": a change that depends on the model, the host and the round (unlike
-    helpers.train's nudge, so a host that trained on another model would send another delta)."""
-    with torch.no_grad():
-        for i, t in enumerate(host.tensors.live):
-            t.mul_(1 + 1e-3 * k).add_(1e-3 * ((i + k + round_) % 5 - 2))
-
-
 def run(url: str, interrupt=None, at_round: int = 2) -> list[str]:
     """Two hosts a and b exchange ROUNDS rounds; ``interrupt()`` runs once host a has sent round ``at_round``'s
     delta (so that round cannot close before it). Returns each host's final model hash."""
@@ -46,7 +37,7 @@ def run(url: str, interrupt=None, at_round: int = 2) -> list[str]:
         for r in range(ROUNDS):
             final = r == ROUNDS - 1
             for k, h in enumerate(hosts, 1):
-                train(h, k, r)
+                train_on_model(h, k, r)
                 assert h.upload(h.encode(h.tensors.live, 16, final)).value == "taken"
                 if (r, h.host) == (at_round, "a") and interrupt is not None:
                     interrupt()
@@ -140,7 +131,7 @@ def test_a_finished_run_is_moved_aside_and_a_new_one_starts(coordinator, tmp_pat
     first = coordinator(1)
     host = HostRound(HostTensors(model(0)), HttpClient(first.url, host="a"), PhaseLog("a"))
     host.join()
-    train(host, 1, 0)
+    train_on_model(host, 1, 0)
     host.run_round(16, final=True)
     host.client.leave()
     assert first.wait(60) == 0

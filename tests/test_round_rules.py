@@ -7,13 +7,10 @@ import time
 
 import pytest
 import torch
-from helpers import assert_on_the_run_model, model, recorded, train
-from local_transport import LocalClient, LocalCoordinator
+from helpers import assert_on_the_run_model, join, recorded, train, upload
+from local_transport import LocalCoordinator
 
-from lightning_nodeox.core.phases import PhaseLog
 from lightning_nodeox.core.protocol import Upload
-from lightning_nodeox.host.round import HostRound
-from lightning_nodeox.host.tensors import HostTensors
 
 pytestmark = pytest.mark.usefixtures("keep_records")  # every PhaseLog keeps its records
 
@@ -30,18 +27,6 @@ def local_coordinator(tmp_path):
     yield start
     for c in started:
         c.close()
-
-
-def join(c: LocalCoordinator, *ids: str) -> list[HostRound]:
-    hosts = [HostRound(HostTensors(model(seed=i)), LocalClient(c, h), PhaseLog(h)) for i, h in enumerate(ids)]
-    for h in hosts:
-        h.join()
-        h.phases.records.clear()  # what happens from here on is the test's
-    return hosts
-
-
-def upload(host: HostRound, samples: int = 8, final: bool = False) -> Upload:
-    return host.upload(host.encode(host.tensors.live, samples, final))
 
 
 def test_hosts_agree_after_joining_and_a_normal_round(local_coordinator) -> None:

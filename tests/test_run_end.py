@@ -15,12 +15,23 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import REPO, read_events
-from test_coordinator import SPECS, model_file
-from test_restart import model as restart_model
-from test_restart import train as restart_train
-from test_round_rules import join, keep_records, train, upload  # noqa: F401 - keep_records: autouse fixture
-from test_survival import DIGITS, assert_identical, published, start_host, stop, wait_for
+from helpers import (
+    DIGITS,
+    REPO,
+    SPECS,
+    assert_identical,
+    join,
+    model_file,
+    published,
+    read_events,
+    start_host,
+    stop,
+    train,
+    upload,
+    wait_for,
+)
+from helpers import model as restart_model
+from helpers import train_on_model as restart_train
 
 from lightning_nodeox.coordinator.waiting import waiting_for
 from lightning_nodeox.core.phases import PhaseLog
@@ -29,6 +40,8 @@ from lightning_nodeox.core.specs import spec_of
 from lightning_nodeox.host.client import HttpClient
 from lightning_nodeox.host.round import HostRound
 from lightning_nodeox.host.tensors import HostTensors
+
+pytestmark = pytest.mark.usefixtures("keep_records")  # every PhaseLog keeps its records
 
 
 @pytest.fixture

@@ -4,62 +4,23 @@ a coordinator killed and started again on its run directory."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
-import torch
-from helpers import HOSTS, REPO, bits, launch, load, read_events
+from helpers import (
+    DIGITS,
+    assert_identical,
+    launch,
+    load,
+    published,
+    read_events,
+    start_host,
+    stop,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow  # every test here starts processes
-
-DIGITS = [sys.executable, str(HOSTS / "digits_host.py")]
-
-
-def start_host(host: str, url: str, out: Path, *args: str) -> subprocess.Popen:
-    """A digits host process (as `nodeox launch` would start it), its output in OUT/hostH-N.log."""
-    out.mkdir(parents=True, exist_ok=True)
-    n = len(list(out.glob(f"host{host}-*.log")))
-    log = open(out / f"host{host}-{n}.log", "w")  # noqa: SIM115 - the child writes it; closed when the test ends
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", NODEOX_HOST_ID=host, NODEOX_COORDINATOR_URL=url)
-    return subprocess.Popen([*DIGITS, "--out", str(out), *args], cwd=REPO, env=env, stdout=log,
-                            stderr=subprocess.STDOUT)
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
-def published(run_dir: Path) -> dict[int, dict]:
-    """The sync_prepare record of every round published so far."""
-    path = run_dir / "events.jsonl"
-    if not path.exists():
-        return {}
-    return {e["round"]: e for e in map(json.loads, path.read_text().splitlines()) if e["phase"] == "sync_prepare"}
-
-
-def assert_identical(out: Path, hosts: list[str]) -> str:
-    """Every host's final model holds the same bytes and hash; returns the hash."""
-    t0, m0 = load(out / f"host{hosts[0]}_final.safetensors")
-    for h in hosts[1:]:
-        t, m = load(out / f"host{h}_final.safetensors")
-        assert m["model_hash"] == m0["model_hash"], (h, m["model_hash"], m0["model_hash"])
-        assert all(torch.equal(bits(t0[k]), bits(t[k])) for k in t0), h
-    return m0["model_hash"]
-
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
 
 
 def test_a_host_whose_training_step_raises_leaves_and_the_other_finishes_on_time(tmp_path) -> None:
