@@ -292,7 +292,7 @@ def test_once_a_round_is_known_published_only_its_model_is_taken_back(tmp_path, 
 
 
 def test_a_host_whose_model_has_another_layout_cannot_give_a_saved_runs_model_back(tmp_path, monkeypatch) -> None:
-    hosts, saved_hash = crashed_after_round_one_was_published(tmp_path, monkeypatch)
+    hosts, _ = crashed_after_round_one_was_published(tmp_path, monkeypatch)
     c = LocalCoordinator(tmp_path, 2, store=True, long_poll=0.2)
     try:
         specs = hosts[0].tensors.specs

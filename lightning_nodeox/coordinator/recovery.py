@@ -19,7 +19,7 @@ tensors. A restart never goes behind what was published. Its model comes back:
   (else that host gives it back); holding the next round's model (the coordinator stopped between publishing a
   round and saving it), that host gives it back. When a save cut short left that round's sync on disk, only its
   model is taken. A model given back must have the saved tensor layout and the hash its host said it holds;
-- when no host gave it back within ``--provider-timeout``, from the snapshot (the rounds since are lost; hosts
+- when no host gave it back within ``provider_timeout`` (5 minutes), from the snapshot (the rounds since are lost; hosts
   fetch it).
 When the model is back, the saved outer-optimizer state (or the one a cut-short save wrote for the next round's
 model) and last sync go with it.
@@ -114,6 +114,21 @@ class Recovery:
         if saved.snapshot_hash == saved.model_hash:
             return "from its snapshot, unless the first host that rejoins holds the next round's model"
         return "given back by the first host that rejoins"
+
+    def waits_for(self) -> str:
+        """What a resumed run whose model is not back waits for, in one line."""
+        config, saved, published = self.state.config, self.resumed.saved, self.resumed.published
+        fallback = (f" (falls back to the snapshot of round {saved.snapshot_round} after {config.provider_timeout:.0f} s)"
+                    if saved.snapshot_hash else "; no snapshot was saved to fall back to")
+        if published is not None:
+            return (f"resumed run: round {saved.round} was published; waits for a host holding its model "
+                    f"{published.meta.model_hash} to join again and give it back{fallback}")
+        if saved.snapshot_hash == saved.model_hash:
+            return (f"resumed run at round {saved.round} waits for a host to join again: holding the model "
+                    f"{saved.model_hash}, the snapshot is loaded; holding the next round's, it gives that back"
+                    f"{fallback}")
+        return (f"resumed run at round {saved.round} waits for a host holding its model {saved.model_hash} to join "
+                f"again and give it back{fallback}")
 
     async def promise(self, host: str, specs: tuple[TensorSpec, ...], model_hash: str | None,
                       round_: int | None) -> tuple[int, str] | None:
