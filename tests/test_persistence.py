@@ -246,6 +246,37 @@ def test_a_coordinator_killed_while_it_saves_resumes_on_the_published_model_not_
     assert (saved["complete"], saved["model_hash"], saved["round"]) == (True, final, ROUNDS)
 
 
+def test_a_restart_waits_for_its_hosts_and_takes_its_snapshot_once_every_host_is_back_without_a_newer_model(
+        tmp_path) -> None:
+    """Not saved at shutdown, the snapshot may be behind the hosts: one host that holds no model cannot tell, so the
+    run waits; once every host of the run has joined again and none holds a newer model, the snapshot is loaded at
+    once (not after the 5 minutes of --provider-timeout)."""
+    c = LocalCoordinator(tmp_path, 2, store=True, snapshot_every=1)
+    hosts = [host(c, h, seed) for seed, h in enumerate("ab")]
+    for h in hosts:
+        h.join()
+    for k, h in enumerate(hosts, 1):
+        train(h, k, 0)
+        h.upload(h.encode(h.tensors.live, 16, False))
+    assert [h.synchronize().round for h in hosts] == [0, 0]
+    assert c.call(c.run.recovery.saved()) is True
+    c.crash()
+    saved = run_json(tmp_path)
+    assert (saved["round"], saved["snapshot_round"], saved["stopped"]) == (1, 1, False)
+
+    again = LocalCoordinator(tmp_path, 2, store=True, long_poll=0.2)
+    try:
+        assert again.state.model is None  # not loaded at start
+        specs = hosts[0].tensors.specs
+        reply = again.call(again.membership.join("a", specs, saved["hosts"]["a"]["credential"]))
+        assert reply.retry and again.state.model is None  # b may hold the next round's model
+        reply = again.call(again.membership.join("b", specs, saved["hosts"]["b"]["credential"]))
+        assert (reply.retry, reply.model_hash, again.state.round) == (False, saved["model_hash"], 1)
+        assert again.state.model.hash == saved["model_hash"] == hosts[0].model_hash
+    finally:
+        again.close()
+
+
 def crashed_after_round_one_was_published(tmp_path: Path, monkeypatch) -> tuple[list[HostRound], str]:
     """Two hosts exchange rounds 0 and 1; the save after round 1 writes its sync, then fails (run.json stays
     that of round 1), and the coordinator crashes. Returns the hosts (they hold round 2's model) and the model

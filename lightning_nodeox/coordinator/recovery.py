@@ -19,8 +19,8 @@ tensors. A restart never goes behind what was published. Its model comes back:
   (else that host gives it back); holding the next round's model (the coordinator stopped between publishing a
   round and saving it), that host gives it back. When a save cut short left that round's sync on disk, only its
   model is taken. A model given back must have the saved tensor layout and the hash its host said it holds;
-- when no host gave it back within ``provider_timeout`` (5 minutes), from the snapshot (the rounds since are lost; hosts
-  fetch it).
+- when no host gave it back within ``provider_timeout`` (5 minutes), or every host of the run joined again
+  and none holds it, from the snapshot (the rounds since are lost; hosts fetch it).
 When the model is back, the saved outer-optimizer state (or the one a cut-short save wrote for the next round's
 model) and last sync go with it.
 """
@@ -31,7 +31,7 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +41,7 @@ from ..core.specs import PayloadError, TensorSpec, check_same_model
 from ..core.wire import Q4Message
 from .model import CoordinatorModel
 from .runlog import Trouble
+from .hosts import HostState
 from .runstate import RunState
 from .state import RunStore, SavedRun
 
@@ -56,6 +57,7 @@ class Resumed:
     outer: dict[str, torch.Tensor]
     since: float  # time.time() when resumed
     published: Q4Message | None = None  # the sync of the saved round, left by a save cut short: it was published
+    unable: set[str] = field(default_factory=set)  # hosts that joined again holding no model they can give back
 
 
 class Recovery:
@@ -150,21 +152,27 @@ class Recovery:
                                               "--fresh to begin a new run") from None
         if published is not None:  # that round was published: only its model comes back
             wanted = published.meta.model_hash
-            return (saved.round + 1, wanted) if model_hash == wanted else None
-        if model_hash is not None and model_hash == saved.model_hash == saved.snapshot_hash:
+            promise = (saved.round + 1, wanted) if model_hash == wanted else None
+        elif model_hash is not None and model_hash == saved.model_hash == saved.snapshot_hash:
             await self.restore(held=True)  # no later round was published, as far as this host knows
             return None
-        return saved.promise(model_hash, round_)
+        else:
+            promise = saved.promise(model_hash, round_)
+        if promise is None:
+            resumed.unable.add(host)
+            if resumed.unable >= {h for h, e in saved.hosts.items() if e["state"] != HostState.LEFT.value}:
+                await self.restore(fallback=True, why="every host of the run joined again and none holds it")
+        return promise
 
     @property
     def saved_sync(self) -> Q4Message | None:
         """A resumed run's last sync, served while its model is not back yet."""
         return None if self.resumed is None else self.resumed.sync
 
-    async def restore(self, *, held: bool = False, fallback: bool = False) -> bool:
+    async def restore(self, *, held: bool = False, fallback: bool = False, why: str = "") -> bool:
         """Load the saved snapshot as the model: at once when the state was saved at shutdown; when it is the
-        saved model and a host that rejoins holds it (``held``); or (``fallback``) when no host gave the model
-        back in time. Returns whether a model was loaded."""
+        saved model and a host that rejoins holds it (``held``); or (``fallback``) when no host can give the
+        model back (``why``). Returns whether a model was loaded."""
         async with self._restoring:  # hosts rejoining at once: one loads it, the others find it loaded
             resumed = self.resumed
             if resumed is None or self.state.model is not None:
@@ -178,10 +186,9 @@ class Recovery:
                 raise ValueError(f"the snapshot {saved.files['model']} hashes to {model.hash}, not "
                                  f"{saved.snapshot_hash}; start with --fresh")
             if not latest:
-                log.warning("nodeox coordinator: no host gave back the model of round %d within %.0f s; going on "
-                            "from the snapshot of round %d (the rounds since are lost; hosts fetch it)",
-                            saved.round + (resumed.published is not None), self.state.config.provider_timeout,
-                            saved.snapshot_round)
+                log.warning("nodeox coordinator: the model of round %d is not back (%s); going on from the snapshot "
+                            "of round %d (the rounds since are lost; hosts fetch it)",
+                            saved.round + (resumed.published is not None), why, saved.snapshot_round)
             self.wanted = (saved.round, model.hash)
             await self.model_arrived(model, f"the snapshot of round {saved.snapshot_round}")
             return True
@@ -192,8 +199,9 @@ class Recovery:
         resumed = self.resumed
         if resumed is None or self.state.model is not None:
             return
-        if time.time() - max(resumed.since, provider_since) > self.state.config.provider_timeout:
-            await self.restore(fallback=True)
+        timeout = self.state.config.provider_timeout
+        if time.time() - max(resumed.since, provider_since) > timeout:
+            await self.restore(fallback=True, why=f"no host gave it back within {timeout:.0f} s")
 
     async def _adopt(self, model: CoordinatorModel) -> None:
         """A resumed run's model is back: its outer state and last sync go with it (those a save cut short
