@@ -39,9 +39,9 @@ from ..core.phases import COORDINATOR, PERSIST, PhaseRecord
 from ..core.protocol import Reason, Refusal
 from ..core.specs import PayloadError, TensorSpec, check_same_model
 from ..core.wire import Q4Message
+from .hosts import HostState
 from .model import CoordinatorModel
 from .runlog import Trouble
-from .hosts import HostState
 from .runstate import RunState
 from .state import RunStore, SavedRun
 
@@ -304,6 +304,10 @@ class Recovery:
             if await self.saved():
                 log.info("nodeox coordinator: the run's state is saved in %s (round %d)", self.store.dir,
                          self.state.round)
+            else:
+                last = self.store.last
+                log.error("nodeox coordinator: the run's state could not be saved at shutdown; %s holds %s",
+                          self.store.dir, "nothing" if last is None else f"that of round {last.round}")
 
     def close(self) -> None:
         self._persist.shutdown(wait=True)

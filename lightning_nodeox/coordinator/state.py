@@ -19,9 +19,9 @@ A new run moves aside only :data:`RECORDS`, what a run writes; a user's own file
 
 Each file is written under a temporary name, synced and renamed, so a crash at any moment leaves the previous
 state whole; files that ``run.json`` no longer names are removed once it is replaced. A save cut short leaves
-the next round's sync and outer state whole beside it (:meth:`RunStore.interrupted` finds them). A save that
-fails changes nothing the store holds (:attr:`RunStore.last` is what ``run.json`` says). Nothing is pickled:
-JSON and safetensors (q4 messages are safetensors files too).
+the next round's sync and outer state whole beside it (:meth:`RunStore.interrupted_sync` and
+:meth:`RunStore.outer_of` find them). A save that fails changes nothing the store holds (:attr:`RunStore.last`
+is what ``run.json`` says). Nothing is pickled: JSON and safetensors (q4 messages are safetensors files too).
 """
 
 from __future__ import annotations
