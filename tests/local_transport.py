@@ -16,6 +16,7 @@ import torch
 from lightning_nodeox.coordinator.config import CoordinatorConfig
 from lightning_nodeox.coordinator.lifecycle import CoordinatorRun
 from lightning_nodeox.coordinator.runlog import RunLog
+from lightning_nodeox.coordinator.state import RunStore, SavedRun, take_up
 from lightning_nodeox.core.pool import WorkerPool
 from lightning_nodeox.core.protocol import JoinReply, RunComplete, SyncReady, SyncReply, Upload
 from lightning_nodeox.core.specs import specs_from_json
@@ -38,22 +39,27 @@ class BytesBody:
 
 
 class LocalCoordinator:
-    """A ``CoordinatorRun`` on a background event loop (nothing saved); ``tick()`` is one pass of its periodic work
-    (the server's ticker runs it four times a second)."""
+    """A ``CoordinatorRun`` on a background event loop; ``tick()`` is one pass of its periodic work (the server's
+    ticker runs it four times a second). ``store``: its state is saved in ``run_dir`` (and a saved run there is
+    resumed); else nothing is saved. ``crash()`` ends it as kill -9 would: no shutdown save."""
 
-    def __init__(self, run_dir: Path, hosts: int = 2, **config) -> None:
+    def __init__(self, run_dir: Path, hosts: int = 2, *, store: bool = False, **config) -> None:
         self.config = CoordinatorConfig(hosts=hosts, run_dir=run_dir, bind="127.0.0.1:0", threads=1, **config)
+        self.store = RunStore(run_dir) if store else None
+        saved = None
+        if self.store is not None:
+            self.config, saved = take_up(self.config)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.pool = WorkerPool(self.config.q4, "cpu", 1)
         self.runlog = RunLog(run_dir)
-        self.run: CoordinatorRun = self.call(self._start())
+        self.run: CoordinatorRun = self.call(self._start(saved))
         self.state, self.rounds, self.membership = self.run.state, self.run.rounds, self.run.membership
 
-    async def _start(self) -> CoordinatorRun:
-        run = CoordinatorRun(self.config, self.runlog, self.pool)
-        await run.start(None)
+    async def _start(self, saved: SavedRun | None) -> CoordinatorRun:
+        run = CoordinatorRun(self.config, self.runlog, self.pool, self.store)
+        await run.start(saved)
         return run
 
     def call(self, coroutine, timeout: float = 30.0):
@@ -64,6 +70,13 @@ class LocalCoordinator:
 
     def close(self) -> None:
         self.call(self.run.save_at_shutdown())
+        self._stop()
+
+    def crash(self) -> None:
+        """Stop at once, without the shutdown's save (a save in flight finishes: its thread is joined)."""
+        self._stop()
+
+    def _stop(self) -> None:
         self.run.close()
         self.pool.close()
         self.runlog.close()

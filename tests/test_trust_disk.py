@@ -144,6 +144,7 @@ DAMAGE = {
         "run.json", _edit_run(lambda d: d["hosts"]["a"].update(state="sleeping"))),
     "the sync with a flipped byte": ("sync", _flip_last_byte),
     "the outer state truncated": ("outer", _truncate),
+    "the outer state with a flipped byte": ("outer", _flip_last_byte),  # its size and header still right
     "the snapshot's header garbled": ("model", _garble_header),
     "the snapshot missing": ("model", lambda path: path.unlink()),
     "the snapshot with a flipped byte": ("model", _flip_last_byte),

@@ -6,7 +6,7 @@ host that rejoins, :mod:`~lightning_nodeox.coordinator.recovery`); else ``--init
 else the first host to join provides the model.
 
 While it runs, four times a second: hosts whose lease expired are dropped, a round whose ``--round-timeout``
-passed closes, a resumed run whose model no host gave back in time falls back to its snapshot, whom an open round
+passed closes, a save that failed is tried again (every ``Recovery.RETRY_S``), a resumed run whose model no host gave back in time falls back to its snapshot, whom an open round
 waits for is logged every ``status_interval`` seconds, and memory is sampled every ``--rss-interval``.
 
 End: on SIGINT/SIGTERM, once no host was live for ``--no-hosts-timeout`` (the run unfinished), or
@@ -77,10 +77,10 @@ class CoordinatorRun:
             self.state.record(PhaseRecord(saved.round, COORDINATOR, RESTART, now, now,
                                           extra={"model_hash": saved.model_hash,
                                                  "snapshot_round": saved.snapshot_round}))
-            from_snapshot = await self.recovery.restore()
-            source = "from its snapshot" if from_snapshot else "given back by the first host that rejoins"
+            await self.recovery.restore()
             print(f"nodeox coordinator: resuming the run in {config.run_dir} at round {saved.round} (model "
-                  f"{saved.model_hash}, {source}); start with --fresh to begin a new run instead", flush=True)
+                  f"{saved.model_hash}, {self.recovery.source()}); start with --fresh to begin a new run instead",
+                  flush=True)
         elif config.initial_model is not None:
             path = Path(config.initial_model)
             await self.load_initial_model(torch.from_file(str(path), shared=False, size=path.stat().st_size,
@@ -100,6 +100,8 @@ class CoordinatorRun:
         """The periodic work, once (see the module's docstring)."""
         await self.membership.check_leases()
         await self.rounds.maybe_close()  # rounds whose timeout has passed
+        if not self.rounds.closing:  # a save retried now reads θ and the outer state, which a close changes
+            self.recovery.retry()
         await self.recovery.fall_back_to_snapshot(self.membership.provider_since)
         self._log_waiting()
         if time.time() >= self._next_rss:

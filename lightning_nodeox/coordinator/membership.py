@@ -6,7 +6,7 @@ by a live host is refused (``ID_IN_USE``); it can be taken again once its holder
 lease expired), by a join presenting the holder's credential, or, in a resumed run, while its holder has not been
 heard from since the restart. Taking it issues a new credential, so the
 previous holder, should it still run, is refused from then on. Credentials are part of the saved run state,
-so hosts keep acting (and rejoin) with theirs across a coordinator restart.
+written when issued, so hosts keep acting (and rejoin) with theirs across a coordinator restart.
 
 The model's provider: while the run has no model, the first host to join provides it (a resumed run: the first
 that holds its model, :mod:`~lightning_nodeox.coordinator.recovery`); another may take over once
@@ -70,7 +70,7 @@ class Membership:
             now = time.time()
             free = self.provider in (None, host) or now - self.provider_since > state.config.provider_timeout
             resumed = recovery.resumed is not None
-            promise = recovery.promise(model_hash, round_)
+            promise = await recovery.promise(host, specs, model_hash, round_)
             if free and (not resumed or promise is not None):
                 self.provider, self.provider_since, self.provider_specs = host, now, specs
                 recovery.wanted = promise
@@ -122,6 +122,7 @@ class Membership:
         """Admit ``host`` (checked again: no await since) and return its new credential."""
         self._check_admission(host, credential)
         entry = self.state.hosts.register(host, secrets.token_urlsafe(24))
+        self.recovery.save_hosts()  # saved at issue time: after a crash the credential it replaced stays refused
         log.info("nodeox coordinator: host %s joined", host)
         return entry.credential
 

@@ -4,15 +4,25 @@ taken up again.
 Saving: once the model arrives and after every published round the run's state (the round, the host registry
 with its credentials, the last sync, the outer optimizer's state; the model every ``--snapshot-every`` rounds) is
 written on a thread of its own (:mod:`~lightning_nodeox.coordinator.state` writes each file atomically). It is not
-awaited: the next round's close waits for it before it changes θ again. At shutdown the state is written once more,
-with a snapshot of the model.
+awaited: the next round's close waits for it before it changes θ again. A credential issued at a join rewrites
+``run.json`` at once. At shutdown the state is written once more, with a snapshot of the model, whatever happened
+before.
+
+A save that fails never stops the run: it is reported once (then every ``Trouble.REPORT_EVERY`` seconds), the
+rounds go on, and it is tried again with the next round's save or ``RETRY_S`` seconds later, whichever comes
+first (a snapshot it owed included); the state on disk stays the last one written whole until then.
 
 Resuming: a saved, unfinished run is taken up at its round, with its hosts (each with a fresh lease) and saved
-tensors. Its model comes back from the snapshot when that is the model the run stopped at; else from the first
-host that rejoins holding that model, or the next one (the coordinator stopped between publishing a round and
-saving it), which then gives it back (the hash must match what it said it holds); and when no host gave it back
-within ``--provider-timeout``, from an older snapshot (the rounds since are lost; hosts fetch it). When the model
-is back, the saved outer-optimizer state and last sync go with it.
+tensors. A restart never goes behind what was published. Its model comes back:
+- from the snapshot at once when the state was written at shutdown (nothing was published after it);
+- else from the first host that rejoins: holding the saved model, from the snapshot when that is the saved model
+  (else that host gives it back); holding the next round's model (the coordinator stopped between publishing a
+  round and saving it), that host gives it back. When a save cut short left that round's sync on disk, only its
+  model is taken. A model given back must have the saved tensor layout and the hash its host said it holds;
+- when no host gave it back within ``provider_timeout`` (5 minutes), or every host of the run joined again
+  and none holds it, from the snapshot (the rounds since are lost; hosts fetch it).
+When the model is back, the saved outer-optimizer state (or the one a cut-short save wrote for the next round's
+model) and last sync go with it.
 """
 
 from __future__ import annotations
@@ -21,13 +31,17 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..core.phases import COORDINATOR, PERSIST, PhaseRecord
+from ..core.protocol import Reason, Refusal
+from ..core.specs import PayloadError, TensorSpec, check_same_model
 from ..core.wire import Q4Message
+from .hosts import HostState
 from .model import CoordinatorModel
+from .runlog import Trouble
 from .runstate import RunState
 from .state import RunStore, SavedRun
 
@@ -42,19 +56,25 @@ class Resumed:
     sync: Q4Message | None
     outer: dict[str, torch.Tensor]
     since: float  # time.time() when resumed
+    published: Q4Message | None = None  # the sync of the saved round, left by a save cut short: it was published
+    unable: set[str] = field(default_factory=set)  # hosts that joined again holding no model they can give back
 
 
 class Recovery:
     """The run's state on disk (``store``; None: nothing is saved) and the resumed run until its model is back."""
+
+    RETRY_S = 10.0  # a failed save is tried again this long after, if no round's save came first
 
     def __init__(self, state: RunState, store: RunStore | None = None) -> None:
         self.state = state
         self.store = store
         self.resumed: Resumed | None = None
         self.wanted: tuple[int, str] | None = None  # resumed run: (round, hash) of the model being given back
+        self.trouble = Trouble(f"the run's state in {store.dir}", counts=False) if store is not None else None
         self._persist = ThreadPoolExecutor(1, thread_name_prefix="nodeox-persist")
         self._persisting: asyncio.Future | None = None
-        self._saved: SavedRun | None = None
+        self._retry_at: float | None = None  # time.monotonic() when a failed save is tried again
+        self._restoring = asyncio.Lock()
 
     # -- the model arrives ----------------------------------------------------------------------------------
     async def model_arrived(self, model: CoordinatorModel, source: str) -> None:
@@ -73,44 +93,105 @@ class Recovery:
 
     # -- resuming a saved run -------------------------------------------------------------------------------
     def resume(self, saved: SavedRun) -> None:
-        """Take up a saved, unfinished run: its round, hosts and saved tensors. The model follows: from its
-        snapshot (:meth:`restore`) or from the first host that gives it back (see the module's rules)."""
+        """Take up a saved, unfinished run: its round, hosts and saved tensors. The model follows (see the
+        module's rules)."""
         assert self.store is not None
         state = self.state
         state.round, state.published_round = saved.round, saved.round - 1
         state.hosts.restore(saved.hosts)
         outer = self.store.read_tensors(saved, "outer")
         self.resumed = Resumed(saved, self.store.read_sync(saved),
-                               {} if outer is None else {s.name: t for s, t in zip(*outer)}, time.time())
-        self._saved = saved
+                               {} if outer is None else {s.name: t for s, t in zip(*outer)}, time.time(),
+                               None if saved.stopped else self.store.interrupted_sync(saved))
+        self.store.last = saved
 
-    def promise(self, model_hash: str | None, round_: int | None) -> tuple[int, str] | None:
-        """The (round, hash) a resumed run takes from a host rejoining with ``model_hash`` at ``round_``; None if
-        that host cannot give the run's model back (or the run was not resumed)."""
-        return None if self.resumed is None else self.resumed.saved.promise(model_hash, round_)
+    def source(self) -> str:
+        """Where a resumed run's model comes from, as far as is known at start."""
+        if self.resumed is None:
+            return "from its snapshot"
+        saved, published = self.resumed.saved, self.resumed.published
+        if published is not None:
+            return (f"round {saved.round} was published: given back by a host that holds its model "
+                    f"{published.meta.model_hash}")
+        if saved.snapshot_hash == saved.model_hash:
+            return "from its snapshot, unless the first host that rejoins holds the next round's model"
+        return "given back by the first host that rejoins"
+
+    def waits_for(self) -> str:
+        """What a resumed run whose model is not back waits for, in one line."""
+        config, saved, published = self.state.config, self.resumed.saved, self.resumed.published
+        fallback = (f" (falls back to the snapshot of round {saved.snapshot_round} after {config.provider_timeout:.0f} s)"
+                    if saved.snapshot_hash else "; no snapshot was saved to fall back to")
+        if published is not None:
+            return (f"resumed run: round {saved.round} was published; waits for a host holding its model "
+                    f"{published.meta.model_hash} to join again and give it back{fallback}")
+        if saved.snapshot_hash == saved.model_hash:
+            return (f"resumed run at round {saved.round} waits for a host to join again: holding the model "
+                    f"{saved.model_hash}, the snapshot is loaded; holding the next round's, it gives that back"
+                    f"{fallback}")
+        return (f"resumed run at round {saved.round} waits for a host holding its model {saved.model_hash} to join "
+                f"again and give it back{fallback}")
+
+    async def promise(self, host: str, specs: tuple[TensorSpec, ...], model_hash: str | None,
+                      round_: int | None) -> tuple[int, str] | None:
+        """The (round, hash) a resumed run takes from ``host`` rejoining with ``model_hash`` at ``round_``; None if
+        that host cannot give the run's model back (or the run was not resumed, or its model is back: from the
+        snapshot when this host holds the saved model). A host whose tensors are not the saved layout is
+        refused."""
+        resumed = self.resumed
+        if resumed is None:
+            return None
+        saved, published = resumed.saved, resumed.published
+        layout = saved.tensor_specs()
+        if layout is not None:
+            try:
+                check_same_model(layout, specs, f"host {host}'s model")
+            except PayloadError as e:
+                raise Refusal(Reason.INVALID, f"{e}: it is not the model of the run saved in {self.store.dir}. "
+                                              "Start this host with the run's model, or the coordinator with "
+                                              "--fresh to begin a new run") from None
+        if published is not None:  # that round was published: only its model comes back
+            wanted = published.meta.model_hash
+            promise = (saved.round + 1, wanted) if model_hash == wanted else None
+        elif model_hash is not None and model_hash == saved.model_hash == saved.snapshot_hash:
+            await self.restore(held=True)  # no later round was published, as far as this host knows
+            return None
+        else:
+            promise = saved.promise(model_hash, round_)
+        if promise is None:
+            resumed.unable.add(host)
+            if resumed.unable >= {h for h, e in saved.hosts.items() if e["state"] != HostState.LEFT.value}:
+                await self.restore(fallback=True, why="every host of the run joined again and none holds it")
+        return promise
 
     @property
     def saved_sync(self) -> Q4Message | None:
         """A resumed run's last sync, served while its model is not back yet."""
         return None if self.resumed is None else self.resumed.sync
 
-    async def restore(self, *, fallback: bool = False) -> bool:
-        """Load the saved snapshot as the model: when it is the model the run stopped at, or (``fallback``) when
-        no host gave that model back in time; returns whether a model was loaded."""
-        saved = self.resumed.saved
-        if saved.snapshot_hash is None or (saved.snapshot_hash != saved.model_hash and not fallback):
-            return False
-        model = await self.state.build_model(*self.store.read_tensors(saved, "model"))
-        if model.hash != saved.snapshot_hash:
-            raise ValueError(f"the snapshot {saved.files['model']} hashes to {model.hash}, not {saved.snapshot_hash}; "
-                             "start with --fresh")
-        if saved.snapshot_hash != saved.model_hash:
-            log.warning("nodeox coordinator: no host gave back the model of round %d within %.0f s; going on from "
-                        "the snapshot of round %d (the rounds since are lost; hosts fetch it)", saved.round,
-                        self.state.config.provider_timeout, saved.snapshot_round)
-        self.wanted = (saved.round, model.hash)
-        await self.model_arrived(model, f"the snapshot of round {saved.snapshot_round}")
-        return True
+    async def restore(self, *, held: bool = False, fallback: bool = False, why: str = "") -> bool:
+        """Load the saved snapshot as the model: at once when the state was saved at shutdown; when it is the
+        saved model and a host that rejoins holds it (``held``); or (``fallback``) when no host can give the
+        model back (``why``). Returns whether a model was loaded."""
+        async with self._restoring:  # hosts rejoining at once: one loads it, the others find it loaded
+            resumed = self.resumed
+            if resumed is None or self.state.model is not None:
+                return False
+            saved = resumed.saved
+            latest = saved.snapshot_hash == saved.model_hash and resumed.published is None
+            if saved.snapshot_hash is None or not (fallback or (latest and (held or saved.stopped))):
+                return False
+            model = await self.state.build_model(*self.store.read_tensors(saved, "model"))
+            if model.hash != saved.snapshot_hash:
+                raise ValueError(f"the snapshot {saved.files['model']} hashes to {model.hash}, not "
+                                 f"{saved.snapshot_hash}; start with --fresh")
+            if not latest:
+                log.warning("nodeox coordinator: the model of round %d is not back (%s); going on from the snapshot "
+                            "of round %d (the rounds since are lost; hosts fetch it)",
+                            saved.round + (resumed.published is not None), why, saved.snapshot_round)
+            self.wanted = (saved.round, model.hash)
+            await self.model_arrived(model, f"the snapshot of round {saved.snapshot_round}")
+            return True
 
     async def fall_back_to_snapshot(self, provider_since: float) -> None:
         """A resumed run whose model no host gave back within ``provider_timeout`` (counted from the resume, or
@@ -118,70 +199,115 @@ class Recovery:
         resumed = self.resumed
         if resumed is None or self.state.model is not None:
             return
-        if time.time() - max(resumed.since, provider_since) > self.state.config.provider_timeout:
-            await self.restore(fallback=True)
+        timeout = self.state.config.provider_timeout
+        if time.time() - max(resumed.since, provider_since) > timeout:
+            await self.restore(fallback=True, why=f"no host gave it back within {timeout:.0f} s")
 
     async def _adopt(self, model: CoordinatorModel) -> None:
-        """A resumed run's model is back: its outer state and last sync go with it."""
+        """A resumed run's model is back: its outer state and last sync go with it (those a save cut short
+        wrote for it, when it is the next round's)."""
         resumed, (round_, _) = self.resumed, self.wanted
-        if resumed.outer:
-            await self.state.in_worker(model.restore_outer, resumed.outer)
-        if model.hash == resumed.saved.model_hash and resumed.sync is not None:
+        saved = resumed.saved
+        outer, behind = resumed.outer, False
+        if round_ == saved.round + 1:
+            newer = await self.state.in_worker(self.store.outer_of, round_, model.hash)
+            outer, behind = (newer, False) if newer is not None else (outer, bool(outer))
+        if outer:
+            await self.state.in_worker(model.restore_outer, outer)
+        published = resumed.published
+        if model.hash == saved.model_hash and resumed.sync is not None:
             model.adopt_sync(resumed.sync)
-        if round_ != resumed.saved.round:
+        elif published is not None and published.meta.model_hash == model.hash:
+            model.adopt_sync(published)
+        if round_ != saved.round:
             log.warning("nodeox coordinator: the saved state was of round %d, hosts were at round %d: going on from "
-                        "theirs (the outer-optimizer state is one round behind)", resumed.saved.round, round_)
+                        "theirs%s", saved.round, round_,
+                        " (the outer-optimizer state is one round behind)" if behind else "")
         self.state.round, self.state.published_round = round_, round_ - 1
         self.resumed = self.wanted = None
 
     # -- the run's state on disk ----------------------------------------------------------------------------
-    def save_round(self, *, snapshot: bool = False) -> None:
-        """Start writing the run's state (the model too when ``snapshot`` or every ``snapshot_every`` rounds);
-        not awaited (:meth:`saved` waits for it)."""
-        state = self.state
+    def save_round(self, *, snapshot: bool = False, stopped: bool = False) -> None:
+        """Start writing the run's state (the model too when ``snapshot`` or when a snapshot is due: every
+        ``snapshot_every`` rounds, or owed by a save that failed); not awaited (:meth:`saved` waits for it).
+        ``stopped``: the shutdown's save, after which nothing is published."""
+        state, store = self.state, self.store
         model, config = state.model, state.config
-        if self.store is None or model is None:
+        if store is None or model is None:
             return
         saved = SavedRun(round=state.round, model_hash=model.hash, complete=state.complete,
                          hosts=state.hosts.saved(),
                          q4={"codec": config.q4.codec, "block_size": config.q4.block_size,
                              "scale_dtype": config.q4.scale_dtype},
-                         outer={"name": config.outer.name, "lr": config.outer.lr, "momentum": config.outer.momentum})
-        if self._saved is not None:
-            saved.files = dict(self._saved.files)
-            saved.snapshot_round, saved.snapshot_hash = self._saved.snapshot_round, self._saved.snapshot_hash
-        self._saved = saved
-        snapshot = (snapshot or state.round % config.snapshot_every == 0) and saved.snapshot_hash != model.hash
+                         outer=config.outer, specs=[s.as_json() for s in model.specs], stopped=stopped)
+        last = store.last
+        snapshot_round = None if last is None else last.snapshot_round
+        due = snapshot or snapshot_round is None or snapshot_round < state.round - state.round % config.snapshot_every
+        snapshot = due and (last is None or last.snapshot_hash != model.hash)
         sync = model.latest_sync if model.latest_sync is not None and model.latest_sync.meta.round == state.round - 1 \
             else None
         chunks = model.model_chunks(state.round) if snapshot else None
         start, after_round = time.time(), max(state.published_round, 0)
-        store = self.store
-        future = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(self._persist, lambda: store.save(
-            saved, sync=sync, outer=dict(model.outer.state), model_chunks=chunks)))
+        outer = dict(model.outer.state)
 
-        def done(f: asyncio.Future) -> None:
-            if f.cancelled() or f.exception() is not None:
-                log.error("nodeox coordinator: could not save the run's state in %s: %r", store.dir,
-                          None if f.cancelled() else f.exception())
-                return
-            state.record(PhaseRecord(after_round, COORDINATOR, PERSIST, start, time.time(), f.result(),
+        def write() -> int:
+            return store.save(saved, sync=sync, outer=outer, model_chunks=chunks)
+
+        def done(written: int) -> None:
+            state.record(PhaseRecord(after_round, COORDINATOR, PERSIST, start, time.time(), written,
                                      extra={"snapshot": snapshot}))
 
-        future.add_done_callback(done)
-        self._persisting = future
+        self._persisting = asyncio.ensure_future(self._write(write, done))
 
-    async def saved(self) -> None:
-        """Wait until the state last started writing is on disk (a failed write raises here too)."""
-        if self._persisting is not None:
-            await self._persisting
+    def save_hosts(self) -> None:
+        """Write the host registry now (a credential was just issued), after any save in flight; not awaited."""
+        if self.store is not None:
+            hosts, store = self.state.hosts.saved(), self.store
+            asyncio.ensure_future(self._write(lambda: store.save_hosts(hosts)))
+
+    async def _write(self, write, done=None) -> bool:
+        """Run ``write`` on the saving thread; a failure is reported (not raised) and tried again later."""
+        try:
+            written = await asyncio.get_running_loop().run_in_executor(self._persist, write)
+        except Exception as e:  # noqa: BLE001 - a failed save never stops the run: reported, tried again
+            self._retry_at = time.monotonic() + self.RETRY_S
+            self.trouble.failed(e)
+            return False
+        if done is not None:
+            self._retry_at = None
+            self.trouble.ok()
+            done(written)
+        return True
+
+    def retry(self) -> None:
+        """Try a failed save again once ``RETRY_S`` has passed (call while no round is closing)."""
+        if self._retry_at is None or time.monotonic() < self._retry_at:
+            return
+        if self._persisting is not None and not self._persisting.done():
+            return
+        self._retry_at = None
+        if self.state.model is not None:
+            self.save_round()
+        else:
+            self.save_hosts()
+
+    async def saved(self) -> bool:
+        """Wait until the state last started writing is on disk or failed (reported); returns whether written."""
+        return True if self._persisting is None else await self._persisting
 
     async def save_with_snapshot(self) -> None:
-        """Write the run's state with a snapshot of the model, after the write in flight (at shutdown)."""
+        """Write the run's state with a snapshot of the model, after the write in flight (at shutdown), whatever
+        happened to the saves before."""
         await self.saved()
-        if self.state.model is not None:
-            self.save_round(snapshot=True)
-            await self.saved()
+        if self.store is not None and self.state.model is not None:
+            self.save_round(snapshot=True, stopped=True)
+            if await self.saved():
+                log.info("nodeox coordinator: the run's state is saved in %s (round %d)", self.store.dir,
+                         self.state.round)
+            else:
+                last = self.store.last
+                log.error("nodeox coordinator: the run's state could not be saved at shutdown; %s holds %s",
+                          self.store.dir, "nothing" if last is None else f"that of round {last.round}")
 
     def close(self) -> None:
         self._persist.shutdown(wait=True)

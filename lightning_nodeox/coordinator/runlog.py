@@ -65,12 +65,14 @@ def tb_folder(host: str) -> str:
 
 
 class Trouble:
-    """A sink that cannot write: said once, then at most every ``REPORT_EVERY`` seconds, and when it recovers."""
+    """A sink that cannot write: said once, then at most every ``REPORT_EVERY`` seconds, and when it recovers.
+    ``counts``: the sink loses records while it fails (and says how many); else it only falls behind."""
 
     REPORT_EVERY = 60.0
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, *, counts: bool = True) -> None:
         self.what = what
+        self.counts = counts
         self.failing_since: float | None = None
         self._reported = 0.0
         self.lost = 0
@@ -84,13 +86,14 @@ class Trouble:
                       error)
         elif now - self._reported >= self.REPORT_EVERY:
             self._reported = now
-            log.error("nodeox coordinator: %s still cannot be written after %.0f s (%s); %d records lost so far",
-                      self.what, now - self.failing_since, error, self.lost)
+            log.error("nodeox coordinator: %s still cannot be written after %.0f s (%s)%s", self.what,
+                      now - self.failing_since, error, f"; {self.lost} records lost so far" if self.counts else "")
 
     def ok(self) -> None:
         if self.failing_since is not None:
-            log.warning("nodeox coordinator: writing %s again after %.0f s (%d records lost meanwhile)", self.what,
-                        time.monotonic() - self.failing_since, self.lost)
+            log.warning("nodeox coordinator: writing %s again after %.0f s%s", self.what,
+                        time.monotonic() - self.failing_since,
+                        f" ({self.lost} records lost meanwhile)" if self.counts else "")
             self.failing_since, self.lost = None, 0
 
 

@@ -8,17 +8,20 @@ sync), the coordinator writes:
   Nesterov), which belongs to the model after round R;
 - every ``--snapshot-every`` rounds and at shutdown, ``model-R.safetensors``: the model itself (between
   snapshots, a host that rejoins gives the model back, checked against the saved hash);
-- ``run.json`` last: the open round, the model hash, the host registry (each host's state and credential, so
-  hosts keep theirs across a restart), the codec and outer-optimizer settings and the names of the files
-  above. It only ever names complete files.
+- ``run.json`` last: the open round, the model hash and tensor layout, the host registry (each host's state and
+  credential, so hosts keep theirs across a restart), the codec and outer-optimizer settings, the names of the
+  files above and the outer state's checksum; ``stopped`` when written at shutdown (nothing was published after
+  it). It only ever names complete files. A credential issued at a join rewrites ``run.json`` at once (only it).
 
 Files are created readable by their owner only (``run.json`` holds the hosts' credentials). A ``run.json`` that
 cannot be read, or a file it names that is missing, truncated or garbled, is refused at start naming ``--fresh``.
 A new run moves aside only :data:`RECORDS`, what a run writes; a user's own files in the directory stay.
 
 Each file is written under a temporary name, synced and renamed, so a crash at any moment leaves the previous
-state whole; files that ``run.json`` no longer names are removed once it is replaced. Nothing is pickled:
-JSON and safetensors (q4 messages are safetensors files too).
+state whole; files that ``run.json`` no longer names are removed once it is replaced. A save cut short leaves
+the next round's sync and outer state whole beside it (:meth:`RunStore.interrupted_sync` and
+:meth:`RunStore.outer_of` find them). A save that fails changes nothing the store holds (:attr:`RunStore.last`
+is what ``run.json`` says). Nothing is pickled: JSON and safetensors (q4 messages are safetensors files too).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import logging
 import os
 import shutil
 import time
+import zlib
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -36,7 +40,7 @@ import torch
 
 from ..core.hashing import model_hash
 from ..core.modelfile import check_model_file, model_header, read_model
-from ..core.specs import PayloadError, TensorSpec
+from ..core.specs import PayloadError, TensorSpec, specs_from_json
 from ..core.wire import Q4Message
 from .config import CoordinatorConfig, OuterSettings
 from .hosts import HostState
@@ -66,6 +70,9 @@ class SavedRun:
     files: dict[str, str] = field(default_factory=dict)  # "sync", "outer", "model" -> file name in state/
     snapshot_round: int | None = None  # the round whose starting model "model" holds
     snapshot_hash: str | None = None
+    specs: list | None = None  # the model's tensor layout (TensorSpec.as_json each); None in older files
+    outer_crc: int | None = None  # CRC-32 of the "outer" file's bytes
+    stopped: bool = False  # written at shutdown: no round was published after it
 
     def promise(self, model_hash: str | None, round_: int | None) -> tuple[int, str] | None:
         """What a host that rejoins holding ``model_hash`` at ``round_`` can give back: this model, or the next one
@@ -87,16 +94,24 @@ class SavedRun:
                    hosts={str(k): dict(v) for k, v in d["hosts"].items()}, q4=dict(d["q4"]),
                    outer=OuterSettings(**d["outer"]),
                    files={str(k): str(v) for k, v in d.get("files", {}).items()},
-                   snapshot_round=d.get("snapshot_round"), snapshot_hash=d.get("snapshot_hash"))
+                   snapshot_round=d.get("snapshot_round"), snapshot_hash=d.get("snapshot_hash"),
+                   specs=None if d.get("specs") is None else list(d["specs"]),
+                   outer_crc=None if d.get("outer_crc") is None else int(d["outer_crc"]),
+                   stopped=bool(d.get("stopped", False)))
+
+    def tensor_specs(self) -> tuple[TensorSpec, ...] | None:
+        return None if self.specs is None else specs_from_json(self.specs)
 
 
-def write_atomic(path: Path, chunks: Iterable[bytes | memoryview]) -> int:
-    """Write ``chunks`` to ``path`` so that it is either the old file or the whole new one; returns the size."""
+def write_atomic(path: Path, chunks: Iterable[bytes | memoryview]) -> tuple[int, int]:
+    """Write ``chunks`` to ``path`` so that it is either the old file or the whole new one; returns the size and
+    the CRC-32 of what was written."""
     tmp = path.with_name(path.name + ".tmp")
-    size = 0
+    size = crc = 0
     with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
         for chunk in chunks:
             size += f.write(chunk)
+            crc = zlib.crc32(chunk, crc)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -105,7 +120,7 @@ def write_atomic(path: Path, chunks: Iterable[bytes | memoryview]) -> int:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-    return size
+    return size, crc
 
 
 def tensor_chunks(named: list[tuple[str, torch.Tensor]], round_: int, model_hash: str) -> list[memoryview]:
@@ -122,6 +137,7 @@ class RunStore:
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = Path(run_dir)
         self.dir = self.run_dir / STATE_DIR
+        self.last: SavedRun | None = None  # what run.json holds (a resumed run's, or the last save that worked)
 
     def load(self) -> SavedRun | None:
         """The saved run, or None when there is none. A state that cannot be read is an error naming --fresh."""
@@ -150,6 +166,11 @@ class RunStore:
                     Q4Message.parse(self._read(name))
                     continue
                 check_model_file(path)
+                if kind == "outer" and saved.outer_crc is not None:
+                    got = zlib.crc32(memoryview(self._read(name).numpy()))
+                    if got != saved.outer_crc:
+                        raise PayloadError(f"its bytes have CRC-32 {got:08x}, not the {saved.outer_crc:08x} saved "
+                                           "with it")
                 if kind == "model" and saved.snapshot_hash is not None:
                     _, _, specs, tensors = read_model(self._read(name))
                     got = model_hash([(s.name, t) for s, t in zip(specs, tensors)])
@@ -162,31 +183,68 @@ class RunStore:
     def save(self, saved: SavedRun, *, sync: Q4Message | None, outer: dict[str, torch.Tensor],
              model_chunks: list[memoryview] | None) -> int:
         """Write one round's state (the files, then ``run.json``); returns the bytes written. ``saved.files``
-        is updated; ``model_chunks`` (a snapshot) is optional, an older snapshot stays named until replaced."""
+        and its snapshot are taken from :attr:`last` and updated; ``model_chunks`` (a snapshot) is optional, an
+        older snapshot stays named until replaced. :attr:`last` becomes ``saved`` once ``run.json`` is written."""
         self.dir.mkdir(parents=True, exist_ok=True)
         r = saved.round
+        if self.last is not None:
+            saved.files = dict(self.last.files)
+            saved.snapshot_round, saved.snapshot_hash = self.last.snapshot_round, self.last.snapshot_hash
         written = 0
         if sync is not None:
-            written += write_atomic(self.dir / f"sync-{r}.q4", [sync.view()])
+            written += write_atomic(self.dir / f"sync-{r}.q4", [sync.view()])[0]
             saved.files["sync"] = f"sync-{r}.q4"
         else:
             saved.files.pop("sync", None)
         if outer:
-            written += write_atomic(self.dir / f"outer-{r}.safetensors",
-                                    tensor_chunks(sorted(outer.items()), r, saved.model_hash))
+            size, saved.outer_crc = write_atomic(self.dir / f"outer-{r}.safetensors",
+                                                 tensor_chunks(sorted(outer.items()), r, saved.model_hash))
+            written += size
             saved.files["outer"] = f"outer-{r}.safetensors"
         else:
             saved.files.pop("outer", None)
+            saved.outer_crc = None
         if model_chunks is not None:
-            written += write_atomic(self.dir / f"model-{r}.safetensors", model_chunks)
+            written += write_atomic(self.dir / f"model-{r}.safetensors", model_chunks)[0]
             saved.files["model"] = f"model-{r}.safetensors"
             saved.snapshot_round, saved.snapshot_hash = r, saved.model_hash
-        written += write_atomic(self.dir / RUN_FILE, [json.dumps(saved.to_json(), indent=1).encode()])
+        written += self._write_run(saved)
         keep = set(saved.files.values()) | {RUN_FILE}
         for path in self.dir.iterdir():
             if path.name not in keep:
                 path.unlink(missing_ok=True)
         return written
+
+    def save_hosts(self, hosts: dict[str, dict]) -> int:
+        """Rewrite ``run.json`` with ``hosts`` (credentials just issued), the rest as it was; nothing when no
+        state is saved yet. Returns the bytes written."""
+        if self.last is None:
+            return 0
+        return self._write_run(replace(self.last, hosts=hosts, files=dict(self.last.files)))
+
+    def _write_run(self, saved: SavedRun) -> int:
+        size = write_atomic(self.dir / RUN_FILE, [json.dumps(saved.to_json(), indent=1).encode()])[0]
+        self.last = saved
+        return size
+
+    def interrupted_sync(self, saved: SavedRun) -> Q4Message | None:
+        """The sync a save cut short left beside ``saved``: round ``saved.round``'s, whole and from its model (so
+        that round was published), or None."""
+        try:
+            message = Q4Message.parse(self._read(f"sync-{saved.round + 1}.q4"))
+        except (PayloadError, OSError, RuntimeError):
+            return None
+        meta = message.meta
+        return message if (meta.round, meta.base_hash) == (saved.round, saved.model_hash) else None
+
+    def outer_of(self, round_: int, model_hash: str) -> dict[str, torch.Tensor] | None:
+        """The outer state a save cut short wrote for round ``round_``'s model ``model_hash`` (whole, of that
+        model), by name; None when there is none."""
+        try:
+            r, h, specs, tensors = read_model(self._read(f"outer-{round_}.safetensors"))
+        except (PayloadError, OSError, RuntimeError):
+            return None
+        return {s.name: t for s, t in zip(specs, tensors)} if (r, h) == (round_, model_hash) else None
 
     def read_sync(self, saved: SavedRun) -> Q4Message | None:
         name = saved.files.get("sync")

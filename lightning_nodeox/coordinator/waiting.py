@@ -25,12 +25,7 @@ def waiting_for(state: RunState, rounds: Rounds, recovery: Recovery, provider: s
                                  "when it is started again")
     if state.model is None:
         if recovery.resumed is not None:
-            saved = recovery.resumed.saved
-            fallback = (f" (falls back to the snapshot of round {saved.snapshot_round} after "
-                        f"{config.provider_timeout:.0f} s)" if saved.snapshot_hash else
-                        "; no snapshot was saved to fall back to")
-            return logging.WARNING, (f"resumed run at round {saved.round} waits for a host holding its model "
-                                     f"{saved.model_hash} to join again and give it back{fallback}")
+            return logging.WARNING, recovery.waits_for()
         who = f"host {provider}" if provider else "the first host to join"
         return logging.INFO, f"waiting for the initial model from {who}"
     hosts, received = state.hosts, rounds.received
