@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(1)
 
 from helpers import Coordinator  # noqa: E402 - after the path that finds it
+from restarts import run  # noqa: E402
 
 from lightning_nodeox.core.phases import PhaseLog  # noqa: E402
 
@@ -50,3 +51,23 @@ def keep_records(monkeypatch):
         self.listeners.append(self.records.append)
 
     monkeypatch.setattr(PhaseLog, "__init__", init)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The final model of a run never interrupted (restarts.run), per outer optimizer."""
+    hashes = {}
+
+    def final(outer: tuple[str, ...]) -> str:
+        if outer not in hashes:
+            coord = Coordinator(tmp_path_factory.mktemp("reference") / "run", 2, *outer)
+            try:
+                a, b = run(coord.url)
+                assert coord.wait(60) == 0
+            finally:
+                coord.stop()
+            assert a == b
+            hashes[outer] = a
+        return hashes[outer]
+
+    return final

@@ -12,8 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import model
+from helpers import train_on_model as train
 from local_transport import LocalClient, LocalCoordinator
-from test_restart import AVERAGE, NESTEROV, ROUNDS, model, run, train, uninterrupted  # noqa: F401 - a fixture
+from restarts import AVERAGE, NESTEROV, ROUNDS, run
 
 from lightning_nodeox.coordinator import state as state_module
 from lightning_nodeox.coordinator.recovery import Recovery
@@ -333,7 +335,7 @@ def test_a_host_whose_model_has_another_layout_cannot_give_a_saved_runs_model_ba
             c.call(c.membership.join("a", other, credential, hosts[0].model_hash, 2))
         assert refused.value.reason is Reason.INVALID
         message = str(refused.value)
-        assert "fc.weight" in message and "Start this host with the run's model" in message and "--fresh" in message
+        assert repr(specs[0].name) in message and "Start this host with the run's model" in message and "--fresh" in message
         assert c.state.model is None and c.membership.provider is None
     finally:
         c.close()

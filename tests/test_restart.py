@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from helpers import Coordinator, model, train_on_model
+from helpers import model, train_on_model
+from restarts import AVERAGE, NESTEROV, ROUNDS, TUNED, run
 
 from lightning_nodeox.core.phases import PhaseLog
 from lightning_nodeox.host.client import HttpClient
@@ -19,55 +19,6 @@ from lightning_nodeox.host.round import HostRound
 from lightning_nodeox.host.tensors import HostTensors
 
 pytestmark = pytest.mark.slow  # every test here starts processes
-
-ROUNDS = 5
-NESTEROV = ("--outer-optimizer", "nesterov", "--outer-lr", "0.7", "--outer-momentum", "0.9")
-AVERAGE = ("--outer-optimizer", "average")
-TUNED = ("--outer-optimizer", "nesterov", "--outer-lr", "0.5", "--outer-momentum", "0.8")  # every setting not its default
-
-
-def run(url: str, interrupt=None, at_round: int = 2) -> list[str]:
-    """Two hosts a and b exchange ROUNDS rounds; ``interrupt()`` runs once host a has sent round ``at_round``'s
-    delta (so that round cannot close before it). Returns each host's final model hash."""
-    hosts = [HostRound(HostTensors(model(seed)), HttpClient(url, host=h, retry_for=60), PhaseLog(h))
-             for seed, h in enumerate("ab")]
-    for h in hosts:
-        h.join()
-    with ThreadPoolExecutor(2) as pool:
-        for r in range(ROUNDS):
-            final = r == ROUNDS - 1
-            for k, h in enumerate(hosts, 1):
-                train_on_model(h, k, r)
-                assert h.upload(h.encode(h.tensors.live, 16, final)).value == "taken"
-                if (r, h.host) == (at_round, "a") and interrupt is not None:
-                    interrupt()
-            results = list(pool.map(lambda h, f=final: h.synchronize(follow_to_end=f), hosts))
-            assert [res.round for res in results] == [r, r]
-    for h in hosts:
-        h.client.leave()
-        h.close()
-    return [h.model_hash for h in hosts]
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """The final model of a run never interrupted, per outer optimizer."""
-    hashes = {}
-
-    def final(outer: tuple[str, ...]) -> str:
-        if outer not in hashes:
-            coord = Coordinator(tmp_path_factory.mktemp("reference") / "run", 2, *outer)
-            try:
-                a, b = run(coord.url)
-                assert coord.wait(60) == 0
-            finally:
-                coord.stop()
-            assert a == b
-            hashes[outer] = a
-        return hashes[outer]
-
-    return final
-
 
 def saved_round(run_dir) -> int:
     path = run_dir / "state" / "run.json"
