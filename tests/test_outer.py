@@ -69,15 +69,16 @@ def test_the_package_kinds_say_what_they_do() -> None:
         OuterSettings("adam")
 
 
-def test_every_outer_setting_survives_a_restart(tmp_path) -> None:
+def test_every_outer_and_codec_setting_survives_a_restart(tmp_path) -> None:
     """The settings saved with a run come back whole, over the restarted command line's (tests/test_restart.py
     runs the same with real processes, tuned settings included)."""
     tuned = OuterSettings("nesterov", lr=0.5, momentum=0.8)
-    untuned = [f.name for f in fields(OuterSettings) if getattr(tuned, f.name) == f.default]
-    assert not untuned, f"give {untuned} a value other than its default here"
-    saved = SavedRun(round=3, model_hash="0" * 128, complete=False, hosts={},
-                     q4={"codec": "q4", "block_size": 64, "scale_dtype": "fp16"}, outer=tuned)
+    codec = Q4Settings(block_size=128, scale_dtype="fp32", rounding="stochastic", error_feedback=False, codec="bf16")
+    for settings in (tuned, codec):
+        untuned = [f.name for f in fields(settings) if getattr(settings, f.name) == f.default]
+        assert not untuned, f"give {untuned} a value other than its default here"
+    saved = SavedRun(round=3, model_hash="0" * 128, complete=False, hosts={}, q4=codec, outer=tuned)
     RunStore(tmp_path).save(saved, sync=None, outer={}, model_chunks=None)
-    assert RunStore(tmp_path).load().outer == tuned
-    config, resumed = take_up(CoordinatorConfig(hosts=2, run_dir=tmp_path))  # the default: average
-    assert config.outer == resumed.outer == tuned
+    assert (RunStore(tmp_path).load().outer, RunStore(tmp_path).load().q4) == (tuned, codec)
+    config, resumed = take_up(CoordinatorConfig(hosts=2, run_dir=tmp_path))  # the defaults: average, q4
+    assert config.outer == resumed.outer == tuned and config.q4 == resumed.q4 == codec

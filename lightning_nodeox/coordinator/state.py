@@ -40,6 +40,7 @@ import torch
 
 from ..core.hashing import model_hash
 from ..core.modelfile import check_model_file, model_header, read_model
+from ..core.settings import Q4Settings
 from ..core.specs import PayloadError, TensorSpec, specs_from_json
 from ..core.wire import Q4Message
 from .config import CoordinatorConfig, OuterSettings
@@ -65,7 +66,7 @@ class SavedRun:
     model_hash: str
     complete: bool
     hosts: dict[str, dict]  # host id -> {"state": HostState value, "credential": its credential}
-    q4: dict  # codec, block_size, scale_dtype
+    q4: Q4Settings  # saved whole, as outer (a dict of its fields in run.json)
     outer: OuterSettings  # saved whole (a dict of its fields in run.json)
     files: dict[str, str] = field(default_factory=dict)  # "sync", "outer", "model" -> file name in state/
     snapshot_round: int | None = None  # the round whose starting model "model" holds
@@ -91,7 +92,7 @@ class SavedRun:
         if d.get("format") != FORMAT or int(d.get("version", -1)) != VERSION:
             raise ValueError(f"not a {FORMAT} version {VERSION} file")
         return cls(round=int(d["round"]), model_hash=str(d["model_hash"]), complete=bool(d["complete"]),
-                   hosts={str(k): dict(v) for k, v in d["hosts"].items()}, q4=dict(d["q4"]),
+                   hosts={str(k): dict(v) for k, v in d["hosts"].items()}, q4=Q4Settings(**d["q4"]),
                    outer=OuterSettings(**d["outer"]),
                    files={str(k): str(v) for k, v in d.get("files", {}).items()},
                    snapshot_round=d.get("snapshot_round"), snapshot_hash=d.get("snapshot_hash"),
@@ -291,9 +292,7 @@ def take_up(config: CoordinatorConfig) -> tuple[CoordinatorConfig, SavedRun | No
     saved = None if config.fresh else store.load()
     if saved is not None and not saved.complete:
         store.check(saved)
-        q4 = replace(config.q4, codec=str(saved.q4.get("codec", "q4")), block_size=int(saved.q4["block_size"]),
-                     scale_dtype=str(saved.q4["scale_dtype"]))
-        outer = saved.outer
+        q4, outer = saved.q4, saved.outer
         if (q4, outer) != (config.q4, config.outer):
             log.warning("nodeox coordinator: the resumed run keeps its codec (%s, block size %d, %s scales) and outer "
                         "optimizer (%s); start with --fresh to change them", q4.codec, q4.block_size, q4.scale_dtype, outer)
