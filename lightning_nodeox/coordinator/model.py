@@ -12,7 +12,6 @@ order in which deltas arrive, so a restarted round chooses the same host.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -24,7 +23,6 @@ from ..core.pool import WorkerPool
 from ..core.settings import Q4Settings
 from ..core.specs import TensorSpec
 from ..core.wire import Q4Layout, Q4Message, Q4Meta
-from .config import CoordinatorConfig
 from .outer import OuterSettings, make_outer
 
 
@@ -63,13 +61,6 @@ class CoordinatorModel:
         self.latest_sync: Q4Message | None = None
         self._spare_sync: Q4Message | None = None
         self._readers: dict[int, int] = {}
-
-    @classmethod
-    def for_run(cls, config: CoordinatorConfig, pool: WorkerPool, specs: tuple[TensorSpec, ...],
-                tensors: list[torch.Tensor]) -> CoordinatorModel:
-        """The model of the run ``config`` describes (its codec and outer optimizer): the one place the
-        coordinator builds one."""
-        return cls(specs, tensors, config.q4, pool, config.outer)
 
     def named(self) -> list[tuple[str, torch.Tensor]]:
         return [(s.name, t) for s, t in zip(self.specs, self.tensors)]
@@ -216,19 +207,6 @@ class CoordinatorModel:
         for t in self.tensors:
             views.append(memoryview(t.view(-1).view(torch.uint8).numpy()))
         return views
-
-    def save(self, path, round_: int, model_hash: str) -> int:
-        """Write θ as a safetensors file (synced to disk); returns its size."""
-        size = 0
-        with open(path, "wb") as f:
-            for view in self.model_chunks(round_, model_hash):
-                size += f.write(view)
-            f.flush()
-            os.fsync(f.fileno())
-        return size
-
-    def model_size(self, round_: int) -> int:
-        return len(model_header(self.specs, round_, self.hash)) + self.nbytes
 
 
 class ModelStream:
