@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.codec import accumulate_tensor, apply_sync, chunk_ranges, encode_sync
-from ..core.hashing import RowHasher, combine, model_hash
+from ..core.hashing import RowHasher, combine, model_hash, rest_tasks
 from ..core.modelfile import model_header
 from ..core.pool import WorkerPool
 from ..core.settings import Q4Settings
@@ -158,9 +158,7 @@ class CoordinatorModel:
             apply_sync(k, message.codes(i), message.scales(i), theta, theta, start=start, stop=stop, hasher=fused)
 
         self.pool.over_ranges([a.numel() for a in self.acc], work)
-        raw = set(self.raw)
-        self.pool.run([t for i, h in enumerate(hashers) if i in raw or not h.fusable(self.pool.chunk)
-                       for t in h.tasks()])
+        self.pool.run(rest_tasks(hashers, self.pool.chunk, set(self.raw)))
         return combine(self.named(), hashers)
 
     def publish(self, message: Q4Message) -> None:
