@@ -51,7 +51,7 @@ class CoordinatorModel:
         self.settings = settings
         self.pool = pool
         self.layout = Q4Layout.of(specs, settings)
-        self.acc = [torch.empty(0 if s.raw else s.numel, dtype=torch.float32) for s in specs]
+        self.acc = [torch.empty(s.coded, dtype=torch.float32) for s in specs]
         self.raw = [i for i, s in enumerate(specs) if s.raw]
         self.raw_taken = [torch.empty(specs[i].nbytes, dtype=torch.uint8) for i in self.raw]  # the round's choice
         self.raw_from: str | None = None  # the host they were taken from

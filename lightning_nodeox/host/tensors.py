@@ -61,7 +61,7 @@ class HostTensors:
         self.raw = [i for i, s in enumerate(self.specs) if s.raw]  # integer and boolean tensors: their own bytes
         if len(self.raw) == len(self.specs):
             raise ValueError("the model has no floating-point parameters or buffers to exchange")
-        self._coded = [0 if s.raw else s.numel for s in self.specs]  # values the codec works on, per tensor
+        self._coded = [s.coded for s in self.specs]  # values the codec works on, per tensor
         self.device = self.live[0].device
         if any(t.device != self.device for t in self.live):
             raise ValueError("all parameters and buffers must be on one device")
