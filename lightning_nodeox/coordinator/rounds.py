@@ -263,6 +263,10 @@ class Rounds:
             state.finished.set()
 
     # -- syncs ----------------------------------------------------------------------------------------------
+    def is_last(self, round_: int) -> bool:
+        """Whether round ``round_``'s sync is the run's last: the run completed with that round."""
+        return self.state.complete and self.state.published_round == round_
+
     async def wait_sync(self, round_: int, wait: float, host: str | None = None) -> Q4Message | None:
         """Round ``round_``'s sync once published; None if not within ``wait`` seconds or if the run completed
         before that round closed (``state.complete`` tells which)."""
