@@ -139,7 +139,7 @@ class LocalClient:
     def _sync_reply(self, round_: int, poll: float) -> SyncReply | None:
         message = self.coordinator.call(self.rounds.wait_sync(round_, poll, self.host))
         if message is not None:
-            complete = self.state.complete and self.state.published_round == round_
+            complete = self.rounds.is_last(round_)
             data = bytes(message.view())
             broken, self.break_next_sync = self.break_next_sync, False
             return SyncReady(round_, BytesBody(data, len(data) // 2 if broken else None), complete)

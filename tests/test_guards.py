@@ -32,10 +32,9 @@ from helpers import (
     recorded,
     train,
 )
+from helpers import encoded as encoded_message
 from local_transport import BytesBody, LocalClient, LocalCoordinator
-from reference_q4 import kernels
 
-from lightning_nodeox.core.codec import encode_tensor
 from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.modelfile import model_header, read_model
 from lightning_nodeox.core.phases import PhaseLog
@@ -59,10 +58,7 @@ OTHER_MODEL = [(n, t + 1) for n, t in MODEL]
 
 def encoded(named, values, meta: Q4Meta, settings: Q4Settings = SETTINGS) -> bytes:
     """A delta of ``values`` for the model ``named``, in ``settings``' codec, with ``meta``'s header."""
-    message = Q4Message.allocate(Q4Layout.of(spec_of(named), settings))
-    k = kernels(settings)
-    for i, v in enumerate(values):
-        encode_tensor(k, v.reshape(-1), message.codes(i), message.scales(i))
+    message = encoded_message(values, spec_of(named), settings)
     message.write_header(meta)
     return bytes(message.view())
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -152,3 +154,13 @@ def test_the_layout_checks_see_a_circle_and_a_server_reaching_past_the_lifecycle
         (root / "coordinator" / f"{name}.py").write_text("")
     assert find_cycle(imports_within(root / "coordinator", root)) == ["a", "b", "a"]
     assert coordinator_imports(root / "coordinator" / "server.py", root) - TRANSPORT_MAY_IMPORT == {"rounds"}
+
+
+@pytest.mark.slow
+def test_the_nodeox_command_checks_its_flags_without_importing_torch(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "lightning_nodeox", "coordinator", "--hosts", "0",
+                           "--run-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    loaded = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert (done.returncode, done.stderr.splitlines()[-1]) == (1, "nodeox: --hosts must be at least 1, got 0")
+    assert "lightning_nodeox.tools.cli" in loaded
+    assert sorted(m for m in loaded if m.split(".")[0] in ("torch", "lightning")) == []

@@ -69,7 +69,7 @@ def host_id(value: object, what: str = "host id") -> str:
 
 
 def model_bytes(specs: tuple[TensorSpec, ...]) -> int:
-    return sum(s.numel * s.torch_dtype.itemsize for s in specs)
+    return sum(s.nbytes for s in specs)
 
 
 def parse_join(body: bytes) -> tuple[str, tuple[TensorSpec, ...], tuple[str | None, int | None]]:

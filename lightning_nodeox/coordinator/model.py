@@ -12,19 +12,17 @@ order in which deltas arrive, so a restarted round chooses the same host.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 
 from ..core.codec import accumulate_tensor, apply_sync, chunk_ranges, encode_sync
-from ..core.hashing import RowHasher, combine, model_hash
+from ..core.hashing import RowHasher, combine, model_hash, rest_tasks
 from ..core.modelfile import model_header
 from ..core.pool import WorkerPool
 from ..core.settings import Q4Settings
 from ..core.specs import TensorSpec
 from ..core.wire import Q4Layout, Q4Message, Q4Meta
-from .config import CoordinatorConfig
 from .outer import OuterSettings, make_outer
 
 
@@ -53,7 +51,7 @@ class CoordinatorModel:
         self.settings = settings
         self.pool = pool
         self.layout = Q4Layout.of(specs, settings)
-        self.acc = [torch.empty(0 if s.raw else s.numel, dtype=torch.float32) for s in specs]
+        self.acc = [torch.empty(s.coded, dtype=torch.float32) for s in specs]
         self.raw = [i for i, s in enumerate(specs) if s.raw]
         self.raw_taken = [torch.empty(specs[i].nbytes, dtype=torch.uint8) for i in self.raw]  # the round's choice
         self.raw_from: str | None = None  # the host they were taken from
@@ -63,13 +61,6 @@ class CoordinatorModel:
         self.latest_sync: Q4Message | None = None
         self._spare_sync: Q4Message | None = None
         self._readers: dict[int, int] = {}
-
-    @classmethod
-    def for_run(cls, config: CoordinatorConfig, pool: WorkerPool, specs: tuple[TensorSpec, ...],
-                tensors: list[torch.Tensor]) -> CoordinatorModel:
-        """The model of the run ``config`` describes (its codec and outer optimizer): the one place the
-        coordinator builds one."""
-        return cls(specs, tensors, config.q4, pool, config.outer)
 
     def named(self) -> list[tuple[str, torch.Tensor]]:
         return [(s.name, t) for s, t in zip(self.specs, self.tensors)]
@@ -167,9 +158,7 @@ class CoordinatorModel:
             apply_sync(k, message.codes(i), message.scales(i), theta, theta, start=start, stop=stop, hasher=fused)
 
         self.pool.over_ranges([a.numel() for a in self.acc], work)
-        raw = set(self.raw)
-        self.pool.run([t for i, h in enumerate(hashers) if i in raw or not h.fusable(self.pool.chunk)
-                       for t in h.tasks()])
+        self.pool.run(rest_tasks(hashers, self.pool.chunk, set(self.raw)))
         return combine(self.named(), hashers)
 
     def publish(self, message: Q4Message) -> None:
@@ -216,19 +205,6 @@ class CoordinatorModel:
         for t in self.tensors:
             views.append(memoryview(t.view(-1).view(torch.uint8).numpy()))
         return views
-
-    def save(self, path, round_: int, model_hash: str) -> int:
-        """Write θ as a safetensors file (synced to disk); returns its size."""
-        size = 0
-        with open(path, "wb") as f:
-            for view in self.model_chunks(round_, model_hash):
-                size += f.write(view)
-            f.flush()
-            os.fsync(f.fileno())
-        return size
-
-    def model_size(self, round_: int) -> int:
-        return len(model_header(self.specs, round_, self.hash)) + self.nbytes
 
 
 class ModelStream:

@@ -154,15 +154,22 @@ class Rounds:
         """The fewest deltas this round closes with: --min-hosts, lowered to the hosts still in the run."""
         return max(1, min(self.state.config.quorum, self.state.hosts.in_run(self.received)))
 
+    def joins_awaited(self) -> int:
+        """How many more hosts the open round waits to join: round 0 waits for ``--hosts``, later rounds for none."""
+        state = self.state
+        return max(state.config.hosts - len(state.hosts), 0) if state.round == 0 else 0
+
+    def missing(self) -> list[str]:
+        """The hosts whose delta the open round still waits for (live ones that have not sent), sorted."""
+        return sorted(h.id for h in self.state.hosts.expected(self.received) if h.id not in self.received)
+
     def _ready_to_close(self) -> bool:
         state = self.state
         if state.model is None or self.closing or self.shutting_down or not self.received:
             return False
         if any(not f.done() for f in self._accumulating) or len(self.received) < self.needed():
             return False
-        hosts = state.hosts
-        joined = state.round > 0 or len(hosts) >= state.config.hosts  # only the run's first round waits for joins
-        everyone = joined and all(h.id in self.received for h in hosts.expected(self.received))
+        everyone = not self.joins_awaited() and not self.missing()
         timeout = state.config.round_timeout
         return everyone or (timeout is not None and time.time() - state.round_opened >= timeout)
 
@@ -183,7 +190,7 @@ class Rounds:
         state = self.state
         model = state.require_model()
         round_ = state.round
-        late = sorted(h.id for h in state.hosts.expected(self.received) if h.id not in self.received)
+        late = self.missing()
         if late:  # alive but slow: still in the run, so the next round waits for them again
             log.warning("nodeox coordinator: round %d closes on its --round-timeout without host(s) %s", round_,
                         ", ".join(late))
@@ -256,6 +263,10 @@ class Rounds:
             state.finished.set()
 
     # -- syncs ----------------------------------------------------------------------------------------------
+    def is_last(self, round_: int) -> bool:
+        """Whether round ``round_``'s sync is the run's last: the run completed with that round."""
+        return self.state.complete and self.state.published_round == round_
+
     async def wait_sync(self, round_: int, wait: float, host: str | None = None) -> Q4Message | None:
         """Round ``round_``'s sync once published; None if not within ``wait`` seconds or if the run completed
         before that round closed (``state.complete`` tells which)."""

@@ -60,7 +60,8 @@ class RunState:
         return await asyncio.get_running_loop().run_in_executor(self._parse, fn, *args)
 
     async def build_model(self, specs: tuple[TensorSpec, ...], tensors: list[torch.Tensor]) -> CoordinatorModel:
-        """The run's model over ``tensors``, with the run's codec and outer optimizer (built on the work thread)."""
+        """The run's model over ``tensors``, with the run's codec and outer optimizer (built on the work thread):
+        the one place the coordinator builds one."""
         config = self.config
         return await self.in_worker(CoordinatorModel, specs, tensors, config.q4, self.pool, config.outer)
 

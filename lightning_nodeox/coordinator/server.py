@@ -378,7 +378,7 @@ async def get_sync(request: web.Request) -> web.StreamResponse:
     if model is not None:
         model.reading(message, +1)
     try:
-        complete = state.complete and state.published_round == round_
+        complete = run.rounds.is_last(round_)
         response = web.StreamResponse(headers={"Content-Type": proto.OCTETS, "Content-Length": str(len(message)),
                                                proto.COMPLETE_HEADER: "1" if complete else "0"})
 

@@ -29,10 +29,10 @@ def waiting_for(state: RunState, rounds: Rounds, recovery: Recovery, provider: s
         who = f"host {provider}" if provider else "the first host to join"
         return logging.INFO, f"waiting for the initial model from {who}"
     hosts, received = state.hosts, rounds.received
-    if state.round == 0 and len(hosts) < config.hosts:
-        return logging.INFO, (f"round {state.round} waits for {config.hosts - len(hosts)} more host(s) to join "
+    if rounds.joins_awaited():
+        return logging.INFO, (f"round {state.round} waits for {rounds.joins_awaited()} more host(s) to join "
                               f"(--hosts {config.hosts}); joined: {', '.join(sorted(hosts)) or 'none'}")
-    missing = sorted(h.id for h in hosts.expected(received) if h.id not in received)
+    missing = rounds.missing()
     got = f"deltas from {', '.join(sorted(received)) or 'no host'}"
     needed = rounds.needed()
     if len(received) + len(missing) < needed:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from .codecs import Kernels
+from .codecs.base import Kernels
 
 RESIDUAL_DTYPE = torch.bfloat16  # error-feedback memory: half the bytes of fp32, the range of fp32
 

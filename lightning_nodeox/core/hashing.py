@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 import torch
@@ -122,6 +122,13 @@ class RowHasher:
             self._view()
         return [lambda _k, a=a: row_digests(self.words, self.sums, a, min(self.rows, a + rows_per_task))
                 for a in range(0, self.rows, rows_per_task)]
+
+
+def rest_tasks(hashers: Sequence[RowHasher], chunk: int, skipped: Collection[int]) -> list:
+    """Tasks digesting what a chunked pass (``chunk`` values a call, each chunk digested while in cache: the
+    hashers that are :meth:`RowHasher.fusable`) left undigested: the tensors it did not fuse, and those it skipped
+    (``skipped``, by index: raw tensors, which no codec pass touches)."""
+    return [t for i, h in enumerate(hashers) if i in skipped or not h.fusable(chunk) for t in h.tasks()]
 
 
 def combine(named: Sequence[tuple[str, torch.Tensor]], hashers: Sequence[RowHasher]) -> str:

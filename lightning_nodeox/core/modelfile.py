@@ -28,7 +28,7 @@ def model_header(specs: tuple[TensorSpec, ...], round_: int, model_hash: str) ->
                                      "model_hash": model_hash}}
     pos = 0
     for s in specs:
-        size = s.numel * s.torch_dtype.itemsize
+        size = s.nbytes
         header[s.name] = {"dtype": SAFETENSORS_DTYPES[s.dtype], "shape": list(s.shape), "data_offsets": [pos, pos + size]}
         pos += size
     return safetensors.frame(json.dumps(header, separators=(",", ":")).encode())
@@ -53,7 +53,7 @@ def parse_header(header_json: bytes) -> tuple[int, str, tuple[TensorSpec, ...], 
         raise PayloadError("model file header has malformed offsets or shapes")
     pos = 0
     for spec, (a, b) in zip(specs, offsets):
-        size = spec.numel * spec.torch_dtype.itemsize
+        size = spec.nbytes
         if (a, b) != (pos, pos + size):
             raise PayloadError(f"model file entry {spec.name!r} has offsets {[a, b]}, expected {[pos, pos + size]}")
         pos += size
@@ -89,10 +89,9 @@ def read_model(data: torch.Tensor) -> tuple[int, str, tuple[TensorSpec, ...], li
     return round_, model_hash, specs, tensors
 
 
-# bytes per element of the other safetensors dtypes: such tensors (a BatchNorm's num_batches_tracked) may sit
-# in a user's file; they are not exchanged, so they are skipped by name
-OTHER_DTYPE_BYTES = {"I64": 8, "U64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-                     "F8_E4M3": 1, "F8_E5M2": 1}
+# bytes per element of the safetensors dtypes nodeox does not exchange (not in SAFETENSORS_DTYPES): such tensors
+# may sit in a user's file; they are skipped by name
+OTHER_DTYPE_BYTES = {"U64": 8, "U32": 4, "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 def read_named_model(data: torch.Tensor, what: str) -> tuple[dict[str, torch.Tensor], list[str]]:

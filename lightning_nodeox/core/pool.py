@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
-from .codecs import Kernels, codec_for
-from .codecs.base import CPU_CHUNK_SINGLE_THREADED, CUDA_CHUNK
+from .codecs import codec_for
+from .codecs.base import CPU_CHUNK_SINGLE_THREADED, CUDA_CHUNK, Kernels
 from .settings import Q4Settings
 
 TASK_ELEMENTS = 1 << 20  # work unit handed to one worker

@@ -1,14 +1,16 @@
-"""What both sides agree on: the codec's settings, the ``NODEOX_*`` environment names that ``nodeox launch``
-sets for hosts, and the checks of values that hosts and the coordinator both take."""
+"""What both sides agree on, free of heavy imports: the codec's settings, the ``NODEOX_*`` environment names that
+``nodeox launch`` sets for hosts, and the checks of values that hosts and the coordinator both take."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from .codecs import REGISTRY
+
+if TYPE_CHECKING:
+    import torch
 
 CODECS = tuple(REGISTRY)  # q4; bf16 and fp32: unquantized, for ablations
 BLOCK_SIZES = (32, 64, 128, 256)
@@ -76,4 +78,6 @@ class Q4Settings:
 
     @property
     def torch_scale_dtype(self) -> torch.dtype:
+        import torch  # here, so that the ``nodeox`` command checks its flags without importing torch
+
         return {"fp16": torch.float16, "fp32": torch.float32}[self.scale_dtype]

@@ -52,6 +52,11 @@ class TensorSpec:
         return self.dtype in _RAW_DTYPES
 
     @property
+    def coded(self) -> int:
+        """Values the codec works on: every value of a floating-point tensor, none of a raw one."""
+        return 0 if self.raw else self.numel
+
+    @property
     def nbytes(self) -> int:
         return self.numel * self.torch_dtype.itemsize
 

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from . import safetensors
-from .codecs import Codec, codec_for
+from .codecs import codec_for
+from .codecs.base import Codec
 from .settings import Q4Settings
 from .specs import PayloadError, TensorSpec, specs_from_json
 

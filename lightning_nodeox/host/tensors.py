@@ -20,7 +20,7 @@ import math
 import torch
 
 from ..core.codec import RESIDUAL_DTYPE, NonFiniteDeltaError, apply_sync, encode_delta, load_delta, relative_error
-from ..core.hashing import RowHasher, combine, model_hash
+from ..core.hashing import RowHasher, combine, model_hash, rest_tasks
 from ..core.modelfile import ModelFileReader, model_header, read_model_into
 from ..core.pool import WorkerPool
 from ..core.protocol import ByteStream, read_fully
@@ -61,7 +61,7 @@ class HostTensors:
         self.raw = [i for i, s in enumerate(self.specs) if s.raw]  # integer and boolean tensors: their own bytes
         if len(self.raw) == len(self.specs):
             raise ValueError("the model has no floating-point parameters or buffers to exchange")
-        self._coded = [0 if s.raw else s.numel for s in self.specs]  # values the codec works on, per tensor
+        self._coded = [s.coded for s in self.specs]  # values the codec works on, per tensor
         self.device = self.live[0].device
         if any(t.device != self.device for t in self.live):
             raise ValueError("all parameters and buffers must be on one device")
@@ -240,9 +240,7 @@ class HostTensors:
 
     def digest(self, hashers: list[RowHasher]) -> str:
         """The model hash from :meth:`apply`'s hashers (digesting the rows the apply could not)."""
-        raw = set(self.raw)
-        self.pool.run([t for i, h in enumerate(hashers) if i in raw or not h.fusable(self.pool.chunk)
-                       for t in h.tasks()])
+        self.pool.run(rest_tasks(hashers, self.pool.chunk, set(self.raw)))
         return combine(self.named([h.tensor for h in hashers]), hashers)
 
     def fold(self) -> None:

@@ -18,7 +18,7 @@ class Nesterov(OuterOptimizer):
     def __init__(self, settings: OuterSettings, specs: tuple[TensorSpec, ...]) -> None:
         super().__init__(settings, specs)
         self.lr, self.momentum = settings.lr, settings.momentum
-        self.buffers = [torch.zeros(0 if s.raw else s.numel, dtype=torch.float32) for s in specs]
+        self.buffers = [torch.zeros(s.coded, dtype=torch.float32) for s in specs]
         self.state = {f"momentum/{s.name}": b for s, b in zip(specs, self.buffers) if not s.raw}  # raw: no step
 
     def step(self, i: int, mean: torch.Tensor, start: int, stop: int) -> None:

@@ -1,21 +1,42 @@
-"""The codecs by name. A new codec is a module here with its :class:`~.base.Codec` and kernels, listed below."""
+"""The codecs by name. A new codec is a module here with its :class:`~.base.Codec` and kernels, named in
+:data:`REGISTRY` by module (imported on first use, so that the ``nodeox`` command checks its flags without importing
+torch; this module imports nothing heavy)."""
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
-
-from .base import Codec, Kernels
-from .q4 import Q4
-from .raw import BF16, FP32
 
 if TYPE_CHECKING:
     from ..settings import Q4Settings
+    from .base import Codec, Kernels
 
-REGISTRY: dict[str, type[Codec]] = {c.name: c for c in (Q4, BF16, FP32)}
+REGISTRY: dict[str, type[Codec] | str] = {
+    "q4": f"{__name__}.q4:Q4",
+    "bf16": f"{__name__}.raw:BF16",
+    "fp32": f"{__name__}.raw:FP32",
+}
 
-__all__ = ["REGISTRY", "Codec", "Kernels", "codec_for"]
+__all__ = ["REGISTRY", "Codec", "Kernels", "codec_class", "codec_for"]
+
+
+def codec_class(name: str) -> type[Codec]:
+    """The codec registered as ``name`` (one of the package is imported here, the first time)."""
+    kind = REGISTRY[name]
+    if isinstance(kind, str):
+        module, _, attr = kind.partition(":")
+        kind = REGISTRY[name] = getattr(importlib.import_module(module), attr)
+    return kind
 
 
 def codec_for(settings: Q4Settings) -> Codec:
     """The codec ``settings.codec`` names, under those settings."""
-    return REGISTRY[settings.codec](settings)
+    return codec_class(settings.codec)(settings)
+
+
+def __getattr__(name: str):
+    if name in ("Codec", "Kernels"):  # the interface, imported (with torch) only when asked for
+        from . import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
