@@ -26,6 +26,7 @@ from helpers import (
     assert_on_the_run_model,
     body_bytes,
     expected_after_round,
+    join,
     model,
     model_file,
     raw_request,
@@ -224,11 +225,28 @@ def test_a_delta_of_a_host_that_left_is_refused_and_changes_nothing(coordinator)
     run = start(coordinator)
     run.clients["b"].leave()
     status, body = run.post("b", run.delta(BAD, "b"))
-    assert (status, body.get("reason")) == (409, "not_joined") and "host b is not in the run (it left)" in body["error"]
+    # refused before any route runs (Membership.authenticate): its credential no longer acts for the run
+    assert (status, body.get("reason")) == (403, "forbidden") and "host b left the run" in body["error"]
     run.unchanged([])
     assert run.status()["hosts"] == {"a": "training", "b": "left"}
     run.send("a", GOOD_A, 30)  # the round closes with a's delta alone
     assert run.published("a") == hash_after(MODEL, [(GOOD_A, 30)])
+
+
+def test_the_round_itself_refuses_a_delta_of_a_host_that_left_whatever_the_transport(tmp_path) -> None:
+    """Over HTTP the credential check refuses first (above); the round's own check holds for any transport."""
+    c = LocalCoordinator(tmp_path, 2)
+    try:
+        a, b = join(c, "a", "b")
+        train(b, 0)
+        body = b.encode(b.tensors.live, 8, False)
+        b.client.leave()
+        with pytest.raises(Refusal) as refused:
+            b.client.post_delta(0, body.view())
+        assert refused.value.reason is Reason.NOT_JOINED and "host b is not in the run (it left)" in str(refused.value)
+        assert (c.state.round, c.rounds.received, c.state.hosts["b"].state.value) == (0, {}, "left")
+    finally:
+        c.close()
 
 
 def test_a_delta_before_the_run_has_a_model_is_refused_and_leaves_nothing_behind(coordinator) -> None:
