@@ -4,6 +4,8 @@ records, and ``--initial-model`` takes a file saved by ``safetensors.torch.save_
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import requests
@@ -113,3 +115,13 @@ def test_an_initial_model_that_lacks_or_adds_tensors_is_refused_naming_them(coor
     assert "missing ['z.bias'], extra ['head.weight']" in str(refused.value)
     status = requests.get(f"{coord.url}/v1/status", timeout=10).json()
     assert status["model_hash"] is None and status["hosts"] == {}  # refused and not registered
+
+
+def test_an_initial_model_that_is_not_a_model_file_stops_the_coordinator_at_once_naming_it(tmp_path) -> None:
+    path = tmp_path / "notes.safetensors"
+    path.write_text("not a model")
+    done = subprocess.run([sys.executable, "-m", "lightning_nodeox", "coordinator", "--hosts", "1", "--run-dir",
+                           str(tmp_path / "run"), "--initial-model", str(path)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2
+    assert "--initial-model is truncated or corrupt" in done.stderr and "Traceback" not in done.stderr + done.stdout

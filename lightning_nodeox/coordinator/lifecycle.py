@@ -153,8 +153,7 @@ class CoordinatorRun:
 
 async def run(config: CoordinatorConfig, listen: Listen, *, before_publish: BeforePublish | None = None) -> int:
     """Run a coordinator until its run completes (or a signal); returns the exit status. ``listen(run)`` starts the
-    transport and returns what stops it;
-    ``before_publish`` (for comparisons only) is awaited with each round's sync before it is published."""
+    transport and returns what stops it; ``before_publish`` (for comparisons only) is awaited with each round's sync before it is published."""
     torch.set_num_threads(1)  # codec ops never thread inside ATen here; the codec pool parallelizes
     run_dir = Path(config.run_dir)
     try:
@@ -167,7 +166,14 @@ async def run(config: CoordinatorConfig, listen: Listen, *, before_publish: Befo
     pool = WorkerPool(config.q4, "cpu", threads)
     runlog = RunLog(run_dir)
     coordinator = CoordinatorRun(config, runlog, pool, RunStore(run_dir), before_publish)
-    await coordinator.start(saved)
+    try:
+        await coordinator.start(saved)
+    except (ValueError, OSError) as e:  # a bad --initial-model, or a saved model that cannot be read back
+        print(f"nodeox coordinator: {e}", file=sys.stderr, flush=True)
+        coordinator.close()
+        pool.close()
+        runlog.close()
+        return 2
     stop_listening = await listen(coordinator)
 
     stop = asyncio.Event()
