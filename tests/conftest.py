@@ -71,3 +71,21 @@ def uninterrupted(tmp_path_factory):
         return hashes[outer]
 
     return final
+
+
+@pytest.fixture
+def local_coordinator(tmp_path):
+    """Start in-process coordinators (tests/local_transport.py): ``local_coordinator(hosts, **config)``; all closed
+    at the end."""
+    from local_transport import LocalCoordinator
+
+    started: list[LocalCoordinator] = []
+
+    def start(hosts: int = 2, **config) -> LocalCoordinator:
+        c = LocalCoordinator(tmp_path / f"run{len(started)}", hosts, **config)
+        started.append(c)
+        return c
+
+    yield start
+    for c in started:
+        c.close()

@@ -8,25 +8,10 @@ import time
 import pytest
 import torch
 from helpers import assert_on_the_run_model, join, recorded, train, upload
-from local_transport import LocalCoordinator
 
 from lightning_nodeox.core.protocol import Upload
 
 pytestmark = pytest.mark.usefixtures("keep_records")  # every PhaseLog keeps its records
-
-
-@pytest.fixture
-def local_coordinator(tmp_path):
-    started = []
-
-    def start(hosts: int = 2, **config) -> LocalCoordinator:
-        c = LocalCoordinator(tmp_path / f"run{len(started)}", hosts, **config)
-        started.append(c)
-        return c
-
-    yield start
-    for c in started:
-        c.close()
 
 
 def test_hosts_agree_after_joining_and_a_normal_round(local_coordinator) -> None:

@@ -44,20 +44,6 @@ from lightning_nodeox.host.tensors import HostTensors
 pytestmark = pytest.mark.usefixtures("keep_records")  # every PhaseLog keeps its records
 
 
-@pytest.fixture
-def local(tmp_path):
-    from local_transport import LocalCoordinator
-
-    started = []
-
-    def start(hosts: int = 2, **config) -> LocalCoordinator:
-        c = LocalCoordinator(tmp_path / f"run{len(started)}", hosts, **config)
-        started.append(c)
-        return c
-
-    yield start
-    for c in started:
-        c.close()
 
 
 def saved_state(run_dir: Path) -> dict:
@@ -72,8 +58,8 @@ def waiting_line(c) -> str:
 # -- in process -------------------------------------------------------------------------------------------------
 
 
-def test_hosts_that_are_dropped_or_leave_never_complete_the_run_and_a_dropped_one_that_returns_trains_on(local) -> None:
-    c = local(lease=0.3, no_hosts_timeout=0.6)
+def test_hosts_that_are_dropped_or_leave_never_complete_the_run_and_a_dropped_one_that_returns_trains_on(local_coordinator) -> None:
+    c = local_coordinator(lease=0.3, no_hosts_timeout=0.6)
     a, b = join(c, "a", "b")
     train(a, 0), train(b, 0)
     assert upload(a) is Upload.TAKEN and upload(b) is Upload.TAKEN
@@ -95,11 +81,11 @@ def test_hosts_that_are_dropped_or_leave_never_complete_the_run_and_a_dropped_on
     assert (c.state.complete, c.state.given_up.is_set(), c.state.published_round) == (False, True, 0)
 
 
-def test_every_round_after_the_first_closes_once_the_live_hosts_have_sent_whatever_hosts_have_not_joined(local) -> None:
+def test_every_round_after_the_first_closes_once_the_live_hosts_have_sent_whatever_hosts_have_not_joined(local_coordinator) -> None:
     """--hosts 3 --min-hosts 2 --round-timeout T with 2 hosts: round 0 waits T for the third to join; later rounds
     close as soon as both have sent (long before T)."""
     timeout = 3.0
-    c = local(hosts=3, min_hosts=2, round_timeout=timeout)
+    c = local_coordinator(hosts=3, min_hosts=2, round_timeout=timeout)
     a, b = join(c, "a", "b")
     opened = []
     for r in range(3):

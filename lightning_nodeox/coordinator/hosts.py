@@ -110,13 +110,15 @@ class Hosts(dict[str, Host]):
         return all(h.state is HostState.LEFT or now - h.seen > self.lease for h in self.values())
 
     def dropped(self) -> str:
-        now = time.monotonic()
-        return ", ".join(f"{h.id} (not heard from for {now - h.seen:.0f} s)" for h in self.values()
-                         if h.state is HostState.DROPPED) or "none"
+        """The dropped hosts, each with how long it has not been heard from."""
+        return self._listed(lambda h: h.state is HostState.DROPPED)
 
     def absent(self) -> str:
         """The hosts not live, each with why (dropped for how long, left, finished)."""
+        return self._listed(lambda h: h.state is not HostState.TRAINING)
+
+    def _listed(self, which) -> str:
         now = time.monotonic()
-        return ", ".join(f"{h.id} (" + (f"not heard from for {now - h.seen:.0f} s" if h.state is HostState.DROPPED
-                                        else h.state.value) + ")"
-                         for h in self.values() if h.state is not HostState.TRAINING) or "none"
+        why = {HostState.DROPPED: lambda h: f"not heard from for {now - h.seen:.0f} s"}
+        return ", ".join(f"{h.id} ({why.get(h.state, lambda h: h.state.value)(h)})" for h in self.values()
+                         if which(h)) or "none"
