@@ -4,10 +4,16 @@ full-model downloads in flight.
 Tensor work here runs on the coordinator's work thread, never on the event loop; a :class:`ModelStream` is read
 on the loop, a chunk at a time.
 
+A delta carries the tensors that moved on its host (frozen parameters stay out); the round's set is the union of
+its deltas' sets. Each tensor's change is the sample-weighted mean over the deltas that carried it (its own sum
+of weights), the outer optimizer steps only the tensors of the round's set (the others' state is untouched), and
+the sync carries that set alone. θ's hash digests only the tensors a round changed; the others' row digests are
+kept from the round that last changed them.
+
 Raw tensors (integer and boolean: BatchNorm's ``num_batches_tracked``, counters) are not averaged: each round
-takes them from one host, the one whose id sorts first (:func:`raw_source_key`) among the hosts whose delta the
-round took with samples; a round that took none keeps the model's values. The choice does not depend on the
-order in which deltas arrive, so a restarted round chooses the same host.
+takes each of them from one host, the one whose id sorts first (:func:`raw_source_key`) among the hosts whose
+delta carried it and was taken with samples; a round that took none keeps the model's values. The choice does
+not depend on the order in which deltas arrive, so a restarted round chooses the same host.
 """
 
 from __future__ import annotations
@@ -17,11 +23,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.codec import accumulate_tensor, apply_sync, chunk_ranges, encode_sync
-from ..core.hashing import RowHasher, combine, model_hash, rest_tasks
+from ..core.hashing import RowHasher, combine
 from ..core.modelfile import model_header
 from ..core.pool import WorkerPool
 from ..core.settings import Q4Settings
-from ..core.specs import TensorSpec
+from ..core.specs import TensorSpec, positions_in
 from ..core.wire import Q4Layout, Q4Message, Q4Meta
 from .outer import OuterSettings, make_outer
 
@@ -41,6 +47,9 @@ def raw_source_key(host: str) -> tuple:
     return (0, int(host), host) if host.isdecimal() else (1, 0, host)
 
 
+CACHED_SETS = 8  # message layouts kept, one per set of tensors
+
+
 class CoordinatorModel:
     """θ (in the hosts' dtypes), the fp32 accumulator of weighted deltas, and double-buffered sync messages."""
 
@@ -50,14 +59,20 @@ class CoordinatorModel:
         self.tensors = [t.detach().contiguous() for t in tensors]  # views of the received file, kept alive here
         self.settings = settings
         self.pool = pool
-        self.layout = Q4Layout.of(specs, settings)
+        self.layout = Q4Layout.of(specs, settings)  # of the whole model: the largest delta
+        self._index = {s.name: i for i, s in enumerate(specs)}
+        self._positions: dict[tuple[TensorSpec, ...], tuple[int, ...]] = {}
+        self._layouts: dict[tuple[int, ...], Q4Layout] = {tuple(range(len(specs))): self.layout}
         self.acc = [torch.empty(s.coded, dtype=torch.float32) for s in specs]
         self.raw = [i for i, s in enumerate(specs) if s.raw]
-        self.raw_taken = [torch.empty(specs[i].nbytes, dtype=torch.uint8) for i in self.raw]  # the round's choice
-        self.raw_from: str | None = None  # the host they were taken from
+        self.raw_taken = {i: torch.empty(specs[i].nbytes, dtype=torch.uint8) for i in self.raw}  # the round's choice
+        self.raw_from: dict[int, str] = {}  # raw tensor -> the host its values were taken from
         self.outer = make_outer(outer, specs)
-        self.weight = 0
-        self.hash = model_hash(self.named(), pool)
+        self.weight = 0  # the round's samples
+        self.weights = [0] * len(specs)  # the round's samples, per tensor
+        self.moving: set[int] = set()  # the round's set so far
+        self._digests: list[RowHasher | None] = [None] * len(specs)  # θ's row digests (None: not known)
+        self.hash = self._hash_all()
         self.latest_sync: Q4Message | None = None
         self._spare_sync: Q4Message | None = None
         self._readers: dict[int, int] = {}
@@ -69,25 +84,57 @@ class CoordinatorModel:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
+    def positions(self, specs: tuple[TensorSpec, ...], what: str = "delta") -> tuple[int, ...]:
+        """The model's index of each tensor a message carries (a ModelMismatchError naming the first that is not
+        the model's); kept for the sets seen last."""
+        positions = self._positions.pop(specs, None)
+        if positions is None:
+            positions = positions_in(self.specs, specs, what, self._index)
+        self._positions[specs] = positions
+        while len(self._positions) > CACHED_SETS:
+            del self._positions[next(iter(self._positions))]
+        return positions
+
+    def layout_of(self, indices: tuple[int, ...]) -> Q4Layout:
+        """The message layout of the tensors ``indices`` (kept for the sets seen last)."""
+        layout = self._layouts.pop(indices, None)
+        if layout is None:
+            layout = Q4Layout.of(tuple(self.specs[i] for i in indices), self.settings)
+        self._layouts[indices] = layout
+        while len(self._layouts) > CACHED_SETS:
+            del self._layouts[next(iter(self._layouts))]
+        return layout
+
     # -- one round ------------------------------------------------------------------------------------------
     def accumulate(self, message: Q4Message, samples: int) -> None:
-        """Add ``samples * delta`` to the accumulator (the round's first delta overwrites it)."""
+        """Add ``samples * delta`` to the accumulator of each tensor the delta carries (a tensor's first delta of
+        the round overwrites it); its tensors join the round's set (also with no samples)."""
+        indices = self.positions(message.meta.tensors)
+        self.moving.update(indices)
         if samples <= 0:
             return
-        assign = self.weight == 0
-        if assign:
-            self.raw_from = None
-        if self.raw and (self.raw_from is None or raw_source_key(message.meta.host) < raw_source_key(self.raw_from)):
-            for taken, i in zip(self.raw_taken, self.raw):
-                taken.copy_(message.raw(i))
-            self.raw_from = message.meta.host
+        host = message.meta.host
+        for j, i in enumerate(indices):
+            if self.specs[i].raw and (i not in self.raw_from or raw_source_key(host) < raw_source_key(self.raw_from[i])):
+                self.raw_taken[i].copy_(message.raw(j))
+                self.raw_from[i] = host
+        assign = [self.weights[i] == 0 for i in indices]
 
-        def work(k, i: int, start: int, stop: int) -> None:
-            accumulate_tensor(k, message.codes(i), message.scales(i), self.acc[i], float(samples), start=start,
-                              stop=stop, assign=assign)
+        def work(k, j: int, start: int, stop: int) -> None:
+            accumulate_tensor(k, message.codes(j), message.scales(j), self.acc[indices[j]], float(samples),
+                              start=start, stop=stop, assign=assign[j])
 
-        self.pool.over_ranges([a.numel() for a in self.acc], work)
+        self.pool.over_ranges([self.specs[i].coded for i in indices], work)
+        for i in indices:
+            self.weights[i] += samples
         self.weight += samples
+
+    def _end_round(self) -> None:
+        self.weight = 0
+        for i in self.moving:
+            self.weights[i] = 0
+        self.moving = set()
+        self.raw_from = {}
 
     def close_round(self, round_: int, metrics: dict[str, list] | None = None) -> ClosedRound:
         """The outer step of the mean delta, quantized, then applied to θ as hosts will, in two passes: the first
@@ -99,67 +146,92 @@ class CoordinatorModel:
         A failure half-way through the second pass leaves θ partly applied; the hash is then recomputed, so
         model and hash always agree (hosts will find the next sync's base differs and fetch the model).
 
-        The sync also carries ``metrics``: the round's sync_dist values, reduced across hosts."""
-        if self.weight == 0:
-            for acc in self.acc:
-                acc.zero_()
-        inv_weight = 1.0 / max(self.weight, 1)
+        The sync carries the round's set of tensors (each with its own mean: its sum of weights; a tensor only
+        deltas without samples carried has a zero change and no outer step) and ``metrics``: the round's sync_dist
+        values, reduced across hosts."""
+        indices = tuple(sorted(self.moving))
+        weights = [self.weights[i] for i in indices]
+        for i, w in zip(indices, weights):
+            if w == 0:
+                self.acc[i].zero_()
+        inverse = [1.0 / max(w, 1) for w in weights]
+        stepping = [w > 0 and self.outer.has_step for w in weights]  # no contribution: no outer step, a zero sync
         base_hash = self.hash
-        message = self._free_sync_buffer()
-        stepping = self.weight > 0 and self.outer.has_step  # no contribution: no outer step, a zero sync
-        sizes = [a.numel() for a in self.acc]
+        message = self._free_sync_buffer(self.layout_of(indices))
+        sizes = [self.specs[i].coded for i in indices]
         not_finite: set[int] = set()
 
-        def quantize(k, i: int, start: int, stop: int) -> None:
-            if not encode_sync(k, self.acc[i], inv_weight, self.tensors[i].view(-1), message.codes(i),
-                               message.scales(i), start=start, stop=stop,
-                               outer_step=(lambda x, a, b: self.outer.step(i, x, a, b)) if stepping else None):
+        def quantize(k, j: int, start: int, stop: int) -> None:
+            i = indices[j]
+            if not encode_sync(k, self.acc[i], inverse[j], self.tensors[i].view(-1), message.codes(j),
+                               message.scales(j), start=start, stop=stop,
+                               outer_step=(lambda x, a, b: self.outer.step(i, x, a, b)) if stepping[j] else None):
                 not_finite.add(i)
 
         self.pool.over_ranges(sizes, quantize)
-        self._raw_sync(message, taken=self.weight > 0 and not not_finite)
+        self._raw_sync(message, indices, taken=not not_finite)
         if not_finite:
-            for i in range(len(self.specs)):
+            for j, i in enumerate(indices):
                 if not self.specs[i].raw:
-                    self.layout.codec.fill_noop(message.codes(i), message.scales(i))
+                    self.layout.codec.fill_noop(message.codes(j), message.scales(j))
             message.write_header(Q4Meta("sync", round_, "coordinator", base_hash, samples=0, model_hash=base_hash,
                                         metrics=metrics or {}))
-            self.weight = 0
+            self._end_round()
             return ClosedRound(message, sorted(self.specs[i].name for i in not_finite))
+        committing = [s and self.outer.has_state for s in stepping]
         try:
-            new_hash = self._apply(message, inv_weight, stepping and self.outer.has_state)
+            new_hash = self._apply(message, indices, inverse, committing)
         except BaseException:
-            self.hash = model_hash(self.named(), self.pool)
-            self.weight = 0
+            self._digests = [None] * len(self.specs)
+            self.hash = self._hash_all()
+            self._end_round()
             raise
         message.write_header(Q4Meta("sync", round_, "coordinator", base_hash, samples=self.weight,
                                     model_hash=new_hash, metrics=metrics or {}))
-        self.weight = 0
+        self._end_round()
         return ClosedRound(message)
 
-    def _raw_sync(self, message: Q4Message, taken: bool) -> None:
-        """The sync's raw tensors: the values taken this round (``taken``), else θ's own (a no-op)."""
-        for j, i in enumerate(self.raw):
-            message.raw(i).copy_(self.raw_taken[j] if taken else _bytes(self.tensors[i]))
+    def _raw_sync(self, message: Q4Message, indices: tuple[int, ...], taken: bool) -> None:
+        """The sync's raw tensors: the values taken this round (``taken``, where a delta with samples carried
+        them), else θ's own (a no-op)."""
+        for j, i in enumerate(indices):
+            if self.specs[i].raw:
+                message.raw(j).copy_(self.raw_taken[i] if taken and i in self.raw_from else _bytes(self.tensors[i]))
 
-    def _apply(self, message: Q4Message, inv_weight: float, committing: bool) -> str:
-        """θ += the dequantized sync (and the outer step's state update), θ's raw tensors := the sync's; returns
-        θ's new hash."""
-        hashers = [RowHasher(t) for t in self.tensors]
-        for i in self.raw:
-            _bytes(self.tensors[i]).copy_(message.raw(i))
+    def _apply(self, message: Q4Message, indices: tuple[int, ...], inverse: list[float],
+               committing: list[bool]) -> str:
+        """θ += the dequantized sync (and the outer step's state update), θ's raw tensors := the sync's, for the
+        tensors of the round's set; returns θ's new hash."""
+        fresh = [RowHasher(self.tensors[i]) for i in indices]
+        chunk = self.pool.chunk
+        for j, i in enumerate(indices):
+            if self.specs[i].raw:
+                _bytes(self.tensors[i]).copy_(message.raw(j))
 
-        def work(k, i: int, start: int, stop: int) -> None:
-            if committing:
+        def work(k, j: int, start: int, stop: int) -> None:
+            i = indices[j]
+            if committing[j]:
                 for s, e in chunk_ranges(self.acc[i].numel(), k.chunk, start, stop):
-                    self.outer.commit(i, torch.mul(self.acc[i][s:e], inv_weight, out=k.x[: e - s]), s, e)
-            fused = hashers[i] if hashers[i].fusable(self.pool.chunk) else None
+                    self.outer.commit(i, torch.mul(self.acc[i][s:e], inverse[j], out=k.x[: e - s]), s, e)
+            fused = fresh[j] if fresh[j].fusable(chunk) else None
             theta = self.tensors[i].view(-1)
-            apply_sync(k, message.codes(i), message.scales(i), theta, theta, start=start, stop=stop, hasher=fused)
+            apply_sync(k, message.codes(j), message.scales(j), theta, theta, start=start, stop=stop, hasher=fused)
 
-        self.pool.over_ranges([a.numel() for a in self.acc], work)
-        self.pool.run(rest_tasks(hashers, self.pool.chunk, set(self.raw)))
-        return combine(self.named(), hashers)
+        self._digests = [None if i in self.moving else d for i, d in enumerate(self._digests)]
+        self.pool.over_ranges([self.specs[i].coded for i in indices], work)
+        pending = [h for i, h in zip(indices, fresh) if self.specs[i].raw or not h.fusable(chunk)]
+        self.pool.run([t for h in pending for t in h.tasks()])
+        for i, h in zip(indices, fresh):
+            self._digests[i] = h
+        return self._hash_all()
+
+    def _hash_all(self) -> str:
+        """θ's hash, digesting the tensors whose row digests are not kept."""
+        missing = [i for i, d in enumerate(self._digests) if d is None]
+        for i in missing:
+            self._digests[i] = RowHasher(self.tensors[i])
+        self.pool.run([t for i in missing for t in self._digests[i].tasks()])
+        return combine(self.named(), self._digests)
 
     def publish(self, message: Q4Message) -> None:
         """Make ``message`` the latest sync and its resulting model hash the model's (on the event loop)."""
@@ -179,12 +251,14 @@ class CoordinatorModel:
             self.outer.state[name].view(-1).copy_(t.reshape(-1))
 
     # -- sync buffers: reused, unless a slow download still reads one ------------------------------------------
-    def _free_sync_buffer(self) -> Q4Message:
-        """The buffer for the next sync: never the published one, nor one a download still reads, nor one of
-        another layout (a sync read back from saved state)."""
+    def _free_sync_buffer(self, layout: Q4Layout | None = None) -> Q4Message:
+        """The buffer for the next sync of ``layout`` (default: the whole model's): never the published one, nor
+        one a download still reads, nor one of another layout (another set, or a sync read back from saved
+        state)."""
+        layout = self.layout if layout is None else layout
         spare = self._spare_sync
-        if spare is None or spare.layout is not self.layout or self._readers.get(id(spare), 0):
-            self._spare_sync = Q4Message.allocate(self.layout)
+        if spare is None or spare.layout is not layout or self._readers.get(id(spare), 0):
+            self._spare_sync = Q4Message.allocate(layout)
         return self._spare_sync
 
     def reading(self, message: Q4Message, delta: int) -> None:

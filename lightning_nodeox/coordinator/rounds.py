@@ -34,8 +34,8 @@ import torch
 
 from ..core.phases import AGGREGATE, COORDINATOR, RECEIVE, SYNC_PREPARE, PhaseRecord
 from ..core.protocol import Reason, Refusal
-from ..core.specs import PayloadError, check_same_model
-from ..core.wire import Q4Message, fit_metrics
+from ..core.specs import PayloadError
+from ..core.wire import PayloadSizeError, Q4Message, fit_metrics
 from .hosts import HostState
 from .intake import MAX_SAMPLES
 from .metrics import reduce_metrics
@@ -85,10 +85,10 @@ class Rounds:
             raise Refusal(Reason.LATE if late else Reason.STALE_BASE,
                           f"round {round_} is {'closing' if closing else 'not open'}; the coordinator is at round "
                           f"{state.round}{'' if late else ': fetch the model'}", round=state.round)
-        if size is not None and size != model.layout.total:
+        if size is not None and size > model.layout.total:
             q4 = state.config.q4
             raise Refusal(Reason.INVALID, f"delta is {size} bytes but this model's q4 delta is {model.layout.total} "
-                                          f"bytes (block size {q4.block_size}, {q4.scale_dtype} scales)")
+                                          f"bytes at most (block size {q4.block_size}, {q4.scale_dtype} scales)")
         state.hosts.seen(entry)
         return model
 
@@ -98,6 +98,11 @@ class Rounds:
         model = self.check_upload(host, round_, buffer.numel())
         try:
             message = await state.in_parser(Q4Message.parse, buffer)
+        except PayloadSizeError as e:
+            q4 = state.config.q4
+            raise Refusal(Reason.INVALID, f"delta rejected: it is {buffer.numel()} bytes but this model's q4 delta is "
+                                          f"{e.expected} bytes for the tensors its header names (block size "
+                                          f"{q4.block_size}, {q4.scale_dtype} scales): {e}") from None
         except PayloadError as e:
             raise Refusal(Reason.INVALID, f"delta rejected: {e}") from None
         meta = message.meta
@@ -110,7 +115,7 @@ class Rounds:
             if (meta.codec, meta.block_size, meta.scale_dtype) != (q4.codec, q4.block_size, q4.scale_dtype):
                 raise PayloadError(f"payload uses {meta.codec}, block size {meta.block_size} with {meta.scale_dtype} "
                                    f"scales; this run uses {q4.codec}, {q4.block_size} with {q4.scale_dtype}")
-            check_same_model(model.specs, meta.tensors, "delta")
+            model.positions(meta.tensors)  # the model's tensors, in its order (those that moved on the host)
         except PayloadError as e:
             raise Refusal(Reason.INVALID, f"delta rejected: {e}") from None
         if meta.samples > MAX_SAMPLES:

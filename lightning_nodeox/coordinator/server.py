@@ -339,7 +339,7 @@ async def post_delta(request: web.Request) -> web.Response:
         async with uploads.reading:
             model = rounds.check_upload(host, round_, request.content_length)  # the round may have moved
             buffers: ReceiveBuffers = request.app[BUFFERS]
-            buf = buffers.get(model.layout.total)
+            buf = buffers.get(request.content_length or model.layout.total)  # a delta of the tensors that moved
             try:
                 await within(request, transfer_seconds(run.config, len(buf)), read_body_into(request, buf),
                              f"host {host}'s delta upload")

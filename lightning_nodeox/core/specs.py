@@ -98,3 +98,29 @@ def check_same_model(expected: tuple[TensorSpec, ...], got: tuple[TensorSpec, ..
                 f"{what}: tensor {g.name!r} {g.dtype} {list(g.shape)} does not match the model's "
                 f"{e.name!r} {e.dtype} {list(e.shape)}; every host must train the same model"
             )
+
+
+def positions_in(model: tuple[TensorSpec, ...], got: tuple[TensorSpec, ...], what: str,
+                 index: dict[str, int] | None = None) -> tuple[int, ...]:
+    """The model's index of each tensor of ``got``: some of the model's tensors (a delta or sync of the tensors
+    that moved), in the model's order; ModelMismatchError naming the first that is not. ``index``: the model's
+    ``{name: index}``, when the caller keeps one."""
+    if got == model:
+        return tuple(range(len(model)))
+    index = {s.name: i for i, s in enumerate(model)} if index is None else index
+    out, last = [], -1
+    for g in got:
+        i = index.get(g.name)
+        if i is None:
+            raise ModelMismatchError(f"{what}: tensor {g.name!r} is not one of the model's {len(model)} tensors; "
+                                     "every host must train the same model")
+        e = model[i]
+        if e != g:
+            raise ModelMismatchError(
+                f"{what}: tensor {g.name!r} {g.dtype} {list(g.shape)} does not match the model's "
+                f"{e.name!r} {e.dtype} {list(e.shape)}; every host must train the same model")
+        if i <= last:
+            raise ModelMismatchError(f"{what}: tensor {g.name!r} is listed twice or out of the model's order")
+        out.append(i)
+        last = i
+    return tuple(out)

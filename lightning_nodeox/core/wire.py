@@ -1,10 +1,13 @@
 """The q4 wire format: a safetensors file with nodeox metadata and a CRC-32 over the whole message.
 
 Layout (readable by ``safetensors.safe_open``): 8-byte little-endian header length, a JSON header padded
-with spaces to a fixed reserved size, then for each model tensor ``NAME/scales`` (F16 or F32) followed by
+with spaces to a fixed reserved size, then for each tensor it carries ``NAME/scales`` (F16 or F32) followed by
 ``NAME/codes`` (U8, packed q4). ``__metadata__`` holds the format, version, codec settings, kind, round,
 host, base-model hash, resulting-model hash (sync only), sample count, tensor specs and ``crc32``. The
 CRC covers the header (with its ``crc32`` digits read as zeros) and all data.
+
+A message carries some of the model's tensors, in the model's order, named by its specs: a delta those that could
+change on its host (frozen parameters stay out), a sync the round's (:mod:`lightning_nodeox.host.moving`).
 
 A raw tensor (integer or boolean, :attr:`TensorSpec.raw`) has no scales, and its ``codes`` are its own bytes
 (padded to 8, so that every region after it stays aligned): in a delta the host's values, in a sync the values
@@ -12,7 +15,7 @@ every host takes (never a difference; no codec touches them).
 
 An optional ``metrics`` key holds values logged with ``self.log(..., sync_dist=True)``, as JSON
 ``{name: [value, reduction]}``: in a delta the host's latest values, in a sync their reduction across hosts.
-The header reserves :data:`METRICS_BYTES` for it, so every message of a run keeps one layout;
+The header reserves :data:`METRICS_BYTES` for it, so every message of one set of tensors keeps one layout;
 :func:`fit_metrics` says which values fit. Readers that do not know the key ignore it.
 
 Every problem with a received message raises :class:`PayloadError`, whose message names the problem.
@@ -33,11 +36,20 @@ from .codecs.base import Codec
 from .settings import Q4Settings
 from .specs import PayloadError, TensorSpec, specs_from_json
 
+
 FORMAT = "nodeox-q4"
 VERSION = 1
 _CRC_PLACEHOLDER = "00000000"
 _DTYPE_NAMES = {torch.float16: "F16", torch.float32: "F32", torch.uint8: "U8"}
 METRICS_BYTES = 4096  # room for the metrics JSON, as escaped inside the header
+
+
+class PayloadSizeError(PayloadError):
+    """A message whose size is not the one its header's tensors take (truncated, or trailing bytes)."""
+
+    def __init__(self, expected: int, text: str) -> None:
+        super().__init__(text)
+        self.expected = expected
 
 
 def metrics_json(metrics: dict) -> str:
@@ -132,7 +144,8 @@ def _header_json(meta: Q4Meta, regions: list[Region], codec: Codec, crc: str) ->
 
 @dataclass(frozen=True)
 class Q4Layout:
-    """Where everything sits in a model's message; every message of a run has the same layout."""
+    """Where everything sits in a message of some of a model's tensors (those that move: see docs/design.md);
+    the messages of one set of tensors all have the same layout."""
 
     specs: tuple[TensorSpec, ...]
     settings: Q4Settings
@@ -258,8 +271,8 @@ class Q4Message:
         regions = tuple(regions_for(specs, codec))
         data_bytes = regions[-1].codes[1] if regions else 0
         if total != data_start + data_bytes:
-            raise PayloadError(f"payload is truncated or has trailing bytes: {total} bytes, "
-                               f"{data_start + data_bytes} expected for its tensors")
+            raise PayloadSizeError(data_start + data_bytes, f"payload is truncated or has trailing bytes: {total} "
+                                   f"bytes, {data_start + data_bytes} expected for its tensors")
         _check_offsets(header, specs, regions, codec)
         pos = header_bytes.find(b'"crc32":"' + crc_text.encode() + b'"')
         if len(crc_text) != 8 or pos < 0:

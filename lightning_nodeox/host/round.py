@@ -89,7 +89,7 @@ class HostRound:
                               rounding=self.rounding, error_feedback=self.error_feedback)
         self.tensors.allocate(settings, self.codec_threads)
         self.round = reply.round
-        ours = self.tensors.model_hash()
+        ours = self.tensors.base_hash()  # base is a copy of the live model here
         if reply.provide_model:
             self.model_hash = ours
             try:
@@ -157,6 +157,7 @@ class HostRound:
     def run_round(self, samples: int, final: bool, metrics: dict[str, list] | None = None) -> RoundResult:
         """One whole exchange while training waits: encode, upload, then sync (following later rounds if this
         is the final one). ``metrics``: this host's latest sync_dist values, ``{name: [value, reduction]}``."""
+        self.tensors.boundary()
         message = self.encode(self.tensors.live, samples, final, metrics)
         return self._finish_round(message, final, Into.LIVE)
 
@@ -279,6 +280,7 @@ class HostRound:
             self.complete = reply.complete
             try:
                 sync = Q4Message.parse(buffer)
+                self.tensors.sync_part(sync)  # its tensors are this model's
             except PayloadError as e:
                 log.warning("nodeox: host %s: sync of round %d unusable (%s); fetching the model", self.host,
                             round_, e)
@@ -327,7 +329,7 @@ class HostRound:
                         raise
                     log.warning("nodeox: host %s: model download failed (%s); retrying", self.host, e)
             tensors.after_fetch(into is Into.LIVE)
-            got = tensors.model_hash(target)
+            got = tensors.base_hash()  # base holds the fetched model now, in either case
             if got != remote_hash:
                 raise RuntimeError(f"the fetched model hashes to {got}, not the coordinator's {remote_hash}")
             self.round, self.model_hash = round_, got

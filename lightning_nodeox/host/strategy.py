@@ -247,7 +247,7 @@ class NodeoxStrategy(DDPStrategy):
         conn = self._connection_settings.resolve()
         codec_threads = 1 if self.root_device.type != "cpu" else choose_threads(self.settings.codec_threads,
                                                                                    purpose="host codec")
-        self._link = RunLink.join(conn, self._client(conn), HostTensors(shared_tensors(self.lightning_module)),
+        self._link = RunLink.join(conn, self._client(conn), HostTensors.of_module(self.lightning_module),
                                   self.settings, codec_threads=codec_threads, sigterm=self._sigterm,
                                   listeners=[self.phase_records.append], ranks=self._ranks.size)
         return conn, self._link.round.model_hash

@@ -8,8 +8,14 @@ Integer and boolean tensors (BatchNorm's ``num_batches_tracked``, counters, mask
 their values as they are and a sync the values every host takes (one host's, chosen by the coordinator), so they
 are equal on every host after each round and covered by the model hash; no codec or residual touches them.
 
+Frozen parameters do not travel: a round's delta carries the tensors that moved (:mod:`~lightning_nodeox.host.moving`),
+and a sync the round's set; each set has its own message layout, cached, so a fixed set allocates nothing per round.
+The model hash of a sync's result digests only the tensors the sync changed; the others' row digests are kept
+from the round that last changed them (they are ``base``'s, which nothing else writes).
+
 Memory beyond the model: the base (1x the exchanged tensors), the residual (bf16, 0.5x), two q4 messages
-(about 0.14x each), on a GPU a device staging area of one message, and with overlap the snapshot (1x).
+(about 0.14x each, of the tensors that move), on a GPU a device staging area of one message, and with overlap the
+snapshot (1x the tensors that move).
 """
 
 from __future__ import annotations
@@ -20,22 +26,22 @@ import math
 import torch
 
 from ..core.codec import RESIDUAL_DTYPE, NonFiniteDeltaError, apply_sync, encode_delta, load_delta, relative_error
-from ..core.hashing import RowHasher, combine, model_hash, rest_tasks
+from ..core.hashing import RowHasher, combine, model_hash
 from ..core.modelfile import ModelFileReader, model_header, read_model_into
 from ..core.pool import WorkerPool
 from ..core.protocol import ByteStream, read_fully
 from ..core.settings import Q4Settings
-from ..core.specs import spec_of
+from ..core.specs import positions_in, spec_of
 from ..core.wire import Q4Layout, Q4Message, Q4Meta
+from .moving import MovingSet, SetNotice
 
 log = logging.getLogger(__name__)
 
 ERROR_SAMPLE = 1 << 15  # values per round used to estimate the q4 error metric
+CACHED_SETS = 4  # message layouts kept, one per set of tensors (a set that changes back finds its own)
 
 
-def shared_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The tensors that travel: parameters and persistent buffers (floating-point ones averaged, integer and
-    boolean ones raw), in state_dict order, each storage once (tied weights travel under their first name)."""
+def _state(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     out, seen = [], set()
     for name, tensor in module.state_dict(keep_vars=True).items():
         if not isinstance(tensor, torch.Tensor):
@@ -44,14 +50,42 @@ def shared_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
         if key in seen:
             continue
         seen.add(key)
-        out.append((name, tensor.detach()))
+        out.append((name, tensor))
     return out
+
+
+def shared_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The tensors the run keeps equal: parameters and persistent buffers (floating-point ones averaged, integer
+    and boolean ones raw), in state_dict order, each storage once (tied weights travel under their first name)."""
+    return [(name, tensor.detach()) for name, tensor in _state(module)]
+
+
+def shared_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter | None]:
+    """For each of :func:`shared_tensors`, its parameter (whose ``requires_grad`` says whether it moves), or None
+    for a buffer."""
+    return [t if isinstance(t, torch.nn.Parameter) else None for _, t in _state(module)]
+
+
+class Part:
+    """Some of a host's tensors (indices, ascending), as one message carries them: the codec's values per
+    position, the positions of raw tensors, and (a delta's set) the reused message."""
+
+    def __init__(self, indices: tuple[int, ...], specs, layout: Q4Layout | None = None,
+                 message: Q4Message | None = None) -> None:
+        self.indices = indices
+        self.coded = [specs[i].coded for i in indices]
+        self.raw = [j for j, i in enumerate(indices) if specs[i].raw]
+        self.layout = layout
+        self.message = message
 
 
 class HostTensors:
     """The exchanged tensors of one host and the tensor work of a round (encode, apply, hash, read the model)."""
 
-    def __init__(self, named: list[tuple[str, torch.Tensor]]) -> None:
+    def __init__(self, named: list[tuple[str, torch.Tensor]],
+                 parameters: list[torch.nn.Parameter | None] | None = None) -> None:
+        """``parameters``: each tensor's parameter (its ``requires_grad`` says whether it moves) or None (a buffer,
+        or a tensor that always moves); default: every tensor moves."""
         for name, t in named:
             if not t.is_contiguous():
                 raise ValueError(f"tensor {name!r} is not contiguous; nodeox updates tensors in place")
@@ -65,15 +99,30 @@ class HostTensors:
         self.device = self.live[0].device
         if any(t.device != self.device for t in self.live):
             raise ValueError("all parameters and buffers must be on one device")
+        self.moving = MovingSet(parameters if parameters is not None else [None] * len(named))
+        self.notice = SetNotice(self.names)
+        self._index = {n: i for i, n in enumerate(self.names)}
         self.settings: Q4Settings | None = None
         self.pool: WorkerPool | None = None
-        self.layout: Q4Layout | None = None
+        self.layout: Q4Layout | None = None  # of the whole model
+        self.part: Part | None = None  # the tensors this host's delta carries (set at each round boundary)
+        self._parts: dict[tuple[int, ...], Part] = {}
+        self._sync_parts: dict[tuple, Part] = {}
         self.base: list[torch.Tensor] = []
         self.residual: list[torch.Tensor] | None = None
-        self.snapshot: list[torch.Tensor] | None = None
-        self._delta: Q4Message | None = None
+        self.snapshot: list[torch.Tensor | None] | None = None
+        self._snapped: set[int] = set()  # the snapshot's tensors of the round in flight
+        self._synced: tuple[int, ...] = ()  # the tensors of the last sync applied
+        self._fold_all = False  # overlap: base was replaced by a fetched model since the snapshot
+        self._digests: list[RowHasher | None] = []  # base's row digests, per tensor (None: not known)
+        self._undigested: list[RowHasher] = []
         self._sync_buffer: torch.Tensor | None = None
         self._staging: torch.Tensor | None = None
+
+    @classmethod
+    def of_module(cls, module: torch.nn.Module) -> HostTensors:
+        """The exchanged tensors of a LightningModule (or any module): frozen parameters do not travel."""
+        return cls(shared_tensors(module), shared_parameters(module))
 
     @property
     def nbytes(self) -> int:
@@ -85,17 +134,49 @@ class HostTensors:
         self.settings = settings
         self.pool = WorkerPool(settings, self.device, codec_threads)
         self.layout = Q4Layout.of(self.specs, settings)
-        self._delta = Q4Message.allocate(self.layout, pin_memory=cuda)
-        self._sync_buffer = torch.empty(self.layout.total, dtype=torch.uint8, pin_memory=cuda)
+        self._parts = {}
+        self.boundary()
+        self._sync_buffer = torch.empty(self.part.layout.total, dtype=torch.uint8, pin_memory=cuda)
         if self.device.type != "cpu":  # the codec works on the device; only packed bytes cross to host memory
             self._staging = torch.empty(self.layout.total - self.layout.data_start, dtype=torch.uint8,
                                         device=self.device)
         self.base = [t.detach().clone() for t in self.live]
+        self._digests = [None] * len(self.live)
         if self.raw:
             log.info("nodeox: integer and boolean tensors, equal on every host from each round on (the values of "
                      "the host with the first id among those the round took): %s", ", ".join(self.raw_names))
         self.residual = ([torch.zeros(n, dtype=RESIDUAL_DTYPE, device=self.device) for n in self._coded]
                          if settings.error_feedback else None)
+
+    def boundary(self) -> Part:
+        """A round boundary: the tensors that move in the round closing now become the delta's (a set not seen
+        before gets its message layout, kept for later rounds)."""
+        indices = self.moving.at_boundary()
+        part = self._parts.pop(indices, None)
+        if part is None:
+            layout = Q4Layout.of(tuple(self.specs[i] for i in indices), self.settings)
+            part = Part(indices, self.specs, layout,
+                        Q4Message.allocate(layout, pin_memory=self.device.type == "cuda"))
+            if self.part is not None or len(indices) < len(self.specs):
+                log.info("nodeox: this host's delta now carries %d of the model's %d tensors (%.1f MB a round)%s",
+                         len(indices), len(self.specs), layout.total / 1e6,
+                         "" if len(indices) == len(self.specs) else ": frozen parameters do not travel")
+        self._parts[indices] = part  # the most recent set last
+        while len(self._parts) > CACHED_SETS:
+            del self._parts[next(iter(self._parts))]
+        self.part = part
+        return part
+
+    def sync_part(self, sync: Q4Message) -> Part:
+        """The tensors a sync carries, as this host's indices; a PayloadError when they are not this model's."""
+        specs = sync.meta.tensors
+        part = self._sync_parts.pop(specs, None)
+        if part is None:
+            part = Part(positions_in(self.specs, specs, "sync", self._index), self.specs)
+        self._sync_parts[specs] = part
+        while len(self._sync_parts) > CACHED_SETS:
+            del self._sync_parts[next(iter(self._sync_parts))]
+        return part
 
     @property
     def raw_names(self) -> list[str]:
@@ -109,6 +190,14 @@ class HostTensors:
         """Hash of ``tensors`` (default: the live model)."""
         return model_hash(self.named(tensors), self.pool)
 
+    def base_hash(self) -> str:
+        """The hash of ``base`` (θ_r), digesting only the tensors whose digests are not kept."""
+        missing = [i for i, d in enumerate(self._digests) if d is None]
+        for i in missing:
+            self._digests[i] = RowHasher(self.base[i])
+        self.pool.run([t for i in missing for t in self._digests[i].tasks()])
+        return combine(self.named(self.base), self._digests)
+
     def after_fetch(self, into_live: bool) -> None:
         """The run's model was just read into the live model (then θ_r := it) or into ``base`` (overlap: the
         live model is training); either way the residual starts over."""
@@ -118,6 +207,8 @@ class HostTensors:
                     b.copy_(t)
             for r in self.residual or []:
                 r.zero_()
+        self._digests = [None] * len(self.live)
+        self._fold_all = not into_live
 
     def restore_live(self) -> None:
         """The live model := θ_r (``base``): local progress that no round took is dropped."""
@@ -126,38 +217,50 @@ class HostTensors:
                 t.copy_(b)
 
     # -- tensors on the codec's device -------------------------------------------------------------------------
-    def _region(self, message: Q4Message, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where the codec reads and writes tensor ``i``'s codes and scales: the message, or device staging."""
+    def _region(self, message: Q4Message, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the codec reads and writes the codes and scales of the message's tensor ``j``: the message, or
+        device staging."""
         if self._staging is None:
-            return message.codes(i), message.scales(i)
-        region = self.layout.regions[i]
+            return message.codes(j), message.scales(j)
+        region = message.layout.regions[j]
         (ca, cb), (sa, sb) = region.codes, region.scales
         return self._staging[ca:cb], self._staging[sa:sb].view(self.layout.codec.scale_dtype)
 
     # -- encoding --------------------------------------------------------------------------------------------------
     def take_snapshot(self, restart_from_base: bool) -> None:
-        """Copy the live model aside: what this round sends while training goes on. ``restart_from_base``
-        (the delayed variant of overlap): the live model then goes back to θ_r and trains on from there."""
+        """A round boundary (:meth:`boundary`), then copy the tensors that moved aside: what this round sends while
+        training goes on. ``restart_from_base`` (the delayed variant of overlap): the live model then goes back to
+        θ_r and trains on from there."""
+        part = self.boundary()
+        if self.snapshot is None:
+            self.snapshot = [None] * len(self.live)
+        self._snapped, self._synced, self._fold_all = set(part.indices), (), False
         with torch.no_grad():
-            if self.snapshot is None:
-                self.snapshot = [t.detach().clone() for t in self.live]
-            else:
-                for s, t in zip(self.snapshot, self.live):
-                    s.copy_(t)
-            if restart_from_base:
-                for t, b in zip(self.live, self.base):
-                    t.copy_(b)
+            for i in part.indices:
+                self._snap(i, self.live[i])
+                if restart_from_base:
+                    self.live[i].copy_(self.base[i])
+
+    def _snap(self, i: int, source: torch.Tensor) -> None:
+        if self.snapshot[i] is None:
+            self.snapshot[i] = source.detach().clone()
+        else:
+            self.snapshot[i].copy_(source)
 
     def snapshot_base(self) -> None:
         """The snapshot becomes θ_r (delayed overlap, once the delta is encoded): the fold then adds the progress
         made since the live model went back to θ_r."""
         with torch.no_grad():
-            for s, b in zip(self.snapshot, self.base):
-                s.copy_(b)
+            for i in self._snapped:
+                self.snapshot[i].copy_(self.base[i])
 
-    def estimate_error(self, source: list[torch.Tensor]) -> float:
-        """Relative q4 error of a sample of the delta (for the ``q4_rel_error`` metric)."""
-        i = max(range(len(source)), key=lambda j: self._coded[j])
+    def estimate_error(self, source: list[torch.Tensor]) -> float | None:
+        """Relative q4 error of a sample of the delta (for the ``q4_rel_error`` metric); None when the delta has no
+        floating-point tensor."""
+        coded = [i for i in self.part.indices if self._coded[i]]
+        if not coded:
+            return None
+        i = max(coded, key=lambda j: self._coded[j])
         k = self.pool.kernels()
         m = min(source[i].numel(), ERROR_SAMPLE, k.chunk)
         res = None if self.residual is None else self.residual[i][:m]
@@ -171,21 +274,25 @@ class HostTensors:
         return relative_error(x, k.dequantize(codes, scales, mp)[:m])
 
     def encode(self, source: list[torch.Tensor], meta: Q4Meta, seed: int | None) -> Q4Message:
-        """q4 of (source - base + residual) into the delta message; the residual keeps what q4 could not carry."""
-        message = self._delta
+        """q4 of (source - base + residual) of the tensors that move (:attr:`part`) into their delta message; the
+        residual keeps what q4 could not carry (a tensor that does not move keeps its residual for when it does)."""
+        part = self.part
+        message = part.message
 
-        def work(k, i: int, start: int, stop: int) -> None:
+        def work(k, j: int, start: int, stop: int) -> None:
+            i = part.indices[j]
             res = None if self.residual is None else self.residual[i]
-            encode_delta(k, source[i].view(-1), self.base[i].view(-1), res, *self._region(message, i),
+            encode_delta(k, source[i].view(-1), self.base[i].view(-1), res, *self._region(message, j),
                          start=start, stop=stop, seed=None if seed is None else seed + i)
 
         with torch.no_grad():
-            self.pool.over_ranges(self._coded, work)
-            for i in self.raw:  # raw tensors: their values as they are
-                self._region(message, i)[0][: self.specs[i].nbytes].copy_(_bytes(source[i]))
+            self.pool.over_ranges(part.coded, work)
+            for j in part.raw:  # raw tensors: their values as they are
+                i = part.indices[j]
+                self._region(message, j)[0][: self.specs[i].nbytes].copy_(_bytes(source[i]))
         if self._staging is not None:
             cuda = self.device.type == "cuda"
-            message.data.copy_(self._staging, non_blocking=cuda)
+            message.data.copy_(self._staging[: message.data.numel()], non_blocking=cuda)
             if cuda:
                 torch.cuda.current_stream(self.device).synchronize()
         self._check_finite(message, source, meta)
@@ -193,9 +300,10 @@ class HostTensors:
         return message
 
     def _check_finite(self, message: Q4Message, source: list[torch.Tensor], meta: Q4Meta) -> None:
-        for i, (name, peak) in enumerate(zip(self.names, message.scale_maxima())):
+        for i, peak in zip(self.part.indices, message.scale_maxima()):
             if math.isfinite(peak):
                 continue
+            name = self.names[i]
             finite = bool(torch.isfinite(source[i]).all())
             too_large = self.layout.codec.too_large(name, meta.round) if finite else None
             if too_large:
@@ -217,44 +325,84 @@ class HostTensors:
         return self._sync_buffer
 
     def apply(self, sync: Q4Message, into_live: bool) -> list[RowHasher]:
-        """θ_{r+1} = θ_r + dequantized sync, into ``base`` and (``into_live``) the live model; returns the result's
-        row hashers, filled while the sync is applied where the chunks allow (:meth:`digest` finishes them)."""
+        """θ_{r+1} = θ_r + dequantized sync, into ``base`` and (``into_live``) the live model, for the tensors the
+        sync carries (the round's set); returns the row hashers of θ_{r+1}: of the tensors the sync changed,
+        filled while it is applied where the chunks allow (:meth:`digest` finishes them), and the kept ones of the
+        others. A tensor this host sent that the round did not take goes back to θ_r (its local work is dropped,
+        as the sync drops it in the others); overlapped, a tensor the round changed that this host did not send
+        has its θ_r set aside for the fold."""
+        part = self.sync_part(sync)
+        own = self.part.indices
+        self.notice.compare(own, part.indices, sync.meta.round)
         target = self.live if into_live else self.base
         if self._staging is not None:
-            self._staging.copy_(sync.data)
-        hashers = [RowHasher(t) for t in target]
+            self._staging[: sync.data.numel()].copy_(sync.data)
+        fresh = [RowHasher(self.base[i]) for i in part.indices]  # base: target's bytes once applied, and kept
+        chunk = self.pool.chunk
 
-        def work(k, i: int, start: int, stop: int) -> None:
-            fused = hashers[i] if hashers[i].fusable(self.pool.chunk) else None
-            apply_sync(k, *self._region(sync, i), self.base[i].view(-1), target[i].view(-1), start=start, stop=stop,
+        def work(k, j: int, start: int, stop: int) -> None:
+            i = part.indices[j]
+            fused = fresh[j] if fresh[j].fusable(chunk) else None
+            apply_sync(k, *self._region(sync, j), self.base[i].view(-1), target[i].view(-1), start=start, stop=stop,
                        hasher=fused)
 
         with torch.no_grad():
-            self.pool.over_ranges(self._coded, work)
-            for i in self.raw:  # raw tensors: the sync's values, for base and the target alike
-                values = self._region(sync, i)[0][: self.specs[i].nbytes]
+            if part.indices != own:
+                self._differing(part.indices, own, into_live)
+            self.pool.over_ranges(part.coded, work)
+            for j in part.raw:  # raw tensors: the sync's values, for base and the target alike
+                i = part.indices[j]
+                values = self._region(sync, j)[0][: self.specs[i].nbytes]
                 _bytes(self.base[i]).copy_(values)
                 if target is not self.base:
                     _bytes(target[i]).copy_(values)
-        return hashers
+        raw = set(part.raw)
+        self._undigested = [h for j, h in enumerate(fresh) if j in raw or not h.fusable(chunk)]
+        for i, h in zip(part.indices, fresh):
+            self._digests[i] = h
+        for i, d in enumerate(self._digests):
+            if d is None:
+                self._digests[i] = d = RowHasher(self.base[i])
+                self._undigested.append(d)
+        self._synced = part.indices
+        return list(self._digests)
+
+    def _differing(self, synced: tuple[int, ...], own: tuple[int, ...], into_live: bool) -> None:
+        """Before a sync of another set than this host's delta is applied (see :meth:`apply`)."""
+        theirs = set(synced)
+        if into_live:
+            for i in own:
+                if i not in theirs:
+                    self.live[i].copy_(self.base[i])
+        elif not self._fold_all and self.snapshot is not None:
+            for i in synced:
+                if i not in self._snapped:
+                    self._snap(i, self.base[i])
+                    self._snapped.add(i)
 
     def digest(self, hashers: list[RowHasher]) -> str:
         """The model hash from :meth:`apply`'s hashers (digesting the rows the apply could not)."""
-        self.pool.run(rest_tasks(hashers, self.pool.chunk, set(self.raw)))
-        return combine(self.named([h.tensor for h in hashers]), hashers)
+        pending, self._undigested = self._undigested, []
+        self.pool.run([t for h in pending for t in h.tasks()])
+        return combine(self.named(self.base), hashers)
 
     def fold(self) -> None:
         """Overlap: the live model becomes θ_{r+1} plus the local progress made since the snapshot
-        (``live += base - snapshot``), on the training device, between two training steps. A raw tensor takes
-        θ_{r+1}'s values (what it counted since the snapshot is dropped)."""
+        (``live += base - snapshot``), on the training device, between two training steps, for the tensors set
+        aside at the snapshot (the others did not move: they take θ_{r+1}, which only a fetched model changes).
+        A raw tensor takes θ_{r+1}'s values (what it counted since the snapshot is dropped)."""
         raw = set(self.raw)
+        folding = range(len(self.live)) if self._fold_all else sorted(self._snapped)
         with torch.no_grad():
-            for i, (t, b, s) in enumerate(zip(self.live, self.base, self.snapshot)):
-                if i in raw:
+            for i in folding:
+                t, b = self.live[i], self.base[i]
+                if i in raw or i not in self._snapped:
                     t.copy_(b)
                     continue
+                s = self.snapshot[i]
                 s.sub_(b).neg_()  # the snapshot buffer is free now: reuse it for base - snapshot
                 t.add_(s.to(t.dtype))
+        self._snapped, self._fold_all = set(), False
 
     # -- the full model --------------------------------------------------------------------------------------------
     def model_file(self, round_: int, model_hash_: str, tensors: list[torch.Tensor] | None = None) -> ModelFileReader:

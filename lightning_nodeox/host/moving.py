@@ -1,0 +1,68 @@
+"""Which of a host's exchanged tensors move in a round: frozen parameters stay out of its deltas.
+
+At each round boundary a host's *moving set* is its buffers (floating and raw: BatchNorm statistics, counters)
+and the parameters that require grad now or did at the previous boundary, so a parameter frozen during a round
+still sends that round's change once. A parameter that does not move is never sent: it stays equal to the
+round's base on every host (checked by the model hash at join and by every round's hash, whose digest of it is
+kept from the round it last changed). When the set changes (``BackboneFinetuning`` unfreezing the backbone at an
+epoch), the exchange follows at the next boundary. The coordinator decides each round's set: the union of the
+sets its deltas carried; every host applies that round's sync, so hosts stay bit-identical whatever they sent,
+and a host whose own set differs is told (:class:`SetNotice`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class MovingSet:
+    """Tracks ``requires_grad`` of a host's exchanged tensors (None: a buffer, which always moves)."""
+
+    def __init__(self, parameters: Sequence[torch.nn.Parameter | None]) -> None:
+        self.parameters = list(parameters)
+        self._was = self._flags()
+
+    def _flags(self) -> tuple[bool, ...]:
+        return tuple(p is None or p.requires_grad for p in self.parameters)
+
+    def at_boundary(self) -> tuple[int, ...]:
+        """The indices that move in the round closing now (ascending): a buffer, or a parameter that requires
+        grad now or did at the previous boundary."""
+        now = self._flags()
+        moving = tuple(i for i, (a, b) in enumerate(zip(now, self._was)) if a or b)
+        self._was = now
+        return moving
+
+
+class SetNotice:
+    """Tells, once per change, when the set of tensors a round exchanged is not the one this host sent."""
+
+    def __init__(self, host_names: Sequence[str]) -> None:
+        self.names = host_names
+        self._told: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+
+    def compare(self, own: tuple[int, ...], round_set: tuple[int, ...], round_: int) -> None:
+        if own == round_set:
+            self._told = None
+            return
+        mine, theirs = set(own), set(round_set)
+        extra = tuple(sorted(theirs - mine))
+        missing = tuple(sorted(mine - theirs))
+        if (extra, missing) == self._told:
+            return
+        self._told = (extra, missing)
+        parts = []
+        if extra:
+            parts.append(f"{len(extra)} tensor(s) another host trained and this host did not send (e.g. "
+                         f"{self.names[extra[0]]!r})")
+        if missing:
+            parts.append(f"{len(missing)} tensor(s) this host sent that the round did not take (e.g. "
+                         f"{self.names[missing[0]]!r})")
+        log.warning("nodeox: round %d exchanged another set of tensors than this host sent: %s. Every host applies "
+                    "the round's set and stays equal; freeze and unfreeze alike on every host (BackboneFinetuning "
+                    "by epoch does) so that they train the same tensors", round_, "; ".join(parts))

@@ -1,0 +1,162 @@
+"""Frozen parameters do not travel: a delta carries the tensors that moved, the coordinator averages each tensor
+over the deltas that carried it and steps only those, and every host applies the round's set (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import SETTINGS
+from local_transport import LocalClient
+from reference_q4 import kernels
+from torch import nn
+
+from lightning_nodeox.coordinator.model import CoordinatorModel
+from lightning_nodeox.coordinator.outer import OuterSettings
+from lightning_nodeox.core.codec import accumulate_tensor, encode_sync_and_apply, encode_tensor
+from lightning_nodeox.core.hashing import model_hash
+from lightning_nodeox.core.phases import PhaseLog
+from lightning_nodeox.core.pool import WorkerPool
+from lightning_nodeox.core.protocol import Upload
+from lightning_nodeox.core.specs import ModelMismatchError, spec_of
+from lightning_nodeox.core.wire import Q4Layout, Q4Message, Q4Meta
+from lightning_nodeox.host.round import HostRound
+from lightning_nodeox.host.tensors import HostTensors, shared_tensors
+
+
+def net(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 40), nn.BatchNorm1d(40), nn.Linear(40, 3))
+
+
+def exchange_for(module: nn.Module) -> HostTensors:
+    tensors = HostTensors.of_module(module)
+    tensors.allocate(SETTINGS, codec_threads=1)
+    return tensors
+
+
+def names(message: Q4Message) -> list[str]:
+    return [s.name for s in message.meta.tensors]
+
+
+def layout_size(tensors: HostTensors, keep) -> int:
+    return Q4Layout.of(tuple(s for s in tensors.specs if keep(s.name)), SETTINGS).total
+
+
+def test_a_frozen_backbone_stays_out_of_the_delta_which_is_the_size_of_the_rest() -> None:
+    module = net()
+    module[0].requires_grad_(False)
+    ex = exchange_for(module)
+    message = ex.encode(ex.live, Q4Meta("delta", 0, "h", "", samples=8), seed=None)
+    assert names(message) == [n for n, _ in shared_tensors(module) if not n.startswith("0.")]  # BatchNorm stats move
+    assert len(message) == layout_size(ex, lambda n: not n.startswith("0.")) < ex.layout.total
+    assert Q4Message.parse(message.buffer.clone()).meta.tensors == message.meta.tensors
+    ex.close()
+
+
+def test_the_set_follows_requires_grad_at_each_boundary_and_a_tensor_frozen_mid_round_sends_once() -> None:
+    module = net()
+    module[0].requires_grad_(False)
+    ex = exchange_for(module)
+    everything = tuple(range(len(ex.specs)))
+    head = tuple(i for i, n in enumerate(ex.names) if not n.startswith("0."))
+    assert ex.part.indices == head
+    with torch.no_grad():
+        ex.residual[0].fill_(0.25)  # a frozen tensor's residual waits for it to move again
+    ex.encode(ex.live, Q4Meta("delta", 0, "h", "", samples=8), seed=None)
+    assert bool((ex.residual[0] == 0.25).all())
+    module[0].requires_grad_(True)  # unfrozen during round 1: it moves from round 1 on
+    assert ex.boundary().indices == everything
+    module[0].requires_grad_(False)  # frozen during round 2: round 2 still sends its change, round 3 no more
+    assert ex.boundary().indices == everything
+    first = ex.part.message
+    assert ex.boundary().indices == head
+    module[0].requires_grad_(True)
+    assert ex.boundary().indices == everything and ex.part.message is first  # each set's message is kept
+    ex.close()
+
+
+def two_hosts(local_coordinator, frozen_head: str) -> tuple:
+    c = local_coordinator()
+    modules = [net(0), net(0)]
+    modules["ab".index(frozen_head)][2].requires_grad_(False)
+    hosts = [HostRound(HostTensors.of_module(m), LocalClient(c, h), PhaseLog(h)) for m, h in zip(modules, "ab")]
+    for h in hosts:
+        h.join()
+    return c, modules, hosts
+
+
+def nudge(module: nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in module.state_dict().values():
+            if t.is_floating_point():
+                t.add_(torch.randn(t.shape, generator=gen) * 0.01)
+
+
+def test_two_hosts_sending_different_sets_get_each_tensors_mean_over_its_senders_and_equal_hashes(
+        local_coordinator) -> None:
+    c, (ma, mb), (a, b) = two_hosts(local_coordinator, frozen_head="b")  # a's head trains
+    theta = [t.clone() for t in c.rounds.model.tensors]
+    nudge(ma, 1)
+    with torch.no_grad():
+        mb[0].weight.add_(0.02)
+        mb[1].running_mean.add_(0.5)
+    sent = []
+    for host, samples in ((a, 8), (b, 24)):  # this arrival order: the sums round as the coordinator's
+        host.tensors.boundary()
+        message = host.encode(host.tensors.live, samples, False)
+        sent.append((Q4Message.parse(message.buffer.clone()), samples))
+        assert host.upload(message) is Upload.TAKEN
+    assert len(names(sent[1][0])) == len(a.tensors.specs) - 2 and "2.weight" not in names(sent[1][0])
+    for host in (a, b):
+        assert host.synchronize().contributed
+    model = c.rounds.model
+    sync = model.latest_sync
+    assert names(sync) == a.tensors.names  # the union of the two sets
+    k = kernels(SETTINGS)
+    for i, spec in enumerate(model.specs):
+        senders = [(m, w) for m, w in sent if spec in m.meta.tensors]
+        if spec.raw:
+            continue
+        acc = torch.empty(spec.numel)
+        for n, (m, w) in enumerate(senders):
+            j = m.meta.tensors.index(spec)
+            accumulate_tensor(k, m.codes(j), m.scales(j), acc, float(w), assign=n == 0)
+        expected = theta[i].clone().view(-1)
+        codes, scales = torch.empty_like(sync.codes(i)), torch.empty_like(sync.scales(i))
+        encode_sync_and_apply(k, acc, 1 / sum(w for _, w in senders), expected, codes, scales)
+        assert torch.equal(model.tensors[i].view(-1), expected), spec.name
+        assert len(senders) == (1 if spec.name.startswith("2.") else 2)
+    assert a.model_hash == b.model_hash == model.hash == model_hash(model.named())
+    assert model_hash(a.tensors.named()) == model_hash(b.tensors.named()) == model.hash  # live models too
+    assert torch.equal(mb[2].weight, ma[2].weight)  # b's frozen head took a's change
+    for h in (a, b):
+        h.close()
+
+
+def test_the_outer_step_moves_only_the_rounds_set_and_a_delta_of_foreign_tensors_is_refused() -> None:
+    named = [("w", torch.randn(64, 8)), ("v", torch.randn(64)), ("n", torch.tensor(3))]
+    specs = spec_of(named)
+    pool = WorkerPool(SETTINGS, "cpu", 1)
+    model = CoordinatorModel(specs, [t.clone() for _, t in named], SETTINGS, pool,
+                             OuterSettings("nesterov", lr=0.7, momentum=0.9))
+    v0 = model.tensors[1].clone()
+    subset = (specs[0], specs[2])
+    message = Q4Message.allocate(Q4Layout.of(subset, SETTINGS))
+    k = kernels(SETTINGS)
+    encode_tensor(k, torch.full((512,), 0.01), message.codes(0), message.scales(0))
+    message.raw(1).copy_(torch.tensor(7).view(-1).view(torch.uint8))
+    message.write_header(Q4Meta("delta", 0, "h", model.hash, samples=4))
+    model.accumulate(Q4Message.parse(message.buffer.clone()), 4)
+    closed = model.close_round(0)
+    assert closed.sync.meta.tensors == subset and len(closed.sync) == message.layout.total
+    model.publish(closed.sync)
+    assert bool((model.outer.buffers[0] != 0).all()) and bool((model.outer.buffers[1] == 0).all())
+    assert torch.equal(model.tensors[1], v0) and int(model.tensors[2]) == 7
+    assert model.hash == model_hash(model.named())
+    assert model.weights == [0, 0, 0] and not model.moving
+    for bad, match in (((specs[2], specs[0]), "out of the model's order"),
+                       ((spec_of([("x", torch.zeros(2))])[0],), "'x' is not one of the model's 3 tensors")):
+        with pytest.raises(ModelMismatchError, match=match):
+            model.positions(bad)
+    pool.close()
