@@ -3,9 +3,13 @@ over the deltas that carried it and steps only those, and every host applies the
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import sys
+
 import pytest
 import torch
-from helpers import SETTINGS
+from helpers import HOSTS, SETTINGS, launch, load, read_events
 from local_transport import LocalClient
 from reference_q4 import kernels
 from torch import nn
@@ -160,3 +164,35 @@ def test_the_outer_step_moves_only_the_rounds_set_and_a_delta_of_foreign_tensors
         with pytest.raises(ModelMismatchError, match=match):
             model.positions(bad)
     pool.close()
+
+
+def finetune_module() -> nn.Module:
+    spec = importlib.util.spec_from_file_location("finetune_host", HOSTS / "finetune_host.py")
+    host = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(host)
+    return host.Finetune()
+
+
+@pytest.mark.slow
+def test_backbone_finetuning_sends_the_head_alone_until_the_backbone_unfreezes_and_hosts_stay_equal(tmp_path) -> None:
+    out, run = tmp_path / "out", tmp_path / "run"
+    result = launch(run, 2, [sys.executable, str(HOSTS / "finetune_host.py"), "--out", str(out),
+                             "--unfreeze-at-epoch", "2"], timeout=180)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    module = finetune_module()
+    head = Q4Layout.of(spec_of([(n, p) for n, p in module.named_parameters() if n.startswith("head.")]),
+                       SETTINGS).total
+    whole = Q4Layout.of(spec_of(shared_tensors(module)), SETTINGS).total
+    events = read_events(run)
+    uploads = {(e["round"], e["host"]): e["bytes"] for e in events if e["phase"] == "upload"}
+    assert uploads == {(r, h): head if r < 2 else whole for r in range(4) for h in "01"}  # epoch 2 = round 2
+    assert head < whole
+    syncs = {e["round"]: e for e in events if e["phase"] == "sync_prepare"}
+    assert [syncs[r]["bytes"] for r in range(4)] == [head, head, whole, whole]
+    hosts = [json.loads((out / f"host{h}.json").read_text()) for h in "01"]
+    for r in range(4):
+        assert hosts[0]["rounds"][str(r)] == hosts[1]["rounds"][str(r)] == syncs[r]["model_hash"], r
+    assert hosts[0]["final_hash"] == hosts[1]["final_hash"] == syncs[3]["model_hash"]
+    finals = [load(out / f"host{h}_final.safetensors")[0] for h in "01"]
+    assert finals[0].keys() == finals[1].keys() and all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
+    assert not torch.equal(finals[0]["backbone.0.weight"], module.backbone[0].weight.detach())  # it trained
