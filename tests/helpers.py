@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -139,6 +140,16 @@ def exchange(*pairs: tuple[HostRound, int]) -> None:
         host.upload(host.encode(host.tensors.live, samples, False))
     for host, _ in pairs:
         assert host.synchronize().contributed
+
+
+def both(fn_a, fn_b):
+    """Run two hosts' blocking calls at once (a round closes only when both have sent)."""
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("a", fn_a()))
+    thread.start()
+    result["b"] = fn_b()
+    thread.join(30)
+    return result["a"], result["b"]
 
 
 def assert_on_the_run_model(coordinator: LocalCoordinator, *hosts: HostRound) -> None:

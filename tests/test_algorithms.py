@@ -6,26 +6,14 @@ the hosts and the coordinator must still agree bit for bit."""
 
 from __future__ import annotations
 
-import threading
-
 import torch
-from helpers import assert_on_the_run_model, deltas, exchange, hosts, train
+from helpers import assert_on_the_run_model, both, deltas, exchange, hosts, train
 from local_transport import LocalCoordinator
 
 from lightning_nodeox.coordinator.config import OuterSettings
 from lightning_nodeox.core.settings import Q4Settings
 
 FP32 = Q4Settings(codec="fp32")
-
-
-def both(fn_a, fn_b):
-    """Run two hosts' blocking calls at once (a round closes only when both have sent)."""
-    result = {}
-    thread = threading.Thread(target=lambda: result.setdefault("a", fn_a()))
-    thread.start()
-    result["b"] = fn_b()
-    thread.join(30)
-    return result["a"], result["b"]
 
 
 def test_nesterov_outer_step_matches_the_reference_for_two_rounds(tmp_path) -> None:

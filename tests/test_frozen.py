@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import sys
+import time
 
 import pytest
 import torch
-from helpers import HOSTS, SETTINGS, launch, load, read_events
+from helpers import HOSTS, SETTINGS, assert_on_the_run_model, both, launch, load, read_events
 from local_transport import LocalClient
 from reference_q4 import kernels
 from torch import nn
@@ -134,6 +136,58 @@ def test_two_hosts_sending_different_sets_get_each_tensors_mean_over_its_senders
     assert a.model_hash == b.model_hash == model.hash == model_hash(model.named())
     assert model_hash(a.tensors.named()) == model_hash(b.tensors.named()) == model.hash  # live models too
     assert torch.equal(mb[2].weight, ma[2].weight)  # b's frozen head took a's change
+    for h in (a, b):
+        h.close()
+
+
+def test_overlapped_hosts_that_disagree_fold_the_rounds_set_and_are_told_once(local_coordinator, caplog) -> None:
+    c, (ma, mb), (a, b) = two_hosts(local_coordinator, frozen_head="a")
+    caplog.set_level(logging.WARNING, logger="lightning_nodeox.host.moving")
+    nudge(ma, 1), nudge(mb, 2)
+    with torch.no_grad():
+        ma[2].weight.copy_(a.tensors.base[a.tensors.names.index("2.weight")])  # a's head is frozen: unchanged
+        ma[2].bias.copy_(a.tensors.base[a.tensors.names.index("2.bias")])
+    for h in (a, b):
+        h.tensors.take_snapshot(restart_from_base=False)
+    snapshot = [None if s is None else s.clone() for s in a.tensors.snapshot]
+    assert [s is None for s in snapshot] == [n.startswith("2.") for n in a.tensors.names]  # frozen: no copy
+    both(lambda: a.run_overlapped(8, False), lambda: b.run_overlapped(8, False))
+    assert a.model_hash == b.model_hash == c.rounds.model.hash
+    with torch.no_grad():
+        ma[0].weight.add_(0.01)  # progress made while the exchange was in flight
+    live = [t.clone() for t in a.tensors.live]
+    a.tensors.fold(), b.tensors.fold()
+    for name, t, x, base, s in zip(a.tensors.names, a.tensors.live, live, a.tensors.base, snapshot):
+        if name.startswith("2."):
+            assert torch.equal(t, base), name  # b's change of the head, which a did not send
+        elif name != "1.num_batches_tracked":
+            assert torch.equal(t, x + (base - s)), name
+    both(lambda: a.run_round(8, True), lambda: b.run_round(8, True))
+    assert_on_the_run_model(c, a, b)
+    told = [r.getMessage() for r in caplog.records if r.name == "lightning_nodeox.host.moving"]
+    assert len(told) == 1 and "2 tensor(s) another host trained and this host did not send (e.g. '2.weight')" in told[0]
+    for h in (a, b):
+        h.close()
+
+
+def test_a_late_host_drops_what_the_round_did_not_take(local_coordinator) -> None:
+    c = local_coordinator(round_timeout=0.2, min_hosts=1)
+    modules = [net(0), net(0)]
+    modules[0][2].requires_grad_(False)  # a sends no head; b's head delta comes too late
+    a, b = [HostRound(HostTensors.of_module(m), LocalClient(c, h), PhaseLog(h)) for m, h in zip(modules, "ab")]
+    a.join(), b.join()
+    nudge(modules[0], 1), nudge(modules[1], 2)
+    with torch.no_grad():
+        modules[0][2].weight.copy_(a.tensors.base[a.tensors.names.index("2.weight")])
+        modules[0][2].bias.copy_(a.tensors.base[a.tensors.names.index("2.bias")])
+    a.tensors.boundary(), b.tensors.boundary()
+    assert a.upload(a.encode(a.tensors.live, 8, False)) is Upload.TAKEN
+    time.sleep(0.3)
+    c.tick()  # the round closes on its timeout without b
+    assert b.upload(b.encode(b.tensors.live, 8, False)) is Upload.LATE
+    a.synchronize(), b.synchronize()
+    assert "2.weight" not in names(c.rounds.model.latest_sync)
+    assert_on_the_run_model(c, a, b)  # b's head is back on the run's model, as its other tensors
     for h in (a, b):
         h.close()
 

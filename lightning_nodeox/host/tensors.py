@@ -158,7 +158,7 @@ class HostTensors:
             part = Part(indices, self.specs, layout,
                         Q4Message.allocate(layout, pin_memory=self.device.type == "cuda"))
             if self.part is not None or len(indices) < len(self.specs):
-                log.info("nodeox: this host's delta now carries %d of the model's %d tensors (%.1f MB a round)%s",
+                log.info("nodeox: this host's delta now carries %d of the model's %d tensors (%.3g MB a round)%s",
                          len(indices), len(self.specs), layout.total / 1e6,
                          "" if len(indices) == len(self.specs) else ": frozen parameters do not travel")
         self._parts[indices] = part  # the most recent set last
