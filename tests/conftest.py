@@ -55,20 +55,20 @@ def keep_records(monkeypatch):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """The final model of a run never interrupted (restarts.run), per outer optimizer."""
+    """The final model of a run never interrupted (restarts.run), per outer optimizer and frozen tensors."""
     hashes = {}
 
-    def final(outer: tuple[str, ...]) -> str:
-        if outer not in hashes:
+    def final(outer: tuple[str, ...], still: tuple[str, ...] = ()) -> str:
+        if (outer, still) not in hashes:
             coord = Coordinator(tmp_path_factory.mktemp("reference") / "run", 2, *outer)
             try:
-                a, b = run(coord.url)
+                a, b = run(coord.url, still=still)
                 assert coord.wait(60) == 0
             finally:
                 coord.stop()
             assert a == b
-            hashes[outer] = a
-        return hashes[outer]
+            hashes[outer, still] = a
+        return hashes[outer, still]
 
     return final
 

@@ -123,10 +123,17 @@ def upload(host: HostRound, samples: int = 8, final: bool = False) -> Upload:
 
 def train_on_model(host: HostRound, k: int, round_: int) -> None:
     """This round's deterministic "training": a change that depends on the model, the host and the round (unlike
-    helpers.train's nudge, so a host that trained on another model would send another delta)."""
+    helpers.train's nudge, so a host that trained on another model would send another delta); frozen parameters
+    (see :func:`frozen`) stay as they are."""
     with torch.no_grad():
-        for i, t in enumerate(host.tensors.live):
-            t.mul_(1 + 1e-3 * k).add_(1e-3 * ((i + k + round_) % 5 - 2))
+        for i, (t, p) in enumerate(zip(host.tensors.live, host.tensors.moving.parameters)):
+            if p is None or p.requires_grad:
+                t.mul_(1 + 1e-3 * k).add_(1e-3 * ((i + k + round_) % 5 - 2))
+
+
+def frozen(named: list[tuple[str, torch.Tensor]], names: tuple[str, ...]) -> HostTensors:
+    """The host tensors of ``named`` where the tensors ``names`` are frozen parameters (the others always move)."""
+    return HostTensors(named, [nn.Parameter(t, requires_grad=False) if n in names else None for n, t in named])
 
 
 def deltas(host: HostRound) -> list[torch.Tensor]:

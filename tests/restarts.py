@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from helpers import model, train_on_model
+from helpers import frozen, model, train_on_model
 
 from lightning_nodeox.core.phases import PhaseLog
 from lightning_nodeox.host.client import HttpClient
 from lightning_nodeox.host.round import HostRound
-from lightning_nodeox.host.tensors import HostTensors
 
 ROUNDS = 5
 NESTEROV = ("--outer-optimizer", "nesterov", "--outer-lr", "0.7", "--outer-momentum", "0.9")
@@ -18,10 +17,11 @@ AVERAGE = ("--outer-optimizer", "average")
 TUNED = ("--outer-optimizer", "nesterov", "--outer-lr", "0.5", "--outer-momentum", "0.8")  # every setting not its default
 
 
-def run(url: str, interrupt=None, at_round: int = 2) -> list[str]:
+def run(url: str, interrupt=None, at_round: int = 2, still: tuple[str, ...] = ()) -> list[str]:
     """Two hosts a and b exchange ROUNDS rounds; ``interrupt()`` runs once host a has sent round ``at_round``'s
-    delta (so that round cannot close before it). Returns each host's final model hash."""
-    hosts = [HostRound(HostTensors(model(seed)), HttpClient(url, host=h, retry_for=60), PhaseLog(h))
+    delta (so that round cannot close before it); the tensors ``still`` are frozen parameters on both. Returns each
+    host's final model hash."""
+    hosts = [HostRound(frozen(model(seed), still), HttpClient(url, host=h, retry_for=60), PhaseLog(h))
              for seed, h in enumerate("ab")]
     for h in hosts:
         h.join()

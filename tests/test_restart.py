@@ -14,6 +14,9 @@ from helpers import model, train_on_model
 from restarts import AVERAGE, NESTEROV, ROUNDS, TUNED, run
 
 from lightning_nodeox.core.phases import PhaseLog
+from lightning_nodeox.core.settings import Q4Settings
+from lightning_nodeox.core.specs import spec_of
+from lightning_nodeox.core.wire import Q4Layout
 from lightning_nodeox.host.client import HttpClient
 from lightning_nodeox.host.round import HostRound
 from lightning_nodeox.host.tensors import HostTensors
@@ -37,16 +40,16 @@ def one_round_behind(run_dir) -> None:
     path.write_text(json.dumps(state))
 
 
-@pytest.mark.parametrize("how, snapshot_every, outer", [
-    ("kill", 100, NESTEROV), ("kill", 1, NESTEROV), ("stop", 100, NESTEROV), ("behind", 100, AVERAGE),
-    ("stop", 100, TUNED)])
+@pytest.mark.parametrize("how, snapshot_every, outer, still", [
+    ("kill", 100, NESTEROV, ()), ("kill", 1, NESTEROV, ()), ("stop", 100, NESTEROV, ()), ("behind", 100, AVERAGE, ()),
+    ("stop", 100, TUNED, ()), ("kill", 100, NESTEROV, ("w",))])
 def test_a_restarted_coordinator_ends_on_the_model_of_an_uninterrupted_run(coordinator, uninterrupted, how,
-                                                                           snapshot_every, outer) -> None:
+                                                                           snapshot_every, outer, still) -> None:
     """Mid-round, one delta sent: kill -9 (no snapshot of the current model: a host gives it back; or a snapshot
     every round), a clean stop (a snapshot at shutdown), or kill -9 with the saved state a round behind the hosts.
     Host a resends its delta, b sends its own, and the run ends bit-identical to one never interrupted. The
     coordinator is started again without the outer-optimizer flags: the saved ones (TUNED: each differs from its
-    default) must win."""
+    default) must win. With a frozen parameter (``still``), its deltas and syncs leave it out throughout."""
     coord = coordinator(2, *outer, "--snapshot-every", str(snapshot_every))
     port = coord.url.rsplit(":", 1)[1]
     started = []
@@ -63,8 +66,8 @@ def test_a_restarted_coordinator_ends_on_the_model_of_an_uninterrupted_run(coord
         started.append(coordinator(2, "--bind", f"127.0.0.1:{port}", "--snapshot-every", str(snapshot_every),
                                    run_dir=coord.run_dir))
 
-    final = uninterrupted(outer)
-    assert run(coord.url, interrupt) == [final, final]
+    final = uninterrupted(outer, still)
+    assert run(coord.url, interrupt, still=still) == [final, final]
     assert started[0].wait(60) == 0
     log = started[0].log_path.read_text()
     from_snapshot = how == "stop" or snapshot_every == 1
@@ -76,6 +79,9 @@ def test_a_restarted_coordinator_ends_on_the_model_of_an_uninterrupted_run(coord
     assert restart == (1 if how == "behind" else 2)
     assert [e["round"] for e in events if e["phase"] == "sync_prepare"] == list(range(ROUNDS))
     assert [e["hosts"] for e in events if e["phase"] == "aggregate" and e["round"] == 2] == [["a", "b"]]
+    specs = spec_of([(n, t) for n, t in model(0) if n not in still])
+    sizes = {e["bytes"] for e in events if e["phase"] in ("receive", "sync_prepare")}
+    assert sizes == {Q4Layout.of(specs, Q4Settings()).total}
 
 
 def test_a_finished_run_is_moved_aside_and_a_new_one_starts(coordinator, tmp_path) -> None:
