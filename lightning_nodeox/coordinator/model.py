@@ -115,7 +115,8 @@ class CoordinatorModel:
             return
         host = message.meta.host
         for j, i in enumerate(indices):
-            if self.specs[i].raw and (i not in self.raw_from or raw_source_key(host) < raw_source_key(self.raw_from[i])):
+            taken_from = self.raw_from.get(i)
+            if self.specs[i].raw and (taken_from is None or raw_source_key(host) < raw_source_key(taken_from)):
                 self.raw_taken[i].copy_(message.raw(j))
                 self.raw_from[i] = host
         assign = [self.weights[i] == 0 for i in indices]

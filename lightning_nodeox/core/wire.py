@@ -36,7 +36,6 @@ from .codecs.base import Codec
 from .settings import Q4Settings
 from .specs import PayloadError, TensorSpec, specs_from_json
 
-
 FORMAT = "nodeox-q4"
 VERSION = 1
 _CRC_PLACEHOLDER = "00000000"

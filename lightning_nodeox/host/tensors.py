@@ -346,6 +346,8 @@ class HostTensors:
             apply_sync(k, *self._region(sync, j), self.base[i].view(-1), target[i].view(-1), start=start, stop=stop,
                        hasher=fused)
 
+        for i in part.indices:
+            self._digests[i] = None  # until digest(): an apply cut short leaves no stale digest behind
         with torch.no_grad():
             if part.indices != own:
                 self._differing(part.indices, own, into_live)
@@ -358,14 +360,15 @@ class HostTensors:
                     _bytes(target[i]).copy_(values)
         raw = set(part.raw)
         self._undigested = [h for j, h in enumerate(fresh) if j in raw or not h.fusable(chunk)]
+        hashers = list(self._digests)
         for i, h in zip(part.indices, fresh):
-            self._digests[i] = h
-        for i, d in enumerate(self._digests):
+            hashers[i] = h
+        for i, d in enumerate(hashers):
             if d is None:
-                self._digests[i] = d = RowHasher(self.base[i])
+                hashers[i] = d = RowHasher(self.base[i])
                 self._undigested.append(d)
         self._synced = part.indices
-        return list(self._digests)
+        return hashers
 
     def _differing(self, synced: tuple[int, ...], own: tuple[int, ...], into_live: bool) -> None:
         """Before a sync of another set than this host's delta is applied (see :meth:`apply`)."""
@@ -381,9 +384,11 @@ class HostTensors:
                     self._snapped.add(i)
 
     def digest(self, hashers: list[RowHasher]) -> str:
-        """The model hash from :meth:`apply`'s hashers (digesting the rows the apply could not)."""
+        """The model hash from :meth:`apply`'s hashers (digesting the rows the apply could not); they are kept as
+        base's digests."""
         pending, self._undigested = self._undigested, []
         self.pool.run([t for h in pending for t in h.tasks()])
+        self._digests = list(hashers)
         return combine(self.named(self.base), hashers)
 
     def fold(self) -> None:
