@@ -213,6 +213,8 @@ def test_the_outer_step_moves_only_the_rounds_set_and_a_delta_of_foreign_tensors
     assert torch.equal(model.tensors[1], v0) and int(model.tensors[2]) == 7
     assert model.hash == model_hash(model.named())
     assert model.weights == [0, 0, 0] and not model.moving
+    stream = model.stream(1)
+    assert [i for i, _ in stream.unsent({0, 2})] == [1, 3]  # a download in flight keeps copies of these alone
     for bad, match in (((specs[2], specs[0]), "out of the model's order"),
                        ((spec_of([("x", torch.zeros(2))])[0],), "'x' is not one of the model's 3 tensors")):
         with pytest.raises(ModelMismatchError, match=match):

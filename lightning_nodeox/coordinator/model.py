@@ -286,9 +286,9 @@ class ModelStream:
     """One full-model download in flight: the safetensors file of θ as it was when the download began.
 
     It reads θ's own tensors, copying one chunk at a time as it sends it (the transport never holds a view of
-    θ). Before a round changes θ, :meth:`unsent` and :meth:`keep` copy aside the tensors not sent yet
-    (copy-on-publish), so the download stays consistent and the round never waits for it; the copies (at most
-    the model's size, usually far less) die with the download.
+    θ). Before a round changes θ, :meth:`unsent` and :meth:`keep` copy aside the tensors of the round's set not
+    sent yet (copy-on-publish), so the download stays consistent and the round never waits for it; the copies (at
+    most the model's size, usually far less; none of a frozen tensor) die with the download.
     """
 
     def __init__(self, header: bytes, tensors: list[torch.Tensor]) -> None:
@@ -307,9 +307,11 @@ class ModelStream:
                 yield bytes(memoryview(self.parts[i][start : start + size].numpy()))
         self.next_part = len(self.parts)
 
-    def unsent(self) -> list[tuple[int, torch.Tensor]]:
-        """Copies of the parts not sent yet (work thread, before θ changes)."""
-        return [(i, self.parts[i].clone()) for i in range(max(self.next_part, 1), len(self.parts))]
+    def unsent(self, changing: set[int] | None = None) -> list[tuple[int, torch.Tensor]]:
+        """Copies of the parts not sent yet (work thread, before θ changes), of the tensors ``changing`` (by index;
+        default: all): the others stay as they are."""
+        return [(i, self.parts[i].clone()) for i in range(max(self.next_part, 1), len(self.parts))
+                if changing is None or i - 1 in changing]
 
     def keep(self, copies: list[tuple[int, torch.Tensor]]) -> None:
         """Read the remaining parts from ``copies`` from now on (on the loop, before θ changes)."""

@@ -247,7 +247,8 @@ class Rounds:
         """Copy-on-publish: full-model downloads in flight keep the θ they started with."""
         streams = list(self.downloads)
         if streams:
-            copies = await self.state.in_worker(lambda: [s.unsent() for s in streams])
+            changing = set(self.state.require_model().moving)  # the round's set: the other tensors stay as they are
+            copies = await self.state.in_worker(lambda: [s.unsent(changing) for s in streams])
             for stream, kept in zip(streams, copies):
                 stream.keep(kept)
 
