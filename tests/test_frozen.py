@@ -1,5 +1,6 @@
 """Frozen parameters do not travel: a delta carries the tensors that moved, the coordinator averages each tensor
-over the deltas that carried it and steps only those, and every host applies the round's set (no processes)."""
+over the deltas that carried it and steps only those, and every host applies the round's set (in this process);
+BackboneFinetuning under `nodeox launch` (one slow run)."""
 
 from __future__ import annotations
 
