@@ -60,7 +60,7 @@ class Console:
     def __init__(self, out: TextIO | None = None) -> None:
         self.out = out
         self.once = OncePerLaunch()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: launch says its lines from a signal handler too
 
     def say(self, line: str) -> None:
         with self._lock:
