@@ -20,6 +20,7 @@ import re
 MAX_ROWS = 8  # rows held below the last row shown: tqdm's nested bars take one each
 _CSI = re.compile(r"\[([0-?]*)[ -/]*")  # after ESC: parameters and intermediates; then the final character
 _OSC_END = re.compile(r"\x07|\x1b\\")
+_PLAIN = re.compile(r"[^\x00-\x08\x0a-\x1f\x7f]+")  # shown characters (a tab among them)
 
 
 class _Row:
@@ -44,6 +45,17 @@ class _Row:
                 self.redrawn = True
         chars[col] = ch
         self.filled += (ch != " ") - (old != " ")
+
+    def write(self, col: int, text: str) -> None:
+        if col != len(self.chars):
+            for i, ch in enumerate(text):
+                self.put(col + i, ch)
+            return
+        filled = len(text) - text.count(" ")  # appended at the end: nothing overwritten
+        if filled and self.filled == 0:
+            self.redrawn = False
+        self.chars.extend(text)
+        self.filled += filled
 
     def erase(self, start: int, end: int) -> None:
         cut = self.chars[start:end]
@@ -87,8 +99,11 @@ class Screen:
             elif ch == "\b":
                 self._col = max(0, self._col - 1)
             elif ch == "\t" or ch >= " " and ch != "\x7f":
-                self._rows[self._row].put(self._col, ch)
-                self._col += 1
+                run = _PLAIN.match(text, i).group()
+                self._rows[self._row].write(self._col, run)
+                self._col += len(run)
+                i += len(run)
+                continue
             i += 1
         return out
 
