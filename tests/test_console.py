@@ -9,7 +9,7 @@ import pytest
 from tqdm import tqdm
 
 from lightning_nodeox.tools.console import Console, OncePerLaunch
-from lightning_nodeox.tools.screen import MAX_ROWS, Screen
+from lightning_nodeox.tools.screen import MAX_OSC, MAX_ROWS, Screen
 
 
 def rendered(text: str, chunk: int | None = None) -> list[str]:
@@ -61,6 +61,7 @@ def test_erases_colours_and_titles_are_applied_or_dropped() -> None:
             "\x1b[\x1b[?25lhidden cursor\n")  # not a sequence (ESC [ ESC) and a mode change
     assert rendered(text) == ["green text", "downloading 100%", "abcxy", "tab\tanD", "hidden cursor"]
     assert rendered(text, 1) == rendered(text)
+    assert rendered("\x1b]never ended\n" + "x" * MAX_OSC + "\n") == ["never ended", "x" * MAX_OSC]
 
 
 def test_lines_pass_through_and_a_last_line_without_newline_is_shown_at_the_end() -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 
 MAX_ROWS = 8  # rows held below the last row shown: tqdm's nested bars take one each
+MAX_OSC = 4096  # characters an OSC sequence may take before it is taken for text
 _CSI = re.compile(r"\[([0-?]*)[ -/]*")  # after ESC: parameters and intermediates; then the final character
 _OSC_END = re.compile(r"\x07|\x1b\\")
 _PLAIN = re.compile(r"[^\x00-\x08\x0a-\x1f\x7f]+")  # shown characters (a tab among them)
@@ -47,6 +48,7 @@ class _Row:
         self.filled += (ch != " ") - (old != " ")
 
     def write(self, col: int, text: str) -> None:
+        """``text`` (shown characters) from column ``col`` on."""
         if col != len(self.chars):
             for i, ch in enumerate(text):
                 self.put(col + i, ch)
@@ -145,7 +147,9 @@ class Screen:
             return i + 2  # not a sequence after all: ESC [ is dropped, the rest shown
         if kind == "]":  # OSC (a window title, a hyperlink): dropped up to its terminator
             m = _OSC_END.search(text, i + 2)
-            return None if m is None else m.end()
+            if m is None:
+                return None if len(text) - i < MAX_OSC else i + 2  # never ended: ESC ] dropped, the rest shown
+            return m.end()
         return i + 2  # a two-character sequence (ESC 7, ESC M, ...): dropped
 
     def _csi(self, params: str, final: str) -> None:
