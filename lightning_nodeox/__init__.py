@@ -13,6 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
+from .core import logs
 from .core.settings import Q4Settings
 
 __version__ = "0.1.0"
@@ -43,7 +44,7 @@ def _show_host_logs() -> None:
     if logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO)
     if not logging.getLogger().hasHandlers() and not logger.handlers:
-        logger.addHandler(logging.StreamHandler())
+        logger.addHandler(logs.handler())
         logger.propagate = False
 
 

@@ -32,19 +32,24 @@ def test_overlap_is_decided_once_as_a_mode() -> None:
         NodeoxStrategy(overlap="later")
 
 
-def test_a_batch_is_counted_once_however_its_steps_nest() -> None:
-    timing = RoundTiming(local_steps=2, round_seconds=None)
+def test_steps_are_counted_as_global_step_and_a_round_closes_only_at_a_batch_end() -> None:
+    timing = RoundTiming(local_steps=3, round_seconds=None)
     timing.begin()
-    for _ in range(2):
-        with timing.inside():  # optimizer_step, around the closure's training_step ...
-            with timing.inside():
-                assert not timing.batch_ended()
-            timing.stepped()
-            timing.stepped()  # ... and a second optimizer in the same batch
+    with timing.inside():  # automatic optimization: optimizer_step, around the closure's training_step
+        with timing.inside():
             assert not timing.batch_ended()
-        timing.stepped()
-        assert timing.batch_ended() and not timing.batch_ended()
-    assert timing.steps == 2 and timing.due()
+        assert not timing.batch_ended()
+    timing.stepped()
+    assert timing.batch_ended() and not timing.batch_ended()
+    assert timing.steps == 1 and not timing.due()
+    with timing.inside():  # manual optimization: training_step, around two optimizers' steps
+        for _ in range(2):
+            with timing.inside():
+                pass
+            timing.stepped()
+            assert not timing.batch_ended() and not timing.due()  # never between two optimizers of a batch
+    assert timing.batch_ended()
+    assert timing.steps == 3 and timing.due()
     assert not timing.batch_ended()  # a batch that did not step is not counted
 
 
@@ -101,10 +106,10 @@ def test_a_given_client_carries_the_exchange(tmp_path) -> None:
         model = TwoOptimizers()
         strategy = NodeoxStrategy(coordinator_url="http://unused.invalid", host_id="solo", local_steps=4,
                                   client=local)
-        trainer = Trainer(strategy=strategy, max_steps=2 * 9, default_root_dir=tmp_path, logger=False,
+        trainer = Trainer(strategy=strategy, max_steps=2 * 5, default_root_dir=tmp_path, logger=False,
                           enable_progress_bar=False, enable_checkpointing=False)
         trainer.fit(model, data())
-        # 9 batches: rounds of 4 and 4, and a final round of 1, all through the in-process coordinator
+        # 5 batches of 2 optimizer steps: rounds of 4 and 4, and a final round of 2, through the in-process coordinator
         assert [m.host_id for m in made] == ["solo"]
         assert strategy.last_result.round == 2 and strategy.last_result.complete
         assert model_hash(shared_tensors(model)) == c.rounds.model.hash == strategy.model_hash

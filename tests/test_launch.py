@@ -1,15 +1,17 @@
-"""`nodeox launch`'s output: one prefixed line per line a host writes, a progress bar shown as it ends."""
+"""`nodeox launch`: one prefixed line per line a host writes (a progress bar shown as it ends), exit statuses named,
+and the coordinator's options forwarded as given."""
 
 from __future__ import annotations
 
 import io
 
-from lightning_nodeox.tools.launch import _exit_status, _stream
+from lightning_nodeox.tools.console import Console
+from lightning_nodeox.tools.launch import _exit_status
 
 
 def streamed(data: bytes) -> list[str]:
     out = io.StringIO()
-    _stream("[host 0]", io.BufferedReader(io.BytesIO(data)), out)
+    Console(out).follow("[host 0]", io.BufferedReader(io.BytesIO(data)))
     return out.getvalue().splitlines()
 
 

@@ -30,7 +30,7 @@ def early_stop_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("early_stop")
     run_dir, out = root / "run", root / "out"
     result = launch(run_dir, 2, [sys.executable, str(HOSTS / "digits_host.py"), "--out", str(out), "--max-steps", "200",
-                                 "--stop-host", "1"])
+                                 "--stop-host", "1", "--progress-bar"])
     assert result.returncode == 0, result.stdout[-5000:]
     after = {h: json.loads((out / f"host{h}_after_fit.json").read_text()) for h in (0, 1)}
     return run_dir, out, result, after
@@ -65,16 +65,26 @@ def test_sync_dist_values_are_the_same_on_every_host(early_stop_run) -> None:
     assert after[0]["callback_metrics"]["stop_signal"] == 1.0 and after[1]["callback_metrics"]["stop_signal"] == 0.0
 
 
-def test_one_progress_line_per_host_per_round(early_stop_run) -> None:
+def test_the_console_shows_folded_progress_lines_a_bars_last_state_and_lightnings_chatter_once(early_stop_run) -> None:
     _, _, result, _ = early_stop_run
+    out = result.stdout
     lines = defaultdict(list)
-    for m in re.finditer(r"\[host (\d)\] nodeox: host \1 round (\d+), step (\d+), train_loss [\d.e+-]+, "
-                         r"waited [\d.]+s, model ([0-9a-f]{8})", result.stdout):
-        lines[m[1]].append((int(m[2]), int(m[3]), m[4]))
-    assert [r for r, _, _ in lines["0"]] == [r for r, _, _ in lines["1"]] == list(range(6))
-    assert [s for _, s, _ in lines["0"]] == [10, 20, 30, 40, 50, 60]
-    assert [s for _, s, _ in lines["1"]] == [10, 20, 30, 40, 50, STEPS_PER_EPOCH]
-    assert [h for _, _, h in lines["0"]] == [h for _, _, h in lines["1"]]
+    for m in re.finditer(r"^\[host (\d)\] nodeox: host \1 (?:round (\d+)|rounds (\d+)-(\d+)), step (\d+), "
+                         r"train_loss [\d.e+-]+, waited [\d.]+s, model ([0-9a-f]{8})( \(the run is complete\))?$", out,
+                         re.MULTILINE):
+        first, last = (int(m[2]), int(m[2])) if m[2] else (int(m[3]), int(m[4]))
+        lines[m[1]].append((first, last, int(m[5]), m[6], bool(m[7])))
+    assert len(re.findall(r"nodeox: host \d rounds? ", out)) == sum(map(len, lines.values()))  # each a line of its own
+    for h, final_step in {"0": 60, "1": STEPS_PER_EPOCH}.items():  # host 0 stops at its next boundary (epoch 1)
+        shown = lines[h]
+        assert shown[0][:2] == (0, 0)  # the first round has a line of its own; rounds 0-5 each once, in order
+        assert [r for first, last, *_ in shown for r in range(first, last + 1)] == list(range(6))
+        assert shown[-1][2] == final_step and shown[-1][4] and not any(s[4] for s in shown[:-1])
+        bars = [line for line in out.splitlines() if line.startswith(f"[host {h}] Epoch ")]
+        assert len(bars) == 1 and f"| {final_step % STEPS_PER_EPOCH or STEPS_PER_EPOCH}/{STEPS_PER_EPOCH} [" in bars[0]
+    assert lines["0"][-1][3] == lines["1"][-1][3]  # the final model, the same on both hosts
+    assert "\x1b" not in out and "\r" not in out
+    assert out.count("GPU available: ") == 1 and out.count("LeafSpec") <= 1  # once per launch, not per host
 
 
 def test_sigterm_while_waiting_for_a_sync_leaves_at_once(tmp_path) -> None:

@@ -68,8 +68,10 @@ class NodeoxStrategy(DDPStrategy):
     Args:
         coordinator_url: ``http://HOST:PORT`` of ``nodeox coordinator`` (default: ``NODEOX_COORDINATOR_URL``,
             which ``nodeox launch`` sets).
-        local_steps: optimizer steps each host takes alone between exchanges. More steps send fewer bytes per
-            sample but let hosts drift further apart; 20 is the study's setting.
+        local_steps: optimizer steps each host takes alone between exchanges, counted as ``trainer.global_step``
+            counts them (two optimizers stepping in a batch are two steps; with ``accumulate_grad_batches=k`` a step
+            is k batches); the round closes at the first batch end with at least this many. More steps send fewer
+            bytes per sample but let hosts drift further apart; 20 is the study's setting.
         host_id: this host's name in the run, 1 to 64 characters (default: ``NODEOX_HOST_ID``, else the host name).
         token: bearer token, when the coordinator was started with ``--token-file`` (default: ``NODEOX_TOKEN``).
         rounding: ``"nearest"`` or ``"stochastic"`` rounding of the delta's codes (stochastic is unbiased but
@@ -270,7 +272,7 @@ class NodeoxStrategy(DDPStrategy):
         return output
 
     def _at_batch_end(self) -> None:
-        """Count a batch that stepped (once, however many optimizers stepped); fold an arrived sync into the live
+        """Count the optimizer steps of a batch that ended (host/timing.py); fold an arrived sync into the live
         model (overlap); close the round when due. On a host of several devices rank 0 decides both for all."""
         if self._ranks is None or not self._timing.batch_ended():
             return

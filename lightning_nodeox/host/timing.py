@@ -1,9 +1,13 @@
 """When a host's round closes: after ``local_steps`` optimizer steps, or with ``round_seconds`` at the first step
 after a time budget.
 
-A step is counted once per batch, however many optimizers stepped in it: Lightning's ``training_step`` and
+Steps are counted as Lightning's ``trainer.global_step`` (and ``max_steps``) counts them: every optimizer step is
+one, so a manual-optimization batch that steps a generator and a discriminator is two, and with
+``accumulate_grad_batches=k`` a step takes k batches. A round closes only where a batch ends, never between two
+optimizers of one batch: at the first batch end with at least ``local_steps`` steps since the round began (with
+two steps a batch and an odd ``local_steps``, a round holds one step more). Lightning's ``training_step`` and
 ``optimizer_step`` nest (automatic optimization runs the training step inside the optimizer's closure, manual
-optimization steps inside the training step), so a batch ends when the outermost of them returns after a step.
+optimization steps inside the training step), so a batch ends when the outermost of them returns.
 
 With ``round_seconds``, a round that waited for its sync starts a budget of its own; overlapped rounds keep to a
 fixed schedule (boundaries ``round_seconds`` apart), so time lost at a boundary or to a step that overran is made
@@ -35,7 +39,7 @@ class RoundTiming:
         self.start = 0.0  # wall-clock time the current round started (for its training record)
         self.deadline = 0.0  # with round_seconds: when the current round closes, on ``clock``
         self._depth = 0
-        self._stepped = False
+        self._stepped = 0  # optimizer steps of the batch now running
 
     @contextmanager
     def inside(self) -> Iterator[None]:
@@ -47,18 +51,18 @@ class RoundTiming:
             self._depth -= 1
 
     def stepped(self) -> None:
-        """An optimizer stepped in the batch now running."""
-        self._stepped = True
+        """An optimizer stepped in the batch now running (each call is one step, as in ``trainer.global_step``)."""
+        self._stepped += 1
 
     def add_samples(self, samples: int) -> None:
         self.samples += samples
 
     def batch_ended(self) -> bool:
-        """Whether a batch that stepped just ended (outside every nested step); it is then counted, once."""
+        """Whether a batch that stepped just ended (outside every nested step); its steps are then counted, once."""
         if self._depth or not self._stepped:
             return False
-        self._stepped = False
-        self.steps += 1
+        self.steps += self._stepped
+        self._stepped = 0
         return True
 
     def due(self) -> bool:

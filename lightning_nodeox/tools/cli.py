@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..coordinator.config import DEFAULT_PORT, CoordinatorConfig, OuterSettings
 from ..coordinator.outer import outer_names
+from ..core import logs
 from ..core.settings import BLOCK_SIZES, CODECS, SCALE_DTYPES, Q4Settings
 
 LAUNCH_BIND = "127.0.0.1:0"  # launch's coordinator serves this machine's hosts only, on a free port
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         i = argv.index("--")
         argv, command = argv[:i], argv[i + 1 :]
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO, handlers=[logs.handler()])
     if args.cmd == "coordinator":
         config = _config(args)  # refuse a bad command line before importing torch
         from ..coordinator.server import serve

@@ -8,10 +8,11 @@ certificate); when this machine has at least N x ``gpus_per_host`` GPUs each hos
 the hosts do not oversubscribe the CPU. A host of several GPUs runs ``Trainer(devices=K)``, and Lightning starts
 its other ranks (they share the host's output prefix and CPU share).
 
-Outputs are shown line by line with a prefix; a progress bar, which redraws its line with carriage returns,
-shows as its line ends rather than once per refresh. A host that fails (exits non-zero, e.g. after a SIGTERM)
-is named at once; the others go on (as on a cluster: it left, or its lease expires), and launch exits
-non-zero. If the coordinator fails, the hosts are stopped.
+Outputs are shown line by line with a prefix, as a terminal would have shown them (:mod:`.console`): a progress
+bar in its last state, never its refreshes or escape sequences; stdout and stderr read apart, so lines never run
+together; Lightning's start-up chatter and Python warnings that every host prints alike shown once per launch. A host that
+fails (exits non-zero, e.g. after a SIGTERM) is named at once; the others go on (as on a cluster: it left, or its
+lease expires), and launch exits non-zero. If the coordinator fails, the hosts are stopped.
 
 Ctrl-C (SIGINT) or SIGTERM stops the run, resumable: every child runs in a process group of its own, so the
 terminal's SIGINT reaches launch alone; launch sends SIGTERM to the hosts (they leave and exit 143, without
@@ -21,7 +22,6 @@ command started again resumes the run.
 
 from __future__ import annotations
 
-import codecs
 import os
 import signal
 import subprocess
@@ -35,43 +35,25 @@ from ..core.cpu import granted_cpus
 from ..core.settings import (
     ENV_CA_FILE, ENV_HOST_ID, ENV_LOCAL_RANK, ENV_NUM_HOSTS, ENV_RUN_DIR, ENV_TOKEN, ENV_URL,
 )
+from .console import Console
 
 STOP_GRACE = 10.0
 
 
-def _stream(prefix: str, pipe, out=sys.stdout) -> None:
-    """Copy a child's output with a prefix, one line per newline. Of a line redrawn with carriage returns (a
-    progress bar) only what it shows when the newline comes is copied."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    pending = ""
-    while chunk := pipe.read1(1 << 16):
-        *lines, pending = (pending + decoder.decode(chunk)).split("\n")
-        pending = pending[pending.rfind("\r"):] if "\r" in pending else pending  # only the bar's last state
-        for line in lines:
-            _write_line(prefix, line, out)
-    if pending:
-        _write_line(prefix, pending, out)
-    pipe.close()
-
-
-def _write_line(prefix: str, line: str, out) -> None:
-    shown = line.rstrip("\r").rsplit("\r", 1)[-1]
-    if shown.strip() or "\r" not in line:
-        out.write(f"{prefix} {shown}\n")
-        out.flush()
-
-
-def _start(cmd: list[str], env: dict, prefix: str, cpus: list[int] | None = None) -> tuple[subprocess.Popen, threading.Thread]:
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+def _start(cmd: list[str], env: dict, prefix: str, console: Console,
+           cpus: list[int] | None = None) -> tuple[subprocess.Popen, list[threading.Thread]]:
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             process_group=0)  # a Ctrl-C in the terminal reaches launch, which forwards SIGTERM
     if cpus:
         try:
             os.sched_setaffinity(proc.pid, cpus)  # before the interpreter has started any thread of its own
         except OSError:
             pass
-    thread = threading.Thread(target=_stream, args=(prefix, proc.stdout), daemon=True)
-    thread.start()
-    return proc, thread
+    threads = [threading.Thread(target=console.follow, args=(prefix, pipe), daemon=True)
+               for pipe in (proc.stdout, proc.stderr)]
+    for t in threads:
+        t.start()
+    return proc, threads
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -138,20 +120,22 @@ def launch(config: CoordinatorConfig, coordinator_args: list[str], command: list
     ready.unlink(missing_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     coord_cmd = [sys.executable, "-m", "lightning_nodeox", "coordinator", *coordinator_args, "--ready-file", str(ready)]
-    coordinator, coord_thread = _start(coord_cmd, env, "[coordinator]")
+    console = Console()
+    coordinator, coord_threads = _start(coord_cmd, env, "[coordinator]", console)
     deadline = time.monotonic() + 120
     while not ready.exists():
         if coordinator.poll() is not None or time.monotonic() > deadline:
-            print("nodeox launch: the coordinator did not start (see its output above)", file=sys.stderr)
             _stop([coordinator])
+            for t in coord_threads:
+                t.join(5)
+            print("nodeox launch: the coordinator did not start (see its output above)", file=sys.stderr)
             return 1
         time.sleep(0.05)
     url = ready.read_text().strip()
     gpus = _gpu_count()
     visible = gpu_sets(gpus, hosts, gpus_per_host)
     if 0 < gpus < hosts * gpus_per_host and "CUDA_VISIBLE_DEVICES" not in os.environ:
-        print(f"nodeox launch: {gpus} GPUs for {hosts} hosts of {gpus_per_host}: every host sees every GPU",
-              flush=True)
+        console.say(f"nodeox launch: {gpus} GPUs for {hosts} hosts of {gpus_per_host}: every host sees every GPU")
     shares = cpu_shares(hosts)
     procs: list[subprocess.Popen] = []
     threads: list[threading.Thread] = []
@@ -166,21 +150,21 @@ def launch(config: CoordinatorConfig, coordinator_args: list[str], command: list
             host_env["CUDA_VISIBLE_DEVICES"] = visible[i]
         if shares[i] is not None and "OMP_NUM_THREADS" not in os.environ:
             host_env["OMP_NUM_THREADS"] = str(len(shares[i]))
-        proc, thread = _start(command, host_env, f"[host {i}]", shares[i])
+        proc, followers = _start(command, host_env, f"[host {i}]", console, shares[i])
         procs.append(proc)
-        threads.append(thread)
+        threads += followers
 
     def forward(signum, _frame):
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, signal.SIG_IGN)  # one stop at a time; it ends within 2 x STOP_GRACE
-        print(f"nodeox launch: {signal.Signals(signum).name}: stopping the hosts, then the coordinator (the run is "
-              "saved; the same command resumes it)", flush=True)
+        console.say(f"nodeox launch: {signal.Signals(signum).name}: stopping the hosts, then the coordinator (the run "
+                    "is saved; the same command resumes it)")
         _stop(procs)  # first: they say goodbye while the coordinator listens
         _stop([coordinator])
-        for t in threads + [coord_thread]:
+        for t in threads + coord_threads:
             t.join(5)
         for name, p in [*((f"host {i}", p) for i, p in enumerate(procs)), ("coordinator", coordinator)]:
-            print(f"nodeox launch: {name}: {_exit_status(p.returncode)}", flush=True)
+            console.say(f"nodeox launch: {name}: {_exit_status(p.returncode)}")
         sys.exit(128 + signum)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -195,11 +179,11 @@ def launch(config: CoordinatorConfig, coordinator_args: list[str], command: list
                 pending.discard(i)
                 if code != 0:
                     others = "; the other hosts go on" if pending else ""
-                    print(f"nodeox launch: host {i} failed: {_exit_status(code)}{others}", flush=True)
+                    console.say(f"nodeox launch: host {i} failed: {_exit_status(code)}{others}")
                     status = status or (code if 0 < code < 256 else 1)
             if coordinator.poll() not in (None, 0) and pending:  # 0: the run completed, hosts are exiting
-                print(f"nodeox launch: the coordinator failed (status {coordinator.returncode}); stopping the hosts",
-                      flush=True)
+                console.say(f"nodeox launch: the coordinator failed (status {coordinator.returncode}); stopping the "
+                            "hosts")
                 status = status or 1
                 _stop(procs)
                 break
@@ -209,11 +193,11 @@ def launch(config: CoordinatorConfig, coordinator_args: list[str], command: list
         except subprocess.TimeoutExpired:
             pass
         _stop([coordinator])
-        for t in threads + [coord_thread]:
+        for t in threads + coord_threads:
             t.join(5)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    print(f"nodeox launch: {'done' if status == 0 else 'failed'}; run directory {run_dir} "
-          f"(tensorboard --logdir {run_dir}, nodeox report {run_dir})", flush=True)
+    console.say(f"nodeox launch: {'done' if status == 0 else 'failed'}; run directory {run_dir} "
+                f"(tensorboard --logdir {run_dir}, nodeox report {run_dir})")
     return status

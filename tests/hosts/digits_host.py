@@ -145,6 +145,7 @@ def main() -> None:
     p.add_argument("--resume", type=Path, help="resume fit from this checkpoint")
     p.add_argument("--overlap", default="off", choices=("off", "eager", "delayed"))
     p.add_argument("--round-seconds", type=float)
+    p.add_argument("--progress-bar", action="store_true", help="show Lightning's progress bar")
     p.add_argument("--devices", default="1", help="devices (CPU ranks) of the host, or one number per host id: 2,1")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -189,7 +190,7 @@ def main() -> None:
     trainer = Trainer(strategy=strategy, devices=devices, accelerator="cpu" if devices > 1 else "auto",
                       max_steps=args.max_steps, logger=TensorBoardLogger(args.out / f"tb_host{host}"),
                       callbacks=callbacks, enable_checkpointing=bool(args.checkpoint_every),
-                      enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
+                      enable_progress_bar=args.progress_bar, enable_model_summary=False, log_every_n_steps=1)
     trainer.fit(model, loader, ckpt_path=args.resume)
     after = {k: float(v) for k, v in trainer.callback_metrics.items()}
     prefix = f"host{host}" + (f".rank{trainer.global_rank}" if trainer.global_rank else "")
