@@ -4,11 +4,12 @@ coordinator, and two hosts under `nodeox launch`."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
 import torch
-from helpers import HOSTS, launch
+from helpers import HOSTS, REPO, launch
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from local_transport import LocalClient, LocalCoordinator
@@ -33,13 +34,15 @@ def test_what_fabric_cannot_take_names_the_fix() -> None:
         Fabric(strategy=NodeoxFabricStrategy(), accelerator="cpu", devices=2)
     with pytest.raises(ValueError, match="local_steps must be at least 1"):
         NodeoxFabricStrategy(local_steps=0)
+    with pytest.raises(ValueError, match="max_steps must be at least 1"):
+        NodeoxFabricStrategy(max_steps=0)
     with pytest.raises(TypeError, match="local_step"):
         NodeoxFabricStrategy(local_step=5)
 
 
-def _fabric(coordinator: LocalCoordinator, local_steps: int) -> tuple[Fabric, nn.Module, object]:
+def _fabric(coordinator: LocalCoordinator, local_steps: int, **settings) -> tuple[Fabric, nn.Module, object]:
     strategy = NodeoxFabricStrategy(coordinator_url="http://unused.invalid", host_id="solo", local_steps=local_steps,
-                                    client=lambda conn: LocalClient(coordinator, conn.host_id))
+                                    client=lambda conn: LocalClient(coordinator, conn.host_id), **settings)
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=1)
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
@@ -108,6 +111,21 @@ def test_teardown_without_finish_finishes_unless_an_exception_is_on_its_way(tmp_
             c.close()
 
 
+def test_max_steps_makes_the_round_closing_there_the_final_one(tmp_path) -> None:
+    c = LocalCoordinator(tmp_path / "run", 1)
+    try:
+        fabric, model, optimizer = _fabric(c, local_steps=3, max_steps=5)
+        strategy = fabric.strategy
+        for _ in range(5):
+            assert not strategy.should_stop
+            _step(fabric, model, optimizer)
+        assert strategy.should_stop and strategy.last_result.round == 1  # rounds of 3 and 2 steps, no empty third
+        assert strategy.finish() == c.rounds.model.hash == model_hash(shared_tensors(model))
+        assert strategy.last_result.round == 1
+    finally:
+        c.close()
+
+
 @pytest.mark.slow
 def test_two_fabric_hosts_share_values_stop_together_and_end_on_one_model(tmp_path) -> None:
     out, run_dir = tmp_path / "out", tmp_path / "run"
@@ -138,3 +156,13 @@ def test_two_fabric_hosts_share_values_stop_together_and_end_on_one_model(tmp_pa
         seen = {r["shared"] for h in "01" for r in hosts[h]["records"] if r["round"] == round_}
         assert len(seen) == 1 and seen.pop() == pytest.approx(mean, rel=1e-6), round_
     assert all(r["shared"] == r["own"] for h in "01" for r in hosts[h]["records"] if r["round"] == -1)
+
+
+@pytest.mark.slow
+def test_the_fabric_example_ends_every_host_on_one_model(tmp_path) -> None:
+    result = launch(tmp_path / "run", 2, [sys.executable, str(REPO / "examples" / "fabric_finetune.py"), "--max-steps",
+                                          "20", "--local-steps", "10", "--eval-interval", "20"], timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ends = dict(re.findall(r"\[host (\d)\] host \d: 20 steps, final model ([0-9a-f]{32})", result.stdout))
+    assert sorted(ends) == ["0", "1"] and ends["0"] == ends["1"]
+    assert all((tmp_path / "run" / "hosts" / f"host{h}" / "final.ckpt").is_file() for h in "01")

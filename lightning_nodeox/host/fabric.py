@@ -8,12 +8,14 @@ loop, so the strategy's hooks are the places where Fabric calls it:
   after ``fabric.setup_module`` and loading pretrained weights, LitGPT's order), the model set up is the one
   exchanged: the first host to join provides it, the others take it.
 - Rounds close in ``optimizer.step()``: every ``local_steps`` optimizer steps (or ``round_seconds``); each step
-  weighs as one sample in the mean of the deltas (Fabric never shows the strategy a batch).
+  weighs as one sample in the mean of the deltas (Fabric never shows the strategy a batch). With ``max_steps``
+  (Fabric has no Trainer to hold it) the round that closes at that step is the host's final one.
 - Stopping together: ``fabric.strategy.should_stop`` turns True at the round boundary where this host learns that
-  the run completed (another host's loop ended). A loop ends there, or where it decides to (max steps, early
-  stopping), and then calls ``fabric.strategy.finish()``: the host's final round (what it trained since its last
-  round, unless the run completed already), after which every host holds the same final model, and the host leaves
-  the run. Optimizer steps after the run completed are skipped (warned once), so a loop that checks the flag late
+  the run completed (another host's loop ended, or this host reached ``max_steps``). A loop ends there, or where
+  it decides to (early stopping), and then calls ``fabric.strategy.finish()``: the host's final round (what it
+  trained since its last round, unless the run completed already), after which every host holds the same final
+  model, and the host leaves the run. (A loop that ends right after a round boundary without ``max_steps`` sends
+  an empty final round: a message of the model's size.) Optimizer steps after the run completed are skipped (warned once), so a loop that checks the flag late
   still ends on the run's model. ``teardown()`` without ``finish()`` finishes, unless an exception is on its way
   (then the host leaves at once); a script that ends with neither leaves the run without a final round (warned).
 - ``fabric.all_reduce(x)`` shares a scalar across hosts with ``self.log(sync_dist=True)``'s rule: it returns the
@@ -81,15 +83,21 @@ class NodeoxFabricStrategy(SingleDeviceStrategy):
         **arguments: NodeoxStrategy's (documented there): ``coordinator_url``, ``local_steps``, ``host_id``,
             ``token``, ``rounding``, ``error_feedback``, ``codec_threads``, ``cpu_threads``, ``telemetry_url``,
             ``request_timeout``, ``retry_for``, ``overlap``, ``round_seconds``, ``client``.
+        max_steps: this host's optimizer steps at most, as ``Trainer(max_steps=...)``: the round that closes at that
+            step is its final one (``should_stop`` turns True there), so :meth:`finish` sends no empty round.
         accelerator, checkpoint_io, precision: Fabric's plugins, as for its own strategies (usually left to
             ``Fabric(accelerator=..., precision=...)``).
     """
 
     strategy_name = "nodeox"
 
-    def __init__(self, *, accelerator=None, checkpoint_io=None, precision=None, **arguments: Any) -> None:
+    def __init__(self, *, max_steps: int | None = None, accelerator=None, checkpoint_io=None, precision=None,
+                 **arguments: Any) -> None:
         super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision)
         self._session = HostSession(**arguments)
+        if max_steps is not None and max_steps < 1:
+            raise ValueError(f"max_steps must be at least 1 (or None: the loop ends with finish()), got {max_steps}")
+        self.max_steps = max_steps
         self.parallel_devices: list[torch.device] | None = None  # Fabric's connector sets them (Fabric(devices=...))
         self._module: Module | None = None  # the model set up: the one exchanged
         self._steps = 0  # optimizer steps this host took
@@ -190,7 +198,8 @@ class NodeoxFabricStrategy(SingleDeviceStrategy):
         with self._leaving_on_error():
             if session.sigterm.received:
                 raise SIGTERMException()
-            session.step_ended(lambda: self._steps, lambda: False)
+            last = self.max_steps is not None and self._steps >= self.max_steps
+            session.step_ended(lambda: self._steps, lambda: False, last=last)
         return output
 
     def _took(self, result: RoundResult, step: int) -> None:
@@ -285,7 +294,7 @@ class NodeoxFabricStrategy(SingleDeviceStrategy):
         if self._ended:
             return
         failed = getattr(sys, "last_value", None) is not None  # an exception ended the script
-        if not failed:
+        if not failed and not self._session.complete:
             log.warning("NodeoxFabricStrategy: host %s's script ended without fabric.strategy.finish(): it left the "
                         "run without its final round, and may not hold the run's final model; call finish() when the "
                         "training loop ends", self._host)

@@ -112,17 +112,18 @@ class HostSession:
         return conn, self.link.round.model_hash
 
     # -- round boundaries: when (host/timing.py), and overlapped or not (host/overlap.py) -----------------------
-    def step_ended(self, step: Callable[[], int], final: Callable[[], bool]) -> None:
+    def step_ended(self, step: Callable[[], int], final: Callable[[], bool], *, last: bool = False) -> None:
         """Where a batch that stepped may have ended: count it (host/timing.py); fold an arrived sync into the live
         model (overlap); close the round when due (``step()``: where, ``final()``: whether training ends after
-        it). On a host of several devices rank 0 decides both for all."""
+        it), or as the final one whether due or not when ``last`` (training ends with this batch). On a host of
+        several devices rank 0 decides both for all."""
         if self.ranks is None or not self.timing.batch_ended():
             return
         arrived, due = self.ranks.decide(self.overlap.arrived(), self.timing.due())
         if arrived:
             self.took(self.overlap.fold(), self.overlap.step)
-        if due:
-            self.close_round(step(), final=final())
+        if due or last:
+            self.close_round(step(), final=last or final())
 
     def close_round(self, step: int, final: bool = False) -> None:
         """Hand the round that closed at ``step`` to the exchange worker; wait for it unless training overlaps. On
