@@ -90,7 +90,7 @@ def main() -> None:
         model = make_model(args.model)
     model = fabric.setup_module(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.02)
-    optimizer = fabric.setup_optimizers(optimizer)  # joins the run: from here on the model is the run's
+    optimizer = fabric.setup_optimizers(optimizer)  # (load pretrained weights here: the first step joins the run)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / args.warmup_steps))
     train, held_out = datasets(host, hosts)
     train_loader, val_loader = fabric.setup_dataloaders(
@@ -109,7 +109,7 @@ def main() -> None:
             running.append(loss.detach())
             if is_accumulating:
                 continue
-            optimizer.step()  # every local_steps steps a round closes here
+            optimizer.step()  # the first joins the run; every local_steps steps a round closes here
             optimizer.zero_grad()
             scheduler.step()
             step += 1

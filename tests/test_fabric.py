@@ -111,12 +111,18 @@ def test_teardown_without_finish_finishes_unless_an_exception_is_on_its_way(tmp_
             c.close()
 
 
-def test_max_steps_makes_the_round_closing_there_the_final_one(tmp_path) -> None:
+def test_a_host_joins_at_its_first_step_and_max_steps_makes_the_round_closing_there_final(tmp_path) -> None:
     c = LocalCoordinator(tmp_path / "run", 1)
     try:
         fabric, model, optimizer = _fabric(c, local_steps=3, max_steps=5)
         strategy = fabric.strategy
-        for _ in range(5):
+        with torch.no_grad():  # weights loaded after fabric.setup (LitGPT's order) are the ones the host joins with
+            model.weight.fill_(0.5)
+        loaded = model_hash(shared_tensors(model))
+        assert strategy.model_hash is None
+        _step(fabric, model, optimizer)
+        assert strategy.model_hash == loaded  # the run's model, as this host provided it at its first step
+        for _ in range(4):
             assert not strategy.should_stop
             _step(fabric, model, optimizer)
         assert strategy.should_stop and strategy.last_result.round == 1  # rounds of 3 and 2 steps, no empty third

@@ -4,9 +4,10 @@
 lightning_nodeox`` registers it in Fabric's strategy registry), takes NodeoxStrategy's arguments. Fabric has no fit
 loop, so the strategy's hooks are the places where Fabric calls it:
 
-- Joining: when the first optimizer is set up (``fabric.setup(model, optimizer)``, or ``fabric.setup_optimizers``
-  after ``fabric.setup_module`` and loading pretrained weights, LitGPT's order), the model set up is the one
-  exchanged: the first host to join provides it, the others take it.
+- Joining: at the first optimizer step, so that weights loaded after ``fabric.setup`` (LitGPT loads its
+  pretrained checkpoint after ``fabric.setup_optimizers``; a resumed host its own checkpoint) are in place. The
+  model set up is the one exchanged: the first host to join provides it, the others take it (a first step's
+  gradients were computed on the host's own weights, the same as the run's when every host starts alike).
 - Rounds close in ``optimizer.step()``: every ``local_steps`` optimizer steps (or ``round_seconds``); each step
   weighs as one sample in the mean of the deltas (Fabric never shows the strategy a batch). With ``max_steps``
   (Fabric has no Trainer to hold it) the round that closes at that step is the host's final one.
@@ -48,7 +49,6 @@ from lightning.fabric.connector import _Connector
 from lightning.fabric.strategies import STRATEGY_REGISTRY, SingleDeviceStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.nn import Module
-from torch.optim import Optimizer
 from typing_extensions import override
 
 from . import machine
@@ -70,10 +70,10 @@ class NodeoxFabricStrategy(SingleDeviceStrategy):
     Example::
 
         fabric = Fabric(devices=1, strategy=NodeoxFabricStrategy(local_steps=20))
-        model, optimizer = fabric.setup(model, optimizer)  # joins the run
+        model, optimizer = fabric.setup(model, optimizer)
         for batch in loader:
             fabric.backward(loss_of(model, batch))
-            optimizer.step()  # a round closes every local_steps steps
+            optimizer.step()  # the first step joins the run; a round closes every local_steps steps
             optimizer.zero_grad()
             if done or fabric.strategy.should_stop:  # another host's loop ended: the run is complete
                 break
@@ -151,7 +151,7 @@ class NodeoxFabricStrategy(SingleDeviceStrategy):
     # -- joining the run ----------------------------------------------------------------------------------------
     @override
     def setup_module(self, module: Module) -> Module:
-        """The model that trains: the one exchanged (joined with its first optimizer)."""
+        """The model that trains: the one exchanged (from the first optimizer step)."""
         if self._module is not None and module is not self._module:
             raise ValueError(
                 f"NodeoxFabricStrategy exchanges one model, and {type(self._module).__name__} is set up already; "
@@ -160,27 +160,24 @@ class NodeoxFabricStrategy(SingleDeviceStrategy):
         self._module = module
         return super().setup_module(module)
 
-    @override
-    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
-        """The first optimizer set up joins the run: the model's weights become the run's."""
-        optimizer = super().setup_optimizer(optimizer)
+    def _join(self) -> None:
+        """Join the run: the model's weights become the run's."""
         if self._module is None:
             raise ValueError("NodeoxFabricStrategy joins the run with the model it trains: set it up with its "
                              "optimizer, model, optimizer = fabric.setup(model, optimizer), or fabric.setup_module(model) "
                              "before fabric.setup_optimizers(optimizer)")
         session = self._session
-        if session.ranks is None and not self._ended:
-            session.size_threads(1, "NodeoxFabricStrategy")
-            with self._leaving_on_error():
-                session.start(self._module, self.root_device, ONE_DEVICE.ranks, self._took)
-            session.sigterm.install()
-            atexit.register(self._at_exit)
-        return optimizer
+        session.size_threads(1, "NodeoxFabricStrategy")
+        with self._leaving_on_error():
+            session.start(self._module, self.root_device, ONE_DEVICE.ranks, self._took)
+        session.sigterm.install()
+        atexit.register(self._at_exit)
 
     # -- round boundaries ---------------------------------------------------------------------------------------
     @override
     def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
-        """The optimizer's step, then the round's boundary when it is due; skipped once the run has completed."""
+        """The optimizer's step (the first joins the run before it), then the round's boundary when it is due;
+        skipped once the run has completed."""
         session = self._session
         if session.complete:
             if not self._warned_complete:
@@ -189,6 +186,8 @@ class NodeoxFabricStrategy(SingleDeviceStrategy):
                             "host keeps the run's final model); end the training loop when fabric.strategy."
                             "should_stop is True, then call fabric.strategy.finish()", self._host)
             return None
+        if session.ranks is None and not self._ended:
+            self._join()
         timing = session.timing
         with timing.inside():
             output = super().optimizer_step(optimizer, **kwargs)
