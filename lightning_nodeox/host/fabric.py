@@ -53,9 +53,8 @@ from typing_extensions import override
 
 from . import machine
 from .devices import ONE_DEVICE
-from .metrics import SharedMetrics
 from .round import RoundResult
-from .session import HostSession
+from .session import HostSession, SessionReadings
 from .signals import exit_code_for
 from .strategy import NodeoxStrategy
 
@@ -64,7 +63,7 @@ log = logging.getLogger(__name__)
 _OUTSIDE_THE_SCRIPT = ("lightning.", "lightning_utilities.")  # frames between a script and the strategy's all_reduce
 
 
-class NodeoxFabricStrategy(SingleDeviceStrategy):
+class NodeoxFabricStrategy(SessionReadings, SingleDeviceStrategy):
     """Local-step training across hosts under Fabric: ``local_steps`` optimizer steps alone, then a q4 exchange.
 
     Example::
@@ -94,7 +93,7 @@ class NodeoxFabricStrategy(SingleDeviceStrategy):
     def __init__(self, *, max_steps: int | None = None, accelerator=None, checkpoint_io=None, precision=None,
                  **arguments: Any) -> None:
         super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision=precision)
-        self._session = HostSession(**arguments)
+        self._session = HostSession.of(**arguments)
         if max_steps is not None and max_steps < 1:
             raise ValueError(f"max_steps must be at least 1 (or None: the loop ends with finish()), got {max_steps}")
         self.max_steps = max_steps
@@ -110,22 +109,6 @@ class NodeoxFabricStrategy(SingleDeviceStrategy):
     def should_stop(self) -> bool:
         """True once the run has completed (learned at a round boundary): end the training loop."""
         return self._session.complete
-
-    @property
-    def model_hash(self) -> str | None:
-        """Hash of this host's shared model: as agreed with the coordinator after each round; once the run
-        completed, of the weights this host holds."""
-        return self._session.model_hash
-
-    @property
-    def last_result(self) -> RoundResult | None:
-        """The result of the last round this host applied."""
-        return self._session.last_result
-
-    @property
-    def metrics(self) -> SharedMetrics:
-        """The values shared with ``fabric.all_reduce``: this host's and the run's, by name (host/metrics.py)."""
-        return self._session.metrics
 
     @property
     def steps(self) -> int:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable
+from dataclasses import fields
+from typing import Any
 
 import torch
 
@@ -38,40 +40,21 @@ OnRound = Callable[[RoundResult, int], None]  # (a round's result, the step wher
 
 
 class HostSession:
-    """One host's part in the run, on every rank; the arguments are NodeoxStrategy's (documented there)."""
+    """One host's part in the run, on every rank."""
 
-    def __init__(
-        self,
-        *,
-        coordinator_url: str | None = None,
-        local_steps: int = 20,
-        host_id: str | None = None,
-        token: str | None = None,
-        rounding: str = "nearest",
-        error_feedback: bool = True,
-        codec_threads: int | None = None,
-        cpu_threads: int | None = None,
-        telemetry_url: str | None = None,
-        request_timeout: float = 120.0,
-        retry_for: float = 60.0,
-        overlap: bool | str = False,
-        round_seconds: float | None = None,
-        client: Callable[[Connection], HostClient] | None = None,
-    ) -> None:
-        self.settings = HostSettings(local_steps=local_steps, rounding=rounding, error_feedback=error_feedback,
-                                     codec_threads=codec_threads, request_timeout=request_timeout,
-                                     retry_for=retry_for, overlap=Overlap.of(overlap), round_seconds=round_seconds)
-        self.connection_settings = ConnectionSettings(coordinator_url=coordinator_url, host_id=host_id, token=token,
-                                                      telemetry_url=telemetry_url)
+    def __init__(self, settings: HostSettings, connection: ConnectionSettings, *, cpu_threads: int | None = None,
+                 client: Callable[[Connection], HostClient] | None = None) -> None:
         if cpu_threads is not None and cpu_threads < 1:
             raise ValueError(f"cpu_threads must be at least 1 (or None for the CPU quota), got {cpu_threads}")
+        self.settings = settings
+        self.connection_settings = connection
         self.cpu_threads = cpu_threads
-        self.client = client or http_client(self.settings)
+        self.client = client or http_client(settings)
         self.connection: Connection | None = None
         self.ranks: OneRank | HostRanks | None = None  # while training: this host's ranks
         self.link: RunLink | None = None  # rank 0, once joined
         self.overlap: InFlight | None = None  # while training
-        self.timing = RoundTiming(self.settings.local_steps, self.settings.round_seconds)
+        self.timing = RoundTiming(settings.local_steps, settings.round_seconds)
         self.hash = ""  # ranks other than 0: the model hash rank 0 last shared
         self.phase_records: deque[PhaseRecord] = deque(maxlen=100_000)
         self.last_result: RoundResult | None = None
@@ -80,6 +63,18 @@ class HostSession:
         self.sigterm = SigtermHandler(self.cancel_waits)
         self.final = FinalHash()  # once the run completed: the hash of the weights held
         self.on_round: OnRound = lambda result, step: None
+
+    @classmethod
+    def of(cls, *, cpu_threads: int | None = None, client: Callable[[Connection], HostClient] | None = None,
+           **arguments: Any) -> HostSession:
+        """A session from NodeoxStrategy's arguments (documented there): where it connects, the rest its settings
+        (a name neither knows is a TypeError that names it)."""
+        names = {f.name for f in fields(ConnectionSettings)}
+        connection = ConnectionSettings(**{k: v for k, v in arguments.items() if k in names})
+        settings = {k: v for k, v in arguments.items() if k not in names}
+        if "overlap" in settings:
+            settings["overlap"] = Overlap.of(settings["overlap"])
+        return cls(HostSettings(**settings), connection, cpu_threads=cpu_threads, client=client)
 
     def size_threads(self, ranks: int, who: str) -> None:
         """Size torch's CPU threads to this rank's share of the CPU quota (the host's ``ranks`` share it), unless
@@ -204,3 +199,44 @@ class HostSession:
         if self.final.value is not None:
             return self.final.value
         return self.link.round.model_hash if self.link is not None else self.hash or None
+
+
+class SessionReadings:
+    """What a user reads of a strategy's session (``self._session``): its settings, and the run as this host sees
+    it."""
+
+    _session: HostSession
+
+    @property
+    def settings(self) -> HostSettings:
+        return self._session.settings
+
+    @property
+    def cpu_threads(self) -> int | None:
+        return self._session.cpu_threads
+
+    @property
+    def connection(self) -> Connection | None:
+        """Where this host connected, as whom (once it joined)."""
+        return self._session.connection
+
+    @property
+    def phase_records(self) -> deque[PhaseRecord]:
+        """This host's latest phase records (rank 0)."""
+        return self._session.phase_records
+
+    @property
+    def last_result(self) -> RoundResult | None:
+        """The result of the last round this host applied."""
+        return self._session.last_result
+
+    @property
+    def metrics(self) -> SharedMetrics:
+        """The values shared across hosts (``sync_dist``, ``fabric.all_reduce``): this host's and the run's."""
+        return self._session.metrics
+
+    @property
+    def model_hash(self) -> str | None:
+        """Hash of this host's shared model: as agreed with the coordinator after each round; once the run completed,
+        of the weights this host holds (a callback that changed them after the final round is reported)."""
+        return self._session.model_hash

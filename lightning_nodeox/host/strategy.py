@@ -22,7 +22,6 @@ SIGTERM makes a host leave at once (:mod:`lightning_nodeox.host.signals`).
 from __future__ import annotations
 
 import sys
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -33,20 +32,18 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
 from typing_extensions import override
 
-from ..core.phases import PhaseRecord
 from ..core.transport import HostClient
 from . import machine
 from .agreement import suspects
 from .devices import OneDevice, SeveralDevices, devices_of
-from .metrics import SharedMetrics
 from .round import RoundResult
-from .session import HostSession
-from .settings import Connection, HostSettings
+from .session import HostSession, SessionReadings
+from .settings import Connection
 from .signals import exit_code_for
 from .stopping import ends_after_this_batch, steps_taken
 
 
-class NodeoxStrategy(DDPStrategy):
+class NodeoxStrategy(SessionReadings, DDPStrategy):
     """Local-step training across hosts: train ``local_steps`` steps alone, then exchange a q4 delta.
 
     Example::
@@ -118,40 +115,11 @@ class NodeoxStrategy(DDPStrategy):
     ) -> None:
         super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
                          **ddp_kwargs)
-        self._session = HostSession(coordinator_url=coordinator_url, local_steps=local_steps, host_id=host_id,
-                                    token=token, rounding=rounding, error_feedback=error_feedback,
-                                    codec_threads=codec_threads, cpu_threads=cpu_threads, telemetry_url=telemetry_url,
-                                    request_timeout=request_timeout, retry_for=retry_for, overlap=overlap,
-                                    round_seconds=round_seconds, client=client)
-
-    # -- what a user reads: the settings and the run as this host sees it (host/session.py holds them) ----------
-    @property
-    def settings(self) -> HostSettings:
-        return self._session.settings
-
-    @property
-    def cpu_threads(self) -> int | None:
-        return self._session.cpu_threads
-
-    @property
-    def connection(self) -> Connection | None:
-        """Where this host connected, as whom (once it joined)."""
-        return self._session.connection
-
-    @property
-    def phase_records(self) -> deque[PhaseRecord]:
-        """This host's latest phase records (rank 0)."""
-        return self._session.phase_records
-
-    @property
-    def last_result(self) -> RoundResult | None:
-        """The result of the last round this host applied."""
-        return self._session.last_result
-
-    @property
-    def metrics(self) -> SharedMetrics:
-        """The values logged with ``sync_dist=True``: this host's and the run's (host/metrics.py)."""
-        return self._session.metrics
+        self._session = HostSession.of(coordinator_url=coordinator_url, local_steps=local_steps, host_id=host_id,
+                                       token=token, rounding=rounding, error_feedback=error_feedback,
+                                       codec_threads=codec_threads, cpu_threads=cpu_threads,
+                                       telemetry_url=telemetry_url, request_timeout=request_timeout,
+                                       retry_for=retry_for, overlap=overlap, round_seconds=round_seconds, client=client)
 
     # -- devices and ranks: one device plays Lightning's single-device strategy, several its DDP (host/devices.py)
     @property
@@ -308,12 +276,6 @@ class NodeoxStrategy(DDPStrategy):
         exit_code_for(exception)
         self._session.interrupt()
         super().on_exception(exception)
-
-    @property
-    def model_hash(self) -> str | None:
-        """Hash of this host's shared model: as agreed with the coordinator after each round; once the run completed,
-        of the weights this host holds (a callback that changed them after the final round is reported)."""
-        return self._session.model_hash
 
     @classmethod
     @override
