@@ -4,7 +4,9 @@ coordinator, and two hosts under `nodeox launch`."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import sys
 
 import pytest
@@ -12,10 +14,12 @@ import torch
 from helpers import HOSTS, REPO, launch
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import STRATEGY_REGISTRY
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from local_transport import LocalClient, LocalCoordinator
 from torch import nn
 
 from lightning_nodeox import NodeoxFabricStrategy, NodeoxStrategy
+from lightning_nodeox.coordinator.hosts import HostState
 from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.host.tensors import shared_tensors
 
@@ -129,6 +133,23 @@ def test_a_host_joins_at_its_first_step_and_max_steps_makes_the_round_closing_th
         assert strategy.finish() == c.rounds.model.hash == model_hash(shared_tensors(model))
         assert strategy.last_result.round == 1
     finally:
+        c.close()
+
+
+def test_sigterm_leaves_the_run_at_the_next_step_and_exits_143_and_a_tensor_is_refused(tmp_path) -> None:
+    c, previous = LocalCoordinator(tmp_path / "run", 1), signal.getsignal(signal.SIGTERM)
+    try:
+        fabric, model, optimizer = _fabric(c, local_steps=3)
+        _step(fabric, model, optimizer)
+        with pytest.raises(ValueError, match=r"shape \(2,\): reduce it to a scalar first"):
+            fabric.all_reduce(torch.ones(2))
+        os.kill(os.getpid(), signal.SIGTERM)  # the strategy's handler notes it; the next step leaves
+        with pytest.raises(SIGTERMException) as raised:
+            _step(fabric, model, optimizer)
+        assert raised.value.code == 143 and fabric.strategy.last_result is None
+        assert c.state.hosts["solo"].state is HostState.LEFT  # it said goodbye
+    finally:
+        signal.signal(signal.SIGTERM, previous)
         c.close()
 
 
