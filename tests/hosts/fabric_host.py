@@ -29,6 +29,7 @@ def main() -> None:
     p.add_argument("--local-steps", type=int, default=5)
     p.add_argument("--stop-host", default="")
     p.add_argument("--stop-step", type=int, default=0)
+    p.add_argument("--overlap", default="off", choices=("off", "eager", "delayed"))
     args = p.parse_args()
     torch.set_num_threads(1)
     host = os.environ["NODEOX_HOST_ID"]
@@ -38,7 +39,8 @@ def main() -> None:
     loader = DataLoader(data, batch_size=32, shuffle=True, generator=torch.Generator().manual_seed(int(host)))
 
     fabric = Fabric(accelerator="cpu", devices=1,
-                    strategy=NodeoxFabricStrategy(local_steps=args.local_steps, cpu_threads=1, codec_threads=1))
+                    strategy=NodeoxFabricStrategy(local_steps=args.local_steps, cpu_threads=1, codec_threads=1,
+                                                  overlap=False if args.overlap == "off" else args.overlap))
     model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
     model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     loader = fabric.setup_dataloaders(loader)
