@@ -126,6 +126,8 @@ class HostSession:
         and model."""
         if self.overlap.pending:  # the previous round's sync has not been folded in yet
             self.took(self.overlap.fold(wait=True), self.overlap.step)
+            if self.complete:
+                return  # the run completed with that round: there is no next one to send
         timing = self.timing
         samples = self.ranks.total(timing.samples)
         overlapped = self.overlap.overlaps(final=final, closed_rounds=self.closed_rounds)
