@@ -1,6 +1,6 @@
 """lightning-nodeox: local-step training across hosts, exchanging 4-bit deltas through an HTTP coordinator.
 
-``import lightning_nodeox`` registers ``Trainer(strategy="nodeox")``. The ``nodeox`` command itself (coordinator,
+``import lightning_nodeox`` registers ``Trainer(strategy="nodeox")`` and ``Fabric(strategy="nodeox")``. The ``nodeox`` command itself (coordinator,
 launch, report) does not import Lightning, which keeps the coordinator's memory and start-up small.
 
 Rooms: ``host/`` (the Lightning side), ``coordinator/`` (the HTTP coordinator), ``core/`` (what both share),
@@ -17,7 +17,7 @@ from .core import logs
 from .core.settings import Q4Settings
 
 __version__ = "0.1.0"
-__all__ = ["NodeoxStrategy", "PhaseMonitor", "Q4Settings"]
+__all__ = ["NodeoxFabricStrategy", "NodeoxStrategy", "PhaseMonitor", "Q4Settings"]
 
 
 def _running_the_nodeox_command() -> bool:
@@ -30,6 +30,10 @@ def __getattr__(name: str):
         from .host.strategy import NodeoxStrategy
 
         return NodeoxStrategy
+    if name == "NodeoxFabricStrategy":
+        from .host.fabric import NodeoxFabricStrategy
+
+        return NodeoxFabricStrategy
     if name == "PhaseMonitor":
         from .host.callbacks import PhaseMonitor
 
@@ -48,7 +52,8 @@ def _show_host_logs() -> None:
         logger.propagate = False
 
 
-if not _running_the_nodeox_command():  # importing the strategy registers Trainer(strategy="nodeox")
+if not _running_the_nodeox_command():  # importing the strategies registers them as "nodeox" (Trainer and Fabric)
     _show_host_logs()
     from .host.callbacks import PhaseMonitor
+    from .host.fabric import NodeoxFabricStrategy
     from .host.strategy import NodeoxStrategy

@@ -12,9 +12,12 @@ the run's final model, a warning says so, with both hashes, the callbacks that c
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.utilities import rank_zero_warn
+from torch.nn import Module
 
 from ..core.hashing import model_hash
 from ..core.pool import WorkerPool
@@ -58,11 +61,16 @@ class FinalHash:
 
     def check(self, trainer: Trainer, host: str, run_hash: str, pool: WorkerPool | None = None) -> str:
         """Hash the weights held now; warn (once per hash) when they are not the run's final model ``run_hash``."""
-        held = model_hash(shared_tensors(trainer.lightning_module), pool)
+        return self.check_module(trainer.lightning_module, host, run_hash, pool, lambda: suspects(trainer))
+
+    def check_module(self, module: Module, host: str, run_hash: str, pool: WorkerPool | None,
+                     found: Callable[[], list[str]]) -> str:
+        """:meth:`check` for a module outside a Trainer; ``found``: who could have changed its weights."""
+        held = model_hash(shared_tensors(module), pool)
         self.value = held
         if held != run_hash and held not in self._reported:
             self._reported.add(held)
-            rank_zero_warn(disagreement(host, held, run_hash, suspects(trainer)))
+            rank_zero_warn(disagreement(host, held, run_hash, found()))
         return held
 
 

@@ -3,7 +3,8 @@
 - One run folder: under ``nodeox launch`` (which sets ``NODEOX_RUN_DIR``), a Trainer given no folder of its own
   writes into ``RUN_DIR/hosts/host<id>/``: that becomes its ``default_root_dir``, and its default logger
   (TensorBoard, or CSV without tensorboard) writes versions there, beside the run's phases. Hosts then never
-  write into the same folder (LightningCLI's config file included).
+  write into the same folder (LightningCLI's config file included). Under Fabric, ``fabric.save``/``load`` of a
+  relative path go there too (:func:`own_path`).
 - Local rank: ``NODEOX_LOCAL_HOST_RANK`` (``nodeox launch`` sets it: the host's position among the hosts it
   started on this machine) is the strategy's ``local_rank``, so Lightning calls ``prepare_data`` on one host
   per machine; the other hosts of the machine wait for it at Lightning's ``pre_setup`` barrier (a marker file
@@ -39,6 +40,14 @@ def local_rank() -> int:
 
 def host_folder(run_dir: str | Path, host_id: str) -> Path:
     return Path(run_dir) / "hosts" / ("host" + re.sub(r"[^A-Za-z0-9_.-]", "_", host_id))
+
+
+def own_path(path: str | Path, host_id: str) -> Path:
+    """Where a host's own file goes: under ``nodeox launch`` a relative ``path`` is taken inside the host's run
+    folder (hosts of one machine share a working directory); else, and an absolute path, as given."""
+    run_dir = os.environ.get(ENV_RUN_DIR)
+    path = Path(path)
+    return host_folder(run_dir, host_id) / path if run_dir and not path.is_absolute() else path
 
 
 def use_run_folder(trainer: Trainer, host_id: str) -> Path | None:

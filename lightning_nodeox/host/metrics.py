@@ -62,6 +62,13 @@ class SharedMetrics:
         value = torch.full_like(tensor, shared)
         return value if count is None else value * count
 
+    def share(self, name: str, tensor: torch.Tensor, reduce_op) -> torch.Tensor:
+        """A value known by ``name`` alone (Fabric's ``all_reduce``): recorded for the next round; returns the run's
+        value as of the last sync, or this host's own until it was first shared."""
+        self.local[name] = (tensor.detach().clone(), _reduction(reduce_op))
+        shared = self.shared.get(name)
+        return tensor if shared is None else torch.full_like(tensor, shared)
+
     def take(self) -> dict[str, list]:
         """This host's latest values, ``{name: [value, reduction]}``, as much as a delta can carry."""
         values = {name: [float(v), op] for name, (v, op) in self.local.items()}

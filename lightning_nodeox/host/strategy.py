@@ -6,7 +6,8 @@ host's rank 0 is its own rank zero (its loggers and checkpoints write). A host o
 :mod:`lightning_nodeox.host.devices`), of which rank 0 alone exchanges with the coordinator through its link to
 the run (:mod:`lightning_nodeox.host.link`) and the others follow it (:mod:`lightning_nodeox.host.ranks`). The
 strategy closes a round when it is due (:mod:`lightning_nodeox.host.timing`), waiting for its exchange or
-overlapping it (:mod:`lightning_nodeox.host.overlap`); the round logic itself lives in
+overlapping it (:mod:`lightning_nodeox.host.overlap`); what drives the rounds is shared with Fabric's sibling
+strategy (:mod:`lightning_nodeox.host.session`), and the round logic itself lives in
 :mod:`lightning_nodeox.host.round`.
 
 Stopping together: when ``fit`` ends on one host (max_steps, max_epochs, early stopping), it sends what it
@@ -20,9 +21,7 @@ SIGTERM makes a host leave at once (:mod:`lightning_nodeox.host.signals`).
 
 from __future__ import annotations
 
-import logging
 import sys
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -33,27 +32,18 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
 from typing_extensions import override
 
-from ..core.cpu import choose_threads, granted_cpus
-from ..core.phases import PhaseRecord
 from ..core.transport import HostClient
 from . import machine
-from .agreement import FinalHash
+from .agreement import suspects
 from .devices import OneDevice, SeveralDevices, devices_of
-from .link import RunLink, http_client
-from .metrics import SharedMetrics
-from .overlap import InFlight
-from .ranks import HostRanks, OneRank
 from .round import RoundResult
-from .settings import Connection, ConnectionSettings, HostSettings, Overlap
-from .signals import SigtermHandler, exit_code_for
+from .session import HostSession, SessionReadings
+from .settings import Connection
+from .signals import exit_code_for
 from .stopping import ends_after_this_batch, steps_taken
-from .tensors import HostTensors, shared_tensors
-from .timing import RoundTiming
-
-log = logging.getLogger(__name__)
 
 
-class NodeoxStrategy(DDPStrategy):
+class NodeoxStrategy(SessionReadings, DDPStrategy):
     """Local-step training across hosts: train ``local_steps`` steps alone, then exchange a q4 delta.
 
     Example::
@@ -127,27 +117,11 @@ class NodeoxStrategy(DDPStrategy):
     ) -> None:
         super().__init__(accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
                          **ddp_kwargs)
-        self.settings = HostSettings(local_steps=local_steps, rounding=rounding, error_feedback=error_feedback,
-                                     codec_threads=codec_threads, request_timeout=request_timeout,
-                                     retry_for=retry_for, overlap=Overlap.of(overlap), round_seconds=round_seconds)
-        self._connection_settings = ConnectionSettings(coordinator_url=coordinator_url, host_id=host_id, token=token,
-                                                      telemetry_url=telemetry_url)
-        if cpu_threads is not None and cpu_threads < 1:
-            raise ValueError(f"cpu_threads must be at least 1 (or None for the CPU quota), got {cpu_threads}")
-        self.cpu_threads = cpu_threads
-        self._client = client or http_client(self.settings)
-        self.connection: Connection | None = None
-        self._ranks: OneRank | HostRanks | None = None  # while fitting: this host's ranks
-        self._link: RunLink | None = None  # rank 0, once joined
-        self._overlap: InFlight | None = None  # while fitting
-        self._timing = RoundTiming(self.settings.local_steps, self.settings.round_seconds)
-        self._hash = ""  # ranks other than 0: the model hash rank 0 last shared
-        self.phase_records: deque[PhaseRecord] = deque(maxlen=100_000)
-        self.last_result: RoundResult | None = None
-        self._closed_rounds = 0
-        self.metrics = SharedMetrics()
-        self._sigterm = SigtermHandler(self._cancel_waits)
-        self._final = FinalHash()  # once the run completed: the hash of the weights held (host/agreement.py)
+        self._session = HostSession.of(coordinator_url=coordinator_url, local_steps=local_steps, host_id=host_id,
+                                       token=token, rounding=rounding, error_feedback=error_feedback,
+                                       codec_threads=codec_threads, cpu_threads=cpu_threads,
+                                       telemetry_url=telemetry_url, request_timeout=request_timeout,
+                                       retry_for=retry_for, overlap=overlap, round_seconds=round_seconds, client=client)
 
     # -- devices and ranks: one device plays Lightning's single-device strategy, several its DDP (host/devices.py)
     @property
@@ -177,14 +151,9 @@ class NodeoxStrategy(DDPStrategy):
         """Use the run folder, size torch's CPU threads to this rank's share of the CPU quota; on several devices,
         join the host's process group."""
         trainer = self.lightning_module.trainer
-        machine.use_run_folder(trainer, self._connection_settings.resolved_host_id())
+        machine.use_run_folder(trainer, self._session.connection_settings.resolved_host_id())
         self._devices.setup_environment(trainer)
-        ranks = len(self.parallel_devices or ()) or 1  # the host's ranks share this machine's CPU quota
-        threads = self.cpu_threads or min(torch.get_num_threads(), max(1, granted_cpus() // ranks))
-        if threads != torch.get_num_threads():
-            log.info("NodeoxStrategy: torch CPU threads %d -> %d (CPU quota of this process)",
-                     torch.get_num_threads(), threads)
-            torch.set_num_threads(threads)
+        self._session.size_threads(len(self.parallel_devices or ()) or 1, "NodeoxStrategy")  # ranks share the quota
         super().setup_environment()
 
     @override
@@ -238,83 +207,40 @@ class NodeoxStrategy(DDPStrategy):
         devices.setup(self, trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        per_step = self.settings.overlap is not Overlap.OFF or self.settings.round_seconds is not None
-        self._ranks = devices.ranks([t for _, t in shared_tensors(self.lightning_module)], per_step=per_step)
-        self.connection, self._hash = self._ranks.lead(self._join)
-        self._overlap = InFlight(self.settings.overlap, self._ranks, self._link)
-        self._timing.begin()
+        self._session.start(self.lightning_module, self.root_device, devices.ranks, self._took)
 
-    def _join(self) -> tuple[Connection, str]:
-        """Rank 0: join the run through the client made for this connection, and agree on the starting model."""
-        conn = self._connection_settings.resolve()
-        codec_threads = 1 if self.root_device.type != "cpu" else choose_threads(self.settings.codec_threads,
-                                                                                   purpose="host codec")
-        self._link = RunLink.join(conn, self._client(conn), HostTensors.of_module(self.lightning_module),
-                                  self.settings, codec_threads=codec_threads, sigterm=self._sigterm,
-                                  listeners=[self.phase_records.append], ranks=self._ranks.size)
-        return conn, self._link.round.model_hash
-
-    # -- round boundaries: when (host/timing.py), and overlapped or not (host/overlap.py) -----------------------
+    # -- round boundaries: when (host/timing.py), and overlapped or not (host/overlap.py), in host/session.py ---
     @override
     def training_step(self, *args: Any, **kwargs: Any):
-        with self._timing.inside():
+        timing = self._session.timing
+        with timing.inside():
             output = super().training_step(*args, **kwargs)
-        self._timing.add_samples(_batch_size(args[0] if args else kwargs.get("batch")))
+        timing.add_samples(_batch_size(args[0] if args else kwargs.get("batch")))
         self._at_batch_end()
         return output
 
     @override
     def optimizer_step(self, optimizer, closure, model: LightningModule | None = None, **kwargs: Any):
-        with self._timing.inside():
+        timing = self._session.timing
+        with timing.inside():
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._timing.stepped()
+        timing.stepped()
         self._at_batch_end()
         return output
 
     def _at_batch_end(self) -> None:
         """Count the optimizer steps of a batch that ended (host/timing.py); fold an arrived sync into the live
         model (overlap); close the round when due. On a host of several devices rank 0 decides both for all."""
-        if self._ranks is None or not self._timing.batch_ended():
-            return
-        arrived, due = self._ranks.decide(self._overlap.arrived(), self._timing.due())
-        if arrived:
-            self._took(self._overlap.fold(), self._overlap.step)
-        if due:
-            self._close_round(final=ends_after_this_batch(self.lightning_module.trainer))
-
-    def _close_round(self, final: bool = False) -> None:
-        """Hand the round to the exchange worker; wait for it unless training overlaps. On a host of several
-        devices rank 0 does this, with the samples of all ranks, and the others take its result and model."""
-        if self._overlap.pending:  # the previous round's sync has not been folded in yet
-            self._took(self._overlap.fold(wait=True), self._overlap.step)
-        timing = self._timing
-        samples = self._ranks.total(timing.samples)
-        step = steps_taken(self.lightning_module.trainer)
-        overlapped = self._overlap.overlaps(final=final, closed_rounds=self._closed_rounds)
-
-        def trained() -> None:
-            self._link.trained(timing.start, timing.steps, samples, self._ranks.size)
-
-        if overlapped:
-            self._overlap.start(samples, step, begin=trained, metrics=self.metrics.take)
-        else:
-            def exchange() -> RoundResult:
-                trained()
-                return self._link.run_round(samples, final, self.metrics.take())
-
-            self._took(self._ranks.lead(exchange), step)
-        self._closed_rounds += 1
-        timing.begin(overlapped=overlapped)
+        trainer = self.lightning_module.trainer
+        self._session.step_ended(lambda: steps_taken(trainer), lambda: ends_after_this_batch(trainer))
 
     def _took(self, result: RoundResult, step: int) -> None:
-        """Every rank: a round's result is in. Take the run's shared values, show the round's progress line (rank 0;
-        ``step``: where the round closed), and stop when the run is complete."""
-        self.last_result = result
-        self._hash = result.model_hash
+        """Every rank, once the session took a round's result: show the round's progress line (rank 0; ``step``:
+        where the round closed), and stop when the run is complete."""
         trainer = self.lightning_module.trainer
-        self.metrics.update(result.metrics)
-        if self._link is not None:
-            progress = self._link.progress
+        link = self._session.link
+        if link is not None:
+            progress = link.progress
             progress.show(trainer, progress.line(result.round, step, result.model_hash, trainer.callback_metrics,
                                                  result.complete))
         if result.complete:
@@ -322,58 +248,36 @@ class NodeoxStrategy(DDPStrategy):
 
     @override
     def on_train_start(self) -> None:
-        self._sigterm.install()  # after Lightning's own SIGTERM handler, which it chains
+        self._session.sigterm.install()  # after Lightning's own SIGTERM handler, which it chains
         super().on_train_start()
-
-    def _cancel_waits(self) -> None:
-        if self._link is not None:
-            self._link.cancel()
 
     @override
     def on_train_end(self) -> None:
         """This host's final round (what it trained since its last round; never overlapped), unless the run has
         completed already (another host's training ended, or this host's last batch closed its final round); then
         the run's values of the metrics logged with ``sync_dist=True`` go into ``trainer.callback_metrics``."""
-        if self._overlap is not None and self._overlap.pending:
-            self._took(self._overlap.fold(wait=True), self._overlap.step)
-        if self._ranks is not None and not self._ranks.lead(lambda: self._link.round.complete, model=False):
-            self._close_round(final=True)
-        self.metrics.publish(self.lightning_module.trainer.callback_metrics)
+        trainer = self.lightning_module.trainer
+        self._session.end(steps_taken(trainer))
+        self.metrics.publish(trainer.callback_metrics)
         self._check_final()
         super().on_train_end()
 
     def _check_final(self) -> None:
         """Rank 0, once the run completed: hash the weights held (a callback may have changed them since)."""
-        link = self._link
-        if link is not None and link.round.complete and not link.left:
-            self._final.check(self.lightning_module.trainer, self.connection.host_id, link.round.model_hash,
-                              link.round.tensors.pool)
+        trainer = self.lightning_module.trainer
+        self._session.check_final(trainer.lightning_module, lambda: suspects(trainer))
 
     @override
     def teardown(self) -> None:
-        self._sigterm.uninstall()
-        if self._link is not None:
-            self._check_final()
-            self._link.leave()
-        if self._ranks is not None:
-            self._ranks.close()
-            self._ranks = None
+        module = self.lightning_module
+        self._session.close(module, lambda: suspects(module.trainer))
         super().teardown()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         exit_code_for(exception)
-        if self._link is not None:
-            self._link.leave(interrupted=True)
+        self._session.interrupt()
         super().on_exception(exception)
-
-    @property
-    def model_hash(self) -> str | None:
-        """Hash of this host's shared model: as agreed with the coordinator after each round; once the run completed,
-        of the weights this host holds (a callback that changed them after the final round is reported)."""
-        if self._final.value is not None:
-            return self._final.value
-        return self._link.round.model_hash if self._link is not None else self._hash or None
 
     @classmethod
     @override
