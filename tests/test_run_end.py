@@ -33,6 +33,7 @@ from helpers import (
 from helpers import model as restart_model
 from helpers import train_on_model as restart_train
 
+from lightning_nodeox.coordinator.hosts import HostState
 from lightning_nodeox.coordinator.waiting import waiting_for
 from lightning_nodeox.core.phases import PhaseLog
 from lightning_nodeox.core.protocol import Reason, Refusal, Upload
@@ -56,6 +57,22 @@ def waiting_line(c) -> str:
 
 
 # -- in process -------------------------------------------------------------------------------------------------
+
+
+def test_hosts_that_all_sent_their_final_delta_are_not_reported_as_gone(local_coordinator) -> None:
+    """Between the last final delta and the round that takes it, no host trains: that is the run ending, not a run
+    waiting for its hosts (the console said "no host is live ... waits 600 s" just before "the run completed")."""
+    c = local_coordinator(lease=0.3, no_hosts_timeout=0.6)
+    join(c, "a", "b")
+    for entry in c.state.hosts.values():
+        entry.state = HostState.FINISHED  # as the hosts' final uploads leave them while the round closes
+    assert c.state.hosts.all_finished()
+    c.tick()
+    assert c.state.alone_since is None and not waiting_line(c).startswith("no host is live")
+    c.state.hosts["b"].state = HostState.LEFT  # one left instead: nobody will send the round's delta
+    assert not c.state.hosts.all_finished()
+    c.tick()
+    assert c.state.alone_since is not None
 
 
 def test_hosts_that_are_dropped_or_leave_never_complete_the_run_and_a_dropped_one_that_returns_trains_on(local_coordinator) -> None:

@@ -109,6 +109,10 @@ class Hosts(dict[str, Host]):
         now = time.monotonic()
         return all(h.state is HostState.LEFT or now - h.seen > self.lease for h in self.values())
 
+    def all_finished(self) -> bool:
+        """Every host has sent its final delta: the run completes with the round that takes them."""
+        return bool(self) and all(h.state is HostState.FINISHED for h in self.values())
+
     def dropped(self) -> str:
         """The dropped hosts, each with how long it has not been heard from."""
         return self._listed(lambda h: h.state is HostState.DROPPED)

@@ -205,7 +205,7 @@ class Membership:
     def _check_alone(self) -> None:
         """Note since when no host is live; past ``--no-hosts-timeout`` the coordinator stops, resumable."""
         state = self.state
-        if state.complete or not state.hosts or state.hosts.live():
+        if state.complete or not state.hosts or state.hosts.live() or state.hosts.all_finished():
             state.alone_since = None
             return
         now = time.monotonic()
