@@ -12,8 +12,9 @@ overlapping it (:mod:`lightning_nodeox.host.overlap`); the round logic itself li
 Stopping together: when ``fit`` ends on one host (max_steps, max_epochs, early stopping), it sends what it
 trained since its last round as its final delta, and that round completes the run: the other hosts stop at
 their next round boundary, and every host ends on the same final model (:mod:`lightning_nodeox.host.stopping`).
-Values logged with ``sync_dist=True`` are shared across hosts at round boundaries
-(:mod:`lightning_nodeox.host.metrics`; on a host of several devices, first reduced across its ranks); under
+Values logged with ``sync_dist=True`` are shared across hosts: step values at round boundaries, epoch values at
+the epoch's end (:mod:`lightning_nodeox.host.metrics`; on a host of several devices, first reduced across its
+ranks), and torchmetrics objects when they compute (:mod:`lightning_nodeox.host.metric_states`); under
 ``nodeox launch`` each host writes into its own folder of the run directory (:mod:`lightning_nodeox.host.machine`);
 SIGTERM makes a host leave at once (:mod:`lightning_nodeox.host.signals`).
 """
@@ -35,11 +36,13 @@ from typing_extensions import override
 
 from ..core.cpu import choose_threads, granted_cpus
 from ..core.phases import PhaseRecord
+from ..core.protocol import ValuesReply
 from ..core.transport import HostClient
 from . import machine
 from .agreement import FinalHash
 from .devices import OneDevice, SeveralDevices, devices_of
 from .link import RunLink, http_client
+from .metric_states import MetricStates
 from .metrics import SharedMetrics
 from .overlap import InFlight
 from .ranks import HostRanks, OneRank
@@ -206,17 +209,38 @@ class NodeoxStrategy(DDPStrategy):
 
     @override
     def reduce(self, tensor, group: Any = None, reduce_op: Any = "mean"):
-        """A value logged with ``sync_dist=True``: returns at once, with the mean across hosts as of the last round
-        (this host's own value until the value was first shared); see :mod:`lightning_nodeox.host.metrics`. On a
-        host of several devices the value is first reduced across its ranks (so every rank holds the host's)."""
-        def across_ranks(t):
-            return self._devices.reduce(self, t, group, reduce_op)
+        """A value logged with ``sync_dist=True``: a step value returns at once, with the value across hosts as of
+        the last round; an epoch value is that epoch's value across hosts (see :mod:`lightning_nodeox.host.metrics`).
+        On a host of several devices the value is first reduced across its ranks (so every rank holds the host's)."""
+        def across_ranks(t, op=None):
+            return self._devices.reduce(self, t, group, reduce_op if op is None else op)
 
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or trainer.state.fn != TrainerFn.FITTING:
             return across_ranks(tensor)  # validate/test/predict: no rounds
-        return self.metrics.reduce(sys._getframe(1), tensor, reduce_op, recording=not trainer.sanity_checking,
-                                   sync=across_ranks)
+        return self.metrics.reduce(sys._getframe(1), tensor, reduce_op, trainer=trainer,
+                                   recording=not trainer.sanity_checking, sync=across_ranks,
+                                   exchange=self._exchange_values)
+
+    def _exchange_values(self, key: str, payload: object) -> ValuesReply | None:
+        """Rank 0 exchanges ``payload`` under ``key`` with the other hosts (:mod:`lightning_nodeox.coordinator.values`),
+        and every rank takes its answer; None while no values are exchanged (not training, the sanity check, not
+        joined, left)."""
+        trainer = self.lightning_module.trainer
+        if self._ranks is None or trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
+            return None
+
+        def ask() -> ValuesReply | None:
+            if self._link is None or self._link.left:
+                return None
+            with self._link.standing():
+                return self._link.round.client.exchange_values(key, payload)
+
+        reply = self._ranks.lead(ask, model=False)
+        if reply is not None and self.connection.host_id not in reply.hosts:
+            log.warning("NodeoxStrategy: host %s posted %s after the other hosts had moved on; it takes their values "
+                        "without its own", self.connection.host_id, key)
+        return reply
 
     @override
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
@@ -321,6 +345,7 @@ class NodeoxStrategy(DDPStrategy):
     @override
     def on_train_start(self) -> None:
         self._sigterm.install()  # after Lightning's own SIGTERM handler, which it chains
+        MetricStates(self.lightning_module.trainer, self._exchange_values).attach(self.lightning_module)
         super().on_train_start()
 
     def _cancel_waits(self) -> None:
@@ -331,7 +356,8 @@ class NodeoxStrategy(DDPStrategy):
     def on_train_end(self) -> None:
         """This host's final round (what it trained since its last round; never overlapped), unless the run has
         completed already (another host's training ended, or this host's last batch closed its final round); then
-        the run's values of the metrics logged with ``sync_dist=True`` go into ``trainer.callback_metrics``."""
+        the run's step values logged with ``sync_dist=True`` go into ``trainer.callback_metrics`` (its epoch values
+        there are the cross-host ones already)."""
         if self._overlap is not None and self._overlap.pending:
             self._took(self._overlap.fold(wait=True), self._overlap.step)
         if self._ranks is not None and not self._ranks.lead(lambda: self._link.round.complete, model=False):
