@@ -24,7 +24,7 @@ from .rounds import Rounds
 from .runstate import RunState
 
 KEEP = 256  # answered keys kept for hosts that post them late
-POLL = 0.2  # seconds between checks of whether a key can be answered (a round's progress is not notified)
+POLL = 0.05  # seconds between checks of whether a key can be answered (a delta's arrival is not notified)
 
 
 @dataclass

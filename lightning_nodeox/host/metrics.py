@@ -52,6 +52,7 @@ class SharedMetrics:
         self._passes: Counter = Counter()  # (stage, epoch) -> epoch-end passes exchanged
         self._answers: dict[str, float] = {}  # the current pass's cross-host epoch values
         self._taken: set[str] = set()  # names of the current pass Lightning has computed
+        self._served: torch.Tensor | None = None  # the count of the epoch mean just given its shared value
 
     def reduce(self, caller, tensor: torch.Tensor, reduce_op, *, trainer, recording: bool = True,
                sync: Sync | None = None, exchange: Exchange | None = None) -> torch.Tensor:
@@ -64,11 +65,11 @@ class SharedMetrics:
         if logged is None or not isinstance(tensor, torch.Tensor):
             return sync(tensor)  # not a self.log value: reduced within the host only
         count = logged.count
-        if count is not None and tensor is count:
-            return sync(tensor)  # the epoch mean's sample count stays this host's (its sum carries the shared mean)
+        if count is not None and tensor is count:  # an epoch mean's sample count, after its sum
+            served, self._served = self._served is count, None
+            count = sync(tensor)  # every rank reduces it, as Lightning's DDP does
+            return torch.ones_like(count) if served else count  # the sum carried the shared mean: divided by 1
         tensor = sync(tensor)
-        if count is not None:
-            count = sync(count.clone())  # the host's count, as Lightning's next call reduces it (sync is in-place)
         if not recording:
             return tensor
         if logged.epoch:
@@ -80,8 +81,8 @@ class SharedMetrics:
                 self._warn_once(logged.name)
         if shared is None:
             return tensor
-        value = torch.full_like(tensor, shared)
-        return value if count is None else value * count
+        self._served = count  # a mean's count is divided by next: 1, so every host ends on the same bits
+        return torch.full_like(tensor, shared)
 
     # -- epoch values -----------------------------------------------------------------------------------------
     def _epoch_value(self, name: str, trainer, sync: Sync, exchange: Exchange | None) -> float | None:

@@ -147,6 +147,7 @@ class NodeoxStrategy(DDPStrategy):
         self.last_result: RoundResult | None = None
         self._closed_rounds = 0
         self.metrics = SharedMetrics()
+        self._late_values = False  # said once: values this host posted after the other hosts had moved on
         self._sigterm = SigtermHandler(self._cancel_waits)
         self._final = FinalHash()  # once the run completed: the hash of the weights held (host/agreement.py)
 
@@ -237,9 +238,11 @@ class NodeoxStrategy(DDPStrategy):
                 return self._link.round.client.exchange_values(key, payload)
 
         reply = self._ranks.lead(ask, model=False)
-        if reply is not None and self.connection.host_id not in reply.hosts:
-            log.warning("NodeoxStrategy: host %s posted %s after the other hosts had moved on; it takes their values "
-                        "without its own", self.connection.host_id, key)
+        if reply is not None and self.connection.host_id not in reply.hosts and not self._late_values:
+            self._late_values = True
+            log.warning("NodeoxStrategy: host %s reached %s after the other hosts had moved on (hosts with uneven "
+                        "batches per epoch); it takes their values without its own (said once)",
+                        self.connection.host_id, key)
         return reply
 
     @override
