@@ -29,8 +29,10 @@ from lightning_nodeox.host.tensors import shared_tensors
 
 
 class DigitsNet(LightningModule):
-    def __init__(self, lr: float = 0.05, host: int = 0, stop_host: int = -1, fail_at_step: int = -1) -> None:
+    def __init__(self, lr: float = 0.05, host: int = 0, stop_host: int = -1, fail_at_step: int = -1,
+                 epoch_value: bool = False) -> None:
         super().__init__()
+        self.epoch_value = epoch_value
         self.net = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 10))
         self.lr = lr
         self.host = host
@@ -44,6 +46,8 @@ class DigitsNet(LightningModule):
         loss = nn.functional.cross_entropy(self.net(x), y)
         self.log("train_loss", loss, on_step=True, prog_bar=False)
         self.log("rank_mean", float(self.global_rank), sync_dist=True)  # across the host's ranks, then the hosts
+        if self.epoch_value:  # an epoch value: exchanged at the epoch's end (here: fit's end), by rank 0 of a host
+            self.log("rank_epoch", float(self.global_rank), on_step=False, on_epoch=True, sync_dist=True)
         if self.stop_host >= 0:
             self.log("stop_signal", 0.0 if self.host == self.stop_host else 1.0)  # this host's own, not shared
             value = torch.tensor(10.0 * (self.host + 1))  # differs between hosts: 10, 20, ...
@@ -145,6 +149,7 @@ def main() -> None:
     p.add_argument("--resume", type=Path, help="resume fit from this checkpoint")
     p.add_argument("--overlap", default="off", choices=("off", "eager", "delayed"))
     p.add_argument("--round-seconds", type=float)
+    p.add_argument("--epoch-value", action="store_true", help="also log an epoch value with sync_dist=True")
     p.add_argument("--devices", default="1", help="devices (CPU ranks) of the host, or one number per host id: 2,1")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -157,7 +162,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(int(host))
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=True, generator=gen, drop_last=True)
     fail = args.fail_round * args.local_steps + args.local_steps // 2 if args.fail_round >= 0 and host == "1" else -1
-    model = DigitsNet(host=int(host), stop_host=args.stop_host, fail_at_step=fail)
+    model = DigitsNet(host=int(host), stop_host=args.stop_host, fail_at_step=fail, epoch_value=args.epoch_value)
     if args.skip_sync_round >= 0 and host == "1":
         from lightning_nodeox.core.hashing import RowHasher
         from lightning_nodeox.host.tensors import HostTensors
