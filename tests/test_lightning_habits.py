@@ -164,8 +164,10 @@ def test_early_stopping_while_another_host_overlaps_its_exchange_still_ends_bit_
     """Host 0 trains on while its round 5 is in flight (overlap) when host 1's EarlyStopping ends the run with
     that round: host 0 drops the progress it made meanwhile and ends on the run's final model, like host 1."""
     run_dir, out = tmp_path / "run", tmp_path / "out"
+    # paced: the hosts meet at epoch 0's end (its values are exchanged there), and host 1's final delta must reach
+    # the coordinator within host 0's next 10 steps
     result = launch(run_dir, 2, [sys.executable, str(HOSTS / "digits_host.py"), "--out", str(out), "--max-steps", "200",
-                                 "--stop-host", "1", "--overlap", "eager"])
+                                 "--stop-host", "1", "--overlap", "eager", "--step-seconds", "0.02"])
     assert result.returncode == 0, result.stdout[-5000:]
     after = {h: json.loads((out / f"host{h}_after_fit.json").read_text()) for h in (0, 1)}
     published = {e["round"]: e["model_hash"] for e in read_events(run_dir) if e["phase"] == "sync_prepare"}

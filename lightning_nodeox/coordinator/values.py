@@ -9,11 +9,13 @@ within ``--lease``, not left) has posted it, or cannot post it for now:
   end would otherwise hold a host that closed a round first, and that host would hold it;
 - it waits on another key of its own (hosts that name keys differently never hold each other).
 With ``--round-timeout S`` a key is also answered S seconds after its first post. A post is idempotent: a host's
-first payload for a key is kept, so a retried post changes nothing. The last ``KEEP`` answered keys are kept.
+first payload for a key is kept, so a retried post changes nothing. Answered keys are kept for hosts that post
+them late, the last ``KEEP`` of them and at most ``KEEP_BYTES`` of payloads (the oldest are forgotten first).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -23,7 +25,9 @@ from .hosts import HostState
 from .rounds import Rounds
 from .runstate import RunState
 
-KEEP = 256  # answered keys kept for hosts that post them late
+KEEP = 64  # answered keys kept for hosts that post them late ...
+KEEP_BYTES = 32 << 20  # ... holding at most this many bytes of payloads (JSON)
+OPEN = 256  # keys open (not answered) at once: more is a host naming a new key at every call
 POLL = 0.05  # seconds between checks of whether a key can be answered (a delta's arrival is not notified)
 
 
@@ -31,6 +35,7 @@ POLL = 0.05  # seconds between checks of whether a key can be answered (a delta'
 class _Key:
     first: float = field(default_factory=time.monotonic)
     posted: dict[str, object] = field(default_factory=dict)  # host -> payload
+    size: int = 0  # bytes of the payloads posted (as JSON)
     answer: ValuesReply | None = None
 
 
@@ -51,8 +56,9 @@ class ValueExchanges:
         if exchange is None:
             self._forget_old()
             exchange = self._keys[key] = _Key()
-        if exchange.answer is None:
-            exchange.posted.setdefault(host, payload)
+        if exchange.answer is None and host not in exchange.posted:
+            exchange.posted[host] = payload
+            exchange.size += len(json.dumps(payload))
             await self.state.notify()  # a host waiting on another key may now be answered
         deadline = time.monotonic() + wait
         while exchange.answer is None:
@@ -95,12 +101,16 @@ class ValueExchanges:
         return other is not None and other != key
 
     def _forget_old(self) -> None:
+        """Forget the oldest answered keys beyond ``KEEP`` or ``KEEP_BYTES``; refuse a new key beyond ``OPEN``."""
         answered = [k for k, e in self._keys.items() if e.answer is not None]
-        for key in answered[: max(0, len(answered) - KEEP)]:
-            del self._keys[key]
-        if len(self._keys) >= 4 * KEEP:
-            raise Refusal(Reason.BUSY, f"{len(self._keys)} value keys are open at once; a host names a new key "
-                                       "for every call")
+        size = sum(self._keys[k].size for k in answered)
+        for key in answered:
+            if len(answered) < KEEP and size <= KEEP_BYTES:
+                break
+            size -= self._keys.pop(key).size
+            answered = answered[1:]
+        if len(self._keys) - len(answered) >= OPEN:
+            raise Refusal(Reason.BUSY, f"{OPEN} value keys are open at once; a host names a new key at every call")
 
 
 def _host_order(host: str) -> tuple:

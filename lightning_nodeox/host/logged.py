@@ -24,16 +24,6 @@ LIGHTNING_VERSIONS = ((2, 4), (2, 7))  # from, up to (not including): the versio
 
 
 @dataclass(frozen=True)
-class LoggedValue:
-    """A value being reduced: its full logged name, whether it is an epoch value (else a step value), and for an
-    epoch mean its sample count (else None)."""
-
-    name: str
-    epoch: bool
-    count: torch.Tensor | None
-
-
-@dataclass(frozen=True)
 class EpochValue:
     """An epoch value Lightning has yet to compute: its full name, its accumulated value (for a mean: the sum of
     value times batch size), its sample count (a mean only) and its reduction (mean, sum, max, min)."""
@@ -44,15 +34,28 @@ class EpochValue:
     reduction: str
 
 
+@dataclass(frozen=True)
+class LoggedValue:
+    """A value being reduced: its full logged name, and for an epoch value (else a step value) what it is computed
+    from; ``count``: an epoch mean's sample count (else None)."""
+
+    name: str
+    epoch: EpochValue | None
+
+    @property
+    def count(self) -> torch.Tensor | None:
+        return self.epoch.count if self.epoch is not None else None
+
+
 def logged_value(caller: FrameType) -> LoggedValue | None:
     """The ``self.log`` value whose update or compute is the frame ``caller`` that called ``strategy.reduce``;
     None when anything else called it (Lightning's own reductions, a torchmetrics object)."""
     metric = caller.f_locals.get("self")
     if not isinstance(metric, _ResultMetric):
         return None
-    epoch = caller.f_code.co_name == "compute"
-    count = metric.cumulated_batch_size if epoch and metric.meta.is_mean_reduction else None
-    return LoggedValue(_name(metric.meta, on_step=not epoch), epoch, count)
+    if caller.f_code.co_name == "compute":
+        return LoggedValue(_name(metric.meta, on_step=False), _epoch_value(metric))
+    return LoggedValue(_name(metric.meta, on_step=True), None)
 
 
 def epoch_values(trainer) -> list[EpochValue]:
@@ -67,9 +70,14 @@ def epoch_values(trainer) -> list[EpochValue]:
         if not (metric.is_tensor and meta.on_epoch and meta.sync.should and not meta.sync.rank_zero_only
                 and metric._computed is None):
             continue
-        count = metric.cumulated_batch_size if meta.is_mean_reduction else None
-        out.append(EpochValue(_name(meta, on_step=False), metric.value, count, meta.reduce_fx.__name__))
+        out.append(_epoch_value(metric))
     return out
+
+
+def _epoch_value(metric: _ResultMetric) -> EpochValue:
+    meta = metric.meta
+    count = metric.cumulated_batch_size if meta.is_mean_reduction else None
+    return EpochValue(_name(meta, on_step=False), metric.value, count, meta.reduce_fx.__name__)
 
 
 def _name(meta: _Metadata, on_step: bool) -> str:

@@ -50,6 +50,7 @@ class SharedMetrics:
         self._warned = False
         self._dropped: set[str] = set()
         self._passes: Counter = Counter()  # (stage, epoch) -> epoch-end passes exchanged
+        self._where: tuple[str, int] | None = None  # the current pass's stage and epoch
         self._answers: dict[str, float] = {}  # the current pass's cross-host epoch values
         self._taken: set[str] = set()  # names of the current pass Lightning has computed
         self._served: torch.Tensor | None = None  # the count of the epoch mean just given its shared value
@@ -72,8 +73,8 @@ class SharedMetrics:
         tensor = sync(tensor)
         if not recording:
             return tensor
-        if logged.epoch:
-            shared = self._epoch_value(logged.name, trainer, sync, exchange)
+        if logged.epoch is not None:
+            shared = self._epoch_value(logged.epoch, trainer, sync, exchange)
         else:
             self.local[logged.name] = (tensor.detach().clone(), _reduction(reduce_op))
             shared = self.shared.get(logged.name)
@@ -85,31 +86,35 @@ class SharedMetrics:
         return torch.full_like(tensor, shared)
 
     # -- epoch values -----------------------------------------------------------------------------------------
-    def _epoch_value(self, name: str, trainer, sync: Sync, exchange: Exchange | None) -> float | None:
-        if name not in self._answers or name in self._taken:  # the first value of a new pass
-            self._answers, self._taken = self._exchange(trainer, sync, exchange), set()
-        self._taken.add(name)
-        return self._answers.get(name)
+    def _epoch_value(self, value: EpochValue, trainer, sync: Sync, exchange: Exchange | None) -> float | None:
+        """The cross-host value of ``value``; the first of a pass (at an epoch's end) exchanges them all."""
+        where = (trainer.state.stage.value, trainer.current_epoch)
+        if where != self._where or value.name not in self._answers or value.name in self._taken:
+            self._where, self._taken = where, set()
+            self._answers = self._exchange(value, trainer, sync, exchange)
+        self._taken.add(value.name)
+        return self._answers.get(value.name)
 
-    def _exchange(self, trainer, sync: Sync, exchange: Exchange | None) -> dict[str, float]:
-        """Every epoch value of this pass, this host's (``{name: [value, reduction, samples]}``) exchanged for
-        the cross-host values."""
+    def _exchange(self, value: EpochValue, trainer, sync: Sync, exchange: Exchange | None) -> dict[str, float]:
+        """Every epoch value of this pass (``value``, and those Lightning computes with it), this host's
+        (``{name: [value, reduction, samples]}``), exchanged for the cross-host values."""
         stage, epoch = trainer.state.stage.value, trainer.current_epoch
         self._passes[stage, epoch] += 1
         key = f"epoch.{stage}.{epoch}.{self._passes[stage, epoch]}"
-        own = {v.name: _host_value(v, sync) for v in epoch_values(trainer)}
+        pending = {v.name: v for v in epoch_values(trainer)}
+        own = {name: _host_value(v, sync) for name, v in {**pending, value.name: value}.items()}
         reply = exchange(key, {"values": {n: [_number(x), op, w] for n, (x, op, w) in own.items()}}) if exchange \
             else None
+        mine = {name: x for name, (x, _, _) in own.items()}
         if reply is None:
-            return {name: value for name, (value, _, _) in own.items()}
+            return mine
         posted: dict[str, list[tuple[float, float]]] = {}
         reductions: dict[str, str] = {}
-        for payload in reply.payloads:
-            for name, (value, op, weight) in dict(payload.get("values", {})).items():
-                posted.setdefault(name, []).append((float(weight), float(value)))
+        for payload in reply.payloads:  # every host's, in host order: every host reduces them alike
+            for name, (x, op, weight) in dict(payload.get("values", {})).items():
+                posted.setdefault(name, []).append((float(weight), float(x)))
                 reductions.setdefault(name, str(op))
-        values = {name: reduce_values(pairs, reductions[name]) for name, pairs in posted.items()}
-        return {**{name: value for name, (value, _, _) in own.items()}, **values}
+        return {**mine, **{name: reduce_values(pairs, reductions[name]) for name, pairs in posted.items()}}
 
     # -- step values ------------------------------------------------------------------------------------------
     def take(self) -> dict[str, list]:
