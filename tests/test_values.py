@@ -7,10 +7,13 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 from helpers import hosts, upload
 from local_transport import LocalClient
 
+from lightning_nodeox.coordinator.intake import parse_values, values_key
+from lightning_nodeox.core.protocol import MAX_VALUES_BYTES, Reason, Refusal
 from lightning_nodeox.core.reduction import reduce_values
 from lightning_nodeox.host.metric_states import _decode, _encode
 
@@ -82,3 +85,18 @@ def test_a_torchmetrics_state_travels_bit_for_bit() -> None:
               torch.tensor([True, False]), torch.empty(0)):
         back = _decode(_encode(t), torch.device("cpu"))
         assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t)
+
+
+def test_a_values_post_is_checked_before_anything_sees_it() -> None:
+    assert values_key("epoch.train.0.1") == "epoch.train.0.1"
+    for bad in ("", "a/b", "x" * 201, "épique"):
+        with pytest.raises(Refusal) as e:
+            values_key(bad)
+        assert e.value.reason is Reason.INVALID
+    assert parse_values(b'{"payload": {"values": {"loss_epoch": [0.5, "mean", 32]}}}') == {
+        "values": {"loss_epoch": [0.5, "mean", 32]}}
+    for body, reason in ((b'{"values": 1}', Reason.INVALID), (b"[1]", Reason.INVALID), (b'{"payload": NaN}',
+                         Reason.INVALID), (b" " * (MAX_VALUES_BYTES + 1), Reason.TOO_LARGE)):
+        with pytest.raises(Refusal) as e:
+            parse_values(body)
+        assert e.value.reason is reason

@@ -147,7 +147,6 @@ class NodeoxStrategy(DDPStrategy):
         self.last_result: RoundResult | None = None
         self._closed_rounds = 0
         self.metrics = SharedMetrics()
-        self._late_values = False  # said once: values this host posted after the other hosts had moved on
         self._sigterm = SigtermHandler(self._cancel_waits)
         self._final = FinalHash()  # once the run completed: the hash of the weights held (host/agreement.py)
 
@@ -224,26 +223,13 @@ class NodeoxStrategy(DDPStrategy):
                                    exchange=self._exchange_values)
 
     def _exchange_values(self, key: str, payload: object) -> ValuesReply | None:
-        """Rank 0 exchanges ``payload`` under ``key`` with the other hosts (:mod:`lightning_nodeox.coordinator.values`),
-        and every rank takes its answer; None while no values are exchanged (not training, the sanity check, not
-        joined, left)."""
+        """Rank 0 exchanges ``payload`` under ``key`` with the other hosts
+        (:meth:`~lightning_nodeox.host.link.RunLink.exchange_values`), and every rank takes its answer; None while no
+        values are exchanged (not fitting, the sanity check, left)."""
         trainer = self.lightning_module.trainer
         if self._ranks is None or trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
             return None
-
-        def ask() -> ValuesReply | None:
-            if self._link is None or self._link.left:
-                return None
-            with self._link.standing():
-                return self._link.round.client.exchange_values(key, payload)
-
-        reply = self._ranks.lead(ask, model=False)
-        if reply is not None and self.connection.host_id not in reply.hosts and not self._late_values:
-            self._late_values = True
-            log.warning("NodeoxStrategy: host %s reached %s after the other hosts had moved on (hosts with uneven "
-                        "batches per epoch); it takes their values without its own (said once)",
-                        self.connection.host_id, key)
-        return reply
+        return self._ranks.lead(lambda: self._link.exchange_values(key, payload), model=False)
 
     @override
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
