@@ -90,6 +90,12 @@ def test_launch_a_host_of_two_ranks_and_one_of_one_rank_with_overlap(tmp_path) -
     epoch = [json.loads((out / f"{name}_metrics.json").read_text())["rank_epoch"] for name in ("host0", "host0.rank1",
                                                                                               "host1")]
     assert epoch[0] == epoch[1] == epoch[2] == pytest.approx(1 / 3, abs=1e-6)
+    # and a torchmetrics Accuracy: one number on every rank of every host, over the samples of all three ranks
+    names = ("host0", "host0.rank1", "host1")
+    counts = [c for name in names for c in json.loads((out / f"{name}_counts.json").read_text())]
+    acc = [json.loads((out / f"{name}_metrics.json").read_text())["acc"] for name in names]
+    assert len(counts) == 3 * MAX_STEPS
+    assert acc[0] == acc[1] == acc[2] == pytest.approx(sum(c for c, _ in counts) / sum(n for _, n in counts), rel=1e-6)
 
 
 @pytest.mark.slow
