@@ -17,8 +17,8 @@ value) or compute (an epoch value); :mod:`.logged` tells which value a call redu
   every host alike, including the last epoch before ``fit`` returns. Without an exchange (not joined) an epoch
   value is this host's own.
 
-Other calls of ``strategy.reduce`` (Lightning's own) stay within the host; torchmetrics objects are
-:mod:`.metric_states`'.
+Other calls of ``strategy.reduce`` (Lightning's own) stay within the host; torchmetrics objects sync through
+:mod:`.metric_states`.
 """
 
 from __future__ import annotations
