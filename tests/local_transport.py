@@ -18,7 +18,7 @@ from lightning_nodeox.coordinator.lifecycle import CoordinatorRun
 from lightning_nodeox.coordinator.runlog import RunLog
 from lightning_nodeox.coordinator.state import RunStore, SavedRun, take_up
 from lightning_nodeox.core.pool import WorkerPool
-from lightning_nodeox.core.protocol import JoinReply, RunComplete, SyncReady, SyncReply, Upload
+from lightning_nodeox.core.protocol import JoinReply, RunComplete, SyncReady, SyncReply, Upload, ValuesReply
 from lightning_nodeox.core.specs import specs_from_json
 from lightning_nodeox.core.transport import delta_outcome, sync_outcome
 from lightning_nodeox.host.clock import ClockOffset
@@ -144,6 +144,12 @@ class LocalClient:
             broken, self.break_next_sync = self.break_next_sync, False
             return SyncReady(round_, BytesBody(data, len(data) // 2 if broken else None), complete)
         return RunComplete() if self.state.complete else None
+
+    def exchange_values(self, key: str, payload: object, poll: float = 1.0) -> ValuesReply:
+        while True:
+            reply = self.coordinator.call(self.coordinator.run.values.exchange(self.host, key, payload, poll))
+            if reply is not None:
+                return reply
 
     def get_model(self) -> BytesBody:
         async def chunks() -> bytes:

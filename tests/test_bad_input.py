@@ -223,6 +223,20 @@ CASES = {
         lambda r: requests.put(f"{r.url}/v1/model", params={"host": "a"}, data=iter([model_file()]),
                                headers=r.headers(as_="a"), timeout=30), 411, "length_required",
         "needs a Content-Length"),
+    "values without a credential": (
+        lambda r: requests.post(f"{r.url}/v1/values/epoch.train.0.1", params={"host": "b", "wait": 0},
+                                json={"payload": {}}, headers=r.headers(as_=None), timeout=30), 403, "forbidden",
+        "credential for host b"),
+    "a values key with a space": (
+        lambda r: requests.post(f"{r.url}/v1/values/a%20b", params={"host": "b", "wait": 0}, json={"payload": {}},
+                                headers=r.headers(), timeout=30), 400, "invalid", "values key 'a b' must be"),
+    "values without a payload": (
+        lambda r: requests.post(f"{r.url}/v1/values/epoch.train.0.1", params={"host": "b", "wait": 0},
+                                json={"values": {}}, headers=r.headers(), timeout=30), 400, "invalid",
+        'expected {"payload": ...}'),
+    "values larger than their limit": (
+        lambda r: declared_only(r.url, "POST", "/v1/values/epoch.train.0.1?host=b", r.headers(), 2 << 20), 413,
+        "too_large", "request body of 2097152 bytes is larger than 1048576"),
     "a call that names no host": (
         lambda r: requests.post(f"{r.url}/v1/rounds/0/delta", data=r.delta(), headers=r.headers(), timeout=30), 400,
         "invalid", "query parameter host=ID is missing"),

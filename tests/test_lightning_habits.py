@@ -57,11 +57,14 @@ def test_sync_dist_values_are_the_same_on_every_host(early_stop_run) -> None:
     assert seen[0][:10] == [10.0] * 10 and seen[1][:10] == [20.0] * 10  # round 0: each host's own value ...
     assert result.stdout.count("until a round has shared it this host uses its own value") == 2  # ... said once
     assert seen[0][10:50] == seen[1][10:50] == [15.0] * 40  # then the mean of the last round, on both hosts
-    # after fit: the last round's values, weighted by samples (host 1 trained 6 batches of it, host 0 10)
+    # after fit, a step value is the last round's, weighted by samples (host 1 trained 6 batches of it, host 0 10)
     expected = (10.0 * 10 + 20.0 * 6) / 16
-    for name in ("shared_step", "shared_epoch"):
-        assert after[0]["callback_metrics"][name] == pytest.approx(expected, rel=1e-6)
-        assert after[1]["callback_metrics"][name] == pytest.approx(expected, rel=1e-6)
+    assert after[0]["callback_metrics"]["shared_step"] == pytest.approx(expected, rel=1e-6)
+    assert after[1]["callback_metrics"]["shared_step"] == pytest.approx(expected, rel=1e-6)
+    # an epoch value is its epoch's across hosts: epoch 0, which host 1 stopped at the end of, on both hosts' batches
+    assert after[1]["callback_metrics"]["shared_epoch"] == 15.0
+    # host 0 went on 4 steps into epoch 1 (to its round boundary), which host 1 never trained: its own value
+    assert after[0]["callback_metrics"]["shared_epoch"] == 10.0
     assert after[0]["callback_metrics"]["stop_signal"] == 1.0 and after[1]["callback_metrics"]["stop_signal"] == 0.0
 
 
@@ -171,8 +174,10 @@ def test_early_stopping_while_another_host_overlaps_its_exchange_still_ends_bit_
     """Host 0 trains on while its round 5 is in flight (overlap) when host 1's EarlyStopping ends the run with
     that round: host 0 drops the progress it made meanwhile and ends on the run's final model, like host 1."""
     run_dir, out = tmp_path / "run", tmp_path / "out"
+    # paced: the hosts meet at epoch 0's end (its values are exchanged there), and host 1's final delta must reach
+    # the coordinator within host 0's next 10 steps
     result = launch(run_dir, 2, [sys.executable, str(HOSTS / "digits_host.py"), "--out", str(out), "--max-steps", "200",
-                                 "--stop-host", "1", "--overlap", "eager"])
+                                 "--stop-host", "1", "--overlap", "eager", "--step-seconds", "0.02"])
     assert result.returncode == 0, result.stdout[-5000:]
     after = {h: json.loads((out / f"host{h}_after_fit.json").read_text()) for h in (0, 1)}
     published = {e["round"]: e["model_hash"] for e in read_events(run_dir) if e["phase"] == "sync_prepare"}

@@ -14,7 +14,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 
-from lightning_nodeox.host.logged import LIGHTNING_VERSIONS, LoggedValue, logged_value
+from lightning_nodeox.host.logged import LIGHTNING_VERSIONS, LoggedValue, epoch_values, logged_value
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_nodeox"
 BATCHES, BATCH = 3, 16  # data(): 256 samples in batches of 16; three of them
@@ -34,18 +34,23 @@ class Recording(SingleDeviceStrategy):
     def __init__(self) -> None:
         super().__init__(device=torch.device("cpu"))
         self.found: list[tuple[LoggedValue | None, torch.Tensor]] = []
+        self.pending: list[str] | None = None  # what epoch_values lists at the first epoch value's compute
 
     @property
     def is_distributed(self) -> bool:
         return True  # as NodeoxStrategy says, so that Lightning hands sync_dist values to reduce
 
     def reduce(self, tensor, group=None, reduce_op="mean"):
-        self.found.append((logged_value(sys._getframe(1)), tensor))
+        value = logged_value(sys._getframe(1))
+        self.found.append((value, tensor))
+        if value is not None and value.epoch is not None and self.pending is None:
+            self.pending = [v.name for v in epoch_values(self.lightning_module.trainer)]
         return tensor
 
 
 class Logs(LightningModule):
-    """Logs ``step_loss`` per step, ``epoch_loss`` as an epoch mean, both with sync_dist=True."""
+    """Logs ``step_loss`` per step, ``epoch_loss`` as an epoch mean, and ``both`` on_step and on_epoch, all with
+    sync_dist=True."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -56,13 +61,14 @@ class Logs(LightningModule):
         loss = nn.functional.mse_loss(self.layer(x), y)
         self.log("step_loss", loss, sync_dist=True, on_step=True, on_epoch=False)
         self.log("epoch_loss", torch.tensor(float(batch_idx)), sync_dist=True, on_step=False, on_epoch=True)
+        self.log("both", loss, sync_dist=True, on_step=True, on_epoch=True, reduce_fx="max")
         return loss
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), 0.01)
 
 
-def test_a_real_sync_dist_log_is_found_with_its_name_and_an_epoch_means_sample_count(tmp_path) -> None:
+def test_a_real_sync_dist_log_is_found_with_its_full_name_and_an_epoch_means_sample_count(tmp_path) -> None:
     strategy = Recording()
     trainer = Trainer(strategy=strategy, max_epochs=1, limit_train_batches=BATCHES, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -79,6 +85,10 @@ def test_a_real_sync_dist_log_is_found_with_its_name_and_an_epoch_means_sample_c
     sums = [t for c, t in epoch if t is not count]
     assert sums and float(sums[0]) == sum(range(BATCHES)) * BATCH  # batch_idx 0, 1, 2, each weighted by 16
     assert trainer.callback_metrics["epoch_loss"] == sum(range(BATCHES)) / BATCHES
+    # a value logged on_step and on_epoch is found under Lightning's two names, its step values and its epoch value
+    assert [n for n, _, _ in found if n.startswith("both")] == ["both_step"] * BATCHES + ["both_epoch"]
+    # at the first epoch value's compute, the epoch values Lightning computes in that pass, in its order
+    assert strategy.pending == ["epoch_loss", "both_epoch"]
 
 
 def test_no_other_module_reads_lightnings_logging_internals() -> None:

@@ -63,7 +63,8 @@ def test_launch_a_host_of_two_ranks_and_one_of_one_rank_with_overlap(tmp_path) -
     run_dir, out = tmp_path / "run", tmp_path / "out"
     result = launch(run_dir, 2, [sys.executable, str(HOSTS / "digits_host.py"), "--out", str(out), "--devices", "2,1",
                                  "--max-steps", str(MAX_STEPS), "--local-steps", str(LOCAL_STEPS),
-                                 "--overlap", "eager"], "--outer-optimizer", "nesterov", timeout=300)
+                                 "--overlap", "eager", "--epoch-value"], "--outer-optimizer", "nesterov",
+                    timeout=300)
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-3000:]
     events = read_events(run_dir)
     published = [e["model_hash"] for e in events if e["phase"] == "sync_prepare"]
@@ -85,6 +86,16 @@ def test_launch_a_host_of_two_ranks_and_one_of_one_rank_with_overlap(tmp_path) -
     for name in ("host0", "host0.rank1", "host1"):
         value = json.loads((out / f"{name}_metrics.json").read_text())["rank_mean"]
         assert value == pytest.approx(1 / 3, abs=1e-6), name
+    # so does an epoch value, exchanged at fit's end (the epoch's) by host 0's rank 0; its rank 1 takes the answer
+    epoch = [json.loads((out / f"{name}_metrics.json").read_text())["rank_epoch"] for name in ("host0", "host0.rank1",
+                                                                                              "host1")]
+    assert epoch[0] == epoch[1] == epoch[2] == pytest.approx(1 / 3, abs=1e-6)
+    # and a torchmetrics Accuracy: one number on every rank of every host, over the samples of all three ranks
+    names = ("host0", "host0.rank1", "host1")
+    counts = [c for name in names for c in json.loads((out / f"{name}_counts.json").read_text())]
+    acc = [json.loads((out / f"{name}_metrics.json").read_text())["acc"] for name in names]
+    assert len(counts) == 3 * MAX_STEPS
+    assert acc[0] == acc[1] == acc[2] == pytest.approx(sum(c for c, _ in counts) / sum(n for _, n in counts), rel=1e-6)
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 from ..core.phases import HOST_PHASES, PhaseRecord
-from ..core.protocol import Reason, Refusal
+from ..core.protocol import MAX_VALUES_BYTES, VALUES_KEY, Reason, Refusal
 from ..core.settings import check_host_id
 from ..core.specs import PayloadError, TensorSpec, specs_from_json
 
@@ -214,3 +214,21 @@ class TelemetryBudget:
             raise Refusal(Reason.RATE_LIMITED, f"host {host} sent more than {self.capacity} bytes of phase records "
                                                "in a minute; the rest waits (records are batched once a second)")
         self._left[host] = (left - size, now)
+
+
+def values_key(key: str) -> str:
+    """A values key as a path names it, or INVALID."""
+    if not VALUES_KEY.fullmatch(key):
+        raise Refusal(Reason.INVALID, f"values key {key[:64]!r} must be 1 to 200 of A-Z a-z 0-9 _ . : = -")
+    return key
+
+
+def parse_values(body: bytes) -> object:
+    """The payload of a values post (``{"payload": ...}``, at most ``MAX_VALUES_BYTES``), or INVALID."""
+    if len(body) > MAX_VALUES_BYTES:
+        raise Refusal(Reason.TOO_LARGE, f"values payload of {len(body)} bytes is larger than {MAX_VALUES_BYTES}",
+                      limit=MAX_VALUES_BYTES)
+    d = decode_json(body, "values")
+    if not isinstance(d, dict) or "payload" not in d:
+        raise Refusal(Reason.INVALID, 'values: expected {"payload": ...}')
+    return d["payload"]

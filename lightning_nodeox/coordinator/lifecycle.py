@@ -40,6 +40,7 @@ from .rounds import BeforePublish, Rounds
 from .runlog import RunLog
 from .runstate import RunState
 from .state import RunStore, SavedRun, take_up
+from .values import ValueExchanges
 from .waiting import waiting_for
 
 log = logging.getLogger(__name__)
@@ -50,9 +51,9 @@ Listen = Callable[["CoordinatorRun"], Awaitable[Callable[[], Awaitable[None]]]]
 
 
 class CoordinatorRun:
-    """One run's parts, sharing one :class:`RunState`: who takes part (``membership``), the round (``rounds``)
-    and what survives a restart (``recovery``); a transport calls these, and this class starts, ticks and ends
-    them. ``store`` None: nothing is saved (nor resumed)."""
+    """One run's parts, sharing one :class:`RunState`: who takes part (``membership``), the round (``rounds``),
+    values exchanged outside rounds (``values``) and what survives a restart (``recovery``); a transport calls
+    these, and this class starts, ticks and ends them. ``store`` None: nothing is saved (nor resumed)."""
 
     def __init__(self, config: CoordinatorConfig, runlog: RunLog, pool: WorkerPool, store: RunStore | None = None,
                  before_publish: BeforePublish | None = None) -> None:
@@ -60,6 +61,7 @@ class CoordinatorRun:
         self.recovery = Recovery(self.state, store)
         self.rounds = Rounds(self.state, self.recovery, before_publish)
         self.membership = Membership(self.state, self.recovery, self.rounds)
+        self.values = ValueExchanges(self.state, self.rounds)
         self._last_status = 0.0
         self._next_rss = time.time()
 

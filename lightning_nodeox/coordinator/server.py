@@ -237,6 +237,17 @@ async def _body(request: web.Request, limit: int) -> bytes:
     return await request.read()
 
 
+def _wait(request: web.Request) -> float:
+    """A long-poll's ``?wait=S`` seconds (0 when not given)."""
+    try:
+        wait = float(request.query.get("wait", 0) or 0)
+    except ValueError:
+        wait = float("nan")
+    if not 0 <= wait < float("inf"):
+        raise Refusal(Reason.INVALID, f"wait must be a number of seconds, got {request.query.get('wait')!r}")
+    return wait
+
+
 def _int(text: str, what: str) -> int:
     try:
         return int(text)
@@ -364,13 +375,7 @@ async def get_sync(request: web.Request) -> web.StreamResponse:
     state = run.state
     host = _caller(request)
     round_ = _int(request.match_info["round"], "round")
-    try:
-        wait = float(request.query.get("wait", 0) or 0)
-    except ValueError:
-        wait = float("nan")
-    if not 0 <= wait < float("inf"):
-        raise Refusal(Reason.INVALID, f"wait must be a number of seconds, got {request.query.get('wait')!r}")
-    wait = min(wait, run.config.long_poll)
+    wait = min(_wait(request), run.config.long_poll)
     message = await run.rounds.wait_sync(round_, wait, host)
     if message is None:
         return web.Response(status=204, headers={proto.COMPLETE_HEADER: "1" if state.complete else "0"})
@@ -411,6 +416,18 @@ async def post_events(request: web.Request) -> web.Response:
     return web.json_response(batch.answer())
 
 
+async def exchange_values(request: web.Request) -> web.Response:
+    """A host's values under a key (:mod:`~lightning_nodeox.coordinator.values`); 204 when not answered within
+    ``wait`` seconds (the host posts again)."""
+    run = request.app[RUN]
+    host, key = _caller(request), intake.values_key(request.match_info["key"])
+    payload = intake.parse_values(await _body(request, proto.MAX_VALUES_BYTES))
+    reply = await run.values.exchange(host, key, payload, min(_wait(request), run.config.long_poll))
+    if reply is None:
+        return web.Response(status=204)
+    return web.json_response(reply.to_json())
+
+
 async def leave(request: web.Request) -> web.Response:
     host = _caller(request, request.match_info["host"], left_ok=True)
     await request.app[RUN].membership.leave(host)
@@ -436,6 +453,7 @@ def make_app(run: CoordinatorRun, token: str | None, connections: Connections) -
     app.router.add_post(proto.EVENTS, post_events)
     app.router.add_post(proto.LEAVE, leave)
     app.router.add_post(proto.HEARTBEAT, heartbeat)
+    app.router.add_post(proto.VALUES, exchange_values)
     return app
 
 

@@ -16,6 +16,8 @@ HTTP lives only in the host's client (``host/client.py``) and the coordinator's 
     POST /v1/events?host=H                   {"records": [...]} phase records of host H only
     POST /v1/hosts/{h}/leave                 the host takes no further part
     POST /v1/hosts/{h}/heartbeat             the host is alive -> {"lease": seconds}
+    POST /v1/values/{key}?wait=S&host=H      {"payload": ...} this host's values under key -> ValuesReply once
+                                             answered (not within S seconds: post again, idempotent)
 
 Every call but health carries the run's bearer token when one is configured; every call that names a host
 (all but health, status and a first join) also carries that host's credential, which its join returned, in
@@ -25,6 +27,7 @@ Every call but health carries the run's bearer token when one is configured; eve
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
@@ -38,6 +41,9 @@ SYNC = API + "/rounds/{round}/sync"
 EVENTS = f"{API}/events"
 LEAVE = API + "/hosts/{host}/leave"
 HEARTBEAT = API + "/hosts/{host}/heartbeat"
+VALUES = API + "/values/{key}"
+VALUES_KEY = re.compile(r"[A-Za-z0-9_.:=-]{1,200}")  # what a values key may be (it travels in a path)
+MAX_VALUES_BYTES = 1 << 20  # one host's values payload, as JSON
 
 TIME_HEADER = "X-Nodeox-Time"  # the coordinator's clock, on every response (hosts align their records to it)
 CREDENTIAL_HEADER = "X-Nodeox-Credential"  # the host's credential, from its join reply
@@ -170,6 +176,22 @@ class SyncGone:
 
 
 SyncReply = SyncReady | RunComplete | SyncGone
+
+
+@dataclass(frozen=True)
+class ValuesReply:
+    """A values key answered: the hosts whose payloads it holds (in host order), and those payloads."""
+
+    key: str
+    hosts: list[str]
+    payloads: list
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> ValuesReply:
+        return cls(key=str(d["key"]), hosts=[str(h) for h in d["hosts"]], payloads=list(d["payloads"]))
 
 
 def read_fully(body: ByteStream, view: memoryview) -> None:

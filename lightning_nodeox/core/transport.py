@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
-from .protocol import ByteStream, JoinReply, Reason, Refusal, SyncGone, SyncReply, Upload
+from .protocol import ByteStream, JoinReply, Reason, Refusal, SyncGone, SyncReply, Upload, ValuesReply
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,11 @@ class HostClient(Protocol):
 
     def get_model(self) -> ByteStream:
         """The coordinator's full model, as a model file."""
+        ...
+
+    def exchange_values(self, key: str, payload: object) -> ValuesReply:
+        """Post this host's ``payload`` (JSON) under ``key`` and wait until the key is answered
+        (:mod:`lightning_nodeox.coordinator.values`); posting again is harmless."""
         ...
 
     def post_events(self, records: list[dict], *, retry_for: float = 0.0) -> None:

@@ -42,6 +42,7 @@ from ..core.protocol import (
     TransferBroken,
     Unreachable,
     Upload,
+    ValuesReply,
 )
 from ..core.settings import ENV_CA_FILE
 from ..core.transport import delta_outcome, sync_outcome
@@ -226,6 +227,15 @@ class HttpClient:
             return SyncReady(round_, ResponseStream(response), complete)
         response.close()
         return RunComplete() if complete else None
+
+    def exchange_values(self, key: str, payload: object, poll: float = SYNC_POLL) -> ValuesReply:
+        """Long-poll until ``key`` is answered, posting ``payload`` each time (the coordinator keeps the first)."""
+        path = proto.VALUES.format(key=key)
+        while True:
+            response = self._request("POST", path, params={"wait": poll, "host": self.host}, json={"payload": payload},
+                                     ok=(200, 204), read_timeout=poll + self.read_timeout)
+            if response.status_code == 200:
+                return ValuesReply.from_json(response.json())
 
     def get_model(self) -> ByteStream:
         return ResponseStream(self._request("GET", proto.MODEL, params={"host": self.host}, stream=True))

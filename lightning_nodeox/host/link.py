@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 from ..core import phases as P
 from ..core.phases import PhaseLog, PhaseRecord
-from ..core.protocol import Unreachable
+from ..core.protocol import Refusal, Unreachable, ValuesReply
 from ..core.transport import HostClient
 from .client import HttpClient
 from .ending import completed_at, note_completed, run_not_completed
@@ -70,6 +70,7 @@ class RunLink:
         self.worker: ExchangeWorker | None = None
         self.steps = 0  # training steps of the rounds this host closed
         self._left = False
+        self._late_values = False  # said once: values this host posted after the other hosts had moved on
 
     @classmethod
     def join(cls, conn: Connection, client: HostClient, tensors: HostTensors, settings: HostSettings, *,
@@ -141,6 +142,25 @@ class RunLink:
     def run_round(self, samples: int, final: bool, metrics: dict[str, list]) -> RoundResult:
         """The whole exchange, while training waits."""
         return self.wait(self.submit(self.round.run_round, samples, final, metrics))
+
+    def exchange_values(self, key: str, payload: object) -> ValuesReply | None:
+        """Values exchanged with the other hosts outside a round (an epoch's values, a torchmetrics state), from the
+        training thread; None once this host left, or when the coordinator refuses them (the values stay own)."""
+        if self._left:
+            return None
+        host = self.connection.host_id
+        with self.standing():
+            try:
+                reply = self.round.client.exchange_values(key, payload)
+            except Refusal as e:  # e.g. a coordinator restarted without this run's hosts
+                log.warning("NodeoxStrategy: the coordinator refused values %s (%s); host %s uses its own", key, e,
+                            host)
+                return None
+        if host not in reply.hosts and not self._late_values:
+            self._late_values = True
+            log.warning("NodeoxStrategy: host %s reached %s after the other hosts had moved on (hosts with uneven "
+                        "batches per epoch); it takes their values without its own (said once)", host, key)
+        return reply
 
     def cancel(self) -> None:
         """Make the exchange's calls in progress give up."""

@@ -21,6 +21,7 @@ import torch
 
 from ..core.cpu import choose_threads, granted_cpus
 from ..core.phases import PhaseRecord
+from ..core.protocol import ValuesReply
 from ..core.transport import HostClient
 from .agreement import FinalHash
 from .link import RunLink, http_client
@@ -145,6 +146,14 @@ class HostSession:
             self.took(self.ranks.lead(exchange), step)
         self.closed_rounds += 1
         timing.begin(overlapped=overlapped)
+
+    def exchange_values(self, key: str, payload: object) -> ValuesReply | None:
+        """Rank 0 exchanges ``payload`` under ``key`` with the other hosts outside a round
+        (:meth:`~lightning_nodeox.host.link.RunLink.exchange_values`), and every rank takes its answer; None before
+        joining or after leaving."""
+        if self.ranks is None:
+            return None
+        return self.ranks.lead(lambda: self.link.exchange_values(key, payload), model=False)
 
     def took(self, result: RoundResult, step: int) -> None:
         """Every rank: a round's result is in. Take the run's shared values, then the strategy's ``on_round``."""

@@ -13,8 +13,9 @@ strategy (:mod:`lightning_nodeox.host.session`), and the round logic itself live
 Stopping together: when ``fit`` ends on one host (max_steps, max_epochs, early stopping), it sends what it
 trained since its last round as its final delta, and that round completes the run: the other hosts stop at
 their next round boundary, and every host ends on the same final model (:mod:`lightning_nodeox.host.stopping`).
-Values logged with ``sync_dist=True`` are shared across hosts at round boundaries
-(:mod:`lightning_nodeox.host.metrics`; on a host of several devices, first reduced across its ranks); under
+Values logged with ``sync_dist=True`` are shared across hosts: step values at round boundaries, epoch values at
+the epoch's end (:mod:`lightning_nodeox.host.metrics`; on a host of several devices, first reduced across its
+ranks), and torchmetrics objects when they compute (:mod:`lightning_nodeox.host.metric_states`); under
 ``nodeox launch`` each host writes into its own folder of the run directory (:mod:`lightning_nodeox.host.machine`);
 SIGTERM makes a host leave at once (:mod:`lightning_nodeox.host.signals`).
 """
@@ -32,10 +33,12 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
 from typing_extensions import override
 
+from ..core.protocol import ValuesReply
 from ..core.transport import HostClient
 from . import machine
 from .agreement import suspects
 from .devices import OneDevice, SeveralDevices, devices_of
+from .metric_states import MetricStates
 from .round import RoundResult
 from .session import HostSession, SessionReadings
 from .settings import Connection
@@ -177,17 +180,27 @@ class NodeoxStrategy(SessionReadings, DDPStrategy):
 
     @override
     def reduce(self, tensor, group: Any = None, reduce_op: Any = "mean"):
-        """A value logged with ``sync_dist=True``: returns at once, with the mean across hosts as of the last round
-        (this host's own value until the value was first shared); see :mod:`lightning_nodeox.host.metrics`. On a
-        host of several devices the value is first reduced across its ranks (so every rank holds the host's)."""
-        def across_ranks(t):
-            return self._devices.reduce(self, t, group, reduce_op)
+        """A value logged with ``sync_dist=True``: a step value returns at once, with the value across hosts as of
+        the last round; an epoch value is that epoch's value across hosts (see :mod:`lightning_nodeox.host.metrics`).
+        On a host of several devices the value is first reduced across its ranks (so every rank holds the host's)."""
+        def across_ranks(t, op=None):
+            return self._devices.reduce(self, t, group, reduce_op if op is None else op)
 
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or trainer.state.fn != TrainerFn.FITTING:
             return across_ranks(tensor)  # validate/test/predict: no rounds
-        return self.metrics.reduce(sys._getframe(1), tensor, reduce_op, recording=not trainer.sanity_checking,
-                                   sync=across_ranks)
+        return self.metrics.reduce(sys._getframe(1), tensor, reduce_op, trainer=trainer,
+                                   recording=not trainer.sanity_checking, sync=across_ranks,
+                                   exchange=self._exchange_values)
+
+    def _exchange_values(self, key: str, payload: object) -> ValuesReply | None:
+        """Rank 0 exchanges ``payload`` under ``key`` with the other hosts
+        (:meth:`~lightning_nodeox.host.link.RunLink.exchange_values`), and every rank takes its answer; None while no
+        values are exchanged (not fitting, the sanity check, left)."""
+        trainer = self.lightning_module.trainer
+        if trainer.state.fn != TrainerFn.FITTING or trainer.sanity_checking:
+            return None
+        return self._session.exchange_values(key, payload)
 
     @override
     def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
@@ -249,13 +262,15 @@ class NodeoxStrategy(SessionReadings, DDPStrategy):
     @override
     def on_train_start(self) -> None:
         self._session.sigterm.install()  # after Lightning's own SIGTERM handler, which it chains
+        MetricStates(self.lightning_module.trainer, self._exchange_values).attach(self.lightning_module)
         super().on_train_start()
 
     @override
     def on_train_end(self) -> None:
         """This host's final round (what it trained since its last round; never overlapped), unless the run has
         completed already (another host's training ended, or this host's last batch closed its final round); then
-        the run's values of the metrics logged with ``sync_dist=True`` go into ``trainer.callback_metrics``."""
+        the run's step values logged with ``sync_dist=True`` go into ``trainer.callback_metrics`` (its epoch values
+        there are the cross-host ones already)."""
         trainer = self.lightning_module.trainer
         self._session.end(steps_taken(trainer))
         self.metrics.publish(trainer.callback_metrics)

@@ -23,14 +23,19 @@ from safetensors.torch import save_file
 from sklearn.datasets import load_digits
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_nodeox import NodeoxStrategy, PhaseMonitor
 from lightning_nodeox.host.tensors import shared_tensors
 
 
 class DigitsNet(LightningModule):
-    def __init__(self, lr: float = 0.05, host: int = 0, stop_host: int = -1, fail_at_step: int = -1) -> None:
+    def __init__(self, lr: float = 0.05, host: int = 0, stop_host: int = -1, fail_at_step: int = -1,
+                 epoch_value: bool = False) -> None:
         super().__init__()
+        self.epoch_value = epoch_value
+        self.acc = MulticlassAccuracy(num_classes=10, average="micro") if epoch_value else None
+        self.counts: list[list[int]] = []  # [correct, samples] of each batch
         self.net = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 10))
         self.lr = lr
         self.host = host
@@ -41,9 +46,15 @@ class DigitsNet(LightningModule):
         if self.global_step == self.fail_at_step:
             raise RuntimeError(f"injected failure in training_step at step {self.global_step}")
         x, y = batch
-        loss = nn.functional.cross_entropy(self.net(x), y)
+        logits = self.net(x)
+        loss = nn.functional.cross_entropy(logits, y)
         self.log("train_loss", loss, on_step=True, prog_bar=False)
         self.log("rank_mean", float(self.global_rank), sync_dist=True)  # across the host's ranks, then the hosts
+        if self.epoch_value:  # epoch values: exchanged at the epoch's end (here: fit's end), by rank 0 of a host
+            self.log("rank_epoch", float(self.global_rank), on_step=False, on_epoch=True, sync_dist=True)
+            self.acc(logits, y)  # a torchmetrics state: gathered across the host's ranks, then across hosts
+            self.log("acc", self.acc, on_step=False, on_epoch=True, sync_dist=True)
+            self.counts.append([int((logits.argmax(1) == y).sum()), len(y)])
         if self.stop_host >= 0:
             self.log("stop_signal", 0.0 if self.host == self.stop_host else 1.0)  # this host's own, not shared
             value = torch.tensor(10.0 * (self.host + 1))  # differs between hosts: 10, 20, ...
@@ -146,6 +157,8 @@ def main() -> None:
     p.add_argument("--overlap", default="off", choices=("off", "eager", "delayed"))
     p.add_argument("--round-seconds", type=float)
     p.add_argument("--progress-bar", action="store_true", help="show Lightning's progress bar")
+    p.add_argument("--epoch-value", action="store_true",
+                   help="also log an epoch value and a torchmetrics Accuracy with sync_dist=True")
     p.add_argument("--devices", default="1", help="devices (CPU ranks) of the host, or one number per host id: 2,1")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -158,7 +171,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(int(host))
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=True, generator=gen, drop_last=True)
     fail = args.fail_round * args.local_steps + args.local_steps // 2 if args.fail_round >= 0 and host == "1" else -1
-    model = DigitsNet(host=int(host), stop_host=args.stop_host, fail_at_step=fail)
+    model = DigitsNet(host=int(host), stop_host=args.stop_host, fail_at_step=fail, epoch_value=args.epoch_value)
     if args.skip_sync_round >= 0 and host == "1":
         from lightning_nodeox.core.hashing import RowHasher
         from lightning_nodeox.host.tensors import HostTensors
@@ -194,6 +207,7 @@ def main() -> None:
     trainer.fit(model, loader, ckpt_path=args.resume)
     after = {k: float(v) for k, v in trainer.callback_metrics.items()}
     prefix = f"host{host}" + (f".rank{trainer.global_rank}" if trainer.global_rank else "")
+    (args.out / f"{prefix}_counts.json").write_text(json.dumps(model.counts))
     (args.out / f"{prefix}_after_fit.json").write_text(json.dumps(
         {"global_step": trainer.global_step, "model_hash": strategy.model_hash, "callback_metrics": after,
          "last_round": strategy.last_result.round if strategy.last_result else -1}))

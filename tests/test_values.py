@@ -1,0 +1,102 @@
+"""coordinator/values.py, through the in-process transport: a key is answered once, the same to every host, when
+each host still in the run has posted it or cannot (it waits in the open round, or on another key, or left), and
+a retried post changes nothing. Host-side: the epoch values' reduction and the torchmetrics states' encoding."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from helpers import hosts, upload
+from local_transport import LocalClient
+
+from lightning_nodeox.coordinator.intake import parse_values, values_key
+from lightning_nodeox.core.protocol import MAX_VALUES_BYTES, Reason, Refusal
+from lightning_nodeox.core.reduction import reduce_values
+from lightning_nodeox.host.metric_states import _decode, _encode
+
+
+def _post(client: LocalClient, key: str, payload, poll: float = 0.3):
+    return client.coordinator.call(client.coordinator.run.values.exchange(client.host, key, payload, poll))
+
+
+def _in_thread(fn, *args) -> tuple[threading.Thread, list]:
+    box: list = []
+    thread = threading.Thread(target=lambda: box.append(fn(*args)), daemon=True)
+    thread.start()
+    return thread, box
+
+
+def test_a_key_is_answered_once_every_host_posted_it_in_host_order_and_a_retry_changes_nothing(local_coordinator):
+    c = local_coordinator(2)
+    b, a = hosts(c, "b", "a")
+    assert _post(b.client, "epoch.train.0.1", {"v": 2}) is None  # a is training: not yet answered
+    assert _post(b.client, "epoch.train.0.1", {"v": 99}) is None  # a retry: b's first payload is kept
+    reply = a.client.exchange_values("epoch.train.0.1", {"v": 1})
+    assert reply.hosts == ["a", "b"] and reply.payloads == [{"v": 1}, {"v": 2}]
+    assert b.client.exchange_values("epoch.train.0.1", {"v": 99}) == reply  # the same answer to every host
+
+
+def test_a_host_waiting_in_the_open_round_does_not_hold_a_key_and_posting_late_gets_the_same_answer(
+        local_coordinator):
+    c = local_coordinator(2)
+    a, b = hosts(c, "a", "b")
+    upload(a)  # a closed its round and waits for b's delta; b stopped at its epoch's end first
+    start = time.monotonic()
+    reply = b.client.exchange_values("epoch.train.0.1", {"v": 2})
+    assert time.monotonic() - start < 2.0
+    assert reply.hosts == ["b"] and reply.payloads == [{"v": 2}]
+    assert a.client.exchange_values("epoch.train.0.1", {"v": 1}) == reply  # a's later post: b's answer, as is
+
+
+def test_hosts_waiting_on_other_keys_or_in_a_round_or_gone_do_not_hold_a_key(local_coordinator):
+    c = local_coordinator(3)
+    a, b, gone = hosts(c, "a", "b", "gone")
+    gone.client.leave()
+    thread, box = _in_thread(a.client.exchange_values, "epoch.train.0.1", {"v": 1})
+    time.sleep(0.3)
+    other = b.client.exchange_values("epoch.validate.0.1", {"w": 2})  # b names another key: a does not hold it
+    assert other.hosts == ["b"]
+    thread.join(0.5)
+    assert not box  # b trains on: a waits for it, as under DDP ...
+    upload(b)  # ... until b closes a round, where it waits for a
+    thread.join(5)
+    assert box and box[0].hosts == ["a"] and box[0].payloads == [{"v": 1}]
+
+
+def test_a_key_is_answered_on_the_round_timeout_without_a_host_that_never_posts(local_coordinator):
+    c = local_coordinator(2, round_timeout=1.0)
+    a, _ = hosts(c, "a", "b")
+    start = time.monotonic()
+    reply = a.client.exchange_values("state.train.0.1", {"v": 1})
+    assert 1.0 <= time.monotonic() - start < 4.0 and reply.hosts == ["a"]
+
+
+def test_epoch_values_reduce_as_round_values_do() -> None:
+    assert reduce_values([(30.0, 1.0), (10.0, 3.0)], "mean") == 1.5  # weighted by samples
+    assert reduce_values([(1.0, 1.0), (1.0, 3.0)], "sum") == 4.0
+    assert reduce_values([(1.0, 1.0), (1.0, 3.0)], "max") == 3.0 and reduce_values([(0, 1.0), (0, 3.0)], "mean") == 2.0
+
+
+def test_a_torchmetrics_state_travels_bit_for_bit() -> None:
+    for t in (torch.tensor([3, 0, 7]), torch.tensor(0.1, dtype=torch.bfloat16), torch.rand(2, 3, dtype=torch.float64),
+              torch.tensor([True, False]), torch.empty(0)):
+        back = _decode(_encode(t), torch.device("cpu"))
+        assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t)
+
+
+def test_a_values_post_is_checked_before_anything_sees_it() -> None:
+    assert values_key("epoch.train.0.1") == "epoch.train.0.1"
+    for bad in ("", "a/b", "x" * 201, "épique"):
+        with pytest.raises(Refusal) as e:
+            values_key(bad)
+        assert e.value.reason is Reason.INVALID
+    assert parse_values(b'{"payload": {"values": {"loss_epoch": [0.5, "mean", 32]}}}') == {
+        "values": {"loss_epoch": [0.5, "mean", 32]}}
+    for body, reason in ((b'{"values": 1}', Reason.INVALID), (b"[1]", Reason.INVALID), (b'{"payload": NaN}',
+                         Reason.INVALID), (b" " * (MAX_VALUES_BYTES + 1), Reason.TOO_LARGE)):
+        with pytest.raises(Refusal) as e:
+            parse_values(body)
+        assert e.value.reason is reason
