@@ -248,9 +248,10 @@ class socket_closed_port:
 
 
 class Coordinator:
-    """A `nodeox coordinator` subprocess; stopped (and waited for) when the test ends."""
+    """A `nodeox coordinator` subprocess (``command``: or a `nodeox relay`); stopped (and waited for) when the test
+    ends."""
 
-    def __init__(self, run_dir: Path, hosts: int, *args: str, timeout: float = 60) -> None:
+    def __init__(self, run_dir: Path, hosts: int, *args: str, timeout: float = 60, command: str = "coordinator") -> None:
         self.run_dir = run_dir
         ready = run_dir / "ready"
         ready.unlink(missing_ok=True)
@@ -259,7 +260,7 @@ class Coordinator:
         self.log_path = run_dir.parent / f"{run_dir.name}-coordinator{n}.log"  # outside: a new run moves records aside
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lightning_nodeox", "coordinator", "--hosts", str(hosts), "--run-dir", str(run_dir),
+            [sys.executable, "-m", "lightning_nodeox", command, "--hosts", str(hosts), "--run-dir", str(run_dir),
              "--bind", "127.0.0.1:0", "--ready-file", str(ready), "--threads", "1", *args],
             stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
         deadline = time.monotonic() + timeout

@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 TICK = 0.25  # seconds between the periodic checks
 
 Listen = Callable[["CoordinatorRun"], Awaitable[Callable[[], Awaitable[None]]]]
+MakeRun = Callable[[CoordinatorConfig, RunLog, WorkerPool, RunStore, "BeforePublish | None"], "CoordinatorRun"]
 
 
 class CoordinatorRun:
@@ -153,9 +154,11 @@ class CoordinatorRun:
         self.recovery.close()
 
 
-async def run(config: CoordinatorConfig, listen: Listen, *, before_publish: BeforePublish | None = None) -> int:
+async def run(config: CoordinatorConfig, listen: Listen, *, before_publish: BeforePublish | None = None,
+              make_run: MakeRun | None = None) -> int:
     """Run a coordinator until its run completes (or a signal); returns the exit status. ``listen(run)`` starts the
-    transport and returns what stops it; ``before_publish`` (for comparisons only) is awaited with each round's sync before it is published."""
+    transport and returns what stops it; ``before_publish`` (for comparisons only) is awaited with each round's sync before it is published;
+    ``make_run`` builds the run (default :class:`CoordinatorRun`; a site relay's is its own kind)."""
     torch.set_num_threads(1)  # codec ops never thread inside ATen here; the codec pool parallelizes
     run_dir = Path(config.run_dir)
     try:
@@ -167,7 +170,7 @@ async def run(config: CoordinatorConfig, listen: Listen, *, before_publish: Befo
     threads = choose_threads(config.threads, purpose="coordinator codec")
     pool = WorkerPool(config.q4, "cpu", threads)
     runlog = RunLog(run_dir)
-    coordinator = CoordinatorRun(config, runlog, pool, RunStore(run_dir), before_publish)
+    coordinator = (make_run or CoordinatorRun)(config, runlog, pool, RunStore(run_dir), before_publish)
     try:
         await coordinator.start(saved)
     except (ValueError, OSError) as e:  # a bad --initial-model, or a saved model that cannot be read back

@@ -483,10 +483,11 @@ def bound_url(scheme: str, bind_host: str, sockname: tuple) -> str:
 
 
 
-async def serve(config: CoordinatorConfig, ready_file: Path | None = None, before_publish=None) -> int:
+async def serve(config: CoordinatorConfig, ready_file: Path | None = None, before_publish=None,
+                make_run: lifecycle.MakeRun | None = None) -> int:
     """Run the coordinator over HTTP until the run completes (or a signal); returns the exit status. Its URL is
     written to ``ready_file`` once it listens; ``before_publish`` (for comparisons only) is awaited with each
-    round's sync before it is published."""
+    round's sync before it is published; ``make_run`` builds the run (a site relay's, :mod:`lightning_nodeox.relay`)."""
     open_files = raise_open_file_limit()
 
     async def listen(run: CoordinatorRun):
@@ -525,4 +526,4 @@ async def serve(config: CoordinatorConfig, ready_file: Path | None = None, befor
 
         return stop
 
-    return await lifecycle.run(config, listen, before_publish=before_publish)
+    return await lifecycle.run(config, listen, before_publish=before_publish, make_run=make_run)

@@ -237,6 +237,11 @@ class HttpClient:
             if response.status_code == 200:
                 return ValuesReply.from_json(response.json())
 
+    def status(self) -> dict:
+        """The coordinator's run at a glance (``GET /v1/status``: its round, codec, hosts); a site relay asks it of
+        its upstream before it serves."""
+        return self._request("GET", proto.STATUS).json()
+
     def get_model(self) -> ByteStream:
         return ResponseStream(self._request("GET", proto.MODEL, params={"host": self.host}, stream=True))
 

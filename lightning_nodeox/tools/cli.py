@@ -1,10 +1,11 @@
-"""The ``nodeox`` command: ``coordinator``, ``launch`` and ``report``."""
+"""The ``nodeox`` command: ``coordinator``, ``relay``, ``launch`` and ``report``."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from dataclasses import MISSING, fields
 from pathlib import Path
@@ -12,7 +13,8 @@ from pathlib import Path
 from ..coordinator.config import DEFAULT_PORT, CoordinatorConfig, OuterSettings
 from ..coordinator.outer import outer_names
 from ..core import logs
-from ..core.settings import BLOCK_SIZES, CODECS, SCALE_DTYPES, Q4Settings
+from ..core.settings import BLOCK_SIZES, CODECS, ENV_CA_FILE, SCALE_DTYPES, Q4Settings
+from ..relay.config import RelayConfig
 
 LAUNCH_BIND = "127.0.0.1:0"  # launch's coordinator serves this machine's hosts only, on a free port
 
@@ -22,9 +24,10 @@ def _defaults(cls) -> dict[str, object]:
     return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
 
 
-def _coordinator_options(p: argparse.ArgumentParser, *, bind: str) -> None:
-    """The coordinator's flags (``nodeox coordinator`` and ``nodeox launch`` alike), defaults from its settings."""
-    run, q4, outer = _defaults(CoordinatorConfig), _defaults(Q4Settings), _defaults(OuterSettings)
+def _serving_options(p: argparse.ArgumentParser, *, bind: str) -> None:
+    """The flags of what serves hosts (``nodeox coordinator``, ``launch`` and ``relay`` alike), defaults from the
+    coordinator's settings."""
+    run = _defaults(CoordinatorConfig)
     p.add_argument("--hosts", type=int, required=True, help="hosts in the run")
     p.add_argument("--run-dir", type=Path, required=True, help="where events.jsonl and tb/ are written")
     p.add_argument("--bind", default=bind, help="HOST:PORT to listen on (default %(default)s; "
@@ -54,6 +57,15 @@ def _coordinator_options(p: argparse.ArgumentParser, *, bind: str) -> None:
     p.add_argument("--tls-cert", type=Path, help="PEM certificate to serve HTTPS with (with --tls-key)")
     p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     p.add_argument("--elastic", action="store_true", help="admit more than --hosts distinct host ids")
+    p.add_argument("--threads", type=int, help="codec threads (default: this process's CPU quota)")
+    p.add_argument("--rss-interval", type=float, default=run["rss_interval"],
+                   help="seconds between memory samples (default %(default)g)")
+
+
+def _coordinator_options(p: argparse.ArgumentParser, *, bind: str) -> None:
+    """The coordinator's flags (``nodeox coordinator`` and ``nodeox launch`` alike), defaults from its settings."""
+    q4, outer = _defaults(Q4Settings), _defaults(OuterSettings)
+    _serving_options(p, bind=bind)
     p.add_argument("--block-size", type=int, default=q4["block_size"], choices=BLOCK_SIZES,
                    help="q4 values per scale (default %(default)s)")
     p.add_argument("--scale-dtype", default=q4["scale_dtype"], choices=SCALE_DTYPES,
@@ -68,9 +80,15 @@ def _coordinator_options(p: argparse.ArgumentParser, *, bind: str) -> None:
     p.add_argument("--outer-momentum", type=float, default=outer["momentum"],
                    help="outer momentum (nesterov; default %(default)g)")
     p.add_argument("--initial-model", type=Path, help="safetensors file to start from (default: the first host's)")
-    p.add_argument("--threads", type=int, help="codec threads (default: this process's CPU quota)")
-    p.add_argument("--rss-interval", type=float, default=run["rss_interval"],
-                   help="seconds between memory samples (default %(default)g)")
+
+
+def _relay_options(p: argparse.ArgumentParser) -> None:
+    """The flags of ``nodeox relay`` (beside its hosts' side, :func:`_serving_options`)."""
+    p.add_argument("--upstream", required=True, help="URL of the root coordinator, or of another relay")
+    p.add_argument("--upstream-token-file", type=Path, help="file holding the upstream's bearer token")
+    p.add_argument("--id", help="the relay's host id upstream (default: the run directory's name)")
+    _serving_options(p, bind=_defaults(CoordinatorConfig)["bind"])
+    p.add_argument("--ready-file", type=Path, help=argparse.SUPPRESS)
 
 
 def _launch_options(p: argparse.ArgumentParser) -> None:
@@ -97,13 +115,23 @@ def _config(args: argparse.Namespace) -> CoordinatorConfig:
             hosts=args.hosts, run_dir=args.run_dir, bind=args.bind, min_hosts=args.min_hosts,
             round_timeout=args.round_timeout, token=_read_token(args.token_file), insecure=args.insecure,
             elastic=args.elastic, tls_cert=args.tls_cert, tls_key=args.tls_key,
-            q4=Q4Settings(block_size=args.block_size, scale_dtype=args.scale_dtype, codec=args.codec),
-            initial_model=args.initial_model, threads=args.threads, rss_interval=args.rss_interval,
+            q4=Q4Settings(block_size=args.block_size, scale_dtype=args.scale_dtype, codec=args.codec)
+            if args.cmd != "relay" else Q4Settings(),  # a relay's is its upstream's
+            initial_model=getattr(args, "initial_model", None), threads=args.threads, rss_interval=args.rss_interval,
             exit_when_done=not getattr(args, "keep_running", False), lease=args.lease,
             no_hosts_timeout=args.no_hosts_timeout,
             snapshot_every=args.snapshot_every, transfer_timeout=args.transfer_timeout, fresh=args.fresh,
             idle_timeout=args.idle_timeout, max_connections=args.max_connections,
-            outer=OuterSettings(args.outer_optimizer, args.outer_lr, args.outer_momentum))
+            outer=OuterSettings(args.outer_optimizer, args.outer_lr, args.outer_momentum)
+            if args.cmd != "relay" else OuterSettings())  # a relay never steps
+    except ValueError as e:
+        raise SystemExit(f"nodeox: {e}") from None
+
+
+def _relay_config(args: argparse.Namespace) -> RelayConfig:
+    try:
+        return RelayConfig(upstream=args.upstream, relay_id=args.id or RelayConfig.default_id(args.run_dir),
+                           token=_read_token(args.upstream_token_file), ca_file=os.environ.get(ENV_CA_FILE))
     except ValueError as e:
         raise SystemExit(f"nodeox: {e}") from None
 
@@ -117,13 +145,16 @@ def coordinator_argv(launch_argv: list[str]) -> list[str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nodeox", description="lightning-nodeox: coordinator, launcher, report")
+    parser = argparse.ArgumentParser(prog="nodeox", description="lightning-nodeox: coordinator, relay, launcher, report")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("coordinator", help="run the HTTP coordinator of a run")
     _coordinator_options(p, bind=_defaults(CoordinatorConfig)["bind"])
     p.add_argument("--keep-running", action="store_true", help="keep serving after every host has finished")
     p.add_argument("--ready-file", type=Path, help=argparse.SUPPRESS)
+
+    p = sub.add_parser("relay", help="a site relay: a coordinator to its hosts, one host to its upstream")
+    _relay_options(p)
 
     p = sub.add_parser("launch", help="a coordinator and N hosts on this machine: nodeox launch ... -- COMMAND")
     _coordinator_options(p, bind=LAUNCH_BIND)
@@ -149,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
         from ..coordinator.server import serve
 
         return asyncio.run(serve(config, args.ready_file))
+    if args.cmd == "relay":
+        config, relay = _config(args), _relay_config(args)
+        from ..relay.run import serve as serve_relay
+
+        return asyncio.run(serve_relay(config, relay, args.ready_file))
     if args.cmd == "launch":
         from .launch import launch
 

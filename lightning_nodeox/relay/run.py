@@ -1,0 +1,63 @@
+"""A site relay: to its hosts a coordinator (the same protocol, server and rooms), to its upstream one host
+whose delta is its site's sample-weighted mean and whose sample count is the site's sum
+(:mod:`~lightning_nodeox.relay.close`). It never applies an outer step; the root's sync and model hash pass
+down unchanged, so every host of every site ends bit-identical with the root.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from functools import partial
+from pathlib import Path
+
+from ..coordinator import server
+from ..coordinator.config import CoordinatorConfig
+from ..coordinator.lifecycle import CoordinatorRun
+from ..coordinator.rounds import BeforePublish
+from ..coordinator.runlog import RunLog
+from ..coordinator.state import RunStore
+from ..core.pool import WorkerPool
+from .close import UpstreamClose
+from .config import RelayConfig
+from .membership import RelayMembership
+from .upstream import Upstream
+from .values import RelayValues
+
+log = logging.getLogger(__name__)
+
+
+class RelayRun(CoordinatorRun):
+    """A coordinator's run whose rounds close upstream and whose model comes from (or goes to) upstream."""
+
+    def __init__(self, config: CoordinatorConfig, runlog: RunLog, pool: WorkerPool, store: RunStore | None = None,
+                 before_publish: BeforePublish | None = None, *, upstream: Upstream) -> None:
+        super().__init__(config, runlog, pool, store, before_publish)
+        self.upstream = upstream
+        upstream.phases.listeners.append(lambda record: self.state.record(record))
+        self.rounds.close_with = UpstreamClose(upstream)
+        self.membership = RelayMembership(self.state, self.recovery, self.rounds, upstream)
+        self.values = RelayValues(self.state, self.rounds, upstream)
+
+    def status(self) -> dict:
+        return {**super().status(), "relay": self.upstream.config.relay_id, "upstream": self.upstream.url}
+
+    def close(self) -> None:
+        super().close()
+        self.upstream.close()
+
+
+async def serve(config: CoordinatorConfig, relay: RelayConfig, ready_file: Path | None = None) -> int:
+    """Run a relay over HTTP until its run completes (or a signal); returns the exit status. Its hosts use the
+    upstream's codec (asked of it first)."""
+    upstream = Upstream(relay)
+    try:
+        q4 = await upstream.call(upstream.settings)
+    except Exception as e:  # noqa: BLE001 - unreachable, refused: say so and stop
+        print(f"nodeox relay: cannot reach the upstream {relay.upstream}: {e}", flush=True)
+        upstream.close()
+        return 2
+    config = dataclasses.replace(config, q4=q4)
+    print(f"nodeox relay {relay.relay_id}: upstream {relay.upstream} ({q4.codec}, block size {q4.block_size})",
+          flush=True)
+    return await server.serve(config, ready_file, make_run=partial(RelayRun, upstream=upstream))

@@ -1,0 +1,99 @@
+"""A relay's θ as the tensors of one host of its upstream.
+
+The relay holds one copy of the model: the coordinator model's tensors, which its own hosts download and whose
+round it accumulates. Seen from upstream they are the host's base θ_r *and* its live model (one list), so the
+root's sync, applied as any host applies it, updates the relay's θ in place and is verified against the root's
+hash. What the relay sends is not ``live - base`` but its site's mean, read from the accumulator: ``acc / weight``
+per tensor of the round's set, plus the relay's own error-feedback residual, re-quantized
+(:func:`~lightning_nodeox.core.codec.encode_mean`); raw tensors carry the values the site's round took.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.codec import encode_mean
+from ..core.protocol import ByteStream, read_fully
+from ..core.wire import Q4Message, Q4Meta
+from ..coordinator.model import CoordinatorModel
+from ..host.tensors import HostTensors
+
+
+class RoundSet:
+    """The tensors the relay's delta carries: its site round's set (a host's :class:`MovingSet` stand-in)."""
+
+    def __init__(self, count: int) -> None:
+        self.indices = tuple(range(count))
+
+    def at_boundary(self) -> tuple[int, ...]:
+        return self.indices
+
+
+class RelayTensors(HostTensors):
+    """The relay's θ (``model``'s tensors) as base and live model of one upstream host, and its site mean's encode."""
+
+    def __init__(self, model: CoordinatorModel) -> None:
+        super().__init__(model.named())
+        self.model = model
+        self.moving = RoundSet(len(model.specs))
+        self._site_round = False  # the next encode is the site's mean
+        self.last_sync: Q4Message | None = None  # the last sync applied (the relay passes it on once verified)
+
+    def _new_base(self) -> list[torch.Tensor]:
+        return self.live  # one copy: θ is both
+
+    def take_round(self) -> None:
+        """The site's round is accumulated: its set is the next delta's (call on the coordinator's work thread,
+        before :meth:`~lightning_nodeox.host.round.HostRound.encode`)."""
+        self.moving.indices = tuple(sorted(self.model.moving))
+        self.boundary()
+        self._site_round = True
+
+    def estimate_error(self, source: list[torch.Tensor]) -> float | None:
+        return None  # the site's mean is not at hand as one tensor; its hosts report their own errors
+
+    def encode(self, source: list[torch.Tensor], meta: Q4Meta, seed: int | None) -> Q4Message:
+        """The site's mean after :meth:`take_round` (then the model's round ends); any other delta (an empty one,
+        ``samples=0``) as a host encodes it."""
+        if not self._site_round:
+            return super().encode(source, meta, seed)
+        self._site_round = False
+        model, part = self.model, self.part
+        message = part.message
+        weights = [model.weights[i] for i in part.indices]
+        inverse = [1.0 / w if w else 0.0 for w in weights]
+        for i, w in zip(part.indices, weights):
+            if w == 0:  # only deltas without samples carried it: no change
+                model.acc[i].zero_()
+
+        def work(k, j: int, start: int, stop: int) -> None:
+            i = part.indices[j]
+            encode_mean(k, model.acc[i], inverse[j], None if self.residual is None else self.residual[i],
+                        message.codes(j), message.scales(j), start=start, stop=stop)
+
+        try:
+            with torch.no_grad():
+                self.pool.over_ranges(part.coded, work)
+                for j in part.raw:  # the values the site's round took, else θ's own
+                    i = part.indices[j]
+                    taken = model.raw_taken[i] if i in model.raw_from else self.live[i].view(-1).view(torch.uint8)
+                    message.raw(j).copy_(taken)
+            self._check_finite(message, self.live, meta)
+            message.write_header(meta)
+        finally:
+            model.end_round()
+        return message
+
+    def receive(self, body: ByteStream) -> torch.Tensor:
+        """A sync's bytes into a buffer of its own: the relay passes it on to its hosts unchanged, so the next
+        round never overwrites one that a slow host may still be downloading."""
+        buffer = torch.empty(body.size, dtype=torch.uint8)
+        try:
+            read_fully(body, memoryview(buffer.numpy()))
+        finally:
+            body.close()
+        return buffer
+
+    def apply(self, sync: Q4Message, into_live: bool):
+        self.last_sync = sync  # what the relay publishes, once its hash is verified
+        return super().apply(sync, into_live)

@@ -1,0 +1,120 @@
+"""A relay's side as one host of its upstream (the root coordinator, or another relay): its client, its round
+(:class:`~lightning_nodeox.host.round.HostRound` over :class:`~lightning_nodeox.relay.tensors.RelayTensors`, with
+every recovery rule a host has: rejoin, resend, fetch), its heartbeat and its phase records, which go upstream
+(the root's run directory holds them) and into the relay's own run log.
+
+Every call upstream blocks (HTTP through :class:`~lightning_nodeox.host.client.HttpClient`), so it runs on a
+thread of its own (:meth:`Upstream.call`), never on the relay's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import torch
+
+from ..core.modelfile import ModelFileReader, model_header
+from ..core.phases import PhaseLog
+from ..core.protocol import JoinReply, read_fully
+from ..core.settings import Q4Settings
+from ..core.specs import TensorSpec
+from ..coordinator.model import CoordinatorModel
+from ..host.client import HttpClient
+from ..host.heartbeat import Heartbeat
+from ..host.round import HostRound
+from ..host.telemetry import TelemetryShipper
+from .config import RelayConfig
+from .tensors import RelayTensors
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+FLUSH_SECONDS = 4.0
+
+
+class Upstream:
+    """One relay's link upstream; :attr:`round` is set once the relay's θ is the upstream's model."""
+
+    def __init__(self, config: RelayConfig) -> None:
+        self.config = config
+        self.client = HttpClient(config.upstream, host=config.relay_id, token=config.token, ca_file=config.ca_file,
+                                 retry_for=config.retry_for)
+        self.phases = PhaseLog(config.relay_id)
+        self.telemetry = TelemetryShipper(self.client, self.client.clock)
+        self.phases.listeners.append(self.telemetry)  # and the relay's own run log (RelayRun)
+        self.heartbeat = Heartbeat(self.client)  # the relay's lease upstream, from its join until it leaves
+        self.round: HostRound | None = None
+        self.ready = asyncio.Event()  # set once :attr:`round` is
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="nodeox-upstream")
+        self._values = ThreadPoolExecutor(1, thread_name_prefix="nodeox-upstream-values")  # never holds a round
+
+    @property
+    def url(self) -> str:
+        return self.client.url
+
+    async def call(self, fn: Callable[..., T], *args) -> T:
+        """Run a blocking call upstream on the relay's upstream thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    async def call_values(self, fn: Callable[..., T], *args) -> T:
+        """Run a blocking values exchange upstream on a thread of its own (it may wait long: never behind it)."""
+        return await asyncio.get_running_loop().run_in_executor(self._values, fn, *args)
+
+    # -- blocking calls (on the upstream thread) ----------------------------------------------------------------
+    def settings(self) -> Q4Settings:
+        """The upstream run's codec, which the relay's hosts must use too (its sync passes down unchanged)."""
+        status = self.client.status()
+        return Q4Settings(codec=status["codec"], block_size=int(status["block_size"]),
+                          scale_dtype=status["scale_dtype"])
+
+    def join(self, specs: tuple[TensorSpec, ...]) -> JoinReply:
+        """Join upstream with the site's model's tensors (waiting while another host provides the model)."""
+        body = [s.as_json() for s in specs]
+        reply = self.client.join(body)
+        while reply.retry:
+            reply = self.client.join(body)
+        return reply
+
+    def fetch(self) -> torch.Tensor:
+        """The upstream's full model, as a model file in memory."""
+        stream = self.client.get_model()
+        data = torch.empty(stream.size, dtype=torch.uint8)
+        try:
+            read_fully(stream, memoryview(data.numpy()))
+        finally:
+            stream.close()
+        return data
+
+    def provide(self, model: CoordinatorModel, round_: int) -> str:
+        """Upload the site's model (the upstream asked this relay to provide it); returns the upstream's hash."""
+        return self.client.put_model(ModelFileReader(model_header(model.specs, round_, model.hash), model.tensors))
+
+    def attach(self, model: CoordinatorModel, settings: Q4Settings, round_: int, threads: int) -> HostRound:
+        """From now on the relay's θ (``model``'s tensors) is its upstream host's, at ``round_``."""
+        tensors = RelayTensors(model)
+        tensors.allocate(settings, threads)
+        hr = HostRound(tensors, self.client, self.phases, codec_threads=threads)
+        hr.round, hr.model_hash = round_, model.hash
+        self.round = hr
+        return hr
+
+    # -- the end ------------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Flush the phase records and leave upstream (the relay's run is over, or it stops)."""
+        self.client.cancel()  # a values exchange still waiting upstream gives up
+        self.heartbeat.stop()
+        self.telemetry.close(timeout=FLUSH_SECONDS)
+        if self.client.joined:
+            try:
+                self.client.leave()
+            except Exception as e:  # noqa: BLE001 - leaving is a courtesy; the upstream's lease drops the relay
+                log.warning("nodeox relay: could not tell %s that relay %s left: %s", self.url,
+                            self.config.relay_id, e)
+        if self.round is not None:
+            self.round.close()
+        self._thread.shutdown(wait=False)
+        self._values.shutdown(wait=False, cancel_futures=True)

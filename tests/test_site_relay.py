@@ -1,0 +1,65 @@
+"""Site relays (`nodeox relay`): two sites of two digits hosts, each behind a relay, under one root coordinator.
+A relay is a coordinator to its hosts and one host to the root; the root's syncs pass down unchanged, so every
+host ends on the root's model, bit for bit, and stopping together and sync_dist values work as without relays."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+from helpers import Coordinator, assert_identical, published, read_events, start_host, stop, wait_for
+
+STEPS_PER_EPOCH = 56  # 1797 digits in batches of 32, the last one dropped
+SITES = {"siteA": ("0", "1"), "siteB": ("2", "3")}
+
+
+@pytest.mark.slow
+def test_two_sites_behind_relays_end_bit_identical_with_the_root_and_stop_together(tmp_path) -> None:
+    """Host 2 (site B) stops early (EarlyStopping at its first epoch end, step 56, in round 5): every host of both
+    sites stops after round 5; all end on the root's final model; the root takes 2 deltas a round (one per relay),
+    each weighted by its site's samples; a step value logged with sync_dist is the same on every host."""
+    out, procs = tmp_path / "out", []
+    root = Coordinator(tmp_path / "root", len(SITES))
+    relays = {name: Coordinator(tmp_path / name, len(hosts), "--upstream", root.url, command="relay")
+              for name, hosts in SITES.items()}
+    try:
+        for name, hosts in SITES.items():
+            procs += [start_host(h, relays[name].url, out, "--max-steps", "200", "--stop-host", "2") for h in hosts]
+        wait_for(lambda: all(p.poll() is not None for p in procs), 240, "the hosts to finish")
+        assert [p.returncode for p in procs] == [0] * 4, [(out / f"host{h}-0.log").read_text()[-3000:]
+                                                          for hosts in SITES.values() for h in hosts]
+        assert root.wait(30) == 0 and all(r.wait(30) == 0 for r in relays.values())
+    finally:
+        stop(procs)
+        for c in (*relays.values(), root):
+            c.stop()
+    hosts = [h for site in SITES.values() for h in site]
+    after = {h: json.loads((out / f"host{h}_after_fit.json").read_text()) for h in hosts}
+    synced = published(root.run_dir)
+    assert sorted(synced) == list(range(6))  # no round after the stop
+    final = assert_identical(out, hosts)
+    assert final == synced[5]["model_hash"] == {after[h]["model_hash"] for h in hosts}.pop()
+    assert {after[h]["last_round"] for h in hosts} == {5}
+    assert {h: after[h]["global_step"] for h in hosts} == {"0": 60, "1": 60, "2": STEPS_PER_EPOCH, "3": 60}
+
+    events = read_events(root.run_dir)
+    received = [e for e in events if e["phase"] == "receive"]
+    assert Counter(e["round"] for e in received) == {r: 2 for r in range(6)}  # one delta per relay a round
+    assert {e["from_host"] for e in received} == set(SITES)
+    uploads = {(e["round"], e["host"]): e["bytes"] for e in events if e["phase"] == "upload"}  # the relays' own
+    assert {(e["round"], e["from_host"]): e["bytes"] for e in received} == uploads
+    samples = {e["round"]: e["samples"] for e in events if e["phase"] == "aggregate"}
+    assert samples[5] == (3 * 10 + STEPS_PER_EPOCH - 50) * 32 and samples[0] == 4 * 10 * 32
+    for name, site in SITES.items():  # each relay took its own two hosts' deltas, and passed the root's syncs down
+        relayed = read_events(tmp_path / name)
+        assert Counter(e["round"] for e in relayed if e["phase"] == "receive") == {r: 2 for r in range(6)}
+        assert {r: e["model_hash"] for r, e in published(tmp_path / name).items()} == \
+            {r: e["model_hash"] for r, e in synced.items()}
+
+    # sync_dist: host h logs 10 (h + 1); the last round weighs host 2's 6 batches against the others' 10
+    expected = (10 * 10 + 20 * 10 + 30 * 6 + 40 * 10) / 36
+    assert [after[h]["callback_metrics"]["shared_step"] for h in hosts] == [pytest.approx(expected, rel=1e-6)] * 4
+    seen = {h: json.loads((out / f"host{h}_shared.json").read_text()) for h in hosts}
+    assert all(seen[h][10:50] == [25.0] * 40 for h in hosts)  # rounds 1-4: the mean over both sites
+    assert after["2"]["callback_metrics"]["shared_epoch"] == 25.0  # epoch 0 across every host of both sites
