@@ -22,6 +22,7 @@ from ..core.phases import PhaseLog
 from ..core.protocol import JoinReply, read_fully
 from ..core.settings import Q4Settings
 from ..core.specs import TensorSpec
+from ..core.transport import HostClient
 from ..coordinator.model import CoordinatorModel
 from ..host.client import HttpClient
 from ..host.heartbeat import Heartbeat
@@ -39,10 +40,11 @@ FLUSH_SECONDS = 4.0
 class Upstream:
     """One relay's link upstream; :attr:`round` is set once the relay's θ is the upstream's model."""
 
-    def __init__(self, config: RelayConfig) -> None:
+    def __init__(self, config: RelayConfig, client: HostClient | None = None) -> None:
+        """``client``: the calls upstream (default: HTTP to ``config.upstream``)."""
         self.config = config
-        self.client = HttpClient(config.upstream, host=config.relay_id, token=config.token, ca_file=config.ca_file,
-                                 retry_for=config.retry_for)
+        self.client = client or HttpClient(config.upstream, host=config.relay_id, token=config.token,
+                                           ca_file=config.ca_file, retry_for=config.retry_for)
         self.phases = PhaseLog(config.relay_id)
         self.telemetry = TelemetryShipper(self.client, self.client.clock)
         self.phases.listeners.append(self.telemetry)  # and the relay's own run log (RelayRun)
@@ -67,7 +69,7 @@ class Upstream:
     # -- blocking calls (on the upstream thread) ----------------------------------------------------------------
     def settings(self) -> Q4Settings:
         """The upstream run's codec, which the relay's hosts must use too (its sync passes down unchanged)."""
-        status = self.client.status()
+        status = self.client.status()  # an HttpClient's: the relay's serve() makes one
         return Q4Settings(codec=status["codec"], block_size=int(status["block_size"]),
                           scale_dtype=status["scale_dtype"])
 

@@ -1,0 +1,101 @@
+"""A site relay's close, in process: its delta upstream is its site's sample-weighted mean, re-quantized with
+its own error feedback (raw tensors taken as a coordinator takes them), and the root's sync passes down to the
+site's hosts unchanged, so they end on the root's model bit for bit."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from helpers import SETTINGS, bits, exchange, hosts, read_events, train
+from local_transport import LocalClient, LocalCoordinator
+from reference_q4 import kernels
+
+from lightning_nodeox.coordinator.model import CoordinatorModel
+from lightning_nodeox.core.codec import decode_tensor, encode_tensor
+from lightning_nodeox.core.hashing import model_hash
+from lightning_nodeox.core.pool import WorkerPool
+from lightning_nodeox.core.wire import Q4Message, Q4Meta
+from lightning_nodeox.host.tensors import HostTensors
+from lightning_nodeox.relay.config import RelayConfig
+from lightning_nodeox.relay.run import RelayRun
+from lightning_nodeox.relay.tensors import RelayTensors
+from lightning_nodeox.relay.upstream import Upstream
+
+NAMED = [("w", torch.randn(70, 30, generator=torch.Generator().manual_seed(0))),
+         ("b", torch.randn(70, generator=torch.Generator().manual_seed(1))),
+         ("steps", torch.tensor(3))]  # a raw tensor: taken from one host, not averaged
+
+
+def host_delta(host: str, samples: int, scale: float, steps: int) -> Q4Message:
+    """Host ``host``'s delta of ``samples`` samples: every float value moved by ``scale`` times a pattern."""
+    tensors = HostTensors([(n, t.clone()) for n, t in NAMED])
+    tensors.allocate(SETTINGS, 1)
+    with torch.no_grad():
+        for t in tensors.live[:2]:
+            t.add_(torch.linspace(-1, 1, t.numel()).view(t.shape) * scale)
+        tensors.live[2].fill_(steps)
+    return tensors.encode(tensors.live, Q4Meta("delta", 0, host, tensors.base_hash(), samples=samples), None)
+
+
+def test_a_relays_delta_is_its_sites_weighted_mean_requantized_with_its_own_residual() -> None:
+    pool = WorkerPool(SETTINGS, "cpu", 1)
+    model = CoordinatorModel(tuple(HostTensors(NAMED).specs), [t.clone() for _, t in NAMED], SETTINGS, pool)
+    deltas = {"b": (host_delta("b", 24, 0.03, steps=9), 24), "a": (host_delta("a", 8, 0.01, steps=5), 8)}
+    for message, samples in deltas.values():
+        model.accumulate(Q4Message.parse(message.buffer.clone()), samples)
+    acc = [a.clone() for a in model.acc]
+    tensors = RelayTensors(model)
+    tensors.allocate(SETTINGS, 1)
+    tensors.take_round()
+    sent = tensors.encode(tensors.live, Q4Meta("delta", 0, "site", model.hash, samples=model.weight), None)
+
+    assert sent.meta.samples == 32 and [s.name for s in sent.meta.tensors] == ["w", "b", "steps"]
+    assert int(sent.raw(2).clone().view(torch.int64)) == 5  # host "a" sorts first: its raw values, as a coordinator's
+    k = kernels(SETTINGS)
+    for j in range(2):
+        weighted = torch.zeros(acc[j].numel())
+        for message, samples in deltas.values():  # the sample-weighted mean of what the hosts sent
+            values = torch.empty(acc[j].numel())
+            decode_tensor(k, message.codes(j), message.scales(j), values)
+            weighted += samples * values
+        mean = acc[j] * (1 / 32)
+        torch.testing.assert_close(mean, weighted / 32, rtol=1e-6, atol=1e-7)
+        codes, scales = torch.empty_like(sent.codes(j)), torch.empty_like(sent.scales(j))
+        encode_tensor(k, mean, codes, scales)  # first round: the residual was zero, so q4 of the mean itself
+        assert torch.equal(codes, sent.codes(j)) and torch.equal(scales, sent.scales(j))
+        sent_values = torch.empty(mean.numel())
+        decode_tensor(k, sent.codes(j), sent.scales(j), sent_values)
+        assert torch.equal(tensors.residual[j], (mean - sent_values).to(tensors.residual[j].dtype))  # its own
+        assert tensors.residual[j].abs().max() > 0
+    assert model.weight == 0 and not model.moving  # the site's round is handed on: the next one starts afresh
+    tensors.close()
+    pool.close()
+
+
+def test_the_roots_sync_passes_down_unchanged_and_the_sites_hosts_end_on_the_roots_model(tmp_path) -> None:
+    root = LocalCoordinator(tmp_path / "root", 1)
+    upstream = Upstream(RelayConfig(upstream="http://root", relay_id="site"), client=LocalClient(root, "site"))
+    relay = LocalCoordinator(tmp_path / "relay", 2, make_run=partial(RelayRun, upstream=upstream))
+    try:
+        h0, h1 = hosts(relay, "0", "1")  # host 0 provides the model to the relay, the relay to the root
+        assert root.state.model.hash == relay.state.model.hash == h0.model_hash
+        start = [t.clone() for t in root.state.model.tensors]
+        for r in range(2):
+            train(h0, r)
+            train(h1, r)
+            exchange((h0, 8), (h1, 24))
+            assert bits(relay.state.model.latest_sync.buffer).equal(bits(root.state.model.latest_sync.buffer))
+            assert h0.model_hash == h1.model_hash == relay.state.model.hash == root.state.model.hash
+        expected = root.state.model.tensors
+        assert not all(torch.equal(a, b) for a, b in zip(start, expected))  # the rounds changed the model
+        for h in (h0, h1):
+            assert all(torch.equal(bits(t), bits(e)) for t, e in zip(h.tensors.live, expected))
+            assert model_hash(h.tensors.named()) == root.state.model.hash
+        assert relay.state.model.tensors[0].data_ptr() == upstream.round.tensors.base[0].data_ptr()  # one θ
+    finally:
+        relay.close()
+        root.close()
+    events = read_events(tmp_path / "root")
+    assert [(e["round"], e["from_host"]) for e in events if e["phase"] == "receive"] == [(0, "site"), (1, "site")]
+    assert [e["samples"] for e in events if e["phase"] == "aggregate"] == [32, 32]  # the site's sum, one delta
