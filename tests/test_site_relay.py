@@ -63,3 +63,45 @@ def test_two_sites_behind_relays_end_bit_identical_with_the_root_and_stop_togeth
     seen = {h: json.loads((out / f"host{h}_shared.json").read_text()) for h in hosts}
     assert all(seen[h][10:50] == [25.0] * 40 for h in hosts)  # rounds 1-4: the mean over both sites
     assert after["2"]["callback_metrics"]["shared_epoch"] == 25.0  # epoch 0 across every host of both sites
+
+
+@pytest.mark.slow
+def test_a_relay_killed_and_restarted_on_its_run_directory_and_the_run_completes_bit_identical(tmp_path) -> None:
+    """Root with a relay (hosts 0 and 1) and host 2 beside it: the relay is killed with -9 once the root has
+    published round 2 and started again on its run directory and port; its hosts ride it out (they rejoin and
+    give its θ back), it joins the root again with the credential it kept, and every host ends on the root's
+    final model."""
+    out, procs = tmp_path / "out", []
+    root = Coordinator(tmp_path / "root", 2)
+    relay = Coordinator(tmp_path / "siteA", 2, "--upstream", root.url, command="relay")
+    port = relay.url.rsplit(":", 1)[1]
+    started = [root, relay]
+    pace = ("--max-steps", "80", "--step-seconds", "0.03")
+    try:
+        procs += [start_host(h, relay.url, out, *pace) for h in ("0", "1")]
+        procs.append(start_host("2", root.url, out, *pace))
+        wait_for(lambda: 2 in published(root.run_dir), 120, "round 2 at the root")
+        relay.proc.kill()
+        assert relay.proc.wait(30) == -9
+        again = Coordinator(tmp_path / "siteA", 2, "--upstream", root.url, "--bind", f"127.0.0.1:{port}",
+                            command="relay")
+        started.append(again)
+        wait_for(lambda: all(p.poll() is not None for p in procs), 240, "the hosts to finish")
+        assert [p.returncode for p in procs] == [0] * 3, [(out / f"host{h}-0.log").read_text()[-3000:]
+                                                          for h in "012"]
+        assert root.wait(30) == 0 and again.wait(30) == 0
+    finally:
+        stop(procs)
+        for c in started:
+            c.stop()
+    synced = published(root.run_dir)
+    assert sorted(synced) == list(range(8))
+    assert assert_identical(out, ["0", "1", "2"]) == synced[7]["model_hash"]
+    assert "resuming the run" in again.log_path.read_text()
+    received = Counter((e["round"], e["from_host"]) for e in read_events(root.run_dir) if e["phase"] == "receive")
+    assert set(received) == {(r, h) for r in range(8) for h in ("siteA", "2")}  # the relay's delta every round ...
+    assert set(received.values()) == {1}  # ... once (a delta sent again after the restart is not taken twice)
+    relayed = read_events(tmp_path / "siteA")
+    assert [e["round"] for e in relayed if e["phase"] == "restart"] != []
+    assert {r: e["model_hash"] for r, e in published(tmp_path / "siteA").items()}.items() <= \
+        {r: e["model_hash"] for r, e in synced.items()}.items()

@@ -107,6 +107,16 @@ class HttpClient:
         """Whether this client holds a credential from a join (calls on the host's behalf can be made)."""
         return bool(self._credential)
 
+    @property
+    def credential(self) -> str:
+        """This host's credential, from its last join ("" before one). A process that takes its place after a
+        restart (a site relay, from its run directory) sets it back, so its join takes the id back at once."""
+        return self._credential
+
+    @credential.setter
+    def credential(self, value: str) -> None:
+        self._credential = value
+
     def cancel(self) -> None:
         """Make waits and retries in progress give up (:class:`Cancelled`) at their next poll."""
         self._cancelled.set()

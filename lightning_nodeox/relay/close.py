@@ -51,6 +51,7 @@ class UpstreamClose:
         _, message, final = self._pending
         result = await upstream.call(hr.finish_round, message, final, Into.LIVE)
         self._pending = None
+        upstream.keep_credential()  # the exchange joined again if the upstream had restarted
         sync = hr.tensors.last_sync
         if sync is None or sync.meta.round != hr.round - 1 or sync.meta.model_hash != hr.model_hash:
             sync = None  # θ was fetched (or the run completed before this round): nothing to pass on

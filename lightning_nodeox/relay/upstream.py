@@ -10,9 +10,12 @@ thread of its own (:meth:`Upstream.call`), never on the relay's event loop.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -26,7 +29,7 @@ from ..core.transport import HostClient
 from ..coordinator.model import CoordinatorModel
 from ..host.client import HttpClient
 from ..host.heartbeat import Heartbeat
-from ..host.round import HostRound
+from ..host.round import HostRound, Into
 from ..host.telemetry import TelemetryShipper
 from .config import RelayConfig
 from .tensors import RelayTensors
@@ -40,8 +43,11 @@ FLUSH_SECONDS = 4.0
 class Upstream:
     """One relay's link upstream; :attr:`round` is set once the relay's θ is the upstream's model."""
 
-    def __init__(self, config: RelayConfig, client: HostClient | None = None) -> None:
-        """``client``: the calls upstream (default: HTTP to ``config.upstream``)."""
+    def __init__(self, config: RelayConfig, client: HostClient | None = None,
+                 credential_file: Path | None = None) -> None:
+        """``client``: the calls upstream (default: HTTP to ``config.upstream``); ``credential_file``: where the
+        relay keeps its upstream credential, so that a restarted relay takes its id back at once (None: not
+        kept)."""
         self.config = config
         self.client = client or HttpClient(config.upstream, host=config.relay_id, token=config.token,
                                            ca_file=config.ca_file, retry_for=config.retry_for)
@@ -49,6 +55,8 @@ class Upstream:
         self.telemetry = TelemetryShipper(self.client, self.client.clock)
         self.phases.listeners.append(self.telemetry)  # and the relay's own run log (RelayRun)
         self.heartbeat = Heartbeat(self.client)  # the relay's lease upstream, from its join until it leaves
+        self.credential_file = credential_file
+        self._kept = ""
         self.round: HostRound | None = None
         self.ready = asyncio.Event()  # set once :attr:`round` is
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="nodeox-upstream")
@@ -66,6 +74,25 @@ class Upstream:
         """Run a blocking values exchange upstream on a thread of its own (it may wait long: never behind it)."""
         return await asyncio.get_running_loop().run_in_executor(self._values, fn, *args)
 
+    # -- the credential, across restarts ----------------------------------------------------------------------
+    def restore_credential(self) -> None:
+        """A resumed relay presents its upstream credential again (when it kept one)."""
+        path = self.credential_file
+        if path is not None and path.exists():
+            self.client.credential = self._kept = json.loads(path.read_text())["credential"]
+
+    def keep_credential(self) -> None:
+        """Write the upstream credential when a join changed it (atomically: temporary name, rename)."""
+        path, credential = self.credential_file, self.client.credential
+        if path is None or not credential or credential == self._kept:
+            return
+        temporary = path.with_name(path.name + ".tmp")
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # a credential: its owner's only
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps({"relay": self.config.relay_id, "credential": credential}))
+        os.replace(temporary, path)
+        self._kept = credential
+
     # -- blocking calls (on the upstream thread) ----------------------------------------------------------------
     def settings(self) -> Q4Settings:
         """The upstream run's codec, which the relay's hosts must use too (its sync passes down unchanged)."""
@@ -79,6 +106,7 @@ class Upstream:
         reply = self.client.join(body)
         while reply.retry:
             reply = self.client.join(body)
+        self.keep_credential()
         return reply
 
     def fetch(self) -> torch.Tensor:
@@ -103,6 +131,13 @@ class Upstream:
         hr.round, hr.model_hash = round_, model.hash
         self.round = hr
         return hr
+
+    def rejoin(self) -> HostRound:
+        """A resumed relay's θ is back: join upstream again, giving it back when asked, fetching the upstream's
+        when it differs (:meth:`HostRound.rejoin`)."""
+        self.round.rejoin(Into.LIVE)
+        self.keep_credential()
+        return self.round
 
     # -- the end ------------------------------------------------------------------------------------------------
     def close(self) -> None:
