@@ -344,11 +344,12 @@ def wait_for(predicate, timeout: float, what: str) -> None:
 
 
 def published(run_dir: Path) -> dict[int, dict]:
-    """The sync_prepare record of every round published so far."""
+    """The sync_prepare record of every round published so far (the coordinator's own: not those a relay forwards)."""
     path = run_dir / "events.jsonl"
     if not path.exists():
         return {}
-    return {e["round"]: e for e in map(json.loads, path.read_text().splitlines()) if e["phase"] == "sync_prepare"}
+    return {e["round"]: e for e in map(json.loads, path.read_text().splitlines())
+            if e["phase"] == "sync_prepare" and e["host"] == "coordinator"}
 
 
 def assert_identical(out: Path, hosts: list[str]) -> str:

@@ -18,7 +18,8 @@ SITES = {"siteA": ("0", "1"), "siteB": ("2", "3")}
 def test_two_sites_behind_relays_end_bit_identical_with_the_root_and_stop_together(tmp_path) -> None:
     """Host 2 (site B) stops early (EarlyStopping at its first epoch end, step 56, in round 5): every host of both
     sites stops after round 5; all end on the root's final model; the root takes 2 deltas a round (one per relay),
-    each weighted by its site's samples; a step value logged with sync_dist is the same on every host."""
+    each weighted by its site's samples, and the sites' phase records (forwarded by the relays); values logged with
+    sync_dist are the same on every host."""
     out, procs = tmp_path / "out", []
     root = Coordinator(tmp_path / "root", len(SITES))
     relays = {name: Coordinator(tmp_path / name, len(hosts), "--upstream", root.url, command="relay")
@@ -44,13 +45,18 @@ def test_two_sites_behind_relays_end_bit_identical_with_the_root_and_stop_togeth
     assert {h: after[h]["global_step"] for h in hosts} == {"0": 60, "1": 60, "2": STEPS_PER_EPOCH, "3": 60}
 
     events = read_events(root.run_dir)
-    received = [e for e in events if e["phase"] == "receive"]
+    own = [e for e in events if e["host"] == "coordinator"]
+    received = [e for e in own if e["phase"] == "receive"]
     assert Counter(e["round"] for e in received) == {r: 2 for r in range(6)}  # one delta per relay a round
     assert {e["from_host"] for e in received} == set(SITES)
-    uploads = {(e["round"], e["host"]): e["bytes"] for e in events if e["phase"] == "upload"}  # the relays' own
+    uploads = {(e["round"], e["host"]): e["bytes"] for e in events if e["phase"] == "upload" and e["host"] in SITES}
     assert {(e["round"], e["from_host"]): e["bytes"] for e in received} == uploads
-    samples = {e["round"]: e["samples"] for e in events if e["phase"] == "aggregate"}
+    samples = {e["round"]: e["samples"] for e in own if e["phase"] == "aggregate"}
     assert samples[5] == (3 * 10 + STEPS_PER_EPOCH - 50) * 32 and samples[0] == 4 * 10 * 32
+    forwarded = Counter((e["host"], e["phase"]) for e in events if "/" in e["host"])  # the sites' records, via relays
+    for name, site in SITES.items():
+        assert all(forwarded[(f"{name}/{h}", "train")] == 6 for h in site)
+        assert forwarded[(f"{name}/coordinator", "aggregate")] == 6
     for name, site in SITES.items():  # each relay took its own two hosts' deltas, and passed the root's syncs down
         relayed = read_events(tmp_path / name)
         assert Counter(e["round"] for e in relayed if e["phase"] == "receive") == {r: 2 for r in range(6)}
@@ -98,7 +104,8 @@ def test_a_relay_killed_and_restarted_on_its_run_directory_and_the_run_completes
     assert sorted(synced) == list(range(8))
     assert assert_identical(out, ["0", "1", "2"]) == synced[7]["model_hash"]
     assert "resuming the run" in again.log_path.read_text()
-    received = Counter((e["round"], e["from_host"]) for e in read_events(root.run_dir) if e["phase"] == "receive")
+    received = Counter((e["round"], e["from_host"]) for e in read_events(root.run_dir)
+                       if e["phase"] == "receive" and e["host"] == "coordinator")
     assert set(received) == {(r, h) for r in range(8) for h in ("siteA", "2")}  # the relay's delta every round ...
     assert set(received.values()) == {1}  # ... once (a delta sent again after the restart is not taken twice)
     relayed = read_events(tmp_path / "siteA")

@@ -10,6 +10,7 @@ thread of its own (:meth:`Upstream.call`), never on the relay's event loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -21,7 +22,7 @@ from typing import TypeVar
 import torch
 
 from ..core.modelfile import ModelFileReader, model_header
-from ..core.phases import PhaseLog
+from ..core.phases import PhaseLog, PhaseRecord
 from ..core.protocol import JoinReply, read_fully
 from ..core.settings import Q4Settings
 from ..core.specs import TensorSpec
@@ -73,6 +74,14 @@ class Upstream:
     async def call_values(self, fn: Callable[..., T], *args) -> T:
         """Run a blocking values exchange upstream on a thread of its own (it may wait long: never behind it)."""
         return await asyncio.get_running_loop().run_in_executor(self._values, fn, *args)
+
+    def forward(self, record: PhaseRecord) -> None:
+        """A record of the relay's site (its hosts', its own coordinator side's) goes upstream as ``RELAY/HOST``,
+        so the root's run directory holds the whole picture (its upstream phases go as they are, by itself); a
+        list (the hosts an aggregate took) goes as text, which is what a record upstream may hold."""
+        if record.host != self.config.relay_id:
+            extra = {k: ",".join(map(str, v)) if isinstance(v, (list, tuple)) else v for k, v in record.extra.items()}
+            self.telemetry(dataclasses.replace(record, host=f"{self.config.relay_id}/{record.host}", extra=extra))
 
     # -- the credential, across restarts ----------------------------------------------------------------------
     def restore_credential(self) -> None:

@@ -1,20 +1,25 @@
-"""A site relay's close, in process: its delta upstream is its site's sample-weighted mean, re-quantized with
-its own error feedback (raw tensors taken as a coordinator takes them), and the root's sync passes down to the
-site's hosts unchanged, so they end on the root's model bit for bit."""
+"""A site relay's parts, in process: its delta upstream is its site's sample-weighted mean, re-quantized with
+its own error feedback (raw tensors taken as a coordinator takes them); the root's sync passes down to the
+site's hosts unchanged, so they end on the root's model bit for bit; its site's phase records go upstream under
+its name."""
 
 from __future__ import annotations
 
+import json
 from functools import partial
 
+import pytest
 import torch
 from helpers import SETTINGS, bits, exchange, hosts, read_events, train
 from local_transport import LocalClient, LocalCoordinator
 from reference_q4 import kernels
 
+from lightning_nodeox.coordinator.intake import of_sender, parse_records
 from lightning_nodeox.coordinator.model import CoordinatorModel
 from lightning_nodeox.core.codec import decode_tensor, encode_tensor
 from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.pool import WorkerPool
+from lightning_nodeox.core.protocol import Reason, Refusal
 from lightning_nodeox.core.wire import Q4Message, Q4Meta
 from lightning_nodeox.host.tensors import HostTensors
 from lightning_nodeox.relay.config import RelayConfig
@@ -99,3 +104,21 @@ def test_the_roots_sync_passes_down_unchanged_and_the_sites_hosts_end_on_the_roo
     events = read_events(tmp_path / "root")
     assert [(e["round"], e["from_host"]) for e in events if e["phase"] == "receive"] == [(0, "site"), (1, "site")]
     assert [e["samples"] for e in events if e["phase"] == "aggregate"] == [32, 32]  # the site's sum, one delta
+
+
+def test_a_relay_forwards_its_sites_records_under_its_own_name_and_no_one_elses() -> None:
+    batch = parse_records(json.dumps({"records": [
+        {"round": 0, "host": "siteA", "phase": "upload", "start": 1.0, "end": 2.0, "bytes": 9},  # its own
+        {"round": 0, "host": "siteA/0", "phase": "train", "start": 1.0, "end": 2.0},  # its host's
+        {"round": 0, "host": "siteA/coordinator", "phase": "aggregate", "start": 1.0, "end": 2.0, "hosts": "0,1"},
+        {"round": 0, "host": "siteA/sub/3", "phase": "encode", "start": 1.0, "end": 2.0},  # a relay below it
+        {"round": 0, "host": "siteA", "phase": "aggregate", "start": 1.0, "end": 2.0},  # not a host's own phase
+    ]}).encode(), "siteA")
+    assert [(r.host, r.phase) for r in batch.records] == [
+        ("siteA", "upload"), ("siteA/0", "train"), ("siteA/coordinator", "aggregate"), ("siteA/sub/3", "encode")]
+    assert batch.dropped == 1
+    with pytest.raises(Refusal) as refused:  # another site's records: refused whole
+        parse_records(json.dumps({"records": [{"round": 0, "host": "siteB/0", "phase": "train", "start": 1.0,
+                                               "end": 2.0}]}).encode(), "siteA")
+    assert refused.value.reason is Reason.FORBIDDEN
+    assert not of_sender("siteAB/0", "siteA") and not of_sender("siteA/bad id", "siteA") and of_sender("siteA", "siteA")
