@@ -98,6 +98,12 @@ def test_the_roots_sync_passes_down_unchanged_and_the_sites_hosts_end_on_the_roo
             assert all(torch.equal(bits(t), bits(e)) for t, e in zip(h.tensors.live, expected))
             assert model_hash(h.tensors.named()) == root.state.model.hash
         assert relay.state.model.tensors[0].data_ptr() == upstream.round.tensors.base[0].data_ptr()  # one θ
+        relay.tick()
+        assert upstream.heartbeat.client.joined  # the relay's lease upstream is kept while its hosts train ...
+        for h in (h0, h1):
+            h.client.leave()
+        relay.tick()
+        assert not upstream.heartbeat.client.joined  # ... and runs out once none is left
     finally:
         relay.close()
         root.close()

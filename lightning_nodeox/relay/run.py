@@ -56,8 +56,15 @@ class RelayRun(CoordinatorRun):
 
     async def tick(self) -> None:
         await super().tick()
+        self.upstream.site_live = bool(self.state.hosts.live() or self.rounds.received)
         if self._rejoin is True and self.state.model is not None:
             self._rejoin = asyncio.ensure_future(self._join_again())
+
+    async def save_at_shutdown(self) -> None:
+        """An exchange upstream in flight gives up first (a stopped relay does not wait for its upstream's round;
+        its hosts resend their deltas to it once it is back, and the upstream takes its delta once)."""
+        self.upstream.client.cancel()
+        await super().save_at_shutdown()
 
     async def _join_again(self) -> None:
         """θ of the resumed run is back: the relay's upstream host is it again, joined upstream again."""

@@ -41,6 +41,23 @@ T = TypeVar("T")
 FLUSH_SECONDS = 4.0
 
 
+class SiteLease:
+    """What the relay's heartbeat beats through: its upstream client, while the site has a live host. A site whose
+    hosts are all gone lets its lease upstream run out, so the upstream's rounds no longer wait for it; its next
+    heartbeat or delta, once a host is back, makes it expected again."""
+
+    def __init__(self, upstream: Upstream) -> None:
+        self.upstream = upstream
+        self.host = upstream.client.host
+
+    @property
+    def joined(self) -> bool:
+        return self.upstream.client.joined and self.upstream.site_live
+
+    def heartbeat(self) -> float:
+        return self.upstream.client.heartbeat()
+
+
 class Upstream:
     """One relay's link upstream; :attr:`round` is set once the relay's θ is the upstream's model."""
 
@@ -55,7 +72,8 @@ class Upstream:
         self.phases = PhaseLog(config.relay_id)
         self.telemetry = TelemetryShipper(self.client, self.client.clock)
         self.phases.listeners.append(self.telemetry)  # and the relay's own run log (RelayRun)
-        self.heartbeat = Heartbeat(self.client)  # the relay's lease upstream, from its join until it leaves
+        self.site_live = True  # whether the site has a host in the round (set by the relay's ticker)
+        self.heartbeat = Heartbeat(SiteLease(self))  # the relay's lease upstream, while its site has live hosts
         self.credential_file = credential_file
         self._kept = ""
         self.round: HostRound | None = None

@@ -116,14 +116,14 @@ def _config(args: argparse.Namespace) -> CoordinatorConfig:
             round_timeout=args.round_timeout, token=_read_token(args.token_file), insecure=args.insecure,
             elastic=args.elastic, tls_cert=args.tls_cert, tls_key=args.tls_key,
             q4=Q4Settings(block_size=args.block_size, scale_dtype=args.scale_dtype, codec=args.codec)
-            if args.cmd != "relay" else Q4Settings(),  # a relay's is its upstream's
+            if "codec" in args else Q4Settings(),  # a relay has no codec flags: it takes its upstream's
             initial_model=getattr(args, "initial_model", None), threads=args.threads, rss_interval=args.rss_interval,
             exit_when_done=not getattr(args, "keep_running", False), lease=args.lease,
             no_hosts_timeout=args.no_hosts_timeout,
             snapshot_every=args.snapshot_every, transfer_timeout=args.transfer_timeout, fresh=args.fresh,
             idle_timeout=args.idle_timeout, max_connections=args.max_connections,
             outer=OuterSettings(args.outer_optimizer, args.outer_lr, args.outer_momentum)
-            if args.cmd != "relay" else OuterSettings())  # a relay never steps
+            if "outer_optimizer" in args else OuterSettings())  # nor outer-optimizer flags: it never steps
     except ValueError as e:
         raise SystemExit(f"nodeox: {e}") from None
 
