@@ -83,7 +83,9 @@ def test_the_roots_sync_passes_down_unchanged_and_the_sites_hosts_end_on_the_roo
     upstream = Upstream(RelayConfig(upstream="http://root", relay_id="site"), client=LocalClient(root, "site"))
     relay = LocalCoordinator(tmp_path / "relay", 2, make_run=partial(RelayRun, upstream=upstream))
     try:
-        h0, h1 = hosts(relay, "0", "1")  # host 0 provides the model to the relay, the relay to the root
+        h0, h1 = hosts(relay, "0", "1")  # host 0 provides the model to the relay, ...
+        assert relay.run.membership.upstream_pending() and root.state.model is None
+        relay.call(relay.run.membership.join_upstream_with_model())  # ... the relay to the root (its ticker's work)
         assert root.state.model.hash == relay.state.model.hash == h0.model_hash
         start = [t.clone() for t in root.state.model.tensors]
         for r in range(2):

@@ -4,17 +4,16 @@ except where the site's model comes from.
 The first host that joins a relay without a model makes the relay join upstream with that host's tensors: when
 the upstream has its model, the relay fetches it (once per site, across the WAN) and it becomes the relay's θ
 before the host is answered, so the site's hosts fetch it from the relay, not from upstream; when the upstream
-asks for the model, the relay asks its host (it provides it as to any coordinator), then provides it upstream.
-Either way the relay's round is the upstream's, and its close waits until θ is the upstream's model
-(:attr:`Upstream.ready`).
+asks for the model, the relay asks its host (it provides it as to any coordinator), then provides it upstream
+(:meth:`RelayMembership.join_upstream_with_model`, from the relay's ticker, which also joins a resumed relay
+again once its θ is back). Either way the relay's round is the upstream's, and its close waits until θ is the
+upstream's model (:attr:`Upstream.ready`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-
-import torch
 
 from ..core.modelfile import read_model
 from ..core.protocol import JoinReply, Reason, Refusal
@@ -24,7 +23,6 @@ from ..coordinator.model import CoordinatorModel
 from ..coordinator.recovery import Recovery
 from ..coordinator.rounds import Rounds
 from ..coordinator.runstate import RunState
-from ..host.round import Into
 from .upstream import Upstream
 
 log = logging.getLogger(__name__)
@@ -72,25 +70,29 @@ class RelayMembership(Membership):
             await self._attach(model, reply.round)
             await self.recovery.model_arrived(model, f"upstream {upstream.url}")
 
-    async def put_model(self, host: str, data: torch.Tensor) -> dict:
-        """The site's first host's model becomes the relay's θ; asked for it, the relay provides it upstream."""
-        answer = await super().put_model(host, data)
-        if self._providing:
-            self._providing = False
-            model, upstream = self.state.model, self.upstream
-            hr = await self._attach(model, self.state.round, ready=False)
-            try:
-                theirs = await upstream.call(upstream.provide, model, self.state.round)
-            except Refusal as e:
-                if e.reason is not Reason.HAS_MODEL:
-                    raise
-                await upstream.call(hr.fetch_model, Into.LIVE)  # another provided it first: θ becomes theirs
-                model.hash, model.latest_sync = hr.model_hash, None  # the site's hosts find their base stale
-                theirs = hr.model_hash
-            if theirs != model.hash:
-                raise RuntimeError(f"{upstream.url} hashed the site's model as {theirs}, the relay as {model.hash}")
-            upstream.ready.set()
-        return answer
+    def upstream_pending(self) -> bool:
+        """Whether the relay holds θ that is not yet its upstream host's model: the site's first host provided it
+        (the upstream asked for it), or a resumed relay's θ is back."""
+        return self.state.model is not None and not self.upstream.ready.is_set()
+
+    async def join_upstream_with_model(self) -> None:
+        """Make the θ the relay holds its upstream host's model: join upstream (again) saying which model it holds,
+        providing it when asked, fetching the upstream's when it differs (:meth:`HostRound.rejoin`). A failure is
+        logged; the relay's ticker tries again."""
+        state, upstream = self.state, self.upstream
+        model = state.model
+        hr = upstream.round or await self._attach(model, state.round, ready=False)
+        try:
+            await upstream.call(upstream.rejoin)
+        except Exception:  # noqa: BLE001 - tried again at the next tick
+            log.exception("nodeox relay: joining %s with the site's model failed; trying again", upstream.url)
+            return
+        if hr.model_hash != model.hash:  # the upstream's model is another (it moved on, or another provided it)
+            model.hash, model.latest_sync = hr.model_hash, None  # the site's hosts fetch θ from the relay
+            state.round, state.published_round = hr.round, hr.round - 1
+        log.info("nodeox relay: the site's model is %s's at round %d (%s)", upstream.url, hr.round, hr.model_hash)
+        upstream.ready.set()
+        await state.notify()
 
     async def _attach(self, model: CoordinatorModel, round_: int, *, ready: bool = True):
         upstream = self.upstream

@@ -46,43 +46,24 @@ class RelayRun(CoordinatorRun):
         self.rounds.close_with = UpstreamClose(upstream)
         self.membership = RelayMembership(self.state, self.recovery, self.rounds, upstream)
         self.values = RelayValues(self.state, self.rounds, upstream)
-        self._rejoin: asyncio.Future | bool = False  # resumed: join upstream again once θ is back
+        self._joining: asyncio.Future | None = None  # θ the relay holds, becoming its upstream host's
 
     async def start(self, saved: SavedRun | None) -> None:
         await super().start(saved)
         if saved is not None:
-            self.upstream.restore_credential()
-            self._rejoin = True
+            self.upstream.restore_credential()  # its id upstream is taken back at once
 
     async def tick(self) -> None:
         await super().tick()
         self.upstream.site_live = bool(self.state.hosts.live() or self.rounds.received)
-        if self._rejoin is True and self.state.model is not None:
-            self._rejoin = asyncio.ensure_future(self._join_again())
+        if self.membership.upstream_pending() and (self._joining is None or self._joining.done()):
+            self._joining = asyncio.ensure_future(self.membership.join_upstream_with_model())
 
     async def save_at_shutdown(self) -> None:
         """An exchange upstream in flight gives up first (a stopped relay does not wait for its upstream's round;
         its hosts resend their deltas to it once it is back, and the upstream takes its delta once)."""
         self.upstream.client.cancel()
         await super().save_at_shutdown()
-
-    async def _join_again(self) -> None:
-        """θ of the resumed run is back: the relay's upstream host is it again, joined upstream again."""
-        state, upstream = self.state, self.upstream
-        model = state.model
-        hr = await upstream.call(upstream.attach, model, self.config.q4, state.round, state.pool.threads)
-        try:
-            await upstream.call(upstream.rejoin)
-        except Exception:  # noqa: BLE001 - tried again at the next tick
-            log.exception("nodeox relay: joining %s again failed; trying again", upstream.url)
-            upstream.round, self._rejoin = None, True
-            return
-        if hr.model_hash != model.hash:  # the upstream moved on while the relay was away: θ is its model now
-            model.hash, model.latest_sync = hr.model_hash, None
-            state.round, state.published_round = hr.round, hr.round - 1
-        log.info("nodeox relay: joined %s again at round %d (model %s)", upstream.url, hr.round, hr.model_hash)
-        upstream.ready.set()
-        await state.notify()
 
     def status(self) -> dict:
         return {**super().status(), "relay": self.upstream.config.relay_id, "upstream": self.upstream.url}
