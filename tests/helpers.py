@@ -325,12 +325,14 @@ def recorded(host) -> list:
 DIGITS = [sys.executable, str(HOSTS / "digits_host.py")]
 
 
-def start_host(host: str, url: str, out: Path, *args: str) -> subprocess.Popen:
-    """A digits host process (as `nodeox launch` would start it), its output in OUT/hostH-N.log."""
+def start_host(host: str, url: str, out: Path, *args: str, token: str | None = None) -> subprocess.Popen:
+    """A digits host process (as `nodeox launch` would start it; ``token``: its NODEOX_TOKEN), its output in
+    OUT/hostH-N.log."""
     out.mkdir(parents=True, exist_ok=True)
     n = len(list(out.glob(f"host{host}-*.log")))
     log = open(out / f"host{host}-{n}.log", "w")  # noqa: SIM115 - the child writes it; closed when the test ends
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", NODEOX_HOST_ID=host, NODEOX_COORDINATOR_URL=url)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", NODEOX_HOST_ID=host, NODEOX_COORDINATOR_URL=url,
+               **({"NODEOX_TOKEN": token} if token else {}))
     return subprocess.Popen([*DIGITS, "--out", str(out), *args], cwd=REPO, env=env, stdout=log,
                             stderr=subprocess.STDOUT)
 

@@ -19,14 +19,19 @@ def test_two_sites_behind_relays_end_bit_identical_with_the_root_and_stop_togeth
     """Host 2 (site B) stops early (EarlyStopping at its first epoch end, step 56, in round 5): every host of both
     sites stops after round 5; all end on the root's final model; the root takes 2 deltas a round (one per relay),
     each weighted by its site's samples, and the sites' phase records (forwarded by the relays); values logged with
-    sync_dist are the same on every host."""
+    sync_dist are the same on every host. Each process has its own token (the root's, a site's)."""
     out, procs = tmp_path / "out", []
-    root = Coordinator(tmp_path / "root", len(SITES))
-    relays = {name: Coordinator(tmp_path / name, len(hosts), "--upstream", root.url, command="relay")
+    for name in ("root", *SITES):  # each its own token: the root's for the relays, a site's for its hosts
+        (tmp_path / f"{name}.token").write_text(f"token-of-{name}")
+    root = Coordinator(tmp_path / "root", len(SITES), "--token-file", str(tmp_path / "root.token"))
+    relays = {name: Coordinator(tmp_path / name, len(hosts), "--upstream", root.url, "--upstream-token-file",
+                                str(tmp_path / "root.token"), "--token-file", str(tmp_path / f"{name}.token"),
+                                command="relay")
               for name, hosts in SITES.items()}
     try:
         for name, hosts in SITES.items():
-            procs += [start_host(h, relays[name].url, out, "--max-steps", "200", "--stop-host", "2") for h in hosts]
+            procs += [start_host(h, relays[name].url, out, "--max-steps", "200", "--stop-host", "2",
+                                 token=f"token-of-{name}") for h in hosts]
         wait_for(lambda: all(p.poll() is not None for p in procs), 240, "the hosts to finish")
         assert [p.returncode for p in procs] == [0] * 4, [(out / f"host{h}-0.log").read_text()[-3000:]
                                                           for hosts in SITES.values() for h in hosts]
