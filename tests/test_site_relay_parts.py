@@ -26,6 +26,7 @@ from lightning_nodeox.relay.config import RelayConfig
 from lightning_nodeox.relay.run import RelayRun
 from lightning_nodeox.relay.tensors import RelayTensors
 from lightning_nodeox.relay.upstream import Upstream
+from lightning_nodeox.tools.cli import main
 
 NAMED = [("w", torch.randn(70, 30, generator=torch.Generator().manual_seed(0))),
          ("b", torch.randn(70, generator=torch.Generator().manual_seed(1))),
@@ -130,3 +131,14 @@ def test_a_relay_forwards_its_sites_records_under_its_own_name_and_no_one_elses(
                                                "end": 2.0}]}).encode(), "siteA")
     assert refused.value.reason is Reason.FORBIDDEN
     assert not of_sender("siteAB/0", "siteA") and not of_sender("siteA/bad id", "siteA") and of_sender("siteA", "siteA")
+
+
+def test_nodeox_relay_refuses_a_bad_upstream_or_id_naming_the_fix(tmp_path) -> None:
+    for argv, said in (
+        (["--upstream", "root:8470"], "--upstream 'root:8470' must look like http://HOST:8470"),
+        (["--upstream", "http://root:8470", "--id", "site a"], "--id (the relay's host id upstream) 'site a' is not"),
+    ):
+        with pytest.raises(SystemExit) as stopped:
+            main(["relay", *argv, "--hosts", "2", "--run-dir", str(tmp_path / "siteA")])
+        assert said in str(stopped.value)
+    assert RelayConfig.default_id(tmp_path / "siteA") == "siteA"  # the run directory's name, stable across restarts
