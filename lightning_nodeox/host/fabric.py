@@ -186,8 +186,9 @@ class NodeoxFabricStrategy(SessionReadings, SingleDeviceStrategy):
 
     def _took(self, result: RoundResult, step: int) -> None:
         link = self._session.link
-        if link is not None:
-            log.info(link.progress.line(result.round, step, result.model_hash, {}, result.complete))
+        line = None if link is None else link.progress.line(result.round, step, result.model_hash, {}, result.complete)
+        if line is not None:  # None: folded into a later line (rounds shorter than host/progress.py's EVERY_S)
+            log.info(line)
 
     # -- values across hosts, and this host's own files -----------------------------------------------------------
     @override
