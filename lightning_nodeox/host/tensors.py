@@ -112,7 +112,6 @@ class HostTensors:
         self.residual: list[torch.Tensor] | None = None
         self.snapshot: list[torch.Tensor | None] | None = None
         self._snapped: set[int] = set()  # the snapshot's tensors of the round in flight
-        self._synced: tuple[int, ...] = ()  # the tensors of the last sync applied
         self._fold_all = False  # overlap: base was replaced by a fetched model since the snapshot
         self._digests: list[RowHasher | None] = []  # base's row digests, per tensor (None: not known)
         self._undigested: list[RowHasher] = []
@@ -234,7 +233,7 @@ class HostTensors:
         part = self.boundary()
         if self.snapshot is None:
             self.snapshot = [None] * len(self.live)
-        self._snapped, self._synced, self._fold_all = set(part.indices), (), False
+        self._snapped, self._fold_all = set(part.indices), False
         with torch.no_grad():
             for i in part.indices:
                 self._snap(i, self.live[i])
@@ -367,7 +366,6 @@ class HostTensors:
             if d is None:
                 hashers[i] = d = RowHasher(self.base[i])
                 self._undigested.append(d)
-        self._synced = part.indices
         return hashers
 
     def _differing(self, synced: tuple[int, ...], own: tuple[int, ...], into_live: bool) -> None:
