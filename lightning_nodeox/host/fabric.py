@@ -16,8 +16,8 @@ loop, so the strategy's hooks are the places where Fabric calls it:
   it decides to (early stopping), and then calls ``fabric.strategy.finish()``: the host's final round (what it
   trained since its last round, unless the run completed already), after which every host holds the same final
   model, and the host leaves the run. (A loop that ends right after a round boundary without ``max_steps`` sends
-  an empty final round: a message of the model's size.) Optimizer steps after the run completed are skipped (warned once), so a loop that checks the flag late
-  still ends on the run's model. ``teardown()`` without ``finish()`` finishes, unless an exception is on its way
+  an empty final round: a message of a round's delta size.) Optimizer steps after the run completed are skipped
+  (warned once), so a loop that checks the flag late still ends on the run's model. ``teardown()`` without ``finish()`` finishes, unless an exception is on its way
   (then the host leaves at once); a script that ends with neither leaves the run without a final round (warned).
 - ``fabric.all_reduce(x)`` shares a scalar across hosts with ``self.log(sync_dist=True)``'s rule: it returns the
   cross-host value as of the last round (this host's own until the first round shared it), and this host's value
