@@ -125,6 +125,7 @@ class NodeoxStrategy(SessionReadings, DDPStrategy):
                                        codec_threads=codec_threads, cpu_threads=cpu_threads,
                                        telemetry_url=telemetry_url, request_timeout=request_timeout,
                                        retry_for=retry_for, overlap=overlap, round_seconds=round_seconds, client=client)
+        self._metric_states: MetricStates | None = None  # while training: the module's torchmetrics synced across hosts
 
     # -- devices and ranks: one device plays Lightning's single-device strategy, several its DDP (host/devices.py)
     @property
@@ -262,7 +263,8 @@ class NodeoxStrategy(SessionReadings, DDPStrategy):
     @override
     def on_train_start(self) -> None:
         self._session.sigterm.install()  # after Lightning's own SIGTERM handler, which it chains
-        MetricStates(self.lightning_module.trainer, self._exchange_values).attach(self.lightning_module)
+        self._metric_states = MetricStates(self.lightning_module.trainer, self._exchange_values)
+        self._metric_states.attach(self.lightning_module)
         super().on_train_start()
 
     @override
@@ -286,6 +288,9 @@ class NodeoxStrategy(SessionReadings, DDPStrategy):
     def teardown(self) -> None:
         module = self.lightning_module
         self._session.close(module, lambda: suspects(module.trainer))
+        if self._metric_states is not None:
+            self._metric_states.detach()
+            self._metric_states = None
         super().teardown()
 
     @override
