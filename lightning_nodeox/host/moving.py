@@ -1,14 +1,14 @@
 """Which of a host's exchanged tensors move in a round: frozen parameters stay out of its deltas.
 
-At each round boundary a host's *moving set* is its buffers (floating and raw: BatchNorm statistics, counters)
-and the parameters that require grad now or did at the previous boundary, so a parameter frozen during a round
-still sends that round's change once. A parameter that does not move is never sent: it stays equal to the
-round's base on every host while nothing but its optimizer writes it (checked by the model hash at join, of a
-fetched model and once the run completes; a round's hash keeps its digest from the round it last changed, so a
-frozen parameter that code writes anyway, an EMA teacher, is neither sent nor seen by round hashes). When the set changes (``BackboneFinetuning`` unfreezing the backbone at an
-epoch), the exchange follows at the next boundary. The coordinator decides each round's set: the union of the
-sets its deltas carried; every host applies that round's sync, so hosts stay bit-identical whatever they sent,
-and a host whose own set differs is told (:class:`SetNotice`).
+At each round boundary a host's *moving set* is its buffers (floating and raw: BatchNorm statistics, counters) and
+the parameters that require grad now or did at the previous boundary, so a parameter frozen during a round still
+sends that round's change once. A parameter that does not move is never sent: it stays equal to the round's base on
+every host while nothing but its optimizer writes it (checked by the model hash at join, of a fetched model and once
+the run completes; a round's hash keeps its digest from the round it last changed, so a frozen parameter that code
+writes anyway, an EMA teacher, is neither sent nor seen by round hashes). When the set changes
+(``BackboneFinetuning`` unfreezing the backbone at an epoch), the exchange follows at the next boundary. The
+coordinator decides each round's set: the union of the sets its deltas carried; every host applies that round's
+sync, so hosts stay bit-identical whatever they sent, and a host whose own set differs is told (:class:`SetNotice`).
 """
 
 from __future__ import annotations
