@@ -314,14 +314,16 @@ class HostTensors:
 
     # -- syncs ---------------------------------------------------------------------------------------------------
     def receive(self, body: ByteStream) -> torch.Tensor:
-        """Read a sync's bytes into the reused sync buffer."""
-        if self._sync_buffer is None or self._sync_buffer.numel() != body.size:
-            self._sync_buffer = torch.empty(body.size, dtype=torch.uint8)
+        """Read a sync's bytes into the reused sync buffer (pinned on a GPU; it grows to the largest sync, and a
+        sync of fewer tensors takes its start)."""
+        if self._sync_buffer is None or self._sync_buffer.numel() < body.size:
+            self._sync_buffer = torch.empty(body.size, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        buffer = self._sync_buffer[: body.size]
         try:
-            read_fully(body, memoryview(self._sync_buffer.numpy()))
+            read_fully(body, memoryview(buffer.numpy()))
         finally:
             body.close()
-        return self._sync_buffer
+        return buffer
 
     def apply(self, sync: Q4Message, into_live: bool) -> list[RowHasher]:
         """θ_{r+1} = θ_r + dequantized sync, into ``base`` and (``into_live``) the live model, for the tensors the
