@@ -24,6 +24,7 @@ from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.phases import PhaseLog
 from lightning_nodeox.core.pool import WorkerPool
 from lightning_nodeox.core.protocol import Upload
+from lightning_nodeox.core.recent import Recent
 from lightning_nodeox.core.specs import ModelMismatchError, spec_of
 from lightning_nodeox.core.wire import Q4Layout, Q4Message, Q4Meta
 from lightning_nodeox.host.round import HostRound
@@ -80,6 +81,19 @@ def test_the_set_follows_requires_grad_at_each_boundary_and_a_tensor_frozen_mid_
     module[0].requires_grad_(True)
     assert ex.boundary().indices == everything and ex.part.message is first  # each set's message is kept
     ex.close()
+
+
+def test_the_last_few_sets_are_kept_and_the_least_recently_used_is_forgotten() -> None:
+    made: list[str] = []
+    recent = Recent(2)
+
+    def get(key: str) -> str:
+        return recent.get(key, lambda: made.append(key) or key.upper())
+
+    assert [get("a"), get("b"), get("a"), get("c"), get("a"), get("b")] == ["A", "B", "A", "C", "A", "B"]
+    assert made == ["a", "b", "c", "b"]  # "b" was the least recently used when "c" came
+    with pytest.raises(ValueError, match="at least one"):
+        Recent(0)
 
 
 def two_hosts(local_coordinator, frozen_head: str) -> tuple:

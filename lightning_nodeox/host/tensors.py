@@ -30,6 +30,7 @@ from ..core.hashing import RowHasher, combine, model_hash
 from ..core.modelfile import ModelFileReader, model_header, read_model_into
 from ..core.pool import WorkerPool
 from ..core.protocol import ByteStream, read_fully
+from ..core.recent import Recent
 from ..core.settings import Q4Settings
 from ..core.specs import positions_in, spec_of
 from ..core.wire import Q4Layout, Q4Message, Q4Meta
@@ -106,8 +107,8 @@ class HostTensors:
         self.pool: WorkerPool | None = None
         self.layout: Q4Layout | None = None  # of the whole model
         self.part: Part | None = None  # the tensors this host's delta carries (set at each round boundary)
-        self._parts: dict[tuple[int, ...], Part] = {}
-        self._sync_parts: dict[tuple, Part] = {}
+        self._parts: Recent[tuple[int, ...], Part] = Recent(CACHED_SETS)  # by this host's indices
+        self._sync_parts: Recent[tuple, Part] = Recent(CACHED_SETS)  # by the specs a sync names
         self.base: list[torch.Tensor] = []
         self.residual: list[torch.Tensor] | None = None
         self.snapshot: list[torch.Tensor | None] | None = None
@@ -133,7 +134,7 @@ class HostTensors:
         self.settings = settings
         self.pool = WorkerPool(settings, self.device, codec_threads)
         self.layout = Q4Layout.of(self.specs, settings)
-        self._parts = {}
+        self._parts = Recent(CACHED_SETS)
         self.boundary()
         self._sync_buffer = torch.empty(self.part.layout.total, dtype=torch.uint8, pin_memory=cuda)
         if self.device.type != "cpu":  # the codec works on the device; only packed bytes cross to host memory
@@ -151,31 +152,22 @@ class HostTensors:
         """A round boundary: the tensors that move in the round closing now become the delta's (a set not seen
         before gets its message layout, kept for later rounds)."""
         indices = self.moving.at_boundary()
-        part = self._parts.pop(indices, None)
-        if part is None:
-            layout = Q4Layout.of(tuple(self.specs[i] for i in indices), self.settings)
-            part = Part(indices, self.specs, layout,
-                        Q4Message.allocate(layout, pin_memory=self.device.type == "cuda"))
-            if self.part is not None or len(indices) < len(self.specs):
-                log.info("nodeox: this host's delta now carries %d of the model's %d tensors (%.3g MB a round)%s",
-                         len(indices), len(self.specs), layout.total / 1e6,
-                         "" if len(indices) == len(self.specs) else ": frozen parameters do not travel")
-        self._parts[indices] = part  # the most recent set last
-        while len(self._parts) > CACHED_SETS:
-            del self._parts[next(iter(self._parts))]
-        self.part = part
-        return part
+        self.part = self._parts.get(indices, lambda: self._delta_part(indices))
+        return self.part
+
+    def _delta_part(self, indices: tuple[int, ...]) -> Part:
+        layout = Q4Layout.of(tuple(self.specs[i] for i in indices), self.settings)
+        if self.part is not None or len(indices) < len(self.specs):
+            log.info("nodeox: this host's delta now carries %d of the model's %d tensors (%.3g MB a round)%s",
+                     len(indices), len(self.specs), layout.total / 1e6,
+                     "" if len(indices) == len(self.specs) else ": frozen parameters do not travel")
+        return Part(indices, self.specs, layout, Q4Message.allocate(layout, pin_memory=self.device.type == "cuda"))
 
     def sync_part(self, sync: Q4Message) -> Part:
         """The tensors a sync carries, as this host's indices; a PayloadError when they are not this model's."""
         specs = sync.meta.tensors
-        part = self._sync_parts.pop(specs, None)
-        if part is None:
-            part = Part(positions_in(self.specs, specs, "sync", self._index), self.specs)
-        self._sync_parts[specs] = part
-        while len(self._sync_parts) > CACHED_SETS:
-            del self._sync_parts[next(iter(self._sync_parts))]
-        return part
+        return self._sync_parts.get(specs, lambda: Part(positions_in(self.specs, specs, "sync", self._index),
+                                                        self.specs))
 
     @property
     def raw_names(self) -> list[str]:
