@@ -286,11 +286,11 @@ class NodeoxStrategy(SessionReadings, DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        module = self.lightning_module
-        self._session.close(module, lambda: suspects(module.trainer))
-        if self._metric_states is not None:
+        if self._metric_states is not None:  # first: a close that fails leaves no trainer inside the metrics
             self._metric_states.detach()
             self._metric_states = None
+        module = self.lightning_module
+        self._session.close(module, lambda: suspects(module.trainer))
         super().teardown()
 
     @override
