@@ -27,6 +27,7 @@ from lightning_nodeox.core.protocol import Upload
 from lightning_nodeox.core.recent import Recent
 from lightning_nodeox.core.specs import ModelMismatchError, spec_of
 from lightning_nodeox.core.wire import Q4Layout, Q4Message, Q4Meta
+from lightning_nodeox.host.agreement import disagreement
 from lightning_nodeox.host.round import HostRound
 from lightning_nodeox.host.tensors import HostTensors, shared_tensors
 
@@ -80,6 +81,21 @@ def test_the_set_follows_requires_grad_at_each_boundary_and_a_tensor_frozen_mid_
     assert ex.boundary().indices == head
     module[0].requires_grad_(True)
     assert ex.boundary().indices == everything and ex.part.message is first  # each set's message is kept
+    ex.close()
+
+
+def test_a_frozen_parameter_written_anyway_is_named_when_the_run_ends() -> None:
+    module = net()
+    module[0].requires_grad_(False)
+    ex = exchange_for(module)
+    assert ex.frozen_changed() == []
+    with torch.no_grad():
+        module[0].weight.mul_(0.5)  # an EMA teacher's update: frozen, yet written
+        module[2].weight.add_(1.0)  # a trained tensor: its change travels with the next round
+    assert ex.frozen_changed() == ["0.weight"]
+    text = disagreement("1", "aaaa", "bbbb", ["SomeCallback (on_train_end)"], ex.frozen_changed())
+    assert "1 frozen parameter(s) (requires_grad=False) differ from it, e.g. '0.weight'" in text
+    assert "register_buffer" in text and "SomeCallback" not in text
     ex.close()
 
 

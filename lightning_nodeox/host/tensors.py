@@ -189,6 +189,12 @@ class HostTensors:
         self.pool.run([t for i in missing for t in self._digests[i].tasks()])
         return combine(self.named(self.base), self._digests)
 
+    def frozen_changed(self) -> list[str]:
+        """The frozen parameters whose live value is not ``base``'s (θ of the last round): code wrote them, and no
+        round sent it."""
+        return [self.names[i] for i, p in enumerate(self.moving.parameters)
+                if p is not None and not p.requires_grad and not torch.equal(self.live[i], self.base[i])]
+
     def after_fetch(self, into_live: bool) -> None:
         """The run's model was just read into the live model (then θ_r := it) or into ``base`` (overlap: the
         live model is training); either way the residual starts over."""
