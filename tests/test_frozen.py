@@ -283,3 +283,27 @@ def test_backbone_finetuning_sends_the_head_alone_until_the_backbone_unfreezes_a
     finals = [load(out / f"host{h}_final.safetensors")[0] for h in "01"]
     assert finals[0].keys() == finals[1].keys() and all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
     assert not torch.equal(finals[0]["backbone.0.weight"], module.backbone[0].weight.detach())  # it trained
+
+
+def test_a_frozen_parameter_written_in_the_first_round_moves_from_then_on_and_a_fixed_set_is_not_checked_again(
+        caplog) -> None:
+    module = net()
+    module[0].requires_grad_(False)  # a frozen backbone, never written
+    teacher = module[2]
+    teacher.requires_grad_(False)  # an EMA teacher: frozen, yet written every step
+    ex = exchange_for(module)
+    head = tuple(i for i, n in enumerate(ex.names) if n.startswith("1."))  # BatchNorm moves; both Linears frozen
+    assert ex.part.indices == head
+    with torch.no_grad():
+        teacher.weight.mul_(0.5)
+    with caplog.at_level(logging.WARNING, logger="lightning_nodeox.host.tensors"):
+        part = ex.boundary()
+    assert [ex.names[i] for i in part.indices] == ["1.weight", "1.bias", "1.running_mean", "1.running_var",
+                                                   "1.num_batches_tracked", "2.weight"]
+    assert "1 frozen parameter(s) (requires_grad=False) changed during the round, e.g. '2.weight'" in caplog.text
+    assert ex.moving.to_watch() == []  # the flags did not change: nothing is compared at later boundaries
+    with torch.no_grad():
+        module[0].weight.add_(1.0)  # written later, with the set unchanged: not seen per round (named at the end)
+    assert "0.weight" not in [ex.names[i] for i in ex.boundary().indices]
+    assert ex.frozen_changed() == ["0.weight"]
+    ex.close()

@@ -151,9 +151,22 @@ class HostTensors:
     def boundary(self) -> Part:
         """A round boundary: the tensors that move in the round closing now become the delta's (a set not seen
         before gets its message layout, kept for later rounds)."""
+        if self.base:
+            self._watch_frozen()
         indices = self.moving.at_boundary()
         self.part = self._parts.get(indices, lambda: self._delta_part(indices))
         return self.part
+
+    def _watch_frozen(self) -> None:
+        """At the first boundary and where the set changed: frozen parameters that code wrote since the base (an
+        EMA teacher) move from now on, as they did before frozen parameters stayed home."""
+        written = [i for i in self.moving.to_watch() if not torch.equal(self.live[i], self.base[i])]
+        if written:
+            self.moving.written.update(written)
+            log.warning("nodeox: %d frozen parameter(s) (requires_grad=False) changed during the round, e.g. %r (an "
+                        "EMA teacher?): they are exchanged every round from now on, averaged like the rest. To say "
+                        "so up front, keep such weights as buffers (register_buffer)", len(written),
+                        self.names[written[0]])
 
     def _delta_part(self, indices: tuple[int, ...]) -> Part:
         layout = Q4Layout.of(tuple(self.specs[i] for i in indices), self.settings)
@@ -193,7 +206,8 @@ class HostTensors:
         """The frozen parameters whose live value is not ``base``'s (θ of the last round): code wrote them, and no
         round sent it."""
         return [self.names[i] for i, p in enumerate(self.moving.parameters)
-                if p is not None and not p.requires_grad and not torch.equal(self.live[i], self.base[i])]
+                if p is not None and not p.requires_grad and i not in self.moving.written
+                and not torch.equal(self.live[i], self.base[i])]
 
     def after_fetch(self, into_live: bool) -> None:
         """The run's model was just read into the live model (then θ_r := it) or into ``base`` (overlap: the
