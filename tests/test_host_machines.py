@@ -84,7 +84,7 @@ def test_a_host_of_two_machines_beside_a_host_of_one_rank(coordinator, tmp_path)
     coord = coordinator(2)
     out = tmp_path / "out"
     host = [str(HOSTS / "digits_host.py"), "--out", str(out), "--max-steps", str(MAX_STEPS), "--local-steps",
-            str(LOCAL_STEPS)]
+            str(LOCAL_STEPS), "--epoch-value"]
     port = free_port()
     env = {"NODEOX_COORDINATOR_URL": coord.url}
     commands = {f"host0.node{n}": (torchrun("--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(n),
@@ -105,7 +105,9 @@ def test_a_host_of_two_machines_beside_a_host_of_one_rank(coordinator, tmp_path)
     # one host at the coordinator: two ids in the records, two hosts in every round, host 0 counting both ranks
     assert {e["host"] for e in events} == {"0", "1", "coordinator"}
     assert [sorted(e["hosts"]) for e in events if e["phase"] == "aggregate"] == [["0", "1"]] * len(published)
-    trained = {(e["host"], e["round"]): e for e in events if e["phase"] == "train"}
+    train_records = [e for e in events if e["phase"] == "train"]
+    assert len(train_records) == 2 * len(published)  # one per host and round: host 0's rank 1 sends none
+    trained = {(e["host"], e["round"]): e for e in train_records}
     for r in range(len(published)):
         assert (trained[("0", r)]["ranks"], trained[("0", r)]["samples"]) == (2, 2 * LOCAL_STEPS * BATCH)
         assert (trained[("1", r)]["ranks"], trained[("1", r)]["samples"]) == (1, LOCAL_STEPS * BATCH)
@@ -114,7 +116,15 @@ def test_a_host_of_two_machines_beside_a_host_of_one_rank(coordinator, tmp_path)
     assert len(losses[0]) == len(losses[1]) == MAX_STEPS and losses[0] != losses[1]
     # sync_dist: reduced across the host's machines first (ranks 0 and 1: 0.5), then across hosts by samples
     # (host 0 trains on twice host 1's): (0.5 * 2 + 0 * 1) / 3 on every rank of every host
-    for n in ("0", "0.rank1", "1"):
-        assert json.loads((out / f"host{n}_metrics.json").read_text())["rank_mean"] == pytest.approx(1 / 3, abs=1e-6)
+    names = ("0", "0.rank1", "1")
+    metrics = [json.loads((out / f"host{n}_metrics.json").read_text()) for n in names]
+    for m in metrics:
+        assert m["rank_mean"] == pytest.approx(1 / 3, abs=1e-6)
+        assert m["rank_epoch"] == pytest.approx(1 / 3, abs=1e-6)  # an epoch value, exchanged at fit's end
+    # a torchmetrics Accuracy: one number everywhere, over the samples of all three ranks
+    counts = [c for n in names for c in json.loads((out / f"host{n}_counts.json").read_text())]
+    assert len(counts) == 3 * MAX_STEPS
+    assert metrics[0]["acc"] == metrics[1]["acc"] == metrics[2]["acc"] == pytest.approx(
+        sum(c for c, _ in counts) / sum(k for _, k in counts), rel=1e-6)
     # only the host's global rank 0 writes its logs (Lightning's rank zero)
     assert (out / "tb_host0").is_dir() and len(list((out / "tb_host0").rglob("events.out.tfevents.*"))) == 1
