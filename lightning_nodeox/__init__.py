@@ -1,7 +1,8 @@
 """lightning-nodeox: local-step training across hosts, exchanging 4-bit deltas through an HTTP coordinator.
 
-``import lightning_nodeox`` registers ``Trainer(strategy="nodeox")`` and ``Fabric(strategy="nodeox")``. The ``nodeox`` command itself (coordinator,
-launch, report) does not import Lightning, which keeps the coordinator's memory and start-up small.
+``import lightning_nodeox`` registers ``Trainer(strategy="nodeox")`` and ``Fabric(strategy="nodeox")``. The
+``nodeox`` command itself (coordinator, launch, report) does not import Lightning, which keeps the coordinator's
+memory and start-up small.
 
 Rooms: ``host/`` (the Lightning side), ``coordinator/`` (the HTTP coordinator), ``core/`` (what both share),
 ``tools/`` (the ``nodeox`` command); ``host/`` and ``coordinator/`` never import each other.

@@ -370,3 +370,40 @@ def stop(procs: list[subprocess.Popen]) -> None:
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+# Hosts of several ranks started by torchrun
+
+def torchrun(*args: str) -> list[str]:
+    """``torchrun ARGS`` as this interpreter runs it."""
+    return [sys.executable, "-m", "torch.distributed.run", *args]
+
+
+def free_port() -> int:
+    """A local port nothing listens on now (torchrun's rendezvous binds it)."""
+    with socket_closed_port() as port:
+        return port
+
+
+def run_together(commands: dict[str, tuple[list[str], dict[str, str]]], logs: Path, timeout: float) -> dict[str, int]:
+    """Start every ``name: (command, environment additions)`` at once (in the repository, with this tree first on
+    PYTHONPATH and one CPU thread each), output in LOGS/name.log; their exit codes once all ended (those still
+    running after ``timeout`` seconds are killed)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    logs.mkdir(parents=True, exist_ok=True)
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        for name, (command, extra) in commands.items():
+            with open(logs / f"{name}.log", "w") as log:
+                procs[name] = subprocess.Popen(command, env=dict(env, **extra), cwd=REPO, stdout=log,
+                                               stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        return {name: p.wait(max(0.1, deadline - time.monotonic())) for name, p in procs.items()}
+    finally:
+        stop(list(procs.values()))
+
+
+def logs_of(logs: Path, names, tail: int = 4000) -> str:
+    """The last ``tail`` characters of each LOGS/name.log, for an assertion's message."""
+    return "\n".join(f"== {name}\n{(logs / f'{name}.log').read_text()[-tail:]}" for name in names)

@@ -94,6 +94,23 @@ def test_a_fabric_loop_closes_rounds_in_optimizer_steps_and_finishes_on_the_run_
         c.close()
 
 
+def test_short_fabric_rounds_fold_their_progress_lines(tmp_path, monkeypatch, caplog) -> None:
+    monkeypatch.setenv("NODEOX_RUN_DIR", str(tmp_path / "run"))
+    c = LocalCoordinator(tmp_path / "run", 1)
+    try:
+        fabric, model, optimizer = _fabric(c, local_steps=1)
+        with caplog.at_level("INFO", logger="lightning_nodeox.host.fabric"):
+            for _ in range(4):  # four rounds well within EVERY_S: the first line shown, the others folded
+                _step(fabric, model, optimizer)
+            fabric.strategy.finish()  # the round that completes the run is always shown
+        lines = [r.getMessage() for r in caplog.records if r.name == "lightning_nodeox.host.fabric"]
+        assert [line.split(",")[0] for line in lines] == ["nodeox: host solo round 0",
+                                                          "nodeox: host solo rounds 1-4"]
+        assert lines[-1].endswith("(the run is complete)")
+    finally:
+        c.close()
+
+
 def test_teardown_without_finish_finishes_unless_an_exception_is_on_its_way(tmp_path) -> None:
     for failing in (False, True):
         c = LocalCoordinator(tmp_path / f"run{failing}", 1)

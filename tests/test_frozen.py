@@ -24,8 +24,10 @@ from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.phases import PhaseLog
 from lightning_nodeox.core.pool import WorkerPool
 from lightning_nodeox.core.protocol import Upload
+from lightning_nodeox.core.recent import Recent
 from lightning_nodeox.core.specs import ModelMismatchError, spec_of
 from lightning_nodeox.core.wire import Q4Layout, Q4Message, Q4Meta
+from lightning_nodeox.host.agreement import disagreement
 from lightning_nodeox.host.round import HostRound
 from lightning_nodeox.host.tensors import HostTensors, shared_tensors
 
@@ -80,6 +82,34 @@ def test_the_set_follows_requires_grad_at_each_boundary_and_a_tensor_frozen_mid_
     module[0].requires_grad_(True)
     assert ex.boundary().indices == everything and ex.part.message is first  # each set's message is kept
     ex.close()
+
+
+def test_a_frozen_parameter_written_anyway_is_named_when_the_run_ends() -> None:
+    module = net()
+    module[0].requires_grad_(False)
+    ex = exchange_for(module)
+    assert ex.frozen_changed() == []
+    with torch.no_grad():
+        module[0].weight.mul_(0.5)  # an EMA teacher's update: frozen, yet written
+        module[2].weight.add_(1.0)  # a trained tensor: its change travels with the next round
+    assert ex.frozen_changed() == ["0.weight"]
+    text = disagreement("1", "aaaa", "bbbb", ["SomeCallback (on_train_end)"], ex.frozen_changed())
+    assert "1 frozen parameter(s) (requires_grad=False) differ from it, e.g. '0.weight'" in text
+    assert "register_buffer" in text and "SomeCallback" not in text
+    ex.close()
+
+
+def test_the_last_few_sets_are_kept_and_the_least_recently_used_is_forgotten() -> None:
+    made: list[str] = []
+    recent = Recent(2)
+
+    def get(key: str) -> str:
+        return recent.get(key, lambda: made.append(key) or key.upper())
+
+    assert [get("a"), get("b"), get("a"), get("c"), get("a"), get("b")] == ["A", "B", "A", "C", "A", "B"]
+    assert made == ["a", "b", "c", "b"]  # "b" was the least recently used when "c" came
+    with pytest.raises(ValueError, match="at least one"):
+        Recent(0)
 
 
 def two_hosts(local_coordinator, frozen_head: str) -> tuple:
@@ -253,3 +283,27 @@ def test_backbone_finetuning_sends_the_head_alone_until_the_backbone_unfreezes_a
     finals = [load(out / f"host{h}_final.safetensors")[0] for h in "01"]
     assert finals[0].keys() == finals[1].keys() and all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
     assert not torch.equal(finals[0]["backbone.0.weight"], module.backbone[0].weight.detach())  # it trained
+
+
+def test_a_frozen_parameter_written_in_the_first_round_moves_from_then_on_and_a_fixed_set_is_not_checked_again(
+        caplog) -> None:
+    module = net()
+    module[0].requires_grad_(False)  # a frozen backbone, never written
+    teacher = module[2]
+    teacher.requires_grad_(False)  # an EMA teacher: frozen, yet written every step
+    ex = exchange_for(module)
+    head = tuple(i for i, n in enumerate(ex.names) if n.startswith("1."))  # BatchNorm moves; both Linears frozen
+    assert ex.part.indices == head
+    with torch.no_grad():
+        teacher.weight.mul_(0.5)
+    with caplog.at_level(logging.WARNING, logger="lightning_nodeox.host.tensors"):
+        part = ex.boundary()
+    assert [ex.names[i] for i in part.indices] == ["1.weight", "1.bias", "1.running_mean", "1.running_var",
+                                                   "1.num_batches_tracked", "2.weight"]
+    assert "1 frozen parameter(s) (requires_grad=False) changed during the round, e.g. '2.weight'" in caplog.text
+    assert ex.moving.to_watch() == []  # the flags did not change: nothing is compared at later boundaries
+    with torch.no_grad():
+        module[0].weight.add_(1.0)  # written later, with the set unchanged: not seen per round (named at the end)
+    assert "0.weight" not in [ex.names[i] for i in ex.boundary().indices]
+    assert ex.frozen_changed() == ["0.weight"]
+    ex.close()

@@ -54,3 +54,33 @@ def test_shared_tensors_take_parameters_and_buffers_once_integer_ones_included()
     assert names == ["0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean", "1.running_var",
                      "1.num_batches_tracked", "2.bias"]
     assert HostTensors(shared_tensors(model)).raw_names == ["1.num_batches_tracked"]
+
+
+class _Body:
+    """A sync's bytes as a :class:`~lightning_nodeox.core.protocol.ByteStream`."""
+
+    def __init__(self, data: bytes) -> None:
+        self.size, self._data = len(data), data
+
+    def readinto(self, view: memoryview) -> int:
+        n = min(len(view), len(self._data))
+        view[:n], self._data = self._data[:n], self._data[n:]
+        return n
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_sync_buffer_grows_to_the_largest_sync_and_a_smaller_one_reuses_it() -> None:
+    backbone, head = torch.nn.Linear(64, 64), torch.nn.Linear(64, 2)
+    backbone.requires_grad_(False)  # frozen at join: the first buffer is a head's sync
+    tensors = HostTensors.of_module(torch.nn.Sequential(backbone, head))
+    tensors.allocate(Q4Settings(), codec_threads=1)
+    head_size = tensors.part.layout.total
+    assert head_size < tensors.layout.total
+    total = tensors.layout.total
+    whole = tensors.receive(_Body(bytes(range(256)) * (total // 256) + b"x" * (total % 256)))
+    assert whole.numel() == total and whole[:256].tolist() == list(range(256))
+    small = tensors.receive(_Body(b"\x07" * head_size))  # the backbone frozen again: no new buffer
+    assert small.numel() == head_size and small.data_ptr() == whole.data_ptr() and bool((small == 7).all())
+    tensors.close()

@@ -10,12 +10,11 @@ import json
 import os
 import subprocess
 import sys
-from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import HOSTS, REPO, launch, load, read_events
+from helpers import HOSTS, REPO, launch, load, logs_of, read_events, run_together, torchrun
 from lightning.pytorch import Trainer
 
 from lightning_nodeox import NodeoxStrategy
@@ -50,11 +49,6 @@ def test_trainer_with_several_devices_is_a_ddp_host_and_one_device_a_world_of_on
     assert several.world_size == 2 and several.strategy.launcher is not None
     one = Trainer(strategy="nodeox", accelerator="cpu", devices=1, logger=False)
     assert one.world_size == 1 and one.strategy.launcher is None and one.strategy.is_global_zero
-
-
-def test_a_host_spanning_several_machines_is_refused_with_the_fix() -> None:
-    with pytest.raises(ValueError, match=r"num_nodes=2.*NODEOX_HOST_ID.*torchrun --standalone"):
-        Trainer(strategy=NodeoxStrategy(), accelerator="cpu", devices=2, num_nodes=2, logger=False)
 
 
 @pytest.mark.slow
@@ -106,25 +100,12 @@ def test_torchrun_host_of_two_ranks_with_a_time_budget_and_delayed_overlap(coord
     out = tmp_path / "out"
     host = [str(HOSTS / "digits_host.py"), "--out", str(out), "--max-steps", "20", "--step-seconds", "0.02",
             "--round-seconds", "0.1", "--overlap", "delayed"]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", NODEOX_COORDINATOR_URL=coord.url,
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    commands = {"0": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *host,
-                      "--devices", "2"],
-                "1": [sys.executable, *host, "--devices", "1"]}
-    procs = []
-    with ExitStack() as stack:
-        for host_id, command in commands.items():
-            log = stack.enter_context(open(tmp_path / f"host{host_id}.log", "w"))
-            procs.append(subprocess.Popen(command, env=dict(env, NODEOX_HOST_ID=host_id), cwd=REPO, stdout=log,
-                                          stderr=subprocess.STDOUT))
-        try:
-            codes = [p.wait(240) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-    assert codes == [0, 0], "\n".join((tmp_path / f"host{i}.log").read_text()[-4000:] for i in range(2))
+    env = {"NODEOX_COORDINATOR_URL": coord.url}
+    codes = run_together({"host0": (torchrun("--standalone", "--nproc-per-node", "2", *host, "--devices", "2"),
+                                    dict(env, NODEOX_HOST_ID="0")),
+                          "host1": ([sys.executable, *host, "--devices", "1"], dict(env, NODEOX_HOST_ID="1"))},
+                         tmp_path, timeout=240)
+    assert codes == {"host0": 0, "host1": 0}, logs_of(tmp_path, codes)
     published = [e["model_hash"] for e in coord.events() if e["phase"] == "sync_prepare"]
     assert_all_end_identical(out, published[-1])
     assert_ranks_identical_after_every_round(out)
@@ -143,7 +124,7 @@ def test_a_failure_on_rank_0_stops_every_rank_of_the_host_with_its_message(tmp_p
     env = {k: v for k, v in os.environ.items() if k != "NODEOX_COORDINATOR_URL"}
     env.update(OMP_NUM_THREADS="1", NODEOX_HOST_ID="0",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    result = subprocess.run([*torchrun("--standalone", "--nproc-per-node", "2"),
                              str(HOSTS / "digits_host.py"), "--out", str(tmp_path / "out"), "--devices", "2"],
                             env=env, cwd=REPO, capture_output=True, text=True, timeout=180, check=False)
     assert result.returncode != 0

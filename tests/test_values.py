@@ -4,6 +4,8 @@ a retried post changes nothing. Host-side: the epoch values' reduction and the t
 
 from __future__ import annotations
 
+import copy
+import pickle
 import threading
 import time
 
@@ -11,11 +13,12 @@ import pytest
 import torch
 from helpers import hosts, upload
 from local_transport import LocalClient
+from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_nodeox.coordinator.intake import parse_values, values_key
 from lightning_nodeox.core.protocol import MAX_VALUES_BYTES, Reason, Refusal
 from lightning_nodeox.core.reduction import reduce_values
-from lightning_nodeox.host.metric_states import _decode, _encode
+from lightning_nodeox.host.metric_states import MetricStates, _decode, _encode
 
 
 def _post(client: LocalClient, key: str, payload, poll: float = 0.3):
@@ -85,6 +88,26 @@ def test_a_torchmetrics_state_travels_bit_for_bit() -> None:
               torch.tensor([True, False]), torch.empty(0)):
         back = _decode(_encode(t), torch.device("cpu"))
         assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t)
+
+
+class _Trainer:
+    """What a trainer holds that neither copies nor pickles (a lock)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+
+def test_a_module_with_synced_metrics_copies_while_training_and_saves_whole_after_it() -> None:
+    module = torch.nn.Module()
+    module.acc = MulticlassAccuracy(num_classes=3)
+    own = (module.acc.dist_sync_fn, module.acc.distributed_available_fn)
+    states = MetricStates(_Trainer(), lambda key, payload: None)
+    assert states.attach(module) == ["acc"]
+    copied = copy.deepcopy(module)  # an EMA or teacher copy made while training: the trainer is not copied
+    assert copied.acc.dist_sync_fn.__self__ is states and copied.acc is not module.acc
+    states.detach()  # training ended: the metrics' own functions again, nothing that holds the trainer
+    assert (module.acc.dist_sync_fn, module.acc.distributed_available_fn) == own
+    assert isinstance(pickle.loads(pickle.dumps(module)).acc, MulticlassAccuracy)
 
 
 def test_a_values_post_is_checked_before_anything_sees_it() -> None:

@@ -26,6 +26,7 @@ from ..core.codec import accumulate_tensor, apply_sync, chunk_ranges, encode_syn
 from ..core.hashing import RowHasher, combine
 from ..core.modelfile import model_header
 from ..core.pool import WorkerPool
+from ..core.recent import Recent
 from ..core.settings import Q4Settings
 from ..core.specs import TensorSpec, positions_in
 from ..core.wire import Q4Layout, Q4Message, Q4Meta
@@ -61,8 +62,9 @@ class CoordinatorModel:
         self.pool = pool
         self.layout = Q4Layout.of(specs, settings)  # of the whole model: the largest delta
         self._index = {s.name: i for i, s in enumerate(specs)}
-        self._positions: dict[tuple[TensorSpec, ...], tuple[int, ...]] = {}
-        self._layouts: dict[tuple[int, ...], Q4Layout] = {tuple(range(len(specs))): self.layout}
+        self._positions: Recent[tuple[TensorSpec, ...], tuple[int, ...]] = Recent(CACHED_SETS)
+        self._layouts: Recent[tuple[int, ...], Q4Layout] = Recent(CACHED_SETS)
+        self._layouts.get(tuple(range(len(specs))), lambda: self.layout)
         self.acc = [torch.empty(s.coded, dtype=torch.float32) for s in specs]
         self.raw = [i for i, s in enumerate(specs) if s.raw]
         self.raw_taken = {i: torch.empty(specs[i].nbytes, dtype=torch.uint8) for i in self.raw}  # the round's choice
@@ -87,23 +89,11 @@ class CoordinatorModel:
     def positions(self, specs: tuple[TensorSpec, ...], what: str = "delta") -> tuple[int, ...]:
         """The model's index of each tensor a message carries (a ModelMismatchError naming the first that is not
         the model's); kept for the sets seen last."""
-        positions = self._positions.pop(specs, None)
-        if positions is None:
-            positions = positions_in(self.specs, specs, what, self._index)
-        self._positions[specs] = positions
-        while len(self._positions) > CACHED_SETS:
-            del self._positions[next(iter(self._positions))]
-        return positions
+        return self._positions.get(specs, lambda: positions_in(self.specs, specs, what, self._index))
 
     def layout_of(self, indices: tuple[int, ...]) -> Q4Layout:
         """The message layout of the tensors ``indices`` (kept for the sets seen last)."""
-        layout = self._layouts.pop(indices, None)
-        if layout is None:
-            layout = Q4Layout.of(tuple(self.specs[i] for i in indices), self.settings)
-        self._layouts[indices] = layout
-        while len(self._layouts) > CACHED_SETS:
-            del self._layouts[next(iter(self._layouts))]
-        return layout
+        return self._layouts.get(indices, lambda: Q4Layout.of(tuple(self.specs[i] for i in indices), self.settings))
 
     # -- one round ------------------------------------------------------------------------------------------
     def accumulate(self, message: Q4Message, samples: int) -> None:

@@ -64,19 +64,27 @@ class FinalHash:
         return self.check_module(trainer.lightning_module, host, run_hash, pool, lambda: suspects(trainer))
 
     def check_module(self, module: Module, host: str, run_hash: str, pool: WorkerPool | None,
-                     found: Callable[[], list[str]]) -> str:
-        """:meth:`check` for a module outside a Trainer; ``found``: who could have changed its weights."""
+                     found: Callable[[], list[str]], frozen: Callable[[], list[str]] = list) -> str:
+        """:meth:`check` for a module outside a Trainer; ``found``: who could have changed its weights; ``frozen``:
+        the frozen parameters that are not the run's final model's."""
         held = model_hash(shared_tensors(module), pool)
         self.value = held
         if held != run_hash and held not in self._reported:
             self._reported.add(held)
-            rank_zero_warn(disagreement(host, held, run_hash, found()))
+            rank_zero_warn(disagreement(host, held, run_hash, found(), frozen()))
         return held
 
 
-def disagreement(host: str, held: str, run_hash: str, found: list[str]) -> str:
+def disagreement(host: str, held: str, run_hash: str, found: list[str], frozen: list[str] | None = None) -> str:
     """The warning: which weights this host holds, which model the run ended on, who could have changed them,
-    and what to do."""
+    and what to do; ``frozen``: frozen parameters that differ from the run's final model (rounds never sent them)."""
+    if frozen:
+        return (
+            f"NodeoxStrategy: host {host} ends fit holding model {held}, NOT the run's final model {run_hash}: "
+            f"{len(frozen)} frozen parameter(s) (requires_grad=False) differ from it, e.g. {frozen[0]!r}. Rounds do "
+            "not exchange frozen parameters, so one that code writes during training (an EMA teacher) stays each "
+            "host's own. Keep such a tensor as a buffer (self.register_buffer(...)) to have it averaged every round "
+            "(docs/lightning.md, \"Frozen layers and BackboneFinetuning\").")
     culprits = "; ".join(found) if found else "a callback or the LightningModule (none could be named)"
     return (
         f"NodeoxStrategy: host {host} ends fit holding model {held}, NOT the run's final model {run_hash} that every "

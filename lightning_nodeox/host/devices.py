@@ -3,8 +3,9 @@
 One device (:class:`OneDevice`) is Lightning's single-device strategy: rank 0 of a world of one whatever launched
 the process, nothing launched, no process group, each host loading its own data (no ``DistributedSampler``), the
 model unwrapped, and collectives that return their input. Several (:class:`SeveralDevices`) is Lightning's DDP over
-the host's devices, which must be one machine. NodeoxStrategy subclasses DDPStrategy and hands each of these
-methods to :func:`devices_of`'s answer.
+the host's ranks: the K devices of one machine, or ``num_nodes`` machines of K devices each (a host that spans
+machines, started by ``torchrun --nnodes`` or ``srun``). NodeoxStrategy subclasses DDPStrategy and hands each of
+these methods to :func:`devices_of`'s answer.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 
 from . import machine
-from .ranks import HostRanks, OneRank, WorldOfOne
+from .ranks import HostRanks, OneRank, WorldOfOne, check_one_host_id
 
 
 class OneDevice:
@@ -34,7 +36,7 @@ class OneDevice:
         # each host loads its own data: no DistributedSampler (Lightning has no public switch)
         trainer._accelerator_connector.use_distributed_sampler = False
 
-    def setup_distributed(self, strategy: DDPStrategy) -> None:
+    def setup_distributed(self, strategy: DDPStrategy, host_id: str | None) -> None:
         strategy.set_world_ranks()  # rank zero of its own world: its loggers write; no process group
 
     def setup(self, strategy: DDPStrategy, trainer: Trainer) -> None:
@@ -61,15 +63,12 @@ class OneDevice:
 
 
 class SeveralDevices:
-    """A host of several devices: Lightning's DDP over its ranks, on one machine."""
+    """A host of several ranks: Lightning's DDP over them, on one machine or across ``num_nodes`` machines."""
 
     def set_world_ranks(self, strategy: DDPStrategy) -> None:
-        if strategy.num_nodes != 1:
-            raise ValueError(
-                f"NodeoxStrategy joins machines through its coordinator: a host is one machine, got "
-                f"Trainer(num_nodes={strategy.num_nodes}). Use Trainer(devices=K, num_nodes=1, "
-                "strategy=NodeoxStrategy()) and start each machine as its own host with its own NODEOX_HOST_ID (on "
-                "SLURM: one task per node running `torchrun --standalone --nproc-per-node K`; see docs/clusters.md)")
+        environment = strategy.cluster_environment
+        if environment is not None and environment.creates_processes_externally:
+            check_world_size(environment, len(strategy.parallel_devices or ()) or 1, strategy.num_nodes)
         DDPStrategy.set_world_ranks(strategy)
 
     def configure_launcher(self, strategy: DDPStrategy) -> None:
@@ -78,8 +77,9 @@ class SeveralDevices:
     def setup_environment(self, trainer: Trainer) -> None:
         pass  # a DistributedSampler splits the host's data among its ranks
 
-    def setup_distributed(self, strategy: DDPStrategy) -> None:
+    def setup_distributed(self, strategy: DDPStrategy, host_id: str | None) -> None:
         DDPStrategy.setup_distributed(strategy)
+        check_one_host_id(host_id, spans_machines=strategy.num_nodes > 1)
 
     def setup(self, strategy: DDPStrategy, trainer: Trainer) -> None:
         DDPStrategy.setup(strategy, trainer)  # the model wrapped, the loaders given a DistributedSampler
@@ -108,6 +108,23 @@ SEVERAL_DEVICES = SeveralDevices()
 
 
 def devices_of(strategy: Strategy) -> OneDevice | SeveralDevices:
-    """The host's shape, from the devices Lightning gave the strategy."""
+    """The host's shape, from the devices and machines Lightning gave the strategy: one device on one machine is a
+    world of one; several devices, or several machines (``num_nodes``, even of one device each), are a DDP world."""
     devices = strategy.parallel_devices
-    return ONE_DEVICE if not devices or len(devices) == 1 else SEVERAL_DEVICES
+    one_machine = getattr(strategy, "num_nodes", 1) == 1
+    return ONE_DEVICE if one_machine and (not devices or len(devices) == 1) else SEVERAL_DEVICES
+
+
+def check_world_size(environment: ClusterEnvironment, devices: int, machines: int) -> None:
+    """A launcher (torchrun, srun) started the ranks: it must have started ``machines`` x ``devices`` of them (as
+    the environment checks it: Lightning's own launcher does, but not one that starts processes itself), or the
+    ranks would wait for each other forever, or train outside the host."""
+    try:
+        environment.validate_settings(num_devices=devices, num_nodes=machines)
+    except ValueError as e:
+        raise ValueError(
+            f"NodeoxStrategy: a host of Trainer(num_nodes={machines}, devices={devices}) is {machines} machine(s) of "
+            f"{devices} rank(s) each, but {type(environment).__name__} says: {e} Start it with `torchrun --nnodes "
+            f"{machines} --nproc-per-node {devices}` on each machine (or `srun --nodes {machines} --ntasks-per-node "
+            f"{devices}`), or set Trainer(num_nodes=..., devices=...) to what the launcher starts (see "
+            "docs/clusters.md, 'A host that spans machines')") from None

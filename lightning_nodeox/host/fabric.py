@@ -11,14 +11,15 @@ loop, so the strategy's hooks are the places where Fabric calls it:
 - Rounds close in ``optimizer.step()``: every ``local_steps`` optimizer steps (or ``round_seconds``); each step
   weighs as one sample in the mean of the deltas (Fabric never shows the strategy a batch). With ``max_steps``
   (Fabric has no Trainer to hold it) the round that closes at that step is the host's final one.
-- Stopping together: ``fabric.strategy.should_stop`` turns True at the round boundary where this host learns that
-  the run completed (another host's loop ended, or this host reached ``max_steps``). A loop ends there, or where
-  it decides to (early stopping), and then calls ``fabric.strategy.finish()``: the host's final round (what it
-  trained since its last round, unless the run completed already), after which every host holds the same final
-  model, and the host leaves the run. (A loop that ends right after a round boundary without ``max_steps`` sends
-  an empty final round: a message of the model's size.) Optimizer steps after the run completed are skipped (warned once), so a loop that checks the flag late
-  still ends on the run's model. ``teardown()`` without ``finish()`` finishes, unless an exception is on its way
-  (then the host leaves at once); a script that ends with neither leaves the run without a final round (warned).
+- Stopping together: ``fabric.strategy.should_stop`` turns True at the round boundary where this host learns that the
+  run completed (another host's loop ended, or this host reached ``max_steps``). A loop ends there, or where it
+  decides to (early stopping), and then calls ``fabric.strategy.finish()``: the host's final round (what it trained
+  since its last round, unless the run completed already), after which every host holds the same final model, and
+  the host leaves the run. (A loop that ends right after a round boundary without ``max_steps`` sends an empty final
+  round: a message of a round's delta size.) Optimizer steps after the run completed are skipped (warned once), so a
+  loop that checks the flag late still ends on the run's model. ``teardown()`` without ``finish()`` finishes, unless
+  an exception is on its way (then the host leaves at once); a script that ends with neither leaves the run without
+  a final round (warned).
 - ``fabric.all_reduce(x)`` shares a scalar across hosts with ``self.log(sync_dist=True)``'s rule: it returns the
   cross-host value as of the last round (this host's own until the first round shared it), and this host's value
   travels with its next delta. A value is known by the line of the script that calls ``fabric.all_reduce`` (file
@@ -147,8 +148,8 @@ class NodeoxFabricStrategy(SessionReadings, SingleDeviceStrategy):
         """Join the run: the model's weights become the run's."""
         if self._module is None:
             raise ValueError("NodeoxFabricStrategy joins the run with the model it trains: set it up with its "
-                             "optimizer, model, optimizer = fabric.setup(model, optimizer), or fabric.setup_module(model) "
-                             "before fabric.setup_optimizers(optimizer)")
+                             "optimizer, model, optimizer = fabric.setup(model, optimizer), or "
+                             "fabric.setup_module(model) before fabric.setup_optimizers(optimizer)")
         session = self._session
         session.size_threads(1, "NodeoxFabricStrategy")
         with self._leaving_on_error():
@@ -186,8 +187,9 @@ class NodeoxFabricStrategy(SessionReadings, SingleDeviceStrategy):
 
     def _took(self, result: RoundResult, step: int) -> None:
         link = self._session.link
-        if link is not None:
-            log.info(link.progress.line(result.round, step, result.model_hash, {}, result.complete))
+        line = None if link is None else link.progress.line(result.round, step, result.model_hash, {}, result.complete)
+        if line is not None:  # None: folded into a later line (rounds shorter than host/progress.py's EVERY_S)
+            log.info(line)
 
     # -- values across hosts, and this host's own files -----------------------------------------------------------
     @override

@@ -11,6 +11,9 @@ training (not in the sanity check) and what torchmetrics would say otherwise. So
 number on every host, over every host's samples, whether logged with ``sync_dist=True`` or computed by hand.
 
 A state larger than ``MAX_STATE_BYTES`` is not sent: that metric stays per host, with a warning naming it.
+When training ends the metrics get their own functions back (:meth:`MetricStates.detach`), so a module saved whole
+(``torch.save(model)``) holds no reference to the trainer; a copy of the module made while training
+(``copy.deepcopy``) shares this object rather than copying the trainer with it.
 """
 
 from __future__ import annotations
@@ -42,16 +45,27 @@ class MetricStates:
         self.exchange = exchange
         self._calls: Counter = Counter()  # (stage, epoch) -> states gathered
         self._warned = False
+        self._attached: list[tuple[Metric, object, object]] = []  # each metric and its own two functions
+
+    def __deepcopy__(self, memo: dict) -> MetricStates:
+        return self  # a module copied while training syncs through the same exchange; the trainer is not copied
 
     def attach(self, module: torch.nn.Module) -> list[str]:
         """Make every torchmetrics ``Metric`` in ``module`` sync across hosts; returns their names."""
         names = []
         for name, metric in module.named_modules():
             if isinstance(metric, Metric):
+                self._attached.append((metric, metric.dist_sync_fn, metric.distributed_available_fn))
                 metric.dist_sync_fn = self.gather
                 metric.distributed_available_fn = self.available
                 names.append(name)
         return names
+
+    def detach(self) -> None:
+        """Give the metrics their own ``dist_sync_fn`` and ``distributed_available_fn`` back (training ended)."""
+        for metric, sync, available in self._attached:
+            metric.dist_sync_fn, metric.distributed_available_fn = sync, available
+        self._attached = []
 
     def available(self) -> bool:
         trainer = self.trainer

@@ -1,4 +1,5 @@
-"""The ranks of one host: a world of one, or the K processes of a host with K devices (DDP inside the host).
+"""The ranks of one host: a world of one, or the processes of a host of several devices (DDP inside the host): K on
+one machine, or K on each of ``num_nodes`` machines (a host that spans machines is one DDP world all the same).
 
 Rank 0 alone talks to the coordinator; the other ranks follow it at a few points that every rank reaches on the
 same optimizer step (join, round boundary, fold, end of training), where :meth:`HostRanks.lead` runs rank 0's
@@ -10,6 +11,9 @@ Decisions that only rank 0 can take (a time budget ran out, an overlapped sync h
 every step (:meth:`HostRanks.decide`). Outcomes and decisions travel over a gloo group on the CPU, so a rank
 waiting for rank 0's exchange does not hold a GPU stream; tensors travel over the host's default group (NCCL on
 GPUs, gloo on the CPU).
+
+All of a host's ranks carry its one id (:func:`check_one_host_id`): rank 0's is the host's at the coordinator,
+and the machines of a host that spans machines must each be given it.
 """
 
 from __future__ import annotations
@@ -105,6 +109,32 @@ class HostRanks:
         box = [None]
         dist.broadcast_object_list(box, src=0, group=self._control)
         return box[0]
+
+
+def check_one_host_id(given: str | None, *, spans_machines: bool) -> None:
+    """Every rank of a host of several devices, once its process group is up: the host id this rank was given
+    (``NodeoxStrategy(host_id=...)`` or ``NODEOX_HOST_ID``; None: none) must be rank 0's; on a host that spans
+    machines every machine must be given it. The same ValueError on every rank otherwise."""
+    ids: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(ids, given)
+    problem = host_id_problem(ids, spans_machines=spans_machines)
+    if problem:
+        raise ValueError(problem)
+
+
+def host_id_problem(ids: list[str | None], *, spans_machines: bool) -> str | None:
+    """What is wrong with the host ids given to the ranks of one host (``ids[r]``: rank r's), or None."""
+    fix = ("set NODEOX_HOST_ID to the same value on every machine of the host (or pass the same "
+           "NodeoxStrategy(host_id=...) everywhere)")
+    if spans_machines and ids[0] is None:
+        return (f"NodeoxStrategy: a host that spans machines (Trainer(num_nodes>1)) takes part in the run as one "
+                f"host, but its rank 0 was given no host id (each machine would make up its own): {fix}")
+    others = {rank: i for rank, i in enumerate(ids) if i != ids[0] and (spans_machines or i is not None)}
+    if not others:
+        return None
+    shown = ", ".join(f"rank {rank}: {i!r}" for rank, i in list(others.items())[:4])
+    return (f"NodeoxStrategy: the ranks of one host were given different host ids (rank 0: {ids[0]!r}; {shown}"
+            f"{', ...' if len(others) > 4 else ''}): a host is one id at the coordinator; {fix}")
 
 
 class WorldOfOne(ClusterEnvironment):

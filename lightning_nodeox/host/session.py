@@ -180,8 +180,9 @@ class HostSession:
         """Rank 0, once the run completed: hash the weights held (``found``: who could have changed them since)."""
         link = self.link
         if link is not None and link.round.complete and not link.left:
-            self.final.check_module(module, self.connection.host_id, link.round.model_hash, link.round.tensors.pool,
-                                    found)
+            tensors = link.round.tensors
+            self.final.check_module(module, self.connection.host_id, link.round.model_hash, tensors.pool, found,
+                                    tensors.frozen_changed)
 
     def close(self, module: torch.nn.Module | None, found: Callable[[], list[str]]) -> None:
         """Hash the weights held (once the run completed), leave the run, and release the host's ranks."""

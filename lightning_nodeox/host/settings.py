@@ -108,9 +108,13 @@ class ConnectionSettings:
     token: str | None = None
     telemetry_url: str | None = None
 
+    def given_host_id(self) -> str | None:
+        """The host id given, else ``NODEOX_HOST_ID``; None when neither is."""
+        return self.host_id or os.environ.get(ENV_HOST_ID) or None
+
     def resolved_host_id(self) -> str:
         """The host id given, else ``NODEOX_HOST_ID``, else the machine's name."""
-        return self.host_id or os.environ.get(ENV_HOST_ID) or default_host_id()
+        return self.given_host_id() or default_host_id()
 
     def resolve(self) -> Connection:
         """The arguments given, then the environment, then defaults."""

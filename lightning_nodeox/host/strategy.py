@@ -54,9 +54,11 @@ class NodeoxStrategy(SessionReadings, DDPStrategy):
         trainer = Trainer(strategy=NodeoxStrategy(local_steps=20), callbacks=[PhaseMonitor()])
         trainer = Trainer(strategy=NodeoxStrategy(), devices=8)  # a host of 8 GPUs: DDP inside, one exchange
 
-    A host is one machine (or one process): ``Trainer(devices=K)`` runs Lightning's DDP over its K devices (Lightning
-    starts the ranks, or ``torchrun --nproc-per-node K`` does), and the host takes part in the run as one host,
-    with one ``NODEOX_HOST_ID``. ``Trainer(num_nodes=...)`` stays 1: machines are joined by the coordinator.
+    A host is one process, one machine or several: ``Trainer(devices=K)`` runs Lightning's DDP over its K devices
+    (Lightning starts the ranks, or ``torchrun --nproc-per-node K`` does), ``Trainer(num_nodes=M, devices=K)`` over
+    K devices on each of M machines (``torchrun --nnodes M --nproc-per-node K`` or ``srun`` starts them: a site's
+    fast network inside the host), and the host takes part in the run as one host, with one ``NODEOX_HOST_ID``
+    (the same on each of its machines); hosts are joined by the coordinator.
 
     Args:
         coordinator_url: ``http://HOST:PORT`` of ``nodeox coordinator`` (default: ``NODEOX_COORDINATOR_URL``,
@@ -125,6 +127,7 @@ class NodeoxStrategy(SessionReadings, DDPStrategy):
                                        codec_threads=codec_threads, cpu_threads=cpu_threads,
                                        telemetry_url=telemetry_url, request_timeout=request_timeout,
                                        retry_for=retry_for, overlap=overlap, round_seconds=round_seconds, client=client)
+        self._metric_states: MetricStates | None = None  # while training: the module's torchmetrics synced across hosts
 
     # -- devices and ranks: one device plays Lightning's single-device strategy, several its DDP (host/devices.py)
     @property
@@ -141,8 +144,8 @@ class NodeoxStrategy(SessionReadings, DDPStrategy):
 
     @override
     def set_world_ranks(self) -> None:
-        """One device: rank 0 of a world of one, whatever launched this process. Several: the ranks of Lightning's
-        DDP world, which must be this one machine."""
+        """One device: rank 0 of a world of one, whatever launched this process. Several devices or machines: the
+        ranks of Lightning's DDP world (as many as the launcher started: ``num_nodes`` x ``devices``)."""
         self._devices.set_world_ranks(self)
 
     @override
@@ -161,7 +164,8 @@ class NodeoxStrategy(SessionReadings, DDPStrategy):
 
     @override
     def setup_distributed(self) -> None:
-        self._devices.setup_distributed(self)
+        """Several devices: join the host's process group; every rank must carry the host's one id."""
+        self._devices.setup_distributed(self, self._session.connection_settings.given_host_id())
 
     @override
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
@@ -262,7 +266,8 @@ class NodeoxStrategy(SessionReadings, DDPStrategy):
     @override
     def on_train_start(self) -> None:
         self._session.sigterm.install()  # after Lightning's own SIGTERM handler, which it chains
-        MetricStates(self.lightning_module.trainer, self._exchange_values).attach(self.lightning_module)
+        self._metric_states = MetricStates(self.lightning_module.trainer, self._exchange_values)
+        self._metric_states.attach(self.lightning_module)
         super().on_train_start()
 
     @override
@@ -284,6 +289,9 @@ class NodeoxStrategy(SessionReadings, DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._metric_states is not None:  # first: a close that fails leaves no trainer inside the metrics
+            self._metric_states.detach()
+            self._metric_states = None
         module = self.lightning_module
         self._session.close(module, lambda: suspects(module.trainer))
         super().teardown()

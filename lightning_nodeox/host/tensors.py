@@ -30,6 +30,7 @@ from ..core.hashing import RowHasher, combine, model_hash
 from ..core.modelfile import ModelFileReader, model_header, read_model_into
 from ..core.pool import WorkerPool
 from ..core.protocol import ByteStream, read_fully
+from ..core.recent import Recent
 from ..core.settings import Q4Settings
 from ..core.specs import positions_in, spec_of
 from ..core.wire import Q4Layout, Q4Message, Q4Meta
@@ -106,13 +107,12 @@ class HostTensors:
         self.pool: WorkerPool | None = None
         self.layout: Q4Layout | None = None  # of the whole model
         self.part: Part | None = None  # the tensors this host's delta carries (set at each round boundary)
-        self._parts: dict[tuple[int, ...], Part] = {}
-        self._sync_parts: dict[tuple, Part] = {}
+        self._parts: Recent[tuple[int, ...], Part] = Recent(CACHED_SETS)  # by this host's indices
+        self._sync_parts: Recent[tuple, Part] = Recent(CACHED_SETS)  # by the specs a sync names
         self.base: list[torch.Tensor] = []
         self.residual: list[torch.Tensor] | None = None
         self.snapshot: list[torch.Tensor | None] | None = None
         self._snapped: set[int] = set()  # the snapshot's tensors of the round in flight
-        self._synced: tuple[int, ...] = ()  # the tensors of the last sync applied
         self._fold_all = False  # overlap: base was replaced by a fetched model since the snapshot
         self._digests: list[RowHasher | None] = []  # base's row digests, per tensor (None: not known)
         self._undigested: list[RowHasher] = []
@@ -134,7 +134,7 @@ class HostTensors:
         self.settings = settings
         self.pool = WorkerPool(settings, self.device, codec_threads)
         self.layout = Q4Layout.of(self.specs, settings)
-        self._parts = {}
+        self._parts = Recent(CACHED_SETS)
         self.boundary()
         self._sync_buffer = torch.empty(self.part.layout.total, dtype=torch.uint8, pin_memory=cuda)
         if self.device.type != "cpu":  # the codec works on the device; only packed bytes cross to host memory
@@ -155,32 +155,36 @@ class HostTensors:
     def boundary(self) -> Part:
         """A round boundary: the tensors that move in the round closing now become the delta's (a set not seen
         before gets its message layout, kept for later rounds)."""
+        if self.base:
+            self._watch_frozen()
         indices = self.moving.at_boundary()
-        part = self._parts.pop(indices, None)
-        if part is None:
-            layout = Q4Layout.of(tuple(self.specs[i] for i in indices), self.settings)
-            part = Part(indices, self.specs, layout,
-                        Q4Message.allocate(layout, pin_memory=self.device.type == "cuda"))
-            if self.part is not None or len(indices) < len(self.specs):
-                log.info("nodeox: this host's delta now carries %d of the model's %d tensors (%.3g MB a round)%s",
-                         len(indices), len(self.specs), layout.total / 1e6,
-                         "" if len(indices) == len(self.specs) else ": frozen parameters do not travel")
-        self._parts[indices] = part  # the most recent set last
-        while len(self._parts) > CACHED_SETS:
-            del self._parts[next(iter(self._parts))]
-        self.part = part
-        return part
+        self.part = self._parts.get(indices, lambda: self._delta_part(indices))
+        return self.part
+
+    def _watch_frozen(self) -> None:
+        """At the first boundary and where the set changed: frozen parameters that code wrote since the base (an
+        EMA teacher) move from now on, as they did before frozen parameters stayed home."""
+        written = [i for i in self.moving.to_watch() if not torch.equal(self.live[i], self.base[i])]
+        if written:
+            self.moving.written.update(written)
+            log.warning("nodeox: %d frozen parameter(s) (requires_grad=False) changed during the round, e.g. %r (an "
+                        "EMA teacher?): they are exchanged every round from now on, averaged like the rest. To say "
+                        "so up front, keep such weights as buffers (register_buffer)", len(written),
+                        self.names[written[0]])
+
+    def _delta_part(self, indices: tuple[int, ...]) -> Part:
+        layout = Q4Layout.of(tuple(self.specs[i] for i in indices), self.settings)
+        if self.part is not None or len(indices) < len(self.specs):
+            log.info("nodeox: this host's delta now carries %d of the model's %d tensors (%.3g MB a round)%s",
+                     len(indices), len(self.specs), layout.total / 1e6,
+                     "" if len(indices) == len(self.specs) else ": frozen parameters do not travel")
+        return Part(indices, self.specs, layout, Q4Message.allocate(layout, pin_memory=self.device.type == "cuda"))
 
     def sync_part(self, sync: Q4Message) -> Part:
         """The tensors a sync carries, as this host's indices; a PayloadError when they are not this model's."""
         specs = sync.meta.tensors
-        part = self._sync_parts.pop(specs, None)
-        if part is None:
-            part = Part(positions_in(self.specs, specs, "sync", self._index), self.specs)
-        self._sync_parts[specs] = part
-        while len(self._sync_parts) > CACHED_SETS:
-            del self._sync_parts[next(iter(self._sync_parts))]
-        return part
+        return self._sync_parts.get(specs, lambda: Part(positions_in(self.specs, specs, "sync", self._index),
+                                                        self.specs))
 
     @property
     def raw_names(self) -> list[str]:
@@ -201,6 +205,13 @@ class HostTensors:
             self._digests[i] = RowHasher(self.base[i])
         self.pool.run([t for i in missing for t in self._digests[i].tasks()])
         return combine(self.named(self.base), self._digests)
+
+    def frozen_changed(self) -> list[str]:
+        """The frozen parameters whose live value is not ``base``'s (θ of the last round): code wrote them, and no
+        round sent it."""
+        return [self.names[i] for i, p in enumerate(self.moving.parameters)
+                if p is not None and not p.requires_grad and i not in self.moving.written
+                and not torch.equal(self.live[i], self.base[i])]
 
     def after_fetch(self, into_live: bool) -> None:
         """The run's model was just read into the live model (then θ_r := it) or into ``base`` (overlap: the
@@ -238,7 +249,7 @@ class HostTensors:
         part = self.boundary()
         if self.snapshot is None:
             self.snapshot = [None] * len(self.live)
-        self._snapped, self._synced, self._fold_all = set(part.indices), (), False
+        self._snapped, self._fold_all = set(part.indices), False
         with torch.no_grad():
             for i in part.indices:
                 self._snap(i, self.live[i])
@@ -319,14 +330,16 @@ class HostTensors:
 
     # -- syncs ---------------------------------------------------------------------------------------------------
     def receive(self, body: ByteStream) -> torch.Tensor:
-        """Read a sync's bytes into the reused sync buffer."""
-        if self._sync_buffer is None or self._sync_buffer.numel() != body.size:
-            self._sync_buffer = torch.empty(body.size, dtype=torch.uint8)
+        """Read a sync's bytes into the reused sync buffer (pinned on a GPU; it grows to the largest sync, and a
+        sync of fewer tensors takes its start)."""
+        if self._sync_buffer is None or self._sync_buffer.numel() < body.size:
+            self._sync_buffer = torch.empty(body.size, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        buffer = self._sync_buffer[: body.size]
         try:
-            read_fully(body, memoryview(self._sync_buffer.numpy()))
+            read_fully(body, memoryview(buffer.numpy()))
         finally:
             body.close()
-        return self._sync_buffer
+        return buffer
 
     def apply(self, sync: Q4Message, into_live: bool) -> list[RowHasher]:
         """θ_{r+1} = θ_r + dequantized sync, into ``base`` and (``into_live``) the live model, for the tensors the
@@ -371,7 +384,6 @@ class HostTensors:
             if d is None:
                 hashers[i] = d = RowHasher(self.base[i])
                 self._undigested.append(d)
-        self._synced = part.indices
         return hashers
 
     def _differing(self, synced: tuple[int, ...], own: tuple[int, ...], into_live: bool) -> None:

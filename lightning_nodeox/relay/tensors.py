@@ -20,10 +20,16 @@ from ..host.tensors import HostTensors
 
 
 class RoundSet:
-    """The tensors the relay's delta carries: its site round's set (a host's :class:`MovingSet` stand-in)."""
+    """The tensors the relay's delta carries: its site round's set (a host's :class:`MovingSet` stand-in; the
+    relay has no parameters of its own, frozen or written)."""
 
     def __init__(self, count: int) -> None:
         self.indices = tuple(range(count))
+        self.parameters: list[None] = [None] * count
+        self.written: set[int] = set()
+
+    def to_watch(self) -> list[int]:
+        return []
 
     def at_boundary(self) -> tuple[int, ...]:
         return self.indices

@@ -8,11 +8,11 @@ certificate); when this machine has at least N x ``gpus_per_host`` GPUs each hos
 the hosts do not oversubscribe the CPU. A host of several GPUs runs ``Trainer(devices=K)``, and Lightning starts
 its other ranks (they share the host's output prefix and CPU share).
 
-Outputs are shown line by line with a prefix, as a terminal would have shown them (:mod:`.console`): a progress
-bar in its last state, never its refreshes or escape sequences; stdout and stderr read apart, so lines never run
-together; Lightning's start-up chatter and Python warnings that every host prints alike shown once per launch. A host that
-fails (exits non-zero, e.g. after a SIGTERM) is named at once; the others go on (as on a cluster: it left, or its
-lease expires), and launch exits non-zero. If the coordinator fails, the hosts are stopped.
+Outputs are shown line by line with a prefix, as a terminal would have shown them (:mod:`.console`): a progress bar
+in its last state, never its refreshes or escape sequences; stdout and stderr read apart, so lines never run
+together; Lightning's start-up chatter and Python warnings that every host prints alike shown once per launch. A
+host that fails (exits non-zero, e.g. after a SIGTERM) is named at once; the others go on (as on a cluster: it left,
+or its lease expires), and launch exits non-zero. If the coordinator fails, the hosts are stopped.
 
 Ctrl-C (SIGINT) or SIGTERM stops the run, resumable: every child runs in a process group of its own, so the
 terminal's SIGINT reaches launch alone; launch sends SIGTERM to the hosts (they leave and exit 143, without

@@ -3,7 +3,8 @@
 After every round (and at the end) it writes its exchanged tensors and model hash to --out, so tests can
 check that hosts are bit-identical and agree with the coordinator; after fit, its callback metrics and step.
 Started by `nodeox launch` in tests. With ``--devices K`` (or one K per host id, ``--devices 2,1``) the host runs
-DDP over K CPU ranks; the files of a rank other than 0 are named ``host<id>.rank<k>_*``.
+DDP over K CPU ranks (on each of ``--num-nodes`` machines: torchrun --nnodes); the files of a rank other than 0
+are named ``host<id>.rank<k>_*``.
 """
 
 from __future__ import annotations
@@ -160,6 +161,7 @@ def main() -> None:
     p.add_argument("--epoch-value", action="store_true",
                    help="also log an epoch value and a torchmetrics Accuracy with sync_dist=True")
     p.add_argument("--devices", default="1", help="devices (CPU ranks) of the host, or one number per host id: 2,1")
+    p.add_argument("--num-nodes", default="1", help="machines of the host (torchrun --nnodes), or one per host id")
     args = p.parse_args()
     torch.set_num_threads(1)
     host = os.environ["NODEOX_HOST_ID"]
@@ -200,7 +202,10 @@ def main() -> None:
                               overlap=False if args.overlap == "off" else args.overlap, round_seconds=args.round_seconds)
     per_host = [int(k) for k in args.devices.split(",")]
     devices = per_host[int(host)] if len(per_host) > 1 else per_host[0]
-    trainer = Trainer(strategy=strategy, devices=devices, accelerator="cpu" if devices > 1 else "auto",
+    machines = [int(m) for m in args.num_nodes.split(",")]
+    num_nodes = machines[int(host)] if len(machines) > 1 else machines[0]
+    trainer = Trainer(strategy=strategy, devices=devices, num_nodes=num_nodes,
+                      accelerator="cpu" if devices * num_nodes > 1 else "auto",
                       max_steps=args.max_steps, logger=TensorBoardLogger(args.out / f"tb_host{host}"),
                       callbacks=callbacks, enable_checkpointing=bool(args.checkpoint_every),
                       enable_progress_bar=args.progress_bar, enable_model_summary=False, log_every_n_steps=1)

@@ -4,7 +4,8 @@ all with sync_dist=True, under ReduceLROnPlateau on ``val_loss``.
 
 It writes to --out what it saw itself (each batch's loss and size, correct predictions, the learning rate at each
 epoch's start and after fit) and what Lightning gave it (``callback_metrics`` at each epoch's end, and after fit),
-so the test can compute the cross-host values on its own. ``--extra-batches N``: host 1 has N more training batches an epoch.
+so the test can compute the cross-host values on its own. ``--extra-batches N``: host 1 has N more training batches
+an epoch.
 """
 
 from __future__ import annotations
