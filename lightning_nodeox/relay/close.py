@@ -17,10 +17,10 @@ from __future__ import annotations
 import logging
 import time
 
-from ..core.phases import COORDINATOR, SYNC_PREPARE, PhaseRecord
-from ..core.wire import Q4Message
 from ..coordinator.model import CoordinatorModel
 from ..coordinator.rounds import Published, Rounds
+from ..core.phases import COORDINATOR, SYNC_PREPARE, PhaseRecord
+from ..core.wire import Q4Message
 from ..host.round import Into
 from .upstream import Upstream
 

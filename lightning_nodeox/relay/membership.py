@@ -15,14 +15,14 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ..core.modelfile import read_model
-from ..core.protocol import JoinReply, Reason, Refusal
-from ..core.specs import PayloadError, TensorSpec, check_same_model
 from ..coordinator.membership import Membership
 from ..coordinator.model import CoordinatorModel
 from ..coordinator.recovery import Recovery
 from ..coordinator.rounds import Rounds
 from ..coordinator.runstate import RunState
+from ..core.modelfile import read_model
+from ..core.protocol import JoinReply, Reason, Refusal
+from ..core.specs import PayloadError, TensorSpec, check_same_model
 from .upstream import Upstream
 
 log = logging.getLogger(__name__)

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from ..coordinator.model import CoordinatorModel
 from ..core.codec import encode_mean
 from ..core.protocol import ByteStream, read_fully
 from ..core.wire import Q4Message, Q4Meta
-from ..coordinator.model import CoordinatorModel
 from ..host.tensors import HostTensors
 
 

@@ -21,13 +21,13 @@ from typing import TypeVar
 
 import torch
 
+from ..coordinator.model import CoordinatorModel
 from ..core.modelfile import ModelFileReader, model_header
 from ..core.phases import PhaseLog, PhaseRecord
 from ..core.protocol import JoinReply, read_fully
 from ..core.settings import Q4Settings
 from ..core.specs import TensorSpec
 from ..core.transport import HostClient
-from ..coordinator.model import CoordinatorModel
 from ..host.client import HttpClient
 from ..host.heartbeat import Heartbeat
 from ..host.round import HostRound, Into

@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ..core.protocol import ValuesReply
 from ..coordinator.rounds import Rounds
 from ..coordinator.runstate import RunState
 from ..coordinator.values import ValueExchanges, host_order
+from ..core.protocol import ValuesReply
 from .upstream import Upstream
 
 log = logging.getLogger(__name__)
