@@ -5,12 +5,13 @@ its name."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from functools import partial
 
 import pytest
 import torch
-from helpers import SETTINGS, bits, exchange, hosts, read_events, train
+from helpers import SETTINGS, bits, exchange, hosts, read_events, train, wait_for
 from local_transport import LocalClient, LocalCoordinator
 from reference_q4 import kernels
 
@@ -142,3 +143,35 @@ def test_nodeox_relay_refuses_a_bad_upstream_or_id_naming_the_fix(tmp_path) -> N
             main(["relay", *argv, "--hosts", "2", "--run-dir", str(tmp_path / "siteA")])
         assert said in str(stopped.value)
     assert RelayConfig.default_id(tmp_path / "siteA") == "siteA"  # the run directory's name, stable across restarts
+
+
+def test_the_sites_hosts_may_download_theta_while_the_relay_waits_for_its_upstream(tmp_path) -> None:
+    """The relay's round waits for the root's (host x there has not sent): θ does not change meanwhile, so a
+    download may start; when the root's sync arrives, the download keeps the θ it started with (copy-on-publish)."""
+    root = LocalCoordinator(tmp_path / "root", 2)
+    upstream = Upstream(RelayConfig(upstream="http://root", relay_id="site"), client=LocalClient(root, "site"))
+    relay = LocalCoordinator(tmp_path / "relay", 2, make_run=partial(RelayRun, upstream=upstream))
+    try:
+        (x,) = hosts(root, "x")  # the root's model comes from host x; the relay fetches it at its first join
+        h0, h1 = hosts(relay, "0", "1")
+        before = b"".join(bytes(v) for v in relay.state.model.model_chunks(0))
+        for h in (h0, h1, x):
+            train(h, 0)
+        for h in (h0, h1):
+            h.upload(h.encode(h.tensors.live, 8, False))
+        wait_for(lambda: "site" in root.rounds.received, 10, "the relay's delta at the root")
+        assert relay.rounds.closing
+        relay.call(asyncio.wait_for(relay.rounds.wait_stable(), 2))  # a download may start now ...
+        stream = relay.state.model.stream(0)
+        relay.rounds.downloads.add(stream)
+        chunks = stream.chunks(100)
+        got = [next(chunks)]
+        x.upload(x.encode(x.tensors.live, 8, False))  # ... the root closes, the relay applies its sync to θ
+        for h in (h0, h1, x):
+            assert h.synchronize().contributed
+        got += list(chunks)
+        assert b"".join(got) == before != b"".join(bytes(v) for v in relay.state.model.model_chunks(0))
+        assert stream.kept_bytes > 0 and h0.model_hash == x.model_hash == root.state.model.hash
+    finally:
+        relay.close()
+        root.close()

@@ -102,6 +102,8 @@ class Rounds:
         self.metrics: dict[str, dict[str, list]] = {}  # the round's deltas' sync_dist values, by host
         self.stopping = False  # a final delta came in this round: it is the run's last
         self.closing = False
+        self.stable = True  # no close changes θ now: a full-model download may start (a relay's close is stable
+        # while it waits for its upstream, until :meth:`hold_theta`)
         self.shutting_down = False  # no round starts closing
         self.downloads: set[ModelStream] = set()  # full-model downloads in flight (copy-on-publish)
         self.before_publish = before_publish
@@ -225,13 +227,13 @@ class Rounds:
         """Close the open round if it may close (see the module's rules)."""
         if not self._ready_to_close():
             return
-        self.closing = True
+        self.closing, self.stable = True, False
         try:
             await self._close()
         except Exception:  # noqa: BLE001 - the model and its hash still agree (close_round); tried again later
             log.exception("nodeox coordinator: closing round %d failed; it is tried again", self.state.round)
         finally:
-            self.closing = False
+            self.closing, self.stable = False, True
         await self.state.notify()
 
     async def _close(self) -> None:
@@ -288,13 +290,23 @@ class Rounds:
 
     async def wait_stable(self) -> None:
         """Return once no round's close is changing θ (a full-model download starts only then)."""
-        while self.closing:
-            await self.state.wait(lambda: not self.closing, self.state.config.long_poll)
+        while not self.stable:
+            await self.state.wait(lambda: self.stable, self.state.config.long_poll)
+
+    async def hold_theta(self) -> None:
+        """θ is about to change outside the close's own step (a relay applying its upstream's sync, or fetching
+        its model): no download starts until the close ends, those in flight keep what they have not sent, and a
+        save in flight (which may read θ) is on disk first."""
+        if self.stable:
+            self.stable = False
+            await self.recovery.saved()
+            await self.keep_downloads(None)
 
     async def stop_closing(self) -> None:
         """No round starts closing from now on; returns once one that is closing has published (at shutdown)."""
         self.shutting_down = True
-        await self.wait_stable()
+        while self.closing:
+            await self.state.wait(lambda: not self.closing, self.state.config.long_poll)
 
     def check_finished(self) -> None:
         """Finished (the coordinator may stop) once the run is complete and every host is gone."""

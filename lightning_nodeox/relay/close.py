@@ -1,15 +1,17 @@
 """A relay's round close: where the root applies the outer step, a relay sends its site's mean upstream as one
 host and publishes to its hosts what comes back.
 
-In order, while the round is closing (no download of θ starts, :meth:`Rounds.wait_stable`): downloads in flight
-keep what they have not sent (the root's sync may change any tensor); on the work thread the site's mean is
-encoded with the relay's residual (:meth:`RelayTensors.encode`; samples: the sum of its hosts', final when one
-of its hosts sent a final delta, sync_dist values reduced across its hosts); on the upstream thread the delta is
-uploaded and the root's sync applied to θ and verified, with a host's recovery rules
-(:meth:`HostRound.finish_round`). The root's sync is published unchanged (the same bytes, so its hash holds on
-every host of the site); its round, its complete flag and its hash are the relay's. When the relay had to fetch
-the model instead (its base was stale, the hash differed) there is no sync to pass on: its hosts fetch θ from
-the relay. A close that fails upstream is tried again with the same delta (taken once upstream).
+In order, while the round is closing: on the work thread the site's mean is encoded with the relay's residual
+(:meth:`RelayTensors.encode`; samples: the sum of its hosts', final when one of its hosts sent a final delta,
+sync_dist values reduced across its hosts); on the upstream thread the delta is uploaded and the root's sync
+applied to θ and verified, with a host's recovery rules (:meth:`HostRound.finish_round`). While the upstream's
+round goes on (it may take a WAN round) θ does not change, so the site's hosts may download it from the relay;
+just before the sync (or a fetched model) changes θ the relay holds it (:meth:`Rounds.hold_theta`: no download
+starts until the close ends, those in flight keep what they have not sent, of every tensor, since the root's set
+may differ from the site's). The root's sync is published unchanged (the same bytes, so its hash holds on every
+host of the site); its round, its complete flag and its hash are the relay's. When the relay had to fetch the
+model instead (its base was stale, the hash differed) there is no sync to pass on: its hosts fetch θ from the
+relay. A close that fails upstream is tried again with the same delta (taken once upstream).
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ class UpstreamClose:
         state, upstream, start = rounds.state, self.upstream, time.time()
         await upstream.ready.wait()  # the site's first host provided the model; the relay provides it upstream
         hr = upstream.round
-        await rounds.keep_downloads(None)
         if self._pending is None or self._pending[0] != round_:
             final = rounds.stopping
             samples, metrics = model.weight, rounds.round_metrics()
@@ -49,7 +50,9 @@ class UpstreamClose:
 
             self._pending = (round_, await state.in_worker(encode), final)
         _, message, final = self._pending
-        result = await upstream.call(hr.finish_round, message, final, Into.LIVE)
+        rounds.stable = True  # θ does not change while the upstream's round goes on: downloads may start ...
+        await state.notify()
+        result = await upstream.call(hr.finish_round, message, final, Into.LIVE)  # ... until RelayTensors holds it
         self._pending = None
         upstream.keep_credential()  # the exchange joined again if the upstream had restarted
         sync = hr.tensors.last_sync

@@ -87,6 +87,9 @@ class RelayMembership(Membership):
         except Exception:  # noqa: BLE001 - tried again at the next tick
             log.exception("nodeox relay: joining %s with the site's model failed; trying again", upstream.url)
             return
+        finally:
+            if not self.rounds.closing:  # a fetch held θ (Rounds.hold_theta): downloads may start again
+                self.rounds.stable = True
         if hr.model_hash != model.hash:  # the upstream's model is another (it moved on, or another provided it)
             model.hash, model.latest_sync = hr.model_hash, None  # the site's hosts fetch θ from the relay
             state.round, state.published_round = hr.round, hr.round - 1
@@ -95,8 +98,13 @@ class RelayMembership(Membership):
         await state.notify()
 
     async def _attach(self, model: CoordinatorModel, round_: int, *, ready: bool = True):
-        upstream = self.upstream
-        hr = await upstream.call(upstream.attach, model, self.state.config.q4, round_, self.state.pool.threads)
+        upstream, loop = self.upstream, asyncio.get_running_loop()
+
+        def before_change() -> None:  # on the upstream thread: the loop holds θ (downloads keep their copies)
+            asyncio.run_coroutine_threadsafe(self.rounds.hold_theta(), loop).result()
+
+        hr = await upstream.call(upstream.attach, model, self.state.config.q4, round_, self.state.pool.threads,
+                                 before_change)
         if ready:
             upstream.ready.set()
         return hr

@@ -10,6 +10,8 @@ per tensor of the round's set, plus the relay's own error-feedback residual, re-
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..coordinator.model import CoordinatorModel
@@ -44,6 +46,7 @@ class RelayTensors(HostTensors):
         self.moving = RoundSet(len(model.specs))
         self._site_round = False  # the next encode is the site's mean
         self.last_sync: Q4Message | None = None  # the last sync applied (the relay passes it on once verified)
+        self.before_change: Callable[[], None] = lambda: None  # called before θ changes (on the upstream thread)
 
     def _new_base(self) -> list[torch.Tensor]:
         return self.live  # one copy: θ is both
@@ -101,5 +104,10 @@ class RelayTensors(HostTensors):
         return buffer
 
     def apply(self, sync: Q4Message, into_live: bool):
+        self.before_change()  # downloads of θ from the relay's hosts keep what they have not sent
         self.last_sync = sync  # what the relay publishes, once its hash is verified
         return super().apply(sync, into_live)
+
+    def read_model(self, body: ByteStream, into: list[torch.Tensor]) -> tuple[int, str]:
+        self.before_change()
+        return super().read_model(body, into)

@@ -150,9 +150,12 @@ class Upstream:
         """Upload the site's model (the upstream asked this relay to provide it); returns the upstream's hash."""
         return self.client.put_model(ModelFileReader(model_header(model.specs, round_, model.hash), model.tensors))
 
-    def attach(self, model: CoordinatorModel, settings: Q4Settings, round_: int, threads: int) -> HostRound:
-        """From now on the relay's θ (``model``'s tensors) is its upstream host's, at ``round_``."""
+    def attach(self, model: CoordinatorModel, settings: Q4Settings, round_: int, threads: int,
+               before_change: Callable[[], None]) -> HostRound:
+        """From now on the relay's θ (``model``'s tensors) is its upstream host's, at ``round_``;
+        ``before_change()`` runs (on this thread) before anything upstream changes θ."""
         tensors = RelayTensors(model)
+        tensors.before_change = before_change
         tensors.allocate(settings, threads)
         hr = HostRound(tensors, self.client, self.phases, codec_threads=threads)
         hr.round, hr.model_hash = round_, model.hash
