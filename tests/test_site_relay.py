@@ -65,6 +65,7 @@ def test_two_sites_behind_relays_end_bit_identical_with_the_root_and_stop_togeth
     for name, site in SITES.items():  # each relay took its own two hosts' deltas, and passed the root's syncs down
         relayed = read_events(tmp_path / name)
         assert Counter(e["round"] for e in relayed if e["phase"] == "receive") == {r: 2 for r in range(6)}
+        assert [e["round"] for e in relayed if (e["host"], e["phase"]) == (name, "upload")] == list(range(6))  # its own
         assert {r: e["model_hash"] for r, e in published(tmp_path / name).items()} == \
             {r: e["model_hash"] for r, e in synced.items()}
 

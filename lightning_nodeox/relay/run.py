@@ -41,7 +41,8 @@ class RelayRun(CoordinatorRun):
                  before_publish: BeforePublish | None = None, *, upstream: Upstream) -> None:
         super().__init__(config, runlog, pool, store, before_publish)
         self.upstream = upstream
-        upstream.phases.listeners.append(lambda record: self.state.record(record))  # in its own run log too
+        loop = asyncio.get_running_loop()  # the upstream's records come from its thread; the run log is the loop's
+        upstream.phases.listeners.append(lambda record: loop.call_soon_threadsafe(self.state.record, record))
         self.state.listeners.append(upstream.forward)  # its site's records, upstream
         self.rounds.close_with = UpstreamClose(upstream)
         self.membership = RelayMembership(self.state, self.recovery, self.rounds, upstream)
