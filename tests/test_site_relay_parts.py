@@ -20,13 +20,14 @@ from lightning_nodeox.coordinator.model import CoordinatorModel
 from lightning_nodeox.core.codec import decode_tensor, encode_tensor
 from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.pool import WorkerPool
-from lightning_nodeox.core.protocol import Reason, Refusal
+from lightning_nodeox.core.protocol import Reason, Refusal, ValuesReply
 from lightning_nodeox.core.wire import Q4Message, Q4Meta
 from lightning_nodeox.host.tensors import HostTensors
 from lightning_nodeox.relay.config import RelayConfig
 from lightning_nodeox.relay.run import RelayRun
 from lightning_nodeox.relay.tensors import RelayTensors
 from lightning_nodeox.relay.upstream import Upstream
+from lightning_nodeox.relay.values import flatten, site_payload
 from lightning_nodeox.tools.cli import main
 
 NAMED = [("w", torch.randn(70, 30, generator=torch.Generator().manual_seed(0))),
@@ -175,3 +176,17 @@ def test_the_sites_hosts_may_download_theta_while_the_relay_waits_for_its_upstre
     finally:
         relay.close()
         root.close()
+
+
+def test_every_site_flattens_the_upstreams_values_answer_into_the_same_list() -> None:
+    """Two relays under a root, and a relay "sub" under relay B: each site names its own hosts as they are, the
+    others' as RELAY/HOST, and every host gets the same payloads in the same order."""
+    a = site_payload({"1": "a1", "0": "a0"})
+    b = site_payload({"2": "b2", "sub": site_payload({"5": "s5"})})
+    root = ValuesReply("k", ["3", "siteA", "siteB"], ["r3", a, b])
+    at_a, at_b = flatten(root, "siteA"), flatten(root, "siteB")
+    at_sub = flatten(at_b, "sub")  # relay B answers its hosts (relay "sub" among them) with its flattened answer
+    assert at_a.payloads == at_b.payloads == at_sub.payloads == ["r3", "a0", "a1", "b2", "s5"]
+    assert at_a.hosts == ["3", "0", "1", "siteB/2", "siteB/sub/5"]
+    assert at_b.hosts == ["3", "siteA/0", "siteA/1", "2", "sub/5"]
+    assert at_sub.hosts == ["3", "siteA/0", "siteA/1", "2", "5"]

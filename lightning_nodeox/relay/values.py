@@ -28,7 +28,8 @@ def site_payload(posted: dict[str, object]) -> dict:
 
 
 def flatten(reply: ValuesReply, own: str) -> ValuesReply:
-    """The upstream's answer as every host's payload (the hosts of relay ``own`` under their own names)."""
+    """The upstream's answer as every host's payload (the hosts of relay ``own`` under their own names: also when
+    the upstream is a relay that flattened it already, naming them ``OWN/HOST``)."""
     hosts: list[str] = []
     payloads: list[object] = []
 
@@ -37,7 +38,8 @@ def flatten(reply: ValuesReply, own: str) -> ValuesReply:
             for sub, inner in payload[SITE]:
                 add(str(sub), inner, "" if prefix == "" and name == own else f"{prefix}{name}/")
             return
-        hosts.append(f"{prefix}{name}")
+        full = f"{prefix}{name}"
+        hosts.append(full.removeprefix(f"{own}/"))
         payloads.append(payload)
 
     for name, payload in zip(reply.hosts, reply.payloads):
