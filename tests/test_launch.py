@@ -39,7 +39,7 @@ def test_launch_forwards_coordinator_options_as_given_and_shares_their_defaults(
     from lightning_nodeox.tools.cli import _config, _parser, main
 
     started = {}
-    monkeypatch.setattr(launch_module, "launch", lambda config, argv, command, gpus: started.update(
+    monkeypatch.setattr(launch_module, "launch", lambda config, argv, command, gpus, **_: started.update(
         config=config, argv=argv, command=command, gpus=gpus) or 0)
     given = ["--hosts", "2", "--run-dir", str(tmp_path), "--outer-lr", "0.5"]
     assert main(["launch", *given, "--gpus-per-host", "2", "--min-hosts", "1", "--", "python", "train.py"]) == 0

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import os
 import sys
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, fields, replace
 from pathlib import Path
 
 from ..coordinator.config import DEFAULT_PORT, CoordinatorConfig, OuterSettings
@@ -95,6 +95,13 @@ def _launch_options(p: argparse.ArgumentParser) -> None:
     """The flags of ``nodeox launch`` itself (every other flag it takes goes to its coordinator)."""
     p.add_argument("--gpus-per-host", type=int, default=1,
                    help="GPUs each host sees (CUDA_VISIBLE_DEVICES); the host command uses Trainer(devices=K)")
+    p.add_argument("--sites", type=int, default=1,
+                   help="spread the hosts over this many sites, each behind a `nodeox relay` under the coordinator "
+                   "(default 1: every host straight to the coordinator)")
+
+
+RELAYED = ("round_timeout", "lease", "no_hosts_timeout", "snapshot_every", "transfer_timeout", "idle_timeout",
+           "max_connections", "fresh", "threads", "rss_interval")  # launch's flags its relays take as well
 
 
 def _read_token(path: Path | None) -> str | None:
@@ -144,6 +151,24 @@ def coordinator_argv(launch_argv: list[str]) -> list[str]:
     return ["--bind", LAUNCH_BIND, *own.parse_known_args(launch_argv)[1]]
 
 
+def relay_argv(launch_argv: list[str]) -> list[str]:
+    """The options ``nodeox launch --sites S LAUNCH_ARGV`` gives each relay beside its own: the serving flags given
+    (:data:`RELAYED`; ``--min-hosts`` counts the root's sites, not a site's hosts), and ``--token-file`` as both the
+    relay's and its upstream's."""
+    serving = argparse.ArgumentParser(add_help=False)
+    _serving_options(serving, bind=LAUNCH_BIND)
+    given = serving.parse_known_args(launch_argv)[0]
+    argv: list[str] = []
+    for action in serving._actions:
+        value = getattr(given, action.dest, None)
+        if action.dest not in RELAYED or value is None or value == action.default:
+            continue
+        argv += [action.option_strings[0]] if value is True else [action.option_strings[0], str(value)]
+    if given.token_file is not None:
+        argv += ["--token-file", str(given.token_file), "--upstream-token-file", str(given.token_file)]
+    return argv
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nodeox", description="lightning-nodeox: coordinator, relay, launcher, report")
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -186,12 +211,23 @@ def main(argv: list[str] | None = None) -> int:
 
         return asyncio.run(serve_relay(config, relay, args.ready_file))
     if args.cmd == "launch":
-        from .launch import launch
+        from .launch import launch, spread
 
         config = _config(args)  # validate before starting anything
         if args.gpus_per_host < 1:
             raise SystemExit(f"nodeox: --gpus-per-host must be at least 1, got {args.gpus_per_host}")
-        return launch(config, coordinator_argv(argv[1:]), command, args.gpus_per_host)
+        try:
+            spread(args.hosts, args.sites)
+        except ValueError as e:
+            raise SystemExit(f"nodeox: {e}") from None
+        if args.sites > 1:
+            try:
+                replace(config, hosts=args.sites)  # the root's own settings, one host per relay
+            except ValueError as e:
+                raise SystemExit(f"nodeox: with --sites {args.sites} the coordinator's hosts are its "
+                                 f"{args.sites} relays: {e}") from None
+        return launch(config, coordinator_argv(argv[1:]), command, args.gpus_per_host, sites=args.sites,
+                      relay_args=relay_argv(argv[1:]))
     if args.cmd == "report":
         from .report import main as report_main
 
