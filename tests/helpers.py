@@ -354,6 +354,11 @@ def published(run_dir: Path) -> dict[int, dict]:
             if e["phase"] == "sync_prepare" and e["host"] == "coordinator"}
 
 
+def received(run_dir: Path) -> list[dict]:
+    """The deltas the coordinator of RUN_DIR took (its own receive records: not those a relay forwards)."""
+    return [e for e in read_events(run_dir) if e["phase"] == "receive" and e["host"] == "coordinator"]
+
+
 def assert_identical(out: Path, hosts: list[str]) -> str:
     """Every host's final model holds the same bytes and hash; returns the hash."""
     t0, m0 = load(out / f"host{hosts[0]}_final.safetensors")

@@ -8,7 +8,7 @@ import json
 from collections import Counter
 
 import pytest
-from helpers import Coordinator, assert_identical, published, read_events, start_host, stop, wait_for
+from helpers import Coordinator, assert_identical, published, read_events, received, start_host, stop, wait_for
 
 STEPS_PER_EPOCH = 56  # 1797 digits in batches of 32, the last one dropped
 SITES = {"siteA": ("0", "1"), "siteB": ("2", "3")}
@@ -51,11 +51,11 @@ def test_two_sites_behind_relays_end_bit_identical_with_the_root_and_stop_togeth
 
     events = read_events(root.run_dir)
     own = [e for e in events if e["host"] == "coordinator"]
-    received = [e for e in own if e["phase"] == "receive"]
-    assert Counter(e["round"] for e in received) == {r: 2 for r in range(6)}  # one delta per relay a round
-    assert {e["from_host"] for e in received} == set(SITES)
+    taken = received(root.run_dir)
+    assert Counter(e["round"] for e in taken) == {r: 2 for r in range(6)}  # one delta per relay a round
+    assert {e["from_host"] for e in taken} == set(SITES)
     uploads = {(e["round"], e["host"]): e["bytes"] for e in events if e["phase"] == "upload" and e["host"] in SITES}
-    assert {(e["round"], e["from_host"]): e["bytes"] for e in received} == uploads
+    assert {(e["round"], e["from_host"]): e["bytes"] for e in taken} == uploads
     samples = {e["round"]: e["samples"] for e in own if e["phase"] == "aggregate"}
     assert samples[5] == (3 * 10 + STEPS_PER_EPOCH - 50) * 32 and samples[0] == 4 * 10 * 32
     forwarded = Counter((e["host"], e["phase"]) for e in events if "/" in e["host"])  # the sites' records, via relays
@@ -110,10 +110,9 @@ def test_a_relay_killed_and_restarted_on_its_run_directory_and_the_run_completes
     assert sorted(synced) == list(range(8))
     assert assert_identical(out, ["0", "1", "2"]) == synced[7]["model_hash"]
     assert "resuming the run" in again.log_path.read_text()
-    received = Counter((e["round"], e["from_host"]) for e in read_events(root.run_dir)
-                       if e["phase"] == "receive" and e["host"] == "coordinator")
-    assert set(received) == {(r, h) for r in range(8) for h in ("siteA", "2")}  # the relay's delta every round ...
-    assert set(received.values()) == {1}  # ... once (a delta sent again after the restart is not taken twice)
+    taken = Counter((e["round"], e["from_host"]) for e in received(root.run_dir))
+    assert set(taken) == {(r, h) for r in range(8) for h in ("siteA", "2")}  # the relay's delta every round ...
+    assert set(taken.values()) == {1}  # ... once (a delta sent again after the restart is not taken twice)
     relayed = read_events(tmp_path / "siteA")
     assert [e["round"] for e in relayed if e["phase"] == "restart"] != []
     assert {r: e["model_hash"] for r, e in published(tmp_path / "siteA").items()}.items() <= \

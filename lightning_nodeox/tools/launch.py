@@ -132,21 +132,25 @@ def site_dir(run_dir: Path, site: int) -> Path:
 
 
 class _Server:
-    """A coordinator or relay process of the launch, started and waited for until it serves."""
+    """A coordinator or relay process of the launch; :meth:`wait_ready` until it serves."""
 
     def __init__(self, name: str, cmd: list[str], env: dict, ready: Path, console: Console) -> None:
-        self.name = name
+        self.name, self.ready = name, ready
         ready.parent.mkdir(parents=True, exist_ok=True)
         ready.unlink(missing_ok=True)
         self.proc, self.threads = _start([*cmd, "--ready-file", str(ready)], env, f"[{name}]", console)
         self.url: str | None = None
-        deadline = time.monotonic() + 120
-        while not ready.exists():
+
+    def wait_ready(self, timeout: float = 120) -> str | None:
+        """Its URL once it serves; None (it is stopped) if it exits or does not serve in ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while not self.ready.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                return
+                return None
             time.sleep(0.05)
-        self.url = ready.read_text().strip()
+        self.url = self.ready.read_text().strip()
+        return self.url
 
     def stop(self) -> None:
         _stop([self.proc])
@@ -174,21 +178,20 @@ def launch(config: CoordinatorConfig, coordinator_args: list[str], command: list
                           console)
     servers = [coordinator]
     relays: list[_Server] = []
-    if coordinator.url is not None and sites > 1:
+    if coordinator.wait_ready() is not None and sites > 1:
         relay_env = dict(env)
         if tls_cert is not None and ENV_CA_FILE not in os.environ:
             relay_env[ENV_CA_FILE] = str(Path(tls_cert).resolve())
-        for k, block in enumerate(blocks):
-            rd = site_dir(run_dir, k)
-            relay = _Server(f"relay {k}", [*nodeox, "relay", "--upstream", coordinator.url, "--hosts",
-                                           str(len(block)), "--run-dir", str(rd), "--bind", "127.0.0.1:0",
-                                           *(relay_args or [])], relay_env, rd / ".relay-url", console)
-            relays.append(relay)
-            if relay.url is None:
+        relays = [_Server(f"relay {k}", [*nodeox, "relay", "--upstream", coordinator.url, "--hosts", str(len(block)),
+                                         "--run-dir", str(site_dir(run_dir, k)), "--bind", "127.0.0.1:0",
+                                         *(relay_args or [])], relay_env, site_dir(run_dir, k) / ".relay-url", console)
+                  for k, block in enumerate(blocks)]  # started together, then waited for
+        for relay in relays:
+            if relay.wait_ready() is None:
                 break
     servers += relays
-    if any(s.url is None for s in servers):
-        failed = next(s for s in servers if s.url is None)
+    failed = next((s for s in servers if s.url is None), None)
+    if failed is not None:
         for s in reversed(servers):
             s.stop()
         print(f"nodeox launch: the {failed.name} did not start (see its output above)", file=sys.stderr)
