@@ -70,7 +70,9 @@ def test_a_run_with_relays_is_grouped_by_site_and_its_far_link_bytes_stand_apart
     assert summary["far_bytes"] == {"up": 300, "down": 300} and summary["site_bytes"] == {"up": 41, "down": 10}
     assert summary["coordinator_peak_rss_bytes"] == 5 and summary["sites"]["A"]["coordinator_peak_rss_bytes"] == 7
     assert summary["bytes_up"] == 300 and summary["wall_s"] == pytest.approx(1.8)  # every site's records
-    assert "site A (relay A; hosts 0, 1)" in render(report) and "inside the sites" in render(report)
+    text = render(report)
+    assert "site A (relay A; hosts 0, 1)" in text and "inside the sites" in text
+    assert "3 hosts at the root (2 relays), 4 in the sites" in text  # A: 0, 1; B: 2, C (a relay of its own)
 
 
 def test_a_run_without_relays_reports_as_before() -> None:

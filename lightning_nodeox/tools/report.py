@@ -253,7 +253,9 @@ def render(report: dict) -> str:
         lines += _round_lines(rnd)
         lines.append("")
     s = report["summary"]
-    lines.append(f"run: {s['rounds']} rounds, {len(s['hosts'])} hosts, {s['wall_s']:.1f} s; "
+    inside = sum(len(site["hosts"]) for site in s.get("sites", {}).values())
+    who = f"{len(s['hosts'])} hosts" + (f" at the root ({len(s['sites'])} relays), {inside} in the sites" if inside else "")
+    lines.append(f"run: {s['rounds']} rounds, {who}, {s['wall_s']:.1f} s; "
                  f"{_bytes(s['bytes_up'])} up, {_bytes(s['bytes_down'])} down; "
                  f"coordinator peak RSS {_bytes(s['coordinator_peak_rss_bytes'])}; "
                  f"{s['fallback_fetches']} full-model fetches")
