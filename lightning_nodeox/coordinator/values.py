@@ -5,8 +5,11 @@ the payloads posted, in host order. The hosts reduce them themselves, all alike.
 A key is answered once, the same to every host (a host posting it later gets that answer, without its own
 payload: the answer names the hosts it holds), when each host still in the run (training or finished, heard from
 within ``--lease``, not left) has posted it, or cannot post it for now:
-- it waits in the open round (its delta is in, the round waits for others): a host that stopped at an epoch's
-  end would otherwise hold a host that closed a round first, and that host would hold it;
+- it waits in the open round (its delta is in, the round waits for others, and its training waits for the
+  sync): a host that stopped at an epoch's end would otherwise hold a host that closed a round first, and that
+  host would hold it. A host whose round overlaps its training (it said so with its delta and its sync polls:
+  :meth:`Rounds.trains_on`) is not waiting: it reaches the epoch's end itself and posts, so it is waited for,
+  until a sync poll of it says its training now waits (its next round boundary came first);
 - it waits on another key of its own (hosts that name keys differently never hold each other).
 With ``--round-timeout S`` a key is also answered S seconds after its first post. A post is idempotent: a host's
 first payload for a key is kept, so a retried post changes nothing. Answered keys are kept for hosts that post
@@ -93,9 +96,9 @@ class ValueExchanges:
                 if h.state in (HostState.TRAINING, HostState.FINISHED) and now - h.seen <= hosts.lease]
 
     def _held(self, host: str, key: str) -> bool:
-        """Whether ``host`` cannot post ``key`` for now: it waits in the open round, or on another key."""
+        """Whether ``host`` cannot post ``key`` for now: its training waits in the open round, or on another key."""
         rounds = self.rounds
-        if host in rounds.received and not rounds.closing and rounds.missing():
+        if host in rounds.received and host not in rounds.training and not rounds.closing and rounds.missing():
             return True
         other = self.pending(host)
         return other is not None and other != key

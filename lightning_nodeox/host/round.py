@@ -73,6 +73,7 @@ class HostRound:
         self.complete = False
         self._sent: Q4Message | None = None  # the last delta uploaded (resent if the coordinator lost it)
         self._final = False  # this host has sent (or is sending) its final delta
+        self.trains_on = False  # training goes on while the round overlapped is open (set by the training side)
         self._seed = int.from_bytes(client.host.encode()[:8].ljust(8, b"\0"), "little")
 
     @property
@@ -141,12 +142,12 @@ class HostRound:
                 raise
             return e.extra.get("model_hash")  # another host gave it back first
 
-    def _call(self, fn, *args, into: Into):
+    def _call(self, fn, *args, into: Into, **kwargs):
         """A call to the coordinator; if it no longer knows this host or has no model (it restarted), join again
         (a model fetched meanwhile goes ``into``) and call once more."""
         for attempt in range(1, REJOIN_TRIES + 1):
             try:
-                return fn(*args)
+                return fn(*args, **kwargs)
             except Refusal as e:
                 if e.reason not in REJOIN or attempt == REJOIN_TRIES:
                     raise
@@ -196,7 +197,8 @@ class HostRound:
         self._sent = message
         with self.phases.timed(self.round, P.UPLOAD) as rec:
             rec.bytes = len(message)
-            outcome = self._call(self.client.post_delta, self.round, message.view(), into=into)
+            outcome = self._call(self.client.post_delta, self.round, message.view(), into=into,
+                                 training=self._training(into))
             if outcome is not Upload.TAKEN:
                 rec.extra["rejected"] = outcome.value
         if outcome is Upload.STALE_BASE:
@@ -211,7 +213,7 @@ class HostRound:
                                                                     samples=0, final=final), None)
             rec.bytes = len(message)
             self._sent = message
-            self._call(self.client.post_delta, self.round, message.view(), into=into)
+            self._call(self.client.post_delta, self.round, message.view(), into=into, training=self._training(into))
 
     def _resend(self, into: Into) -> None:
         """The coordinator lost this host's delta of the current round (it restarted): send it again."""
@@ -221,10 +223,16 @@ class HostRound:
             return
         with self.phases.timed(self.round, P.UPLOAD, resent=True) as rec:
             rec.bytes = len(sent)
-            outcome = self._call(self.client.post_delta, self.round, sent.view(), into=into)
+            outcome = self._call(self.client.post_delta, self.round, sent.view(), into=into,
+                                 training=self._training(into))
         if outcome is Upload.STALE_BASE:
             self.fetch_model(into)
             self._send_empty(self._final, into=into)
+
+    def _training(self, into: Into) -> bool:
+        """Whether this host's training goes on while it waits for the round (overlapped, not yet waiting for its
+        sync): told to the coordinator with each delta and sync poll, so that values wait for this host."""
+        return into is Into.BASE and self.trains_on
 
     # -- syncs -------------------------------------------------------------------------------------------------------
     def synchronize(self, *, follow_to_end: bool = False, into: Into = Into.LIVE) -> RoundResult:
@@ -250,7 +258,8 @@ class HostRound:
             attempt += 1
             try:
                 with self.phases.timed(round_, P.WAIT if into is Into.LIVE else P.POLL):
-                    reply = self._call(self.client.wait_sync, round_, into=into)
+                    reply = self._call(self.client.wait_sync, round_, into=into,
+                                       training=lambda: self._training(into))
             except Refusal as e:
                 if e.reason is not Reason.NO_DELTA or attempt == DOWNLOAD_TRIES:
                     raise
