@@ -20,7 +20,7 @@ from lightning_nodeox.core.protocol import MAX_VALUES_BYTES, Reason, Refusal
 from lightning_nodeox.core.reduction import reduce_values
 from lightning_nodeox.host.client import HttpClient
 from lightning_nodeox.host.metric_states import MetricStates, _decode, _encode
-from lightning_nodeox.host.round import Into
+from lightning_nodeox.host.round import HostRound, Into
 
 
 def _post(client: LocalClient, key: str, payload, poll: float = 0.3):
@@ -184,3 +184,40 @@ def test_the_http_client_says_training_goes_on_with_a_delta_and_at_each_sync_pol
     client.post_delta(0, memoryview(b""))
     client.wait_sync(0, poll=0.01, training=lambda: next(trains, False))
     assert sent == [("POST", "1"), ("POST", None), ("GET", "1"), ("GET", None), ("GET", None), ("GET", None)]
+
+
+def _restarted(hosts_: list, again) -> None:
+    """Point the hosts' in-process clients at ``again``, a coordinator started anew (it knows none of them)."""
+    for h in hosts_:
+        h.client.coordinator = again
+        h.client.state, h.client.rounds, h.client.membership = again.state, again.rounds, again.membership
+
+
+def test_after_a_coordinator_restart_a_values_post_joins_again_and_every_host_gets_the_values_of_both(
+        local_coordinator):
+    c = local_coordinator(2)
+    a, b = hosts(c, "a", "b")
+    for h in (a, b):
+        upload(h)
+    assert [h.synchronize().round for h in (a, b)] == [0, 0]
+    again = local_coordinator(2)  # the coordinator restarted (nothing saved): the values post is refused ...
+    _restarted([a, b], again)
+    with pytest.raises(Refusal) as refused:
+        b.client.exchange_values("epoch.train.0.1", {"v": 2})
+    assert refused.value.reason is Reason.NOT_JOINED
+    # ... so the host joins again (giving its model back) and posts again; b's exchange in flight (joins False)
+    # waits for that exchange to join
+    thread, box = _in_thread(lambda: b.exchange_values("epoch.train.0.1", {"v": 2}, retry_for=10,
+                                                       joins=lambda: False))
+    time.sleep(0.3)
+    assert not box
+    b.rejoin()
+    thread.join(0.6)
+    assert not box  # b posted again; a has not joined again yet: the key waits for it, as round 0 does
+    reply = a.exchange_values("epoch.train.0.1", {"v": 1}, retry_for=10, joins=lambda: True)
+    thread.join(10)
+    assert reply.hosts == ["a", "b"] and box == [reply] and reply.payloads == [{"v": 1}, {"v": 2}]
+    assert again.state.model.hash == a.model_hash == b.model_hash  # given back by the first to join again
+    with pytest.raises(Refusal):  # within retry_for only: then the refusal is the caller's (its own values)
+        HostRound(a.tensors, LocalClient(again, "zed"), a.phases).exchange_values("k", {}, retry_for=0,
+                                                                                 joins=lambda: False)

@@ -15,18 +15,22 @@ The rules, each in terms of the protocol's outcomes (never HTTP):
   is joined again, telling it which model this host holds: it may ask for that model back (the round's
   base θ_r, which every host holds bit-identical), or the host fetches the coordinator's if it differs;
 - a coordinator that holds no delta of this host for the round it waits on (``NO_DELTA``: it restarted) gets
-  the round's delta again (still in its buffer), or an empty one if there is none to resend.
+  the round's delta again (still in its buffer), or an empty one if there is none to resend;
+- values exchanged outside a round that a restarted coordinator refuses (``NOT_JOINED``) are posted again once
+  this host joined again (:meth:`HostRound.exchange_values`), so no host falls back to its own values.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..core import phases as P
 from ..core.phases import PhaseLog
-from ..core.protocol import Reason, Refusal, RunComplete, SyncGone, TransferBroken, Upload
+from ..core.protocol import Reason, Refusal, RunComplete, SyncGone, TransferBroken, Upload, ValuesReply
 from ..core.settings import Q4Settings
 from ..core.specs import ModelMismatchError, PayloadError
 from ..core.transport import HostClient
@@ -39,6 +43,7 @@ log = logging.getLogger(__name__)
 DOWNLOAD_TRIES = 3
 REJOIN_TRIES = 3
 REJOIN = (Reason.NOT_JOINED, Reason.NO_MODEL)
+REJOIN_WAIT = 0.2  # seconds between values posts while the exchange in flight joins again
 
 
 class Into(enum.Enum):
@@ -119,15 +124,16 @@ class HostRound:
             reply = self.client.join(specs, model_hash=model_hash, round_=self.round)
         return reply
 
-    def rejoin(self, into: Into = Into.LIVE) -> None:
+    def rejoin(self, into: Into = Into.LIVE, *, fetch: bool = True) -> None:
         """Join again, keeping this host's model and round (the coordinator restarted or forgot this host): give
-        the round's base model back if asked, fetch the coordinator's (``into``) if it differs."""
+        the round's base model back if asked, fetch the coordinator's (``into``) if it differs (unless ``fetch``
+        is False: the next round's upload then finds its base stale and fetches it)."""
         reply = self._join_reply(self.model_hash)
         if reply.complete:
             self.complete = True
             return
         theirs = self._give_back() if reply.provide_model else reply.model_hash
-        if theirs != self.model_hash:
+        if theirs != self.model_hash and fetch:
             self.fetch_model(into)
             return
         log.info("nodeox: host %s joined again at round %d%s", self.host, self.round,
@@ -153,6 +159,27 @@ class HostRound:
                     raise
                 log.warning("nodeox: host %s: %s; joining again", self.host, e)
                 self.rejoin(into)
+
+    # -- values outside rounds ------------------------------------------------------------------------------------
+    def exchange_values(self, key: str, payload: object, *, retry_for: float,
+                        joins: Callable[[], bool]) -> ValuesReply:
+        """Values under ``key`` with the other hosts (:mod:`lightning_nodeox.coordinator.values`). A coordinator
+        that no longer knows this host (it restarted) is joined again and the values posted again, for up to
+        ``retry_for`` seconds (then its refusal is raised): by this call when ``joins()`` (no exchange in flight;
+        the model is not fetched here, so every rank keeps it), else by the exchange in flight, which it waits
+        for."""
+        deadline = time.monotonic() + retry_for
+        while True:
+            try:
+                return self.client.exchange_values(key, payload)
+            except Refusal as e:
+                if e.reason not in REJOIN or time.monotonic() >= deadline:
+                    raise
+                if joins():
+                    log.warning("nodeox: host %s: values %s: %s; joining again", self.host, key, e)
+                    self.rejoin(fetch=False)
+                else:
+                    time.sleep(REJOIN_WAIT)
 
     # -- a round --------------------------------------------------------------------------------------------------
     def run_round(self, samples: int, final: bool, metrics: dict[str, list] | None = None) -> RoundResult:
