@@ -165,10 +165,8 @@ def test_the_http_client_says_training_goes_on_with_a_delta_and_at_each_sync_pol
     trains = iter([True, False])
 
     class Response:
-        headers: dict = {}
-
         def __init__(self, status: int) -> None:
-            self.status_code = status
+            self.status_code, self.headers = status, {}
 
         def close(self) -> None:
             pass

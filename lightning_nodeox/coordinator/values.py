@@ -11,16 +11,18 @@ within ``--lease``, not left) has posted it, or cannot post it for now:
   :meth:`Rounds.trains_on`) is not waiting: it reaches the epoch's end itself and posts, so it is waited for,
   until a sync poll of it says its training now waits (its next round boundary came first);
 - it waits on another key of its own (hosts that name keys differently never hold each other);
-and no key is answered while round 0 waits for ``--hosts`` hosts to join, as the round does.
-With ``--round-timeout S`` a key is also answered S seconds after its first post.
+and no key is answered while round 0 waits for ``--hosts`` hosts to join, as the round does. With
+``--round-timeout S`` a key is also answered S seconds after its first post.
 
 Values are not saved: a restarted coordinator holds none, and the hosts post theirs again once they joined again
 (:meth:`~lightning_nodeox.host.round.HostRound.exchange_values`); a coordinator restarted afresh (nothing saved)
 is at round 0 and waits for ``--hosts`` hosts, a resumed one for the hosts of the saved run (for one lease). A key
 answered to some hosts just before the restart is answered to the others from the posts made after it (those
-that had their answer do not post again), so it may differ from theirs: the window is the answer's own moment. A post is idempotent: a host's
-first payload for a key is kept, so a retried post changes nothing. Answered keys are kept for hosts that post
-them late, the last ``KEEP`` of them and at most ``KEEP_BYTES`` of payloads (the oldest are forgotten first).
+that had their answer do not post again), so it may differ from theirs: the window is the answer's own moment.
+
+A post is idempotent: a host's first payload for a key is kept, so a retried post changes nothing. Answered keys
+are kept for hosts that post them late, the last ``KEEP`` of them and at most ``KEEP_BYTES`` of payloads (the
+oldest are forgotten first).
 """
 
 from __future__ import annotations
