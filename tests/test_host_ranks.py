@@ -35,7 +35,7 @@ def train(module: nn.Module, seed: int) -> None:
     """Stand-in training: the tensors that move change, the frozen ones do not."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, t in module.state_dict(keep_vars=True).items():
+        for t in module.state_dict(keep_vars=True).values():
             if t.is_floating_point() and (not isinstance(t, nn.Parameter) or t.requires_grad):
                 t.add_(torch.randn(t.shape, generator=gen) * 0.01)
 
@@ -130,6 +130,10 @@ def test_a_host_of_several_ranks_sends_them_the_rounds_set_and_not_its_frozen_ba
 
 # -- two ranks in two processes ---------------------------------------------------------------------------------
 
+def _digests(tensors: list[torch.Tensor]) -> list[str]:
+    return [hashlib.sha256(t.numpy().tobytes()).hexdigest() for t in tensors]
+
+
 def _rank(rank: int, port: int, queue) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -154,15 +158,14 @@ def _rank(rank: int, port: int, queue) -> None:
             with torch.no_grad():
                 for i in ((1, 2), (2,))[step]:
                     tensors[i].add_(1.0)
-        ranks.lead(lambda: step)
+        ranks.lead(lambda s=step: s)
     try:
         ranks.lead(lambda: 1 / 0)
         failed = ""
     except (ZeroDivisionError, RuntimeError) as e:
         failed = str(e)
     dist.broadcast = real
-    digest = lambda ts: [hashlib.sha256(t.numpy().tobytes()).hexdigest() for t in ts]  # noqa: E731
-    queue.put((rank, digest(tensors), received, failed, digest(same_after_join)))
+    queue.put((rank, _digests(tensors), received, failed, _digests(same_after_join)))  # the process ends now
     ranks.close()
     dist.destroy_process_group()
 
@@ -175,7 +178,7 @@ def test_two_ranks_end_bit_identical_and_only_what_rank_0_wrote_travels() -> Non
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     ranks = mp.start_processes(_rank, args=(port, queue), nprocs=2, join=False, start_method="spawn")
-    got = dict((r[0], r[1:]) for r in (queue.get(timeout=120) for _ in range(2)))
+    got = {r[0]: r[1:] for r in (queue.get(timeout=120) for _ in range(2))}
     while not ranks.join(timeout=60):
         pass
     (final0, received0, failed0, joined0), (final1, received1, failed1, joined1) = got[0], got[1]
