@@ -123,23 +123,23 @@ class LocalClient:
         tensor = torch.frombuffer(data, dtype=torch.uint8)
         return self.coordinator.call(self.membership.put_model(self.host, tensor))["model_hash"]
 
-    def post_delta(self, round_: int, body: memoryview) -> Upload:
+    def post_delta(self, round_: int, body: memoryview, *, training: bool = False) -> Upload:
         buffer = torch.frombuffer(bytearray(body), dtype=torch.uint8)
 
         async def post() -> None:
             self.rounds.check_upload(self.host, round_, buffer.numel())
-            await self.rounds.accept_delta(self.host, round_, buffer, time.time())
+            await self.rounds.accept_delta(self.host, round_, buffer, time.time(), training)
 
         return delta_outcome(lambda: self.coordinator.call(post()), self.host, round_)
 
-    def wait_sync(self, round_: int, poll: float = 5.0) -> SyncReply:
+    def wait_sync(self, round_: int, poll: float = 5.0, *, training=None) -> SyncReply:
         while True:
-            reply = sync_outcome(lambda: self._sync_reply(round_, poll))
+            reply = sync_outcome(lambda: self._sync_reply(round_, poll, bool(training and training())))
             if reply is not None:
                 return reply
 
-    def _sync_reply(self, round_: int, poll: float) -> SyncReply | None:
-        message = self.coordinator.call(self.rounds.wait_sync(round_, poll, self.host))
+    def _sync_reply(self, round_: int, poll: float, training: bool = False) -> SyncReply | None:
+        message = self.coordinator.call(self.rounds.wait_sync(round_, poll, self.host, training))
         if message is not None:
             complete = self.rounds.is_last(round_)
             data = bytes(message.view())

@@ -154,7 +154,7 @@ def test_round_timeout_drops_a_stalled_host_which_rejoins(tmp_path) -> None:
     the model, takes part again, and both hosts end on the same model."""
     run_dir, out = tmp_path / "run", tmp_path / "out"
     result = launch(run_dir, 2, [sys.executable, str(HOSTS / "digits_host.py"), "--out", str(out),
-                                 "--stall-round", "1", "--stall-seconds", "6"],
+                                 "--stall-round", "1", "--stall-seconds", "4"],
                     "--round-timeout", "2", "--min-hosts", "1")
     assert result.returncode == 0, result.stdout[-5000:]
     records = read_events(run_dir)

@@ -41,8 +41,11 @@ def _plateau(values: list[float]) -> list[float]:
     return rates
 
 
-def test_epoch_values_are_the_epoch_just_ended_across_hosts_and_callbacks_decide_on_them(tmp_path) -> None:
-    hosts = _run(tmp_path, "--epochs", str(EPOCHS))
+@pytest.mark.parametrize("overlap", [(), ("--overlap", "--lag", "0.2")], ids=["blocking", "overlapped"])
+def test_epoch_values_are_the_epoch_just_ended_across_hosts_and_callbacks_decide_on_them(tmp_path, overlap) -> None:
+    """Overlapped: host 1 reaches each epoch's end while host 0's delta is in, its own not yet, and host 0 still
+    trains: the epoch's values wait for host 0's (metrics_host.py --lag)."""
+    hosts = _run(tmp_path, "--epochs", str(EPOCHS), *overlap)
     train = {h: hosts[h]["seen"]["train"] for h in (0, 1)}  # [epoch, loss, batch size, correct]
     val = {h: hosts[h]["seen"]["val"] for h in (0, 1)}  # [epoch, loss, batch size]
     loss, acc, val_loss = [], [], []

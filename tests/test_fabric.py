@@ -36,6 +36,11 @@ def test_what_fabric_cannot_take_names_the_fix() -> None:
         Fabric(strategy=NodeoxStrategy(local_steps=7), accelerator="cpu")
     with pytest.raises(ValueError, match=r"one device, got Fabric\(devices=2\).*Fabric\(devices=1"):
         Fabric(strategy=NodeoxFabricStrategy(), accelerator="cpu", devices=2)
+    for strategy in ("nodeox", NodeoxFabricStrategy()):  # each machine would join as a host of its own
+        with pytest.raises(ValueError, match=r"got Fabric\(num_nodes=2\).*Fabric\(devices=1, num_nodes=1, .*"
+                                             r"Trainer\(devices=K, num_nodes=M, .*A host that spans machines"):
+            Fabric(strategy=strategy, accelerator="cpu", devices=1, num_nodes=2)
+    assert Fabric(strategy="nodeox", accelerator="cpu", devices=1, num_nodes=1).strategy.num_nodes == 1
     with pytest.raises(ValueError, match="local_steps must be at least 1"):
         NodeoxFabricStrategy(local_steps=0)
     with pytest.raises(ValueError, match="max_steps must be at least 1"):

@@ -483,8 +483,8 @@ class Tampering(LocalClient):
         super().__init__(coordinator, host)
         self.sync = self.model = self.provided = None
 
-    def wait_sync(self, round_: int, poll: float = 5.0):
-        reply = super().wait_sync(round_, poll)
+    def wait_sync(self, round_: int, poll: float = 5.0, *, training=None):
+        reply = super().wait_sync(round_, poll, training=training)
         if isinstance(reply, SyncReady) and self.sync is not None:
             data, self.sync = self.sync(bytearray(body_bytes(reply.body).numpy())), None
             return SyncReady(reply.round, BytesBody(bytes(data)), reply.complete)

@@ -95,7 +95,7 @@ from test_host_endings import Tiny, loader
 from lightning.pytorch import Trainer
 from lightning_nodeox import NodeoxStrategy
 torch.set_num_threads(1)
-trainer = Trainer(strategy=NodeoxStrategy(local_steps=2, retry_for=3.0), max_steps=100_000, logger=False,
+trainer = Trainer(strategy=NodeoxStrategy(local_steps=2, retry_for=1.5), max_steps=100_000, logger=False,
                   enable_progress_bar=False, enable_checkpointing=False, default_root_dir=sys.argv[1])
 trainer.fit(Tiny(step_seconds=0.02), loader())
 print("fit returned at step", trainer.global_step, flush=True)

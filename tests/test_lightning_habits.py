@@ -97,7 +97,7 @@ def test_sigterm_while_waiting_for_a_sync_leaves_at_once(tmp_path) -> None:
     run_dir, out = tmp_path / "run", tmp_path / "out"
     cmd = [sys.executable, "-m", "lightning_nodeox", "launch", "--hosts", "2", "--run-dir", str(run_dir), "--threads",
            "1", "--round-timeout", "4", "--min-hosts", "1", "--", sys.executable, str(HOSTS / "digits_host.py"),
-           "--out", str(out), "--stall-host", "0", "--stall-round", "1", "--stall-seconds", "8"]
+           "--out", str(out), "--stall-host", "0", "--stall-round", "1", "--stall-seconds", "6"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
                             env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))
     try:

@@ -279,7 +279,9 @@ def test_a_run_with_no_live_host_for_the_no_hosts_timeout_stops_unfinished_and_a
         assert not stopped["complete"]
         log = coord.log_path.read_text()
         assert "no host is live" in log and "no host was live for" in log and "stopped before the run completed" in log
-        again = coordinator(2, "--lease", "1", run_dir=coord.run_dir)
+        # the restarted coordinator waits one lease for the saved hosts to be heard from: long enough for both
+        # host processes to start (a few seconds each under load), so that both train every round after it
+        again = coordinator(2, "--lease", "10", run_dir=coord.run_dir)
         assert "resuming the run" in again.log_path.read_text()
         procs = [start_host(h, again.url, out, "--max-steps", "20", *pace) for h in "01"]
         assert [p.wait(180) for p in procs] == [0, 0]

@@ -81,7 +81,7 @@ def test_a_killed_coordinator_started_again_resumes_the_run(coordinator, tmp_pat
     restarted) ride it out, give the model back, and the run completes from where it was, bit-identical."""
     coord = coordinator(2)
     out = tmp_path / "out"
-    procs = [start_host(h, coord.url, out, "--max-steps", "120", "--local-steps", "10", "--step-seconds", "0.05")
+    procs = [start_host(h, coord.url, out, "--max-steps", "80", "--local-steps", "10", "--step-seconds", "0.05")
              for h in "01"]
     try:
         wait_for(lambda: 2 in published(coord.run_dir), 120, "round 2")

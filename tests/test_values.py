@@ -18,7 +18,9 @@ from torchmetrics.classification import MulticlassAccuracy
 from lightning_nodeox.coordinator.intake import parse_values, values_key
 from lightning_nodeox.core.protocol import MAX_VALUES_BYTES, Reason, Refusal
 from lightning_nodeox.core.reduction import reduce_values
+from lightning_nodeox.host.client import HttpClient
 from lightning_nodeox.host.metric_states import MetricStates, _decode, _encode
+from lightning_nodeox.host.round import HostRound, Into
 
 
 def _post(client: LocalClient, key: str, payload, poll: float = 0.3):
@@ -52,6 +54,39 @@ def test_a_host_waiting_in_the_open_round_does_not_hold_a_key_and_posting_late_g
     assert time.monotonic() - start < 2.0
     assert reply.hosts == ["b"] and reply.payloads == [{"v": 2}]
     assert a.client.exchange_values("epoch.train.0.1", {"v": 1}) == reply  # a's later post: b's answer, as is
+
+
+def test_an_overlapped_host_holds_a_key_while_it_trains_on_and_no_longer_once_it_waits_for_the_sync(
+        local_coordinator):
+    c = local_coordinator(2, long_poll=0.2)
+    a, b = hosts(c, "a", "b")
+    a.trains_on = True  # a's round overlaps: its delta goes in (into base), and a trains on (InFlight.start)
+    a.upload(a.encode(a.tensors.live, 8, False), into=Into.BASE)
+    assert c.rounds.training == {"a"}
+    thread, box = _in_thread(b.client.exchange_values, "epoch.train.0.1", {"v": 2})
+    thread.join(0.6)
+    assert not box  # b's epoch ended first: the key waits for a's values, a still trains
+    assert a.client.exchange_values("epoch.train.0.1", {"v": 1}).payloads == [{"v": 1}, {"v": 2}]
+    thread.join(5)
+    assert box and box[0].hosts == ["a", "b"]  # the mean over both hosts, not b's own
+    thread, box = _in_thread(b.client.exchange_values, "epoch.train.0.2", {"v": 4})
+    thread.join(0.6)
+    assert not box
+    a.trains_on = False  # a reached its next boundary: training waits for the sync (InFlight.fold(wait=True))
+    waiting, synced = _in_thread(a.download, Into.BASE)  # its next sync poll says so (the round waits for b)
+    thread.join(5)
+    assert box and box[0].hosts == ["b"] and c.rounds.training == set()  # a does not hold b's key: no deadlock
+    upload(b)
+    waiting.join(10)
+    assert synced and synced[0].meta.round == 0
+
+
+def test_a_host_that_is_not_overlapped_is_held_as_soon_as_its_delta_is_in(local_coordinator):
+    c = local_coordinator(2)
+    a, b = hosts(c, "a", "b")
+    upload(a)  # trains_on False: a blocking round, a waits for its sync from here
+    assert c.rounds.training == set()
+    assert b.client.exchange_values("epoch.train.0.1", {"v": 2}).hosts == ["b"]
 
 
 def test_hosts_waiting_on_other_keys_or_in_a_round_or_gone_do_not_hold_a_key(local_coordinator):
@@ -123,3 +158,64 @@ def test_a_values_post_is_checked_before_anything_sees_it() -> None:
         with pytest.raises(Refusal) as e:
             parse_values(body)
         assert e.value.reason is reason
+
+
+def test_the_http_client_says_training_goes_on_with_a_delta_and_at_each_sync_poll(monkeypatch) -> None:
+    client, sent, polls = HttpClient("http://127.0.0.1:9", host="a"), [], iter([204, 204, 204])
+    trains = iter([True, False])
+
+    class Response:
+        def __init__(self, status: int) -> None:
+            self.status_code, self.headers = status, {}
+
+        def close(self) -> None:
+            pass
+
+    def request(method, path, *, params, **kwargs):
+        sent.append((method, params.get("training")))
+        if method == "GET" and next(polls, None) is None:
+            raise Refusal(Reason.GONE, "stop")
+        return Response(202 if method == "POST" else 204)
+
+    monkeypatch.setattr(client, "_request", request)
+    client.post_delta(0, memoryview(b""), training=True)
+    client.post_delta(0, memoryview(b""))
+    client.wait_sync(0, poll=0.01, training=lambda: next(trains, False))
+    assert sent == [("POST", "1"), ("POST", None), ("GET", "1"), ("GET", None), ("GET", None), ("GET", None)]
+
+
+def _restarted(hosts_: list, again) -> None:
+    """Point the hosts' in-process clients at ``again``, a coordinator started anew (it knows none of them)."""
+    for h in hosts_:
+        h.client.coordinator = again
+        h.client.state, h.client.rounds, h.client.membership = again.state, again.rounds, again.membership
+
+
+def test_after_a_coordinator_restart_a_values_post_joins_again_and_every_host_gets_the_values_of_both(
+        local_coordinator):
+    c = local_coordinator(2)
+    a, b = hosts(c, "a", "b")
+    for h in (a, b):
+        upload(h)
+    assert [h.synchronize().round for h in (a, b)] == [0, 0]
+    again = local_coordinator(2)  # the coordinator restarted (nothing saved): the values post is refused ...
+    _restarted([a, b], again)
+    with pytest.raises(Refusal) as refused:
+        b.client.exchange_values("epoch.train.0.1", {"v": 2})
+    assert refused.value.reason is Reason.NOT_JOINED
+    # ... so the host joins again (giving its model back) and posts again; b's exchange in flight (joins False)
+    # waits for that exchange to join
+    thread, box = _in_thread(lambda: b.exchange_values("epoch.train.0.1", {"v": 2}, retry_for=10,
+                                                       joins=lambda: False))
+    time.sleep(0.3)
+    assert not box
+    b.rejoin()
+    thread.join(0.6)
+    assert not box  # b posted again; a has not joined again yet: the key waits for it, as round 0 does
+    reply = a.exchange_values("epoch.train.0.1", {"v": 1}, retry_for=10, joins=lambda: True)
+    thread.join(10)
+    assert reply.hosts == ["a", "b"] and box == [reply] and reply.payloads == [{"v": 1}, {"v": 2}]
+    assert again.state.model.hash == a.model_hash == b.model_hash  # given back by the first to join again
+    with pytest.raises(Refusal):  # within retry_for only: then the refusal is the caller's (its own values)
+        HostRound(a.tensors, LocalClient(again, "zed"), a.phases).exchange_values("k", {}, retry_for=0,
+                                                                                 joins=lambda: False)

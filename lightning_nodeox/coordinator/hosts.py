@@ -44,9 +44,15 @@ class Hosts(dict[str, Host]):
         self.lease = lease
 
     def restore(self, saved: dict[str, dict]) -> None:
-        """Hosts of a resumed run (``{"state", "credential"}`` each), each with a fresh lease, not yet heard from."""
+        """Hosts of a resumed run (``{"state", "credential"}`` each), each with a fresh lease, not yet heard from; one
+        dropped when the run stopped is expected back like the others (the run stopped waiting for it), so the first
+        host back does not train the next round alone."""
         now = time.monotonic()
-        self.update({h: Host(h, str(d["credential"]), HostState(d["state"]), now, heard=False)
+
+        def resumed(state: HostState) -> HostState:
+            return HostState.TRAINING if state is HostState.DROPPED else state
+
+        self.update({h: Host(h, str(d["credential"]), resumed(HostState(d["state"])), now, heard=False)
                      for h, d in saved.items()})
 
     def saved(self) -> dict[str, dict]:

@@ -100,6 +100,7 @@ class Rounds:
         self.close_with: RoundClose = close_with or OuterStep()
         self.received: dict[str, int] = {}  # the round's deltas: host -> samples
         self.metrics: dict[str, dict[str, list]] = {}  # the round's deltas' sync_dist values, by host
+        self.training: set[str] = set()  # hosts whose delta is in and whose training goes on meanwhile (overlap)
         self.stopping = False  # a final delta came in this round: it is the run's last
         self.closing = False
         self.stable = True  # no close changes θ now: a full-model download may start (a relay's close is stable
@@ -137,8 +138,10 @@ class Rounds:
         state.hosts.seen(entry)
         return model
 
-    async def accept_delta(self, host: str, round_: int, buffer: torch.Tensor, received_at: float) -> dict:
-        """Check a received delta completely, then hand it to the accumulator (not waiting for it)."""
+    async def accept_delta(self, host: str, round_: int, buffer: torch.Tensor, received_at: float,
+                           training: bool = False) -> dict:
+        """Check a received delta completely, then hand it to the accumulator (not waiting for it). ``training``:
+        the host trains on while its round is open (overlap), so it does not wait in it (see :meth:`trains_on`)."""
         state = self.state
         model = self.check_upload(host, round_, buffer.numel())
         try:
@@ -176,6 +179,7 @@ class Rounds:
                           model_hash=model.hash)
         self.received[host] = meta.samples
         self.metrics[host] = meta.metrics
+        self.trains_on(host, training)
         self.stopping = self.stopping or meta.final
         entry = state.hosts[host]
         entry.state = HostState.FINISHED if meta.final else HostState.TRAINING
@@ -260,7 +264,7 @@ class Rounds:
         # the round's state changes together, on the loop, after the last await
         if closed.sync is not None:
             model.publish(closed.sync)
-        self.received, self.metrics = {}, {}
+        self.received, self.metrics, self.training = {}, {}, set()
         state.complete = state.complete or closed.complete
         state.published_round = closed.next_round - 1
         state.round = closed.next_round
@@ -314,14 +318,25 @@ class Rounds:
         if state.complete and state.hosts.all_gone():
             state.finished.set()
 
+    def trains_on(self, host: str, training: bool) -> None:
+        """What ``host`` said with its delta or its latest sync poll of the open round: whether its training goes
+        on meanwhile (overlap; it posts its own values) or waits for the sync (the default, also of hosts that
+        never say)."""
+        if training and host in self.received:
+            self.training.add(host)
+        else:
+            self.training.discard(host)
+
     # -- syncs ----------------------------------------------------------------------------------------------
     def is_last(self, round_: int) -> bool:
         """Whether round ``round_``'s sync is the run's last: the run completed with that round."""
         return self.state.complete and self.state.published_round == round_
 
-    async def wait_sync(self, round_: int, wait: float, host: str | None = None) -> Q4Message | None:
+    async def wait_sync(self, round_: int, wait: float, host: str | None = None,
+                        training: bool = False) -> Q4Message | None:
         """Round ``round_``'s sync once published; None if not within ``wait`` seconds or if the run completed
-        before that round closed (``state.complete`` tells which)."""
+        before that round closed (``state.complete`` tells which). ``training``: the host trains on meanwhile
+        (:meth:`trains_on`)."""
         state, hosts = self.state, self.state.hosts
         entry = hosts.get(host or "")
         if entry is not None and entry.state is HostState.LEFT:
@@ -339,6 +354,8 @@ class Rounds:
                                            "restarted, or the delta was never sent): send it again")
         if entry is not None:
             entry.seen, entry.heard = time.monotonic(), True
+            if round_ == state.round:
+                self.trains_on(host, training)
 
         def left() -> bool:
             return entry is not None and entry.state is HostState.LEFT

@@ -248,6 +248,12 @@ def _wait(request: web.Request) -> float:
     return wait
 
 
+def _training(request: web.Request) -> bool:
+    """A delta's or sync poll's ``?training=1``: the host's training goes on while its round is open (overlap);
+    absent (hosts that never say): it waits for the sync."""
+    return request.query.get("training") == "1"
+
+
 def _int(text: str, what: str) -> int:
     try:
         return int(text)
@@ -354,7 +360,7 @@ async def post_delta(request: web.Request) -> web.Response:
             try:
                 await within(request, transfer_seconds(run.config, len(buf)), read_body_into(request, buf),
                              f"host {host}'s delta upload")
-                result = await rounds.accept_delta(host, round_, buf, start)
+                result = await rounds.accept_delta(host, round_, buf, start, _training(request))
             except BaseException:
                 buffers.put(buf)
                 raise
@@ -376,7 +382,7 @@ async def get_sync(request: web.Request) -> web.StreamResponse:
     host = _caller(request)
     round_ = _int(request.match_info["round"], "round")
     wait = min(_wait(request), run.config.long_poll)
-    message = await run.rounds.wait_sync(round_, wait, host)
+    message = await run.rounds.wait_sync(round_, wait, host, _training(request))
     if message is None:
         return web.Response(status=204, headers={proto.COMPLETE_HEADER: "1" if state.complete else "0"})
     model = state.model  # None while a resumed run serves its saved sync without a model

@@ -5,12 +5,24 @@ the payloads posted, in host order. The hosts reduce them themselves, all alike.
 A key is answered once, the same to every host (a host posting it later gets that answer, without its own
 payload: the answer names the hosts it holds), when each host still in the run (training or finished, heard from
 within ``--lease``, not left) has posted it, or cannot post it for now:
-- it waits in the open round (its delta is in, the round waits for others): a host that stopped at an epoch's
-  end would otherwise hold a host that closed a round first, and that host would hold it;
-- it waits on another key of its own (hosts that name keys differently never hold each other).
-With ``--round-timeout S`` a key is also answered S seconds after its first post. A post is idempotent: a host's
-first payload for a key is kept, so a retried post changes nothing. Answered keys are kept for hosts that post
-them late, the last ``KEEP`` of them and at most ``KEEP_BYTES`` of payloads (the oldest are forgotten first).
+- it waits in the open round (its delta is in, the round waits for others, and its training waits for the
+  sync): a host that stopped at an epoch's end would otherwise hold a host that closed a round first, and that
+  host would hold it. A host whose round overlaps its training (it said so with its delta and its sync polls:
+  :meth:`Rounds.trains_on`) is not waiting: it reaches the epoch's end itself and posts, so it is waited for,
+  until a sync poll of it says its training now waits (its next round boundary came first);
+- it waits on another key of its own (hosts that name keys differently never hold each other);
+and no key is answered while round 0 waits for ``--hosts`` hosts to join, as the round does. With
+``--round-timeout S`` a key is also answered S seconds after its first post.
+
+Values are not saved: a restarted coordinator holds none, and the hosts post theirs again once they joined again
+(:meth:`~lightning_nodeox.host.round.HostRound.exchange_values`); a coordinator restarted afresh (nothing saved)
+is at round 0 and waits for ``--hosts`` hosts, a resumed one for the hosts of the saved run (for one lease). A key
+answered to some hosts just before the restart is answered to the others from the posts made after it (those
+that had their answer do not post again), so it may differ from theirs: the window is the answer's own moment.
+
+A post is idempotent: a host's first payload for a key is kept, so a retried post changes nothing. Answered keys
+are kept for hosts that post them late, the last ``KEEP`` of them and at most ``KEEP_BYTES`` of payloads (the
+oldest are forgotten first).
 """
 
 from __future__ import annotations
@@ -90,6 +102,8 @@ class ValueExchanges:
         timeout = self.state.config.round_timeout
         if timeout is not None and time.monotonic() - exchange.first >= timeout:
             return True
+        if self.rounds.joins_awaited():  # round 0 (also of a coordinator restarted afresh) waits for --hosts
+            return False
         return all(h.id in exchange.posted or self._held(h.id, key) for h in self._in_run())
 
     def _in_run(self) -> list:
@@ -98,9 +112,9 @@ class ValueExchanges:
                 if h.state in (HostState.TRAINING, HostState.FINISHED) and now - h.seen <= hosts.lease]
 
     def _held(self, host: str, key: str) -> bool:
-        """Whether ``host`` cannot post ``key`` for now: it waits in the open round, or on another key."""
+        """Whether ``host`` cannot post ``key`` for now: its training waits in the open round, or on another key."""
         rounds = self.rounds
-        if host in rounds.received and not rounds.closing and rounds.missing():
+        if host in rounds.received and host not in rounds.training and not rounds.closing and rounds.missing():
             return True
         other = self.pending(host)
         return other is not None and other != key

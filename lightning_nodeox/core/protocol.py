@@ -13,6 +13,7 @@ HTTP lives only in the host's client (``host/client.py``) and the coordinator's 
     GET  /v1/model?host=H                    the full model, materialized only on this request
     POST /v1/rounds/{r}/delta?host=H         a delta (accepted once checked; aggregation goes on behind)
     GET  /v1/rounds/{r}/sync?wait=S&host=H   round r's sync (not ready within S seconds: try again)
+         (both: &training=1 when the host's training goes on meanwhile, its round overlapped; absent: it waits)
     POST /v1/events?host=H                   {"records": [...]} phase records of host H only
     POST /v1/hosts/{h}/leave                 the host takes no further part
     POST /v1/hosts/{h}/heartbeat             the host is alive -> {"lease": seconds}

@@ -75,12 +75,14 @@ class HostClient(Protocol):
         """Provide the model (a reader with ``read``); returns the coordinator's hash of it."""
         ...
 
-    def post_delta(self, round_: int, body: memoryview) -> Upload:
+    def post_delta(self, round_: int, body: memoryview, *, training: bool = False) -> Upload:
         """Send round ``round_``'s delta (see :func:`delta_outcome`)."""
         ...
 
-    def wait_sync(self, round_: int) -> SyncReply:
-        """Wait until round ``round_``'s sync is ready, the run completed, or the sync is gone."""
+    def wait_sync(self, round_: int, *, training: Callable[[], bool] | None = None) -> SyncReply:
+        """Wait until round ``round_``'s sync is ready, the run completed, or the sync is gone. ``training`` (asked
+        at each poll; :meth:`post_delta`'s a bool): whether this host's training goes on meanwhile (its round
+        overlaps), so the coordinator waits for its values (:mod:`lightning_nodeox.coordinator.values`)."""
         ...
 
     def get_model(self) -> ByteStream:

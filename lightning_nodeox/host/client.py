@@ -24,6 +24,7 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import requests
@@ -216,22 +217,25 @@ class HttpClient:
         return self._request("PUT", proto.MODEL, params={"host": self.host}, data=body,
                              headers={"Content-Type": proto.OCTETS}).json()["model_hash"]
 
-    def post_delta(self, round_: int, body: memoryview) -> Upload:
-        return delta_outcome(lambda: self._request("POST", proto.DELTA.format(round=round_), params={"host": self.host},
+    def post_delta(self, round_: int, body: memoryview, *, training: bool = False) -> Upload:
+        params = {"host": self.host, **_training(training)}
+        return delta_outcome(lambda: self._request("POST", proto.DELTA.format(round=round_), params=params,
                                                    data=body, ok=(202,), headers={"Content-Type": proto.OCTETS}),
                              self.host, round_)
 
-    def wait_sync(self, round_: int, poll: float = SYNC_POLL) -> SyncReply:
-        """Long-poll until round ``round_``'s sync is ready (or the run completed, or the sync is gone)."""
+    def wait_sync(self, round_: int, poll: float = SYNC_POLL, *,
+                  training: Callable[[], bool] | None = None) -> SyncReply:
+        """Long-poll until round ``round_``'s sync is ready (or the run completed, or the sync is gone); each poll
+        says whether this host's training goes on meanwhile (``training()``)."""
         path = proto.SYNC.format(round=round_)
         while True:
-            reply = sync_outcome(lambda: self._sync_reply(round_, path, poll))
+            reply = sync_outcome(lambda: self._sync_reply(round_, path, poll, bool(training and training())))
             if reply is not None:
                 return reply
 
-    def _sync_reply(self, round_: int, path: str, poll: float) -> SyncReply | None:
-        response = self._request("GET", path, params={"wait": poll, "host": self.host}, ok=(200, 204), stream=True,
-                                 read_timeout=poll + self.read_timeout)
+    def _sync_reply(self, round_: int, path: str, poll: float, training: bool) -> SyncReply | None:
+        response = self._request("GET", path, params={"wait": poll, "host": self.host, **_training(training)},
+                                 ok=(200, 204), stream=True, read_timeout=poll + self.read_timeout)
         complete = response.headers.get(proto.COMPLETE_HEADER) == "1"
         if response.status_code == 200:
             return SyncReady(round_, ResponseStream(response), complete)
@@ -269,6 +273,11 @@ class HttpClient:
         """Say goodbye, whatever the cancel state, within about ``LEAVE_WITHIN`` seconds (plus a connect)."""
         self._request("POST", proto.LEAVE.format(host=self.host), retry_for=LEAVE_WITHIN,
                       read_timeout=LEAVE_WITHIN, cancellable=False)
+
+
+def _training(training: bool) -> dict[str, str]:
+    """The query parameter saying this host's training goes on while its round is open (absent: it waits)."""
+    return {"training": "1"} if training else {}
 
 
 def _address(url: str) -> tuple[str, int]:

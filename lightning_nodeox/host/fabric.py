@@ -30,7 +30,8 @@ loop, so the strategy's hooks are the places where Fabric calls it:
   process exits with 128 + SIGTERM.
 
 ``Fabric(strategy=NodeoxStrategy(...))`` fails with an error that names this class: NodeoxStrategy is the
-Trainer's strategy, and Fabric takes its own kind (:func:`refuse_trainer_strategy`).
+Trainer's strategy, and Fabric takes its own kind (:func:`refuse_trainer_strategy`); ``Fabric(devices>1)`` and
+``Fabric(num_nodes>1)`` fail naming the Trainer, whose host can span devices and machines.
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ class NodeoxFabricStrategy(SessionReadings, SingleDeviceStrategy):
             raise ValueError(f"max_steps must be at least 1 (or None: the loop ends with finish()), got {max_steps}")
         self.max_steps = max_steps
         self.parallel_devices: list[torch.device] | None = None  # Fabric's connector sets them (Fabric(devices=...))
+        self._num_nodes = 1  # and this (Fabric(num_nodes=...)), seeing num_nodes
         self._module: Module | None = None  # the model set up: the one exchanged
         self._steps = 0  # optimizer steps this host took
         self._ended = False  # finish() ran, or the host left the run
@@ -122,8 +124,21 @@ class NodeoxFabricStrategy(SessionReadings, SingleDeviceStrategy):
     def root_device(self) -> torch.device:
         return self.parallel_devices[0] if self.parallel_devices else torch.device("cpu")
 
+    @property
+    def num_nodes(self) -> int:
+        """``Fabric(num_nodes=...)``: 1, or refused (:meth:`_set_world_ranks`)."""
+        return self._num_nodes
+
     def _set_world_ranks(self) -> None:
-        """Called by Fabric's connector once it gave the devices: a host of one device is rank 0 of its world."""
+        """Called by Fabric's connector once it gave the devices and nodes: a host of one device is rank 0 of its
+        world."""
+        if self._num_nodes > 1:
+            raise ValueError(
+                f"NodeoxFabricStrategy runs a host of one device on one machine, got Fabric(num_nodes="
+                f"{self._num_nodes}): each machine would join the run as a host of its own. Use Fabric(devices=1, "
+                "num_nodes=1, strategy=NodeoxFabricStrategy(...)) on every machine, each with its own NODEOX_HOST_ID "
+                "(a host per device), or the Trainer for a host that spans machines: Trainer(devices=K, num_nodes=M, "
+                "strategy=NodeoxStrategy(...)) (docs/clusters.md, \"A host that spans machines\")")
         devices = self.parallel_devices or []
         if len(devices) > 1:
             raise ValueError(

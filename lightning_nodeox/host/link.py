@@ -59,8 +59,10 @@ class RunLink:
     """A joined host's exchange with the coordinator, as rank 0 runs it."""
 
     def __init__(self, conn: Connection, round_: HostRound, sigterm: SigtermHandler,
-                 listeners: list[Callable[[PhaseRecord], None]], telemetry: HostClient) -> None:
+                 listeners: list[Callable[[PhaseRecord], None]], telemetry: HostClient,
+                 retry_for: float = 60.0) -> None:
         self.connection = conn
+        self.retry_for = retry_for  # how long values are posted again to a coordinator that restarted
         self.round = round_
         self.sigterm = sigterm
         self.telemetry = TelemetryShipper(telemetry, round_.client.clock)
@@ -71,6 +73,7 @@ class RunLink:
         self.steps = 0  # training steps of the rounds this host closed
         self._left = False
         self._late_values = False  # said once: values this host posted after the other hosts had moved on
+        self._exchange: Future | None = None  # the exchange last handed to the worker
 
     @classmethod
     def join(cls, conn: Connection, client: HostClient, tensors: HostTensors, settings: HostSettings, *,
@@ -82,7 +85,7 @@ class RunLink:
             raise completed.error() from None
         round_ = HostRound(tensors, client, PhaseLog(conn.host_id), rounding=settings.rounding,
                            error_feedback=settings.error_feedback, codec_threads=codec_threads)
-        link = cls(conn, round_, sigterm, listeners, telemetry_client(conn, client))
+        link = cls(conn, round_, sigterm, listeners, telemetry_client(conn, client), settings.retry_for)
         log.info("NodeoxStrategy: host %s joining %s (%d tensors, %.1f MB, local_steps=%d, %d rank%s)", conn.host_id,
                  conn.coordinator_url, len(tensors.live), tensors.nbytes / 1e6, settings.local_steps, ranks,
                  "" if ranks == 1 else "s")
@@ -108,7 +111,8 @@ class RunLink:
 
     def submit(self, fn: Callable, *args) -> Future:
         """Run ``fn(*args)`` on the exchange worker."""
-        return self.worker.submit(fn, *args)
+        self._exchange = self.worker.submit(fn, *args)
+        return self._exchange
 
     def wait(self, future: Future):
         """The exchange's result, given up at once on SIGTERM."""
@@ -145,14 +149,16 @@ class RunLink:
 
     def exchange_values(self, key: str, payload: object) -> ValuesReply | None:
         """Values exchanged with the other hosts outside a round (an epoch's values, a torchmetrics state), from the
-        training thread; None once this host left, or when the coordinator refuses them (the values stay own)."""
+        training thread; None once this host left, or when the coordinator refuses them (the values stay own). A
+        coordinator that restarted is joined again (by the exchange in flight, if any) and the values posted
+        again, for up to ``retry_for`` seconds."""
         if self._left:
             return None
         host = self.connection.host_id
         with self.standing():
             try:
-                reply = self.round.client.exchange_values(key, payload)
-            except Refusal as e:  # e.g. a coordinator restarted without this run's hosts
+                reply = self.round.exchange_values(key, payload, retry_for=self.retry_for, joins=self._no_exchange)
+            except Refusal as e:  # e.g. another refusal, or a coordinator that still does not know this host
                 log.warning("NodeoxStrategy: the coordinator refused values %s (%s); host %s uses its own", key, e,
                             host)
                 return None
@@ -161,6 +167,10 @@ class RunLink:
             log.warning("NodeoxStrategy: host %s reached %s after the other hosts had moved on (hosts with uneven "
                         "batches per epoch); it takes their values without its own (said once)", host, key)
         return reply
+
+    def _no_exchange(self) -> bool:
+        """Whether no exchange is in flight on the worker (the training side may join again itself)."""
+        return self._exchange is None or self._exchange.done()
 
     def cancel(self) -> None:
         """Make the exchange's calls in progress give up."""

@@ -5,7 +5,9 @@ live model goes back to θ_r) and hands the exchange to the worker; the sync goe
 arrived (checked at every step, decided by rank 0 for all ranks) or at the next boundary (training then waits for
 it), the live model becomes θ_{r+1} plus the progress made since the snapshot, or just θ_{r+1} when the run
 completed with that round (every host ends on the same model). The first and the last round are never
-overlapped: the strategy decides which rounds are (:meth:`InFlight.overlaps`).
+overlapped: the strategy decides which rounds are (:meth:`InFlight.overlaps`). While training goes on, the
+exchange tells the coordinator so (:attr:`HostRound.trains_on`): values exchanged at an epoch's end then wait for
+this host, until the training waits for the sync.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class InFlight:
             begin()
             link = self.link
             link.round.tensors.take_snapshot(restart_from_base=delayed)
+            link.round.trains_on = True  # before the exchange starts: its delta already says so
             self._round = link.round.round
             self._future = link.submit(link.round.run_overlapped, samples, delayed, metrics())
 
@@ -69,6 +72,7 @@ class InFlight:
 
     def _fold_in(self, wait: bool) -> RoundResult:
         link = self.link
+        link.round.trains_on = False  # from the exchange's next sync poll on, values no longer wait for this host
         if wait:
             with link.phases.timed(self._round, P.WAIT):
                 link.wait(self._future)

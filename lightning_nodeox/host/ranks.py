@@ -3,9 +3,13 @@ one machine, or K on each of ``num_nodes`` machines (a host that spans machines 
 
 Rank 0 alone talks to the coordinator; the other ranks follow it at a few points that every rank reaches on the
 same optimizer step (join, round boundary, fold, end of training), where :meth:`HostRanks.lead` runs rank 0's
-work and then broadcasts its outcome (a small picklable value, or the error that stopped it) and rank 0's
-exchanged tensors. Each rank so holds rank 0's model bit for bit, and no rank keeps a copy of the round's base
-or snapshot. Between those points DDP's gradient all-reduce keeps the ranks' parameters identical.
+work and then broadcasts its outcome (a small picklable value, or the error that stopped it) and the exchanged
+tensors that work wrote in rank 0's live model (:meth:`HostTensors.take_changed
+<lightning_nodeox.host.tensors.HostTensors.take_changed>`: a round's set as its sync applied it, the tensors an
+overlap fold wrote; all of them after the join, a fetched model or the run's end). Each rank so holds rank 0's
+model bit for bit, and no rank keeps a copy of the round's base or snapshot. Between those points DDP keeps the
+ranks' parameters identical (they start from rank 0's at wrap time, and each step applies the same all-reduced
+gradients), so a tensor rank 0 did not write, a frozen backbone above all, is not sent.
 
 Decisions that only rank 0 can take (a time budget ran out, an overlapped sync has arrived) are broadcast at
 every step (:meth:`HostRanks.decide`). Outcomes and decisions travel over a gloo group on the CPU, so a rank
@@ -48,6 +52,8 @@ class OneRank:
     def lead(self, work: Callable[[], T], *, model: bool = True) -> T:
         return work()
 
+    changed: Callable[[], tuple[int, ...] | None] | None = None  # unused: nothing to send
+
     def close(self) -> None:
         pass
 
@@ -64,6 +70,8 @@ class HostRanks:
         self.rank = dist.get_rank()
         self.size = dist.get_world_size()
         self.leader = self.rank == 0
+        # rank 0: the indices of the tensors written since it was last called (None: all); set once joined
+        self.changed: Callable[[], tuple[int, ...] | None] = lambda: None
         self._control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
 
     def decide(self, *flags: bool) -> tuple[bool, ...]:
@@ -81,22 +89,24 @@ class HostRanks:
         return int(summed.item())
 
     def lead(self, work: Callable[[], T], *, model: bool = True) -> T:
-        """Rank 0 runs ``work``; every rank returns its result, and (``model``) holds rank 0's tensors. When
-        ``work`` fails, rank 0 raises its error and the other ranks a RuntimeError that names it."""
+        """Rank 0 runs ``work``; every rank returns its result, and (``model``) holds rank 0's tensors: those
+        rank 0 wrote since the last such call (:attr:`changed`; their indices ride on the result). When ``work``
+        fails, rank 0 raises its error and the other ranks a RuntimeError that names it."""
         if self.leader:
             try:
                 value = work()
+                changed = self.changed() if model else ()
             except BaseException as e:
-                self._send(("failed", f"{type(e).__name__}: {e}"))
+                self._send(("failed", f"{type(e).__name__}: {e}", ()))
                 raise
-            self._send(("done", value))
+            self._send(("done", value, changed))
         else:
-            kind, value = self._receive()
+            kind, value, changed = self._receive()
             if kind == "failed":
                 raise RuntimeError(f"rank 0 of this host stopped ({value}); rank {self.rank} stops with it")
         if model:
-            for t in self.tensors:
-                dist.broadcast(t, src=0)
+            for i in range(len(self.tensors)) if changed is None else changed:
+                dist.broadcast(self.tensors[i], src=0)
         return value
 
     def close(self) -> None:

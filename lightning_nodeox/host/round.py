@@ -15,18 +15,22 @@ The rules, each in terms of the protocol's outcomes (never HTTP):
   is joined again, telling it which model this host holds: it may ask for that model back (the round's
   base θ_r, which every host holds bit-identical), or the host fetches the coordinator's if it differs;
 - a coordinator that holds no delta of this host for the round it waits on (``NO_DELTA``: it restarted) gets
-  the round's delta again (still in its buffer), or an empty one if there is none to resend.
+  the round's delta again (still in its buffer), or an empty one if there is none to resend;
+- values exchanged outside a round that a restarted coordinator refuses (``NOT_JOINED``) are posted again once
+  this host joined again (:meth:`HostRound.exchange_values`), so no host falls back to its own values.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..core import phases as P
 from ..core.phases import PhaseLog
-from ..core.protocol import Reason, Refusal, RunComplete, SyncGone, TransferBroken, Upload
+from ..core.protocol import Reason, Refusal, RunComplete, SyncGone, TransferBroken, Upload, ValuesReply
 from ..core.settings import Q4Settings
 from ..core.specs import ModelMismatchError, PayloadError
 from ..core.transport import HostClient
@@ -39,6 +43,7 @@ log = logging.getLogger(__name__)
 DOWNLOAD_TRIES = 3
 REJOIN_TRIES = 3
 REJOIN = (Reason.NOT_JOINED, Reason.NO_MODEL)
+REJOIN_WAIT = 0.2  # seconds between values posts while the exchange in flight joins again
 
 
 class Into(enum.Enum):
@@ -73,6 +78,7 @@ class HostRound:
         self.complete = False
         self._sent: Q4Message | None = None  # the last delta uploaded (resent if the coordinator lost it)
         self._final = False  # this host has sent (or is sending) its final delta
+        self.trains_on = False  # training goes on while the round overlapped is open (set by the training side)
         self._seed = int.from_bytes(client.host.encode()[:8].ljust(8, b"\0"), "little")
 
     @property
@@ -118,15 +124,16 @@ class HostRound:
             reply = self.client.join(specs, model_hash=model_hash, round_=self.round)
         return reply
 
-    def rejoin(self, into: Into = Into.LIVE) -> None:
+    def rejoin(self, into: Into = Into.LIVE, *, fetch: bool = True) -> None:
         """Join again, keeping this host's model and round (the coordinator restarted or forgot this host): give
-        the round's base model back if asked, fetch the coordinator's (``into``) if it differs."""
+        the round's base model back if asked, fetch the coordinator's (``into``) if it differs (unless ``fetch``
+        is False: the next round's upload then finds its base stale and fetches it)."""
         reply = self._join_reply(self.model_hash)
         if reply.complete:
             self.complete = True
             return
         theirs = self._give_back() if reply.provide_model else reply.model_hash
-        if theirs != self.model_hash:
+        if theirs != self.model_hash and fetch:
             self.fetch_model(into)
             return
         log.info("nodeox: host %s joined again at round %d%s", self.host, self.round,
@@ -141,17 +148,38 @@ class HostRound:
                 raise
             return e.extra.get("model_hash")  # another host gave it back first
 
-    def _call(self, fn, *args, into: Into):
+    def _call(self, fn, *args, into: Into, **kwargs):
         """A call to the coordinator; if it no longer knows this host or has no model (it restarted), join again
         (a model fetched meanwhile goes ``into``) and call once more."""
         for attempt in range(1, REJOIN_TRIES + 1):
             try:
-                return fn(*args)
+                return fn(*args, **kwargs)
             except Refusal as e:
                 if e.reason not in REJOIN or attempt == REJOIN_TRIES:
                     raise
                 log.warning("nodeox: host %s: %s; joining again", self.host, e)
                 self.rejoin(into)
+
+    # -- values outside rounds ------------------------------------------------------------------------------------
+    def exchange_values(self, key: str, payload: object, *, retry_for: float,
+                        joins: Callable[[], bool]) -> ValuesReply:
+        """Values under ``key`` with the other hosts (:mod:`lightning_nodeox.coordinator.values`). A coordinator
+        that no longer knows this host (it restarted) is joined again and the values posted again, for up to
+        ``retry_for`` seconds (then its refusal is raised): by this call when ``joins()`` (no exchange in flight;
+        the model is not fetched here, so every rank keeps it), else by the exchange in flight, which it waits
+        for."""
+        deadline = time.monotonic() + retry_for
+        while True:
+            try:
+                return self.client.exchange_values(key, payload)
+            except Refusal as e:
+                if e.reason not in REJOIN or time.monotonic() >= deadline:
+                    raise
+                if joins():
+                    log.warning("nodeox: host %s: values %s: %s; joining again", self.host, key, e)
+                    self.rejoin(fetch=False)
+                else:
+                    time.sleep(REJOIN_WAIT)
 
     # -- a round --------------------------------------------------------------------------------------------------
     def run_round(self, samples: int, final: bool, metrics: dict[str, list] | None = None) -> RoundResult:
@@ -198,7 +226,8 @@ class HostRound:
         self._sent = message
         with self.phases.timed(self.round, P.UPLOAD) as rec:
             rec.bytes = len(message)
-            outcome = self._call(self.client.post_delta, self.round, message.view(), into=into)
+            outcome = self._call(self.client.post_delta, self.round, message.view(), into=into,
+                                 training=self._training(into))
             if outcome is not Upload.TAKEN:
                 rec.extra["rejected"] = outcome.value
         if outcome is Upload.STALE_BASE:
@@ -213,7 +242,7 @@ class HostRound:
                                                                     samples=0, final=final), None)
             rec.bytes = len(message)
             self._sent = message
-            self._call(self.client.post_delta, self.round, message.view(), into=into)
+            self._call(self.client.post_delta, self.round, message.view(), into=into, training=self._training(into))
 
     def _resend(self, into: Into) -> None:
         """The coordinator lost this host's delta of the current round (it restarted): send it again."""
@@ -223,10 +252,16 @@ class HostRound:
             return
         with self.phases.timed(self.round, P.UPLOAD, resent=True) as rec:
             rec.bytes = len(sent)
-            outcome = self._call(self.client.post_delta, self.round, sent.view(), into=into)
+            outcome = self._call(self.client.post_delta, self.round, sent.view(), into=into,
+                                 training=self._training(into))
         if outcome is Upload.STALE_BASE:
             self.fetch_model(into)
             self._send_empty(self._final, into=into)
+
+    def _training(self, into: Into) -> bool:
+        """Whether this host's training goes on while it waits for the round (overlapped, not yet waiting for its
+        sync): told to the coordinator with each delta and sync poll, so that values wait for this host."""
+        return into is Into.BASE and self.trains_on
 
     # -- syncs -------------------------------------------------------------------------------------------------------
     def synchronize(self, *, follow_to_end: bool = False, into: Into = Into.LIVE) -> RoundResult:
@@ -252,7 +287,8 @@ class HostRound:
             attempt += 1
             try:
                 with self.phases.timed(round_, P.WAIT if into is Into.LIVE else P.POLL):
-                    reply = self._call(self.client.wait_sync, round_, into=into)
+                    reply = self._call(self.client.wait_sync, round_, into=into,
+                                       training=lambda: self._training(into))
             except Refusal as e:
                 if e.reason is not Reason.NO_DELTA or attempt == DOWNLOAD_TRIES:
                     raise

@@ -105,6 +105,7 @@ class HostSession:
         self.link = RunLink.join(conn, self.client(conn), HostTensors.of_module(module), self.settings,
                                  codec_threads=codec_threads, sigterm=self.sigterm,
                                  listeners=[self.phase_records.append], ranks=self.ranks.size)
+        self.ranks.changed = self.link.round.tensors.take_changed  # the join's lead sends them all
         return conn, self.link.round.model_hash
 
     # -- round boundaries: when (host/timing.py), and overlapped or not (host/overlap.py) -----------------------

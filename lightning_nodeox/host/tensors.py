@@ -13,6 +13,10 @@ and a sync the round's set; each set has its own message layout, cached, so a fi
 The model hash of a sync's result digests only the tensors the sync changed; the others' row digests are kept
 from the round that last changed them (they are ``base``'s, which nothing else writes).
 
+The live tensors each call writes are recorded (:meth:`HostTensors.take_changed`): on a host of several devices
+rank 0's other ranks take those alone (:mod:`~lightning_nodeox.host.ranks`), so a frozen backbone stays put there
+too.
+
 Memory beyond the model: the base (1x the exchanged tensors), the residual (bf16, 0.5x), two q4 messages
 (about 0.14x each, of the tensors that move), on a GPU a device staging area of one message, and with overlap the
 snapshot (1x the tensors that move).
@@ -114,6 +118,7 @@ class HostTensors:
         self.snapshot: list[torch.Tensor | None] | None = None
         self._snapped: set[int] = set()  # the snapshot's tensors of the round in flight
         self._fold_all = False  # overlap: base was replaced by a fetched model since the snapshot
+        self._changed: set[int] | None = None  # live tensors written since take_changed (None: all of them)
         self._digests: list[RowHasher | None] = []  # base's row digests, per tensor (None: not known)
         self._undigested: list[RowHasher] = []
         self._sync_buffer: torch.Tensor | None = None
@@ -186,6 +191,17 @@ class HostTensors:
         return self._sync_parts.get(specs, lambda: Part(positions_in(self.specs, specs, "sync", self._index),
                                                         self.specs))
 
+    def take_changed(self) -> tuple[int, ...] | None:
+        """The live tensors written since the last call (ascending), or None for all of them (none taken yet, a
+        fetched model, the live model reset to θ_r); the record starts over. Only the training thread writes live
+        tensors (an overlapped exchange writes ``base``), so this needs no lock."""
+        changed, self._changed = self._changed, set()
+        return None if changed is None else tuple(sorted(changed))
+
+    def _wrote(self, indices) -> None:
+        if self._changed is not None:
+            self._changed.update(indices)
+
     @property
     def raw_names(self) -> list[str]:
         """The integer and boolean tensors (listed at join)."""
@@ -227,6 +243,7 @@ class HostTensors:
 
     def restore_live(self) -> None:
         """The live model := θ_r (``base``): local progress that no round took is dropped."""
+        self._changed = None
         with torch.no_grad():
             for t, b in zip(self.live, self.base):
                 t.copy_(b)
@@ -250,6 +267,8 @@ class HostTensors:
         if self.snapshot is None:
             self.snapshot = [None] * len(self.live)
         self._snapped, self._fold_all = set(part.indices), False
+        if restart_from_base:
+            self._wrote(part.indices)
         with torch.no_grad():
             for i in part.indices:
                 self._snap(i, self.live[i])
@@ -352,6 +371,9 @@ class HostTensors:
         own = self.part.indices
         self.notice.compare(own, part.indices, sync.meta.round)
         target = self.live if into_live else self.base
+        if into_live:
+            self._wrote(part.indices)
+            self._wrote(own)  # those the round did not take go back to θ_r
         if self._staging is not None:
             self._staging[: sync.data.numel()].copy_(sync.data)
         fresh = [RowHasher(self.base[i]) for i in part.indices]  # base: target's bytes once applied, and kept
@@ -414,6 +436,7 @@ class HostTensors:
         A raw tensor takes θ_{r+1}'s values (what it counted since the snapshot is dropped)."""
         raw = set(self.raw)
         folding = range(len(self.live)) if self._fold_all else sorted(self._snapped)
+        self._wrote(folding)
         with torch.no_grad():
             for i in folding:
                 t, b = self.live[i], self.base[i]
@@ -432,6 +455,8 @@ class HostTensors:
 
     def read_model(self, body: ByteStream, into: list[torch.Tensor]) -> tuple[int, str]:
         """Stream a model file into ``into``; returns its round and the coordinator's hash of it."""
+        if into is self.live:
+            self._changed = None
         try:
             with torch.no_grad():
                 return read_model_into(body, self.specs, into)

@@ -5,7 +5,9 @@ all with sync_dist=True, under ReduceLROnPlateau on ``val_loss``.
 It writes to --out what it saw itself (each batch's loss and size, correct predictions, the learning rate at each
 epoch's start and after fit) and what Lightning gave it (``callback_metrics`` at each epoch's end, and after fit),
 so the test can compute the cross-host values on its own. ``--extra-batches N``: host 1 has N more training batches
-an epoch.
+an epoch. ``--overlap``: rounds overlap training; ``--lag S`` with it: host 1's overlapped deltas land 2S seconds
+late, and host 0 takes S seconds more for an epoch's last batch, so host 1 reaches the epoch's end first while
+host 0's delta is in and its own is not yet (host 0 trains on: the epoch's values must wait for it).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -22,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_nodeox import NodeoxStrategy
+from lightning_nodeox.host.client import HttpClient
 
 CLASSES = 3
 
@@ -70,6 +74,29 @@ class Record(Callback):
         self.epochs.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
 
+class SlowLastBatch(Callback):
+    """Sleeps ``seconds`` before each epoch's last training batch."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == trainer.num_training_batches - 1:
+            time.sleep(self.seconds)
+
+
+def late_overlapped_deltas(seconds: float) -> None:
+    """This host's overlapped deltas (sent while training goes on) land ``seconds`` late."""
+    post = HttpClient.post_delta
+
+    def late(self, round_, body, *, training=False):
+        if training:
+            time.sleep(seconds)
+        return post(self, round_, body, training=training)
+
+    HttpClient.post_delta = late
+
+
 def loaders(host: int, extra: int) -> tuple[DataLoader, DataLoader]:
     g = torch.Generator().manual_seed(100 + host)
     w = torch.tensor([[1.0, -1.0, 0.5], [0.5, 1.0, -1.0], [-1.0, 0.5, 1.0], [0.3, 0.3, 0.3]])
@@ -91,6 +118,8 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--local-steps", type=int, default=3)
     p.add_argument("--extra-batches", type=int, default=0)
+    p.add_argument("--overlap", action="store_true")
+    p.add_argument("--lag", type=float, default=0.0)
     args = p.parse_args()
     torch.set_num_threads(1)
     host = int(os.environ["NODEOX_HOST_ID"])
@@ -98,8 +127,12 @@ def main() -> None:
     torch.manual_seed(7)
     model, record = Classifier(), Record()
     train, val = loaders(host, args.extra_batches)
-    trainer = Trainer(strategy=NodeoxStrategy(local_steps=args.local_steps, cpu_threads=1, codec_threads=1),
-                      max_epochs=args.epochs, callbacks=[record], logger=False, enable_checkpointing=False,
+    lag = [SlowLastBatch(args.lag)] if args.lag and host == 0 else []
+    if args.lag and host == 1:
+        late_overlapped_deltas(2 * args.lag)
+    trainer = Trainer(strategy=NodeoxStrategy(local_steps=args.local_steps, cpu_threads=1, codec_threads=1,
+                                              overlap=args.overlap),
+                      max_epochs=args.epochs, callbacks=[record, *lag], logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=1)
     trainer.fit(model, train, val)
     model.seen["lr"].append(model.optimizers().param_groups[0]["lr"])  # after the last epoch's scheduler step
