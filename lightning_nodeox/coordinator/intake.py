@@ -21,10 +21,12 @@ import re
 import time
 from dataclasses import dataclass
 
+from ..core.logs import Named
 from ..core.phases import COORDINATOR_PHASES, HOST_PHASES, RESTART, RSS, PhaseRecord
 from ..core.protocol import MAX_VALUES_BYTES, VALUES_KEY, Reason, Refusal
 from ..core.settings import check_host_id
 from ..core.specs import PayloadError, TensorSpec, specs_from_json
+from .config import NAME
 
 MAX_JSON_BYTES = 16 << 20
 MAX_EVENTS_BYTES = 4 << 20
@@ -178,10 +180,11 @@ class Batch:
                 **({"error": self.first_error} if self.dropped else {})}
 
 
-def parse_records(body: bytes, host: str) -> Batch:
+def parse_records(body: bytes, host: str, name: str = NAME) -> Batch:
     """The phase records of an events request sent by ``host``: a bad record is dropped and counted, the others
     kept; the whole batch is refused only when it is malformed (not JSON, not a list of records, too many,
-    another host's records) or none of its records passes."""
+    another host's records) or none of its records passes. ``name``: what a line about dropped records starts
+    with (its run's)."""
     usage = 'events need {"records": [{round, host, phase, start, end[, bytes, ...]}, ...]}'
     value = decode_json(body, "events")
     records = value.get("records") if isinstance(value, dict) else None
@@ -203,19 +206,19 @@ def parse_records(body: bytes, host: str) -> Batch:
     if batch.dropped and not batch.records:
         raise Refusal(Reason.INVALID, batch.first_error)
     if batch.dropped:
-        _report_dropped(host, batch)
+        _report_dropped(host, batch, name)
     return batch
 
 
 _dropped_reported: dict[str, float] = {}  # host -> when its dropped records were last logged
 
 
-def _report_dropped(host: str, batch: Batch, every: float = 60.0) -> None:
+def _report_dropped(host: str, batch: Batch, name: str, every: float = 60.0) -> None:
     now = time.monotonic()
     if now - _dropped_reported.get(host, -every) >= every:
         _dropped_reported[host] = now
-        log.warning("nodeox coordinator: host %s sent %d bad phase records among %d (dropped; the first: %s)", host,
-                    batch.dropped, batch.dropped + len(batch.records), batch.first_error)
+        Named(log, name).warning("host %s sent %d bad phase records among %d (dropped; the first: %s)", host,
+                                 batch.dropped, batch.dropped + len(batch.records), batch.first_error)
 
 
 class TelemetryBudget:

@@ -34,6 +34,7 @@ from typing import Protocol
 
 import torch
 
+from ..core.logs import Named
 from ..core.phases import AGGREGATE, COORDINATOR, RECEIVE, SYNC_PREPARE, PhaseRecord
 from ..core.protocol import Reason, Refusal
 from ..core.specs import PayloadError
@@ -79,10 +80,10 @@ class OuterStep:
         refused = {}
         if closed.not_finite:
             refused = {"refused": f"not finite: {', '.join(closed.not_finite[:5])}"}
-            log.error("nodeox coordinator: round %d refused: its result would make %s NaN or Inf; the model stays "
-                      "%s and hosts get a sync that changes nothing. A host's training diverged, or a delta is too "
-                      "large for the model's dtype (lower the learning rate, clip gradients)", round_,
-                      ", ".join(closed.not_finite[:5]), message.meta.model_hash)
+            rounds.log.error("round %d refused: its result would make %s NaN or Inf; the model stays %s and hosts "
+                             "get a sync that changes nothing. A host's training diverged, or a delta is too large for "
+                             "the model's dtype (lower the learning rate, clip gradients)", round_,
+                             ", ".join(closed.not_finite[:5]), message.meta.model_hash)
         state.record(PhaseRecord(round_, COORDINATOR, SYNC_PREPARE, start, time.time(), len(message),
                                  extra={"model_hash": message.meta.model_hash, **refused}))
         return Published(message, rounds.stopping, round_ + 1)
@@ -96,6 +97,7 @@ class Rounds:
     def __init__(self, state: RunState, recovery: Recovery, before_publish: BeforePublish | None = None,
                  close_with: RoundClose | None = None) -> None:
         self.state = state
+        self.log = Named(log, state.config.name)
         self.recovery = recovery
         self.close_with: RoundClose = close_with or OuterStep()
         self.received: dict[str, int] = {}  # the round's deltas: host -> samples
@@ -192,7 +194,7 @@ class Rounds:
         if future.cancelled():
             return
         if future.exception() is not None:
-            log.error("nodeox coordinator: accumulating host %s's delta failed: %r", host, future.exception())
+            self.log.error("accumulating host %s's delta failed: %r", host, future.exception())
             return
         self.state.record(PhaseRecord(round_, COORDINATOR, RECEIVE, start, time.time(), size,
                                       extra={"from_host": host}))
@@ -235,7 +237,7 @@ class Rounds:
         try:
             await self._close()
         except Exception:  # noqa: BLE001 - the model and its hash still agree (close_round); tried again later
-            log.exception("nodeox coordinator: closing round %d failed; it is tried again", self.state.round)
+            self.log.exception("closing round %d failed; it is tried again", self.state.round)
         finally:
             self.closing, self.stable = False, True
         await self.state.notify()
@@ -246,8 +248,8 @@ class Rounds:
         round_ = state.round
         late = self.missing()
         if late:  # alive but slow: still in the run, so the next round waits for them again
-            log.warning("nodeox coordinator: round %d closes on its --round-timeout without host(s) %s", round_,
-                        ", ".join(late))
+            self.log.warning("round %d closes on its --round-timeout without host(s) %s", round_,
+                             ", ".join(late))
         start = time.time()
         await asyncio.gather(*self._accumulating)
         self._accumulating = []
@@ -260,7 +262,7 @@ class Rounds:
             try:
                 await self.before_publish(state, round_, closed.sync)
             except Exception:  # noqa: BLE001 - the round is applied: publish it regardless
-                log.exception("nodeox coordinator: before_publish of round %d failed", round_)
+                self.log.exception("before_publish of round %d failed", round_)
         # the round's state changes together, on the loop, after the last await
         if closed.sync is not None:
             model.publish(closed.sync)
@@ -271,8 +273,8 @@ class Rounds:
         state.round_opened = time.time()
         self.check_finished()
         if state.complete:
-            log.info("nodeox coordinator: the run completed after round %d; final model %s", state.published_round,
-                     model.hash)
+            self.log.info("the run completed after round %d; final model %s", state.published_round,
+                          model.hash)
         self.recovery.save_round()
         state.sample_memory()
 
@@ -280,7 +282,7 @@ class Rounds:
         reduced = reduce_metrics([(self.received[h], m) for h, m in self.metrics.items() if m])
         kept, dropped = fit_metrics(reduced)
         if dropped:
-            log.warning("nodeox coordinator: round %d's sync has no room for metrics %s", self.state.round, dropped)
+            self.log.warning("round %d's sync has no room for metrics %s", self.state.round, dropped)
         return kept
 
     async def keep_downloads(self, changing: set[int] | None) -> None:

@@ -41,7 +41,7 @@ class RunState:
         self.published_round = -1  # the last round whose sync is published
         self.round_opened = time.time()  # when the open round started (or the model arrived)
         self.complete = False  # the round of a final delta is published: the run's end (rounds)
-        self.hosts = Hosts(config.lease)  # who takes part (membership; rounds note uploads and syncs)
+        self.hosts = Hosts(config.lease, config.name)  # who takes part (membership; rounds note uploads and syncs)
         self.changed = asyncio.Condition()  # notified whenever any of the above changes
         self.finished = asyncio.Event()  # complete, and every host gone: the coordinator may stop
         self.alone_since: float | None = None  # time.monotonic() since when no host is live (membership)

@@ -16,7 +16,6 @@ relay. A close that fails upstream is tried again with the same delta (taken onc
 
 from __future__ import annotations
 
-import logging
 import time
 
 from ..coordinator.model import CoordinatorModel
@@ -25,8 +24,6 @@ from ..core.phases import COORDINATOR, SYNC_PREPARE, PhaseRecord
 from ..core.wire import Q4Message
 from ..host.round import Into
 from .upstream import Upstream
-
-log = logging.getLogger(__name__)
 
 
 class UpstreamClose:

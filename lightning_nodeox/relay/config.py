@@ -34,6 +34,11 @@ class RelayConfig:
         if not self.retry_for > 0:
             raise ValueError(f"the upstream's retry time must be positive seconds, got {self.retry_for}")
 
+    @property
+    def name(self) -> str:
+        """What the relay's lines start with (its coordinator side's too: ``CoordinatorConfig.name``)."""
+        return f"nodeox relay {self.relay_id}"
+
     @staticmethod
     def default_id(run_dir: Path) -> str:
         """The relay's id when none is given: its run directory's name (stable across restarts)."""

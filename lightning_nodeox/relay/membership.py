@@ -13,7 +13,6 @@ upstream's model (:attr:`Upstream.ready`).
 from __future__ import annotations
 
 import asyncio
-import logging
 
 from ..coordinator.membership import Membership
 from ..coordinator.model import CoordinatorModel
@@ -24,8 +23,6 @@ from ..core.modelfile import read_model
 from ..core.protocol import JoinReply, Reason, Refusal
 from ..core.specs import PayloadError, TensorSpec, check_same_model
 from .upstream import Upstream
-
-log = logging.getLogger(__name__)
 
 
 class RelayMembership(Membership):
@@ -55,7 +52,7 @@ class RelayMembership(Membership):
             state.round, state.published_round = reply.round, reply.round - 1
             if reply.provide_model:
                 self._providing = True
-                log.info("nodeox relay: %s asks for the model; the site's first host provides it", upstream.url)
+                self.log.info("%s asks for the model; the site's first host provides it", upstream.url)
                 return
             data = await upstream.call(upstream.fetch)
             try:
@@ -85,7 +82,7 @@ class RelayMembership(Membership):
         try:
             await upstream.call(upstream.rejoin)
         except Exception:  # noqa: BLE001 - tried again at the next tick
-            log.exception("nodeox relay: joining %s with the site's model failed; trying again", upstream.url)
+            self.log.exception("joining %s with the site's model failed; trying again", upstream.url)
             return
         finally:
             if not self.rounds.closing:  # a fetch held θ (Rounds.hold_theta): downloads may start again
@@ -93,7 +90,7 @@ class RelayMembership(Membership):
         if hr.model_hash != model.hash:  # the upstream's model is another (it moved on, or another provided it)
             model.hash, model.latest_sync = hr.model_hash, None  # the site's hosts fetch θ from the relay
             state.round, state.published_round = hr.round, hr.round - 1
-        log.info("nodeox relay: the site's model is %s's at round %d (%s)", upstream.url, hr.round, hr.model_hash)
+        self.log.info("the site's model is %s's at round %d (%s)", upstream.url, hr.round, hr.model_hash)
         upstream.ready.set()
         await state.notify()
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 from functools import partial
 from pathlib import Path
 
@@ -28,8 +27,6 @@ from .config import RelayConfig
 from .membership import RelayMembership
 from .upstream import Upstream
 from .values import RelayValues
-
-log = logging.getLogger(__name__)
 
 CREDENTIAL_FILE = "upstream.json"  # in the run directory, beside state/ (which holds only what its store names)
 
@@ -81,10 +78,10 @@ async def serve(config: CoordinatorConfig, relay: RelayConfig, ready_file: Path 
     try:
         q4 = await upstream.call(upstream.settings)
     except Exception as e:  # noqa: BLE001 - unreachable, refused: say so and stop
-        print(f"nodeox relay: cannot reach the upstream {relay.upstream}: {e}", flush=True)
+        print(f"{relay.name}: cannot reach the upstream {relay.upstream}: {e}", flush=True)
         upstream.close()
         return 2
-    config = dataclasses.replace(config, q4=q4)
-    print(f"nodeox relay {relay.relay_id}: upstream {relay.upstream} ({q4.codec}, block size {q4.block_size})",
+    config = dataclasses.replace(config, q4=q4, name=relay.name)  # its coordinator side's lines name it too
+    print(f"{relay.name}: upstream {relay.upstream} ({q4.codec}, block size {q4.block_size})",
           flush=True)
     return await server.serve(config, ready_file, make_run=partial(RelayRun, upstream=upstream))

@@ -22,6 +22,7 @@ from typing import TypeVar
 import torch
 
 from ..coordinator.model import CoordinatorModel
+from ..core.logs import Named
 from ..core.modelfile import ModelFileReader, model_header
 from ..core.phases import PhaseLog, PhaseRecord
 from ..core.protocol import JoinReply, read_fully
@@ -67,6 +68,7 @@ class Upstream:
         relay keeps its upstream credential, so that a restarted relay takes its id back at once (None: not
         kept)."""
         self.config = config
+        self.log = Named(log, config.name)
         self.client = client or HttpClient(config.upstream, host=config.relay_id, token=config.token,
                                            ca_file=config.ca_file, retry_for=config.retry_for)
         self.phases = PhaseLog(config.relay_id)
@@ -179,8 +181,7 @@ class Upstream:
             try:
                 self.client.leave()
             except Exception as e:  # noqa: BLE001 - leaving is a courtesy; the upstream's lease drops the relay
-                log.warning("nodeox relay: could not tell %s that relay %s left: %s", self.url,
-                            self.config.relay_id, e)
+                self.log.warning("could not tell %s that it left: %s", self.url, e)
         if self.round is not None:
             self.round.close()
         self._thread.shutdown(wait=False)

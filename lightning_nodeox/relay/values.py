@@ -14,6 +14,7 @@ import logging
 from ..coordinator.rounds import Rounds
 from ..coordinator.runstate import RunState
 from ..coordinator.values import ValueExchanges, host_order
+from ..core.logs import Named
 from ..core.protocol import ValuesReply
 from .upstream import Upstream
 
@@ -52,6 +53,7 @@ class RelayValues(ValueExchanges):
 
     def __init__(self, state: RunState, rounds: Rounds, upstream: Upstream) -> None:
         super().__init__(state, rounds)
+        self.log = Named(log, state.config.name)
         self.upstream = upstream
         self._forwarding: dict[str, asyncio.Future] = {}
 
@@ -66,7 +68,7 @@ class RelayValues(ValueExchanges):
             exchange.answer = flatten(reply, upstream.config.relay_id)
             exchange.posted = {}
         except Exception as e:  # noqa: BLE001 - the site's hosts ask again; the next post forwards it again
-            log.warning("nodeox relay: values %s could not be exchanged with %s: %s", key, upstream.url, e)
+            self.log.warning("values %s could not be exchanged with %s: %s", key, upstream.url, e)
         finally:
             del self._forwarding[key]
         await self.state.notify()
