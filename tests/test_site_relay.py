@@ -5,7 +5,9 @@ host ends on the root's model, bit for bit, and stopping together and sync_dist 
 from __future__ import annotations
 
 import json
+import subprocess
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from helpers import Coordinator, assert_identical, published, read_events, received, start_host, stop, wait_for
@@ -14,20 +16,46 @@ STEPS_PER_EPOCH = 56  # 1797 digits in batches of 32, the last one dropped
 SITES = {"siteA": ("0", "1"), "siteB": ("2", "3")}
 
 
+def self_signed(folder: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key (openssl's command line)."""
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"], check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+def forwarded_whole(relay_dir: Path, root_dir: Path, relay: str) -> list[tuple]:
+    """The records of a relay's run log (its site's: its hosts', its coordinator side's), checked to be at the
+    root under ``RELAY/HOST``, each once; returned as (host, round, phase)."""
+    site = Counter((e["host"], e["round"], e["phase"]) for e in read_events(relay_dir) if e["host"] != relay)
+    at_root = Counter((e["host"].removeprefix(f"{relay}/"), e["round"], e["phase"]) for e in read_events(root_dir)
+                      if e["host"].startswith(f"{relay}/"))
+    assert at_root == site, (site - at_root, at_root - site)
+    return list(site)
+
+
 @pytest.mark.slow
-def test_two_sites_behind_relays_end_bit_identical_with_the_root_and_stop_together(tmp_path) -> None:
+def test_two_sites_behind_relays_end_bit_identical_with_the_root_and_stop_together(tmp_path, monkeypatch) -> None:
     """Host 2 (site B) stops early (EarlyStopping at its first epoch end, step 56, in round 5): every host of both
     sites stops after round 5; all end on the root's final model; the root takes 2 deltas a round (one per relay),
     each weighted by its site's samples, and the sites' phase records (forwarded by the relays); values logged with
-    sync_dist are the same on every host. Each process has its own token (the root's, a site's)."""
+    sync_dist are the same on every host. Each process has its own token (the root's, a site's); the root serves
+    TLS (the relays trust its certificate: NODEOX_CA_FILE), relay A too (its hosts trust it alike), relay B plain
+    HTTP. Each relay's lines name it, and every record of its run log reaches the root."""
     out, procs = tmp_path / "out", []
     for name in ("root", *SITES):  # each its own token: the root's for the relays, a site's for its hosts
         (tmp_path / f"{name}.token").write_text(f"token-of-{name}")
-    root = Coordinator(tmp_path / "root", len(SITES), "--token-file", str(tmp_path / "root.token"))
+    cert, key = self_signed(tmp_path)
+    tls = ("--tls-cert", str(cert), "--tls-key", str(key))
+    monkeypatch.setenv("NODEOX_CA_FILE", str(cert))  # the relays' and hosts' (they inherit the test's environment)
+    root = Coordinator(tmp_path / "root", len(SITES), "--token-file", str(tmp_path / "root.token"), *tls)
     relays = {name: Coordinator(tmp_path / name, len(hosts), "--upstream", root.url, "--upstream-token-file",
                                 str(tmp_path / "root.token"), "--token-file", str(tmp_path / f"{name}.token"),
-                                command="relay")
+                                *(tls if name == "siteA" else ()), command="relay")
               for name, hosts in SITES.items()}
+    assert root.url.startswith("https://") and relays["siteA"].url.startswith("https://")
+    assert relays["siteB"].url.startswith("http://")
     try:
         for name, hosts in SITES.items():
             procs += [start_host(h, relays[name].url, out, "--max-steps", "200", "--stop-host", "2",
@@ -75,6 +103,14 @@ def test_two_sites_behind_relays_end_bit_identical_with_the_root_and_stop_togeth
     seen = {h: json.loads((out / f"host{h}_shared.json").read_text()) for h in hosts}
     assert all(seen[h][10:50] == [25.0] * 40 for h in hosts)  # rounds 1-4: the mean over both sites
     assert after["2"]["callback_metrics"]["shared_epoch"] == 25.0  # epoch 0 across every host of both sites
+
+    for name, site in SITES.items():  # the relay's lines name it; all its records reached the root, the last too
+        said = relays[name].log_path.read_text()
+        assert f"nodeox relay {name}: host {site[0]} joined" in said and f"nodeox relay {name}: run complete" in said
+        assert not any(line.startswith("nodeox coordinator") for line in said.splitlines())
+        assert "could not be sent" not in said
+        records = forwarded_whole(tmp_path / name, root.run_dir, name)
+        assert ("coordinator", 5, "sync_prepare") in records and all((h, 5, "verify") in records for h in site)
 
 
 @pytest.mark.slow

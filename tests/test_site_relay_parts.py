@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from functools import partial
 
 import pytest
@@ -81,11 +82,26 @@ def test_a_relays_delta_is_its_sites_weighted_mean_requantized_with_its_own_resi
     pool.close()
 
 
+class EventsClient(LocalClient):
+    """A local client whose records go into the coordinator's run log as its HTTP server takes them (refused from
+    a host that has not joined)."""
+
+    def post_events(self, records: list[dict], *, retry_for: float = 0.0) -> None:
+        async def post() -> None:
+            self.membership.authenticate(self.host, self.credential)
+            self.state.record(*parse_records(json.dumps({"records": records}).encode(), self.host).records)
+
+        self.coordinator.call(post())
+
+
 def test_the_roots_sync_passes_down_unchanged_and_the_sites_hosts_end_on_the_roots_model(tmp_path) -> None:
+    """Also: every record of the relay's run log reaches the root, those from before it joined the root too."""
     root = LocalCoordinator(tmp_path / "root", 1)
-    upstream = Upstream(RelayConfig(upstream="http://root", relay_id="site"), client=LocalClient(root, "site"))
+    upstream = Upstream(RelayConfig(upstream="http://root", relay_id="site"), client=EventsClient(root, "site"))
     relay = LocalCoordinator(tmp_path / "relay", 2, make_run=partial(RelayRun, upstream=upstream))
     try:
+        relay.tick()  # its memory sample: a record before the relay has joined the root, ...
+        time.sleep(1.5)  # ... held past a shipping of the relay's records (every second)
         h0, h1 = hosts(relay, "0", "1")  # host 0 provides the model to the relay, ...
         assert relay.run.membership.upstream_pending() and root.state.model is None
         relay.call(relay.run.membership.join_upstream_with_model())  # ... the relay to the root (its ticker's work)
@@ -113,8 +129,14 @@ def test_the_roots_sync_passes_down_unchanged_and_the_sites_hosts_end_on_the_roo
         relay.close()
         root.close()
     events = read_events(tmp_path / "root")
-    assert [(e["round"], e["from_host"]) for e in events if e["phase"] == "receive"] == [(0, "site"), (1, "site")]
-    assert [e["samples"] for e in events if e["phase"] == "aggregate"] == [32, 32]  # the site's sum, one delta
+    own = [e for e in events if e["host"] == "coordinator"]
+    assert [(e["round"], e["from_host"]) for e in own if e["phase"] == "receive"] == [(0, "site"), (1, "site")]
+    assert [e["samples"] for e in own if e["phase"] == "aggregate"] == [32, 32]  # the site's sum, one delta
+    relayed = [(e["host"], e["round"], e["phase"]) for e in read_events(tmp_path / "relay") if e["host"] != "site"]
+    assert relayed[0] == ("coordinator", 0, "rss") and ("coordinator", 1, "sync_prepare") in relayed
+    assert [(e["host"].removeprefix("site/"), e["round"], e["phase"]) for e in events
+            if e["host"].startswith("site/")] == relayed  # all of them, in order, under the relay's name
+    assert upstream.telemetry.dropped == 0  # none refused
 
 
 def test_a_relay_forwards_its_sites_records_under_its_own_name_and_no_one_elses() -> None:

@@ -53,7 +53,8 @@ class RelayRun(CoordinatorRun):
 
     async def tick(self) -> None:
         await super().tick()
-        self.upstream.site_live = bool(self.state.hosts.live() or self.rounds.received)
+        hr = self.upstream.round  # the upstream's run complete: its lease is kept until the relay's records are in
+        self.upstream.site_live = bool(self.state.hosts.live() or self.rounds.received or (hr and hr.complete))
         if self.membership.upstream_pending() and (self._joining is None or self._joining.done()):
             self._joining = asyncio.ensure_future(self.membership.join_upstream_with_model())
 

@@ -14,6 +14,8 @@ import dataclasses
 import json
 import logging
 import os
+import threading
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -40,12 +42,14 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 FLUSH_SECONDS = 4.0
+HELD_RECORDS = 100_000  # the site's records kept until the relay's first join upstream (then sent, oldest first)
 
 
 class SiteLease:
     """What the relay's heartbeat beats through: its upstream client, while the site has a live host. A site whose
     hosts are all gone lets its lease upstream run out, so the upstream's rounds no longer wait for it; its next
-    heartbeat or delta, once a host is back, makes it expected again."""
+    heartbeat or delta, once a host is back, makes it expected again. Once the upstream's run is complete the
+    lease is kept until the relay leaves (:meth:`Upstream.close`), so the upstream waits for its last records."""
 
     def __init__(self, upstream: Upstream) -> None:
         self.upstream = upstream
@@ -80,6 +84,8 @@ class Upstream:
         self._kept = ""
         self.round: HostRound | None = None
         self.ready = asyncio.Event()  # set once :attr:`round` is
+        self._held: deque[PhaseRecord] = deque(maxlen=HELD_RECORDS)  # the site's, until the relay joins upstream
+        self._holding = threading.Lock()  # forwarded on the loop, released after a join on the upstream thread
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="nodeox-upstream")
         self._values = ThreadPoolExecutor(1, thread_name_prefix="nodeox-upstream-values")  # never holds a round
 
@@ -101,7 +107,21 @@ class Upstream:
         list (the hosts an aggregate took) goes as text, which is what a record upstream may hold."""
         if record.host != self.config.relay_id:
             extra = {k: ",".join(map(str, v)) if isinstance(v, (list, tuple)) else v for k, v in record.extra.items()}
-            self.telemetry(dataclasses.replace(record, host=f"{self.config.relay_id}/{record.host}", extra=extra))
+            self._ship(dataclasses.replace(record, host=f"{self.config.relay_id}/{record.host}", extra=extra))
+
+    def _ship(self, record: PhaseRecord | None = None) -> None:
+        """Records go upstream once the relay has joined it (before, the upstream refuses them: the relay is no
+        host of it yet; its coordinator side records from its start, while it waits for its first host): until
+        then they are held, and go first after the join."""
+        with self._holding:
+            if not self.client.joined:
+                if record is not None:
+                    self._held.append(record)
+                return
+            while self._held:
+                self.telemetry(self._held.popleft())
+            if record is not None:
+                self.telemetry(record)
 
     # -- the credential, across restarts ----------------------------------------------------------------------
     def restore_credential(self) -> None:
@@ -136,6 +156,7 @@ class Upstream:
         while reply.retry:
             reply = self.client.join(body)
         self.keep_credential()
+        self._ship()  # the records held until this join
         return reply
 
     def fetch(self) -> torch.Tensor:
@@ -169,14 +190,20 @@ class Upstream:
         when it differs (:meth:`HostRound.rejoin`)."""
         self.round.rejoin(Into.LIVE)
         self.keep_credential()
+        self._ship()
         return self.round
 
     # -- the end ------------------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Flush the phase records and leave upstream (the relay's run is over, or it stops)."""
+        """Flush the phase records and leave upstream (the relay's run is over, or it stops); the lease is kept
+        until then, so an upstream whose run is complete waits for them."""
         self.client.cancel()  # a values exchange still waiting upstream gives up
-        self.heartbeat.stop()
+        self._ship()
+        if self._held:
+            self.log.info("%d records of the site were not sent: the relay never joined %s", len(self._held),
+                          self.url)
         self.telemetry.close(timeout=FLUSH_SECONDS)
+        self.heartbeat.stop()
         if self.client.joined:
             try:
                 self.client.leave()
