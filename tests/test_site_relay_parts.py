@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from functools import partial
 
 import pytest
 import torch
-from helpers import SETTINGS, bits, exchange, hosts, read_events, train, wait_for
+from helpers import SETTINGS, bits, exchange, frozen, hosts, read_events, train, wait_for
 from local_transport import LocalClient, LocalCoordinator
 from reference_q4 import kernels
 
@@ -36,9 +37,10 @@ NAMED = [("w", torch.randn(70, 30, generator=torch.Generator().manual_seed(0))),
          ("steps", torch.tensor(3))]  # a raw tensor: taken from one host, not averaged
 
 
-def host_delta(host: str, samples: int, scale: float, steps: int) -> Q4Message:
-    """Host ``host``'s delta of ``samples`` samples: every float value moved by ``scale`` times a pattern."""
-    tensors = HostTensors([(n, t.clone()) for n, t in NAMED])
+def host_delta(host: str, samples: int, scale: float, steps: int, frozen_names: tuple[str, ...] = ()) -> Q4Message:
+    """Host ``host``'s delta of ``samples`` samples: every float value moved by ``scale`` times a pattern; the
+    tensors ``frozen_names`` are frozen parameters there (not sent)."""
+    tensors = frozen([(n, t.clone()) for n, t in NAMED], frozen_names)
     tensors.allocate(SETTINGS, 1)
     with torch.no_grad():
         for t in tensors.live[:2]:
@@ -92,6 +94,55 @@ class EventsClient(LocalClient):
             self.state.record(*parse_records(json.dumps({"records": records}).encode(), self.host).records)
 
         self.coordinator.call(post())
+
+
+def test_each_tensor_of_a_relays_delta_is_the_mean_over_the_hosts_that_sent_it_and_a_partial_set_is_said_once(
+        caplog) -> None:
+    """Host "b" (24 samples) has "w" frozen, host "a" (8) not: the site's "w" is a's own change, "b" the mean over
+    both; upstream the delta counts the site's 32 samples for each, which the relay says once (not again while
+    the same tensors differ). A tensor only a delta without samples carried stays out of the site's delta."""
+    caplog.set_level(logging.WARNING, logger="lightning_nodeox.relay.tensors")
+    pool = WorkerPool(SETTINGS, "cpu", 1)
+    model = CoordinatorModel(tuple(HostTensors(NAMED).specs), [t.clone() for _, t in NAMED], SETTINGS, pool)
+    tensors = RelayTensors(model, "nodeox relay siteA")
+    tensors.allocate(SETTINGS, 1)
+    k = kernels(SETTINGS)
+    sent = []
+    for round_, deltas in enumerate((
+            {"a": (host_delta("a", 8, 0.01, 5), 8), "b": (host_delta("b", 24, 0.03, 9, ("w",)), 24)},
+            {"a": (host_delta("a", 8, 0.02, 5), 8), "b": (host_delta("b", 24, 0.01, 9, ("w",)), 24)},
+            {"a": (host_delta("a", 8, 0.02, 5, ("w",)), 8), "c": (host_delta("c", 0, 0.05, 1), 0)})):
+        for message, samples in deltas.values():
+            model.accumulate(Q4Message.parse(message.buffer.clone()), samples)
+        expected = {}
+        for j, name in enumerate(("w", "b")):  # each tensor's mean over the deltas (with samples) that carried it
+            carried = [(m, s) for m, s in deltas.values() if s and name in [t.name for t in m.meta.tensors]]
+            total = torch.zeros(NAMED[j][1].numel())
+            for m, s in carried:
+                values = torch.empty(total.numel())
+                position = [t.name for t in m.meta.tensors].index(name)
+                decode_tensor(k, m.codes(position), m.scales(position), values)
+                total += s * values
+            if carried:
+                expected[name] = total / sum(s for _, s in carried)
+                torch.testing.assert_close(model.acc[j] * (1 / model.weights[j]), expected[name], rtol=1e-6,
+                                           atol=1e-7)
+        tensors.take_round()
+        message = tensors.encode(tensors.live, Q4Meta("delta", round_, "siteA", model.hash, samples=model.weight),
+                                 None)
+        sent.append(([t.name for t in message.meta.tensors], message.meta.samples))
+        if round_ == 0:  # no residual yet: q4 of each tensor's own mean
+            for j, name in enumerate(("w", "b")):
+                codes, scales = torch.empty_like(message.codes(j)), torch.empty_like(message.scales(j))
+                encode_tensor(k, expected[name], codes, scales)
+                assert torch.equal(codes, message.codes(j)) and torch.equal(scales, message.scales(j))
+    assert sent == [(["w", "b", "steps"], 32), (["w", "b", "steps"], 32), (["b", "steps"], 8)]
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].startswith("nodeox relay siteA: the site's hosts sent different tensors: 1 of "
+                                                 "the 3 tensors of its delta came from hosts with fewer than its 32 "
+                                                 "samples (w: 8)")
+    tensors.close()
+    pool.close()
 
 
 def test_the_roots_sync_passes_down_unchanged_and_the_sites_hosts_end_on_the_roots_model(tmp_path) -> None:

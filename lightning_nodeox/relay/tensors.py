@@ -6,19 +6,31 @@ root's sync, applied as any host applies it, updates the relay's θ in place and
 hash. What the relay sends is not ``live - base`` but its site's mean, read from the accumulator: ``acc / weight``
 per tensor of the round's set, plus the relay's own error-feedback residual, re-quantized
 (:func:`~lightning_nodeox.core.codec.encode_mean`); raw tensors carry the values the site's round took.
+
+Each tensor's mean is over the site's hosts that sent it (its own sum of samples), as at a coordinator. Upstream
+a delta has one sample count, the site's sum, which the root gives each of its tensors: when the site's hosts
+sent different sets (frozen parameters that differ between them), a tensor only some of them sent counts there
+with the whole site's samples, not its senders'. That is exact while no other site sends that tensor in the
+round (or each that does sent it from the same share of its samples), and is said once per change of those
+tensors (:meth:`RelayTensors.take_round`). Tensors only deltas without samples carried stay out of the site's
+delta (no change to send; they would count the site's samples for a zero change).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 
 from ..coordinator.model import CoordinatorModel
 from ..core.codec import encode_mean
+from ..core.logs import Named
 from ..core.protocol import ByteStream, read_fully
 from ..core.wire import Q4Message, Q4Meta
 from ..host.tensors import HostTensors
+
+log = logging.getLogger(__name__)
 
 
 class RoundSet:
@@ -40,9 +52,12 @@ class RoundSet:
 class RelayTensors(HostTensors):
     """The relay's θ (``model``'s tensors) as base and live model of one upstream host, and its site mean's encode."""
 
-    def __init__(self, model: CoordinatorModel) -> None:
+    def __init__(self, model: CoordinatorModel, name: str = "nodeox relay") -> None:
+        """``name``: what its lines start with (the relay's)."""
         super().__init__(model.named())
         self.model = model
+        self.log = Named(log, name)
+        self._partial: tuple[str, ...] = ()  # the tensors last said to be sent by only some of the site's hosts
         self.moving = RoundSet(len(model.specs))
         self._site_round = False  # the next encode is the site's mean
         self.last_sync: Q4Message | None = None  # the last sync applied (the relay passes it on once verified)
@@ -54,9 +69,22 @@ class RelayTensors(HostTensors):
     def take_round(self) -> None:
         """The site's round is accumulated: its set is the next delta's (call on the coordinator's work thread,
         before :meth:`~lightning_nodeox.host.round.HostRound.encode`)."""
-        self.moving.indices = tuple(sorted(self.model.moving))
+        model = self.model
+        self.moving.indices = tuple(sorted(i for i in model.moving if model.weights[i] or not model.weight))
         self.boundary()
         self._site_round = True
+        partial = [i for i in self.moving.indices if model.weights[i] < model.weight and not model.specs[i].raw]
+        names = tuple(model.specs[i].name for i in partial)
+        if names and names != self._partial:
+            self.log.warning(
+                "the site's hosts sent different tensors: %d of the %d tensors of its delta came from hosts with "
+                "fewer than its %d samples (%s). Each is averaged over the hosts that sent it, but upstream a "
+                "delta carries one sample count, the site's: where another site sends such a tensor too, their "
+                "mean is not weighted by the samples of the hosts that sent it (see docs/design.md, The relay)",
+                len(names), len(self.moving.indices), model.weight,
+                ", ".join(f"{n}: {model.weights[i]}" for n, i in zip(names[:5], partial))
+                + (f", and {len(names) - 5} more" if len(names) > 5 else ""))
+        self._partial = names
 
     def estimate_error(self, source: list[torch.Tensor]) -> float | None:
         return None  # the site's mean is not at hand as one tensor; its hosts report their own errors

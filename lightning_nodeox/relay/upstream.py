@@ -177,7 +177,7 @@ class Upstream:
                before_change: Callable[[], None]) -> HostRound:
         """From now on the relay's θ (``model``'s tensors) is its upstream host's, at ``round_``;
         ``before_change()`` runs (on this thread) before anything upstream changes θ."""
-        tensors = RelayTensors(model)
+        tensors = RelayTensors(model, self.config.name)
         tensors.before_change = before_change
         tensors.allocate(settings, threads)
         hr = HostRound(tensors, self.client, self.phases, codec_threads=threads)
