@@ -10,6 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import requests
 from helpers import Coordinator, assert_identical, published, read_events, received, start_host, stop, wait_for
 
 STEPS_PER_EPOCH = 56  # 1797 digits in batches of 32, the last one dropped
@@ -113,28 +114,42 @@ def test_two_sites_behind_relays_end_bit_identical_with_the_root_and_stop_togeth
         assert ("coordinator", 5, "sync_prepare") in records and all((h, 5, "verify") in records for h in site)
 
 
+def status(url: str) -> dict:
+    """A coordinator's ``GET /v1/status`` (no token)."""
+    return requests.get(f"{url}/v1/status", timeout=10).json()
+
+
 @pytest.mark.slow
-def test_a_relay_killed_and_restarted_on_its_run_directory_and_the_run_completes_bit_identical(tmp_path) -> None:
-    """Root with a relay (hosts 0 and 1) and host 2 beside it: the relay is killed with -9 once the root has
-    published round 2 and started again on its run directory and port; its hosts ride it out (they rejoin and
-    give its θ back), it joins the root again with the credential it kept, and every host ends on the root's
+def test_a_relay_killed_is_dropped_by_the_root_and_restarted_its_hosts_ride_it_out_bit_identical(tmp_path) -> None:
+    """Root (lease 3 s) with a relay (hosts 0 and 1) and host 2 beside it. The relay is killed with -9 once the
+    root has published round 2: to the root it is a host that vanished, dropped at its lease, and host 2 goes on
+    alone. Started again on its run directory and port, the relay resumes (its hosts ride it out: they rejoin and
+    give its θ back), joins the root again with the credential it kept and goes on from the root's model, which
+    moved on meanwhile; the run completes (a stop file, once the site is back) with every host on the root's
     final model."""
     out, procs = tmp_path / "out", []
-    root = Coordinator(tmp_path / "root", 2)
+    root = Coordinator(tmp_path / "root", 2, "--lease", "3")
     relay = Coordinator(tmp_path / "siteA", 2, "--upstream", root.url, command="relay")
     port = relay.url.rsplit(":", 1)[1]
     started = [root, relay]
-    pace = ("--max-steps", "80", "--step-seconds", "0.03")
+    stop_file = tmp_path / "stop"
+    pace = ("--max-steps", "5000", "--step-seconds", "0.03", "--stop-file", str(stop_file))
     try:
         procs += [start_host(h, relay.url, out, *pace) for h in ("0", "1")]
         procs.append(start_host("2", root.url, out, *pace))
         wait_for(lambda: 2 in published(root.run_dir), 120, "round 2 at the root")
         relay.proc.kill()
         assert relay.proc.wait(30) == -9
+        wait_for(lambda: status(root.url)["hosts"].get("siteA") == "dropped", 30, "the root to drop the relay")
+        dropped_at = status(root.url)["round"]
+        wait_for(lambda: max(published(root.run_dir)) > dropped_at, 30, "a round of host 2 alone")
         again = Coordinator(tmp_path / "siteA", 2, "--upstream", root.url, "--bind", f"127.0.0.1:{port}",
                             command="relay")
         started.append(again)
-        wait_for(lambda: all(p.poll() is not None for p in procs), 240, "the hosts to finish")
+        wait_for(lambda: any(e["from_host"] == "siteA" and e["round"] > dropped_at for e in received(root.run_dir)),
+                 120, "a delta of the restarted relay at the root")
+        stop_file.touch()
+        wait_for(lambda: all(p.poll() is not None for p in procs), 120, "the hosts to finish")
         assert [p.returncode for p in procs] == [0] * 3, [(out / f"host{h}-0.log").read_text()[-3000:]
                                                           for h in "012"]
         assert root.wait(30) == 0 and again.wait(30) == 0
@@ -143,12 +158,17 @@ def test_a_relay_killed_and_restarted_on_its_run_directory_and_the_run_completes
         for c in started:
             c.stop()
     synced = published(root.run_dir)
-    assert sorted(synced) == list(range(8))
-    assert assert_identical(out, ["0", "1", "2"]) == synced[7]["model_hash"]
+    last = max(synced)
+    assert sorted(synced) == list(range(last + 1))
+    assert assert_identical(out, ["0", "1", "2"]) == synced[last]["model_hash"]
     assert "resuming the run" in again.log_path.read_text()
+    assert "host siteA: no heartbeat" in root.log_path.read_text()
     taken = Counter((e["round"], e["from_host"]) for e in received(root.run_dir))
-    assert set(taken) == {(r, h) for r in range(8) for h in ("siteA", "2")}  # the relay's delta every round ...
-    assert set(taken.values()) == {1}  # ... once (a delta sent again after the restart is not taken twice)
+    assert set(taken.values()) == {1}  # each delta taken once (a delta sent again after the restart is not taken twice)
+    alone = sorted(r for r in range(last + 1) if (r, "siteA") not in taken)
+    assert all((r, "2") in taken for r in range(last + 1))  # host 2 every round, also while the relay was gone ...
+    assert alone and min(alone) >= 2 and max(alone) < last  # ... which it alone took part in, then the site again
+    assert all((r, "siteA") in taken for r in range(max(alone) + 1, last + 1))
     relayed = read_events(tmp_path / "siteA")
     assert [e["round"] for e in relayed if e["phase"] == "restart"] != []
     assert {r: e["model_hash"] for r, e in published(tmp_path / "siteA").items()}.items() <= \

@@ -11,7 +11,8 @@ starts until the close ends, those in flight keep what they have not sent, of ev
 may differ from the site's). The root's sync is published unchanged (the same bytes, so its hash holds on every
 host of the site); its round, its complete flag and its hash are the relay's. When the relay had to fetch the
 model instead (its base was stale, the hash differed) there is no sync to pass on: its hosts fetch θ from the
-relay. A close that fails upstream is tried again with the same delta (taken once upstream).
+relay; so too when θ became the upstream's later model while the round waited to go upstream (a resumed relay
+whose upstream moved on): the site's deltas of the θ before are not sent. A close that fails upstream is tried again with the same delta (taken once upstream).
 """
 
 from __future__ import annotations
@@ -37,6 +38,13 @@ class UpstreamClose:
         state, upstream, start = rounds.state, self.upstream, time.time()
         await upstream.ready.wait()  # the site's first host provided the model; the relay provides it upstream
         hr = upstream.round
+        if state.round != round_:  # meanwhile θ became the upstream's model of a later round (a resumed relay whose
+            # upstream moved on): the site's deltas were against the θ before; dropped, as the upstream would a
+            # host's stale delta, and its hosts fetch θ
+            await state.in_worker(model.end_round)
+            upstream.log.info("round %d's deltas were of the model before %s moved on to round %d: not sent; the "
+                              "site's hosts fetch its model", round_, upstream.url, hr.round)
+            return Published(None, hr.complete, hr.round)
         if self._pending is None or self._pending[0] != round_:
             final = rounds.stopping
             samples, metrics = model.weight, rounds.round_metrics()
