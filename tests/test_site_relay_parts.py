@@ -190,6 +190,42 @@ def test_the_roots_sync_passes_down_unchanged_and_the_sites_hosts_end_on_the_roo
     assert upstream.telemetry.dropped == 0  # none refused
 
 
+def test_a_relay_under_a_relay_passes_the_roots_sync_down_two_levels_and_its_records_up_two(tmp_path) -> None:
+    """Root <- relay "mid" <- relay "leaf" <- hosts 0 and 1: the model goes up two relays (host 0 provides it),
+    each round's sync comes down them unchanged, the root takes one delta of the whole site's samples, and the
+    leaf's records reach the root as mid/leaf/HOST."""
+    root = LocalCoordinator(tmp_path / "root", 1)
+    to_root = Upstream(RelayConfig(upstream="http://root", relay_id="mid"), client=EventsClient(root, "mid"))
+    mid = LocalCoordinator(tmp_path / "mid", 1, make_run=partial(RelayRun, upstream=to_root))
+    to_mid = Upstream(RelayConfig(upstream="http://mid", relay_id="leaf"), client=EventsClient(mid, "leaf"))
+    leaf = LocalCoordinator(tmp_path / "leaf", 2, make_run=partial(RelayRun, upstream=to_mid))
+    try:
+        h0, h1 = hosts(leaf, "0", "1")
+        leaf.call(leaf.run.membership.join_upstream_with_model())  # the leaf provides it to mid (its ticker's work)
+        mid.call(mid.run.membership.join_upstream_with_model())  # ... mid to the root
+        assert root.state.model.hash == mid.state.model.hash == leaf.state.model.hash == h0.model_hash
+        for r in range(2):
+            train(h0, r)
+            train(h1, r)
+            exchange((h0, 8), (h1, 24))
+            root_sync = bits(root.state.model.latest_sync.buffer)
+            assert bits(mid.state.model.latest_sync.buffer).equal(root_sync)
+            assert bits(leaf.state.model.latest_sync.buffer).equal(root_sync)
+            assert h0.model_hash == h1.model_hash == leaf.state.model.hash == root.state.model.hash
+        for h in (h0, h1):
+            assert all(torch.equal(bits(t), bits(e)) for t, e in zip(h.tensors.live, root.state.model.tensors))
+    finally:
+        leaf.close()
+        mid.close()
+        root.close()
+    events = read_events(tmp_path / "root")
+    own = [e for e in events if e["host"] == "coordinator"]
+    assert [(e["round"], e["from_host"]) for e in own if e["phase"] == "receive"] == [(0, "mid"), (1, "mid")]
+    assert [e["samples"] for e in own if e["phase"] == "aggregate"] == [32, 32]
+    nested = {(e["round"], e["phase"]) for e in events if e["host"] == "mid/leaf/coordinator"}
+    assert {(0, "aggregate"), (1, "aggregate"), (1, "sync_prepare")} <= nested
+
+
 def test_a_relay_forwards_its_sites_records_under_its_own_name_and_no_one_elses() -> None:
     batch = parse_records(json.dumps({"records": [
         {"round": 0, "host": "siteA", "phase": "upload", "start": 1.0, "end": 2.0, "bytes": 9},  # its own
