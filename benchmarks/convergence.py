@@ -1,10 +1,11 @@
-"""Convergence: Nodeox against DDP on real data that ships offline (scikit-learn's digits), 2 hosts on this machine.
+"""Convergence: Nodeox against DDP on real data that ships offline (scikit-learn's digits), 2 hosts on this machine
+(4 in the relay rows).
 
 Every mode trains the same model (a small CNN: two 3x3 convolutions of 32 and 64 channels, 2x2 max-pooling, a
 128-unit hidden layer; 151K parameters) with the same inner optimizer (SGD, lr 0.02, momentum 0.9),
 the same batch size per host (32) and the same number of optimizer steps per host (600, so the same samples per
-host), each host on its own half of a fixed training split; the final model is evaluated on a held-out test split
-(540 images). Modes:
+host), each host on its own share (a half; a quarter with 4 hosts) of a fixed training split; the final model is
+evaluated on a held-out test split (540 images). Modes:
 
     ddp              PyTorch DDP, gloo, 2 processes (gradients all-reduced every step)
     fp32             Nodeox, unquantized exchange (--codec fp32)
@@ -306,9 +307,10 @@ def run_nodeox(args: argparse.Namespace, mode: str, seed: int, workdir: Path, ro
         total = args.steps * n
         speeds = [1.0 / SLOWDOWN if spec.get("slow") and i == 1 else 1.0 for i in range(n)]
         steps = [round(total * s / sum(speeds)) for s in speeds]
-    cmd = [sys.executable, "-m", "lightning_nodeox", "launch", "--hosts", str(n), "--run-dir", str(run_dir),
-           *(["--sites", str(sites)] if sites > 1 else []), "--threads", "1", *spec.get("coordinator", []), "--", *_host_args(args, "nodeox", seed, out, steps, strategy,
-                                                                               spec.get("slow", False))]
+    shape = ["--hosts", str(n), *(["--sites", str(sites)] if sites > 1 else [])]  # --sites: a relay per site
+    cmd = [sys.executable, "-m", "lightning_nodeox", "launch", *shape, "--run-dir", str(run_dir), "--threads", "1",
+           *spec.get("coordinator", []), "--", *_host_args(args, "nodeox", seed, out, steps, strategy,
+                                                           spec.get("slow", False))]
     env = process_env()
     log = workdir / "launch.log"
     started = time.time()
@@ -492,7 +494,8 @@ def _bytes(n: float | None) -> str:
 
 
 def print_table(modes: dict, config: dict) -> None:
-    print(f"\nconvergence on digits: {config['hosts']} hosts (unless the hosts column says), {config['steps']} steps x batch {config['batch_size']} "
+    print(f"\nconvergence on digits: {config['hosts']} hosts (unless the hosts column says), {config['steps']} "
+          f"steps x batch {config['batch_size']} "
           f"per host, local_steps={config['local_steps']}, SGD lr {config['lr']} momentum 0.9, test set "
           f"{config['test_samples']} images, seeds {config['seeds']}")
     head = (f"{'mode':16} {'hosts':>5} {'accuracy mean (min-max)':26} {'vs DDP':>8} {'bytes/host':>11} "
@@ -512,7 +515,8 @@ def print_table(modes: dict, config: dict) -> None:
         spec = MODES[name]
         shape = f"{spec.get('sites', 1)}x{spec.get('hosts', HOSTS) // spec.get('sites', 1)}" if spec.get("sites") \
             else str(spec.get("hosts", HOSTS))
-        print(f"{name:16} {shape:>5} {acc:26} {'-' if dp is None else f'{dp:+.2f} pt':>8} {_bytes(s['bytes_per_host']):>11} "
+        print(f"{name:16} {shape:>5} {acc:26} {'-' if dp is None else f'{dp:+.2f} pt':>8} "
+              f"{_bytes(s['bytes_per_host']):>11} "
               f"{'-' if br is None else f'{br:.1f}x':>9} {s['wall_s']:7.1f} {'-' if wr is None else f'{wr:.2f}x':>7} "
               + " ".join(f"{'-' if w is None else f'{w:.1%}':>8}" for w in waits)
               + ("" if s["hosts_identical"] else "  (hosts ended on different models!)"))

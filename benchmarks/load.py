@@ -240,7 +240,8 @@ def print_table(results: list[dict], rounds: int) -> None:
         site = (f"{r['site_aggregation_to_sync_median_s']:.3f} / {r['site_aggregation_to_sync_max_s']:<.3f}"
                 if r["relays"] else "-")
         print(f"{r['placement']:>9} {r['hosts']:>5} {r['rounds_complete_with_every_host']:>6}/{r['rounds']:<2} "
-              f"{r['wall_s']:>7.1f} {r['aggregation_to_sync_median_s']:>15.3f} / {r['aggregation_to_sync_max_s']:<7.3f} "
+              f"{r['wall_s']:>7.1f} {r['aggregation_to_sync_median_s']:>15.3f} / "
+              f"{r['aggregation_to_sync_max_s']:<7.3f} "
               f"{site:>16} {r['coordinator_cpu_s_per_round']:>17.3f} "
               f"{r[f'coordinator_rss_after_round_{FIRST_RSS_ROUND}'] / 2**20:>11.0f} "
               f"{r['coordinator_rss_after_last_round'] / 2**20:>12.0f} {r['coordinator_rss_max_deviation']:>+8.1%}")

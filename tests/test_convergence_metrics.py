@@ -44,7 +44,8 @@ def test_bytes_per_host():
 
 
 def test_host_records_take_a_relayed_host_by_its_id_and_leave_out_memory_samples():
-    events = [rec(1, "train", 0, 1), {**rec(1, "train", 0, 2), "host": "site0/0"}, {**rec(1, "train", 0, 3), "host": "1"},
+    events = [rec(1, "train", 0, 1), {**rec(1, "train", 0, 2), "host": "site0/0"},
+              {**rec(1, "train", 0, 3), "host": "1"},
               {**rec(1, "aggregate", 0, 4), "host": "site0/coordinator"}, {**rec(1, "upload", 0, 5), "host": "site0"},
               rec(1, "rss", 0, 6), {**rec(1, "rss", 0, 7), "host": "site1/0"}]
     assert [r["end"] for r in convergence.host_records(events, "0")] == [1, 2]
