@@ -67,16 +67,6 @@ class Direction:
         self.sent = 0  # bytes delivered, over every connection
         self.timeline: list[tuple[float, int]] = []  # (time.time(), sent) after each delivered chunk
 
-    def sent_between(self, start: float, end: float) -> int:
-        """Bytes delivered in the wall-clock window (start, end]."""
-        before = after = 0
-        for stamp, total in self.timeline:
-            if stamp <= start:
-                before = total
-            if stamp <= end:
-                after = total
-        return after - before
-
     async def pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Copy ``reader`` to ``writer`` through this link until end of stream (then half-close ``writer``)."""
         loop = asyncio.get_running_loop()

@@ -35,7 +35,6 @@ import asyncio
 import json
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,98 +43,25 @@ from urllib.parse import urlsplit
 
 from common import beside, coordinator_command, process_env, read_events, spawn, stop, tail, wait_ready
 from relay import Link, Relay
+from site_figures import (
+    HOSTS_PER_SITE,
+    METRICS,
+    SITES,
+    PlacementFailed,
+    PlacementSkipped,
+    goals,
+    mem_available,
+    nodeox_times,
+    per_round,
+    placement_figures,
+    run_figures,
+    sent_between,
+)
 
 EXCHANGE = Path(__file__).with_name("exchange.py")
-SITES, HOSTS_PER_SITE = 2, 4
-GOAL_BYTES_CUT = float(HOSTS_PER_SITE)  # far bytes, flat / relays
-GOAL_ROUND_SPEEDUP = 2.0  # round time, flat / relays
-METRICS = ("far_bytes", "delta_to_sync_s", "round_s")
-
-
-class PlacementFailed(RuntimeError):
-    """A placement could not run; the message says which part and why."""
-
-
-class PlacementSkipped(RuntimeError):
-    """A placement that cannot run here (torchft not installed, ...); the message says why."""
-
-
-# -- the figures (pure: records and link timelines in, numbers out) ----------------------------------------------
-
-
-def host_records(records: list[dict]) -> list[dict]:
-    """The records of the synthetic hosts (ids are digits; behind a relay the root has them as ``SITE/ID``)."""
-    return [r for r in records if str(r["host"]).rpartition("/")[2].isdigit()]
-
-
-def per_round(records: list[dict], far_sent_between) -> list[dict]:
-    """Per round from round 1 on: far bytes (``far_sent_between(start, end)``: bytes the far links delivered in
-    the wall-clock window), delta to sync and round time, from the hosts' upload, apply and verify records."""
-    last: dict[tuple[int, str], float] = {}
-    for r in host_records(records):
-        if r["phase"] in ("upload", "apply", "verify"):
-            key = (r["round"], r["phase"])
-            last[key] = max(last.get(key, float("-inf")), r["end"])
-    rounds = sorted({rnd for rnd, phase in last if phase == "verify"})
-    out = []
-    for rnd in rounds:
-        if rnd == 0 or (rnd - 1, "verify") not in last or (rnd, "upload") not in last or (rnd, "apply") not in last:
-            continue
-        start, end = last[(rnd - 1, "verify")], last[(rnd, "verify")]
-        out.append({"round": rnd, "far_bytes": far_sent_between(start, end),
-                    "delta_to_sync_s": last[(rnd, "apply")] - last[(rnd, "upload")], "round_s": end - start})
-    return out
-
-
-def run_figures(rounds: list[dict]) -> dict:
-    """One run: the median over its rounds of each metric."""
-    return {m: statistics.median(r[m] for r in rounds) for m in METRICS} if rounds else {}
-
-
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": len(values)}
-
-
-def placement_figures(runs: list[dict]) -> dict:
-    """Over runs: median and range of the runs' medians, per metric."""
-    return {m: spread([run[m] for run in runs]) for m in METRICS if runs and all(m in run for run in runs)}
-
-
-def goals(figures: dict[str, dict], hosts_per_site: int = HOSTS_PER_SITE,
-          speedup: float = GOAL_ROUND_SPEEDUP) -> list[dict]:
-    """The goals, met or not, from the placements' figures (a goal whose placements did not run is left out)."""
-    out = []
-    flat, relays, peers = figures.get("flat"), figures.get("relays"), figures.get("torchft")
-    if flat and relays:
-        cut = flat["far_bytes"]["median"] / relays["far_bytes"]["median"]
-        out.append({"goal": f"far bytes per round cut >= {hosts_per_site}x (hosts per site) by relays",
-                    "measured": cut, "met": cut >= hosts_per_site, "flat": flat["far_bytes"]["median"],
-                    "relays": relays["far_bytes"]["median"]})
-        faster = flat["round_s"]["median"] / relays["round_s"]["median"]
-        out.append({"goal": f"relay placement's round >= {speedup:g}x faster than flat", "measured": faster,
-                    "met": faster >= speedup, "flat": flat["round_s"]["median"],
-                    "relays": relays["round_s"]["median"]})
-    if relays and peers:
-        faster = peers["round_s"]["median"] / relays["round_s"]["median"]
-        out.append({"goal": "nodeox (relays) round faster than torchft fp32 DiLoCo on the same far links",
-                    "measured": faster, "met": faster > 1.0, "torchft": peers["round_s"]["median"],
-                    "relays": relays["round_s"]["median"]})
-        cut = peers["far_bytes"]["median"] / relays["far_bytes"]["median"]
-        out.append({"goal": "nodeox (relays) moves fewer far bytes than torchft fp32 DiLoCo", "measured": cut,
-                    "met": cut > 1.0, "torchft": peers["far_bytes"]["median"],
-                    "relays": relays["far_bytes"]["median"]})
-    return out
 
 
 # -- one nodeox placement -----------------------------------------------------------------------------------------
-
-
-def mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no MemAvailable in /proc/meminfo")
 
 
 async def exited(procs: list[subprocess.Popen], memory: dict) -> None:
@@ -215,9 +141,9 @@ async def run_nodeox(placement: str, links: dict[str, Link], args: argparse.Name
             await link.close()
 
     def far_sent_between(start: float, end: float) -> int:
-        return sum(link.up.sent_between(start, end) + link.down.sent_between(start, end) for link in far)
+        return sum(sent_between(d.timeline, start, end) for link in far for d in (link.up, link.down))
 
-    rounds = per_round(read_events(run_dir), far_sent_between)
+    rounds = per_round(nodeox_times(read_events(run_dir)), far_sent_between)
     peaks = {name: peak_rss_mib(logs / f"{name}.log") for name in procs if not name.startswith("host")}
     for name in procs:
         if name.startswith("host"):
@@ -271,12 +197,12 @@ async def run_all(args: argparse.Namespace, links: dict[str, Link], workdir: Pat
 
 def render(result: dict) -> str:
     links = result["links"]
-    lines = [f"{result['model']}: {result['sites']} sites x {result['hosts_per_site']} hosts, {result['rounds']} "
-             f"rounds (round 0 left out), {result['repeats']} run(s) per placement, interleaved",
-             f"  near link per host: {links['near']['delay_ms']:g} ms one-way, {links['near']['mbit']:g} Mbit/s "
-             "each way (the user-space emulator caps it near 1-2 Gbit/s)",
-             f"  far link per site:  {links['far']['delay_ms']:g} ms one-way, {links['far']['mbit']:g} Mbit/s each "
-             "way, shared by the site's hosts (flat) or used by its relay",
+    lines = [(f"{result['model']}: {result['sites']} sites x {result['hosts_per_site']} hosts, {result['rounds']} "
+              f"rounds (round 0 left out), {result['repeats']} run(s) per placement, interleaved"),
+             (f"  near link per host: {links['near']['delay_ms']:g} ms one-way, {links['near']['mbit']:g} Mbit/s "
+              "each way (the user-space emulator caps it near 1-2 Gbit/s)"),
+             (f"  far link per site:  {links['far']['delay_ms']:g} ms one-way, {links['far']['mbit']:g} Mbit/s "
+              "each way, shared by the site's hosts (flat) or used by its relay"),
              "  figures: median over runs of each run's median over rounds [range over runs]", ""]
     lines.append(f"  {'placement':10} {'far MB/round (both ways)':>30} {'delta-to-sync s':>24} {'round s':>24} "
                  f"{'mem used GiB':>13}")
