@@ -13,6 +13,7 @@ from collections.abc import Callable
 SITES, HOSTS_PER_SITE = 2, 4
 GOAL_ROUND_SPEEDUP = 2.0  # round time, flat / relays
 METRICS = ("far_bytes", "delta_to_sync_s", "round_s")
+MEMORY_FLOOR = int(1.5 * 2**30)  # bytes of MemAvailable below which a run is stopped
 Timeline = list[tuple[float, int]]  # (wall time, bytes so far), in time order
 
 
@@ -45,6 +46,16 @@ def mem_available() -> int:
     raise RuntimeError("no MemAvailable in /proc/meminfo")
 
 
+def check_memory(memory: dict, floor: int = MEMORY_FLOOR) -> None:
+    """Note the lowest MemAvailable in ``memory``; raise PlacementFailed below ``floor`` (the machine is shared:
+    a run that would exhaust it is stopped, not left to the OOM killer)."""
+    now = mem_available()
+    memory["min_available"] = min(memory.get("min_available", now), now)
+    if now < floor:
+        raise PlacementFailed(f"MemAvailable fell to {now / 2**30:.1f} GiB (below {floor / 2**30:.1f} GiB): "
+                              "stopped; this placement does not fit in this machine's memory now")
+
+
 def nodeox_times(records: list[dict]) -> dict[tuple[int, str], float]:
     """``(round, sent|applied|done) -> time`` of the last synthetic host (ids are digits; behind a relay the root
     holds them as ``SITE/ID``): its upload end, apply end and verify end."""
@@ -55,6 +66,16 @@ def nodeox_times(records: list[dict]) -> dict[tuple[int, str], float]:
             key = (r["round"], what[r["phase"]])
             last[key] = max(last.get(key, float("-inf")), r["end"])
     return last
+
+
+def root_payload(records: list[dict]) -> dict[int, int]:
+    """Per round, the delta and sync bodies over the root's own links (its hosts' or relays' upload and download
+    bytes, as their records say): what the far links carry besides HTTP framing, heartbeats and records."""
+    out: dict[int, int] = {}
+    for r in records:
+        if r["phase"] in ("upload", "download") and "/" not in str(r["host"]) and r["host"] != "coordinator":
+            out[r["round"]] = out.get(r["round"], 0) + r.get("bytes", 0)
+    return out
 
 
 def per_round(last: dict[tuple[int, str], float], far_sent_between: Callable[[float, float], int]) -> list[dict]:

@@ -35,6 +35,7 @@ import asyncio
 import json
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,11 +50,13 @@ from site_figures import (
     SITES,
     PlacementFailed,
     PlacementSkipped,
+    check_memory,
     goals,
     mem_available,
     nodeox_times,
     per_round,
     placement_figures,
+    root_payload,
     run_figures,
     sent_between,
 )
@@ -69,7 +72,7 @@ async def exited(procs: list[subprocess.Popen], memory: dict) -> None:
     while any(p.poll() is None for p in procs):
         if any(p.returncode not in (None, 0) for p in procs):
             return
-        memory["min_available"] = min(memory["min_available"], mem_available())
+        check_memory(memory)
         await asyncio.sleep(0.2)
 
 
@@ -143,7 +146,11 @@ async def run_nodeox(placement: str, links: dict[str, Link], args: argparse.Name
     def far_sent_between(start: float, end: float) -> int:
         return sum(sent_between(d.timeline, start, end) for link in far for d in (link.up, link.down))
 
-    rounds = per_round(nodeox_times(read_events(run_dir)), far_sent_between)
+    records = read_events(run_dir)
+    rounds = per_round(nodeox_times(records), far_sent_between)
+    payload = root_payload(records)
+    for rnd in rounds:
+        rnd["payload_bytes"] = payload.get(rnd["round"], 0)
     peaks = {name: peak_rss_mib(logs / f"{name}.log") for name in procs if not name.startswith("host")}
     for name in procs:
         if name.startswith("host"):
@@ -216,9 +223,20 @@ def render(result: dict) -> str:
                      f"{cell(fig['round_s']):>24} {mem:>13.1f}")
     for placement, reason in result["skipped"].items():
         lines.append(f"  {placement:10} skipped: {reason}")
+    if "torchft" in result["figures"]:
+        lines.append("  torchft: far links' bandwidth by tc tbf, their delay NOT emulated (no netem here, and gloo "
+                     "connects straight to its peers): its times are a lower bound")
+    bodies = {p: [r for run in runs for r in run["rounds"]] for p, runs in result["runs"].items()}
+    bodies = {p: rounds for p, rounds in bodies.items() if rounds and all("payload_bytes" in r for r in rounds)}
+    if bodies:
+        lines.append("  of the far bytes per round (median), delta and sync bodies / the rest (HTTP, heartbeats, "
+                     "records): " + ", ".join(
+                         f"{p} {statistics.median(r['payload_bytes'] for r in rounds) / 1e6:.2f} / "
+                         f"{statistics.median(r['far_bytes'] - r['payload_bytes'] for r in rounds) / 1e6:.3f} MB"
+                         for p, rounds in bodies.items()))
     lines += ["", "goals:"]
     for g in result["goals"]:
-        lines.append(f"  {'MET   ' if g['met'] else 'MISSED'} {g['goal']}: {g['measured']:.2f}x")
+        lines.append(f"  {'MET   ' if g['met'] else 'MISSED'} {g['goal']}: {g['measured']:.3f}x")
     if not result["goals"]:
         lines.append("  none measured (a placement they compare did not run)")
     return "\n".join(lines)

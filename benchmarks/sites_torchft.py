@@ -76,10 +76,11 @@ def replica_main(args: argparse.Namespace) -> None:
     with DiLoCo(manager, [model], inner, outer, sync_every=1, backup_device=torch.device("cpu"),
                 pin_memory=False):
         for r in range(args.rounds):
-            for i, p in enumerate(model.parameters()):  # this round's "training"
-                p.grad = torch.full_like(p, 1e-3 * (args.index + 1) + 1e-4 * (i % 7))
+            with torch.no_grad():  # this round's "training", in place as the nodeox hosts do (no grads held)
+                for i, p in enumerate(model.parameters()):
+                    p.mul_(1.0 + 1e-3 * (args.index + 1)).add_(1e-4 * (i % 7))
             sent = time.time()
-            inner.step()  # DiLoCo's hook: quorum, all-reduce of the pseudogradients, outer step
+            inner.step()  # no grads: SGD leaves the model; DiLoCo's hook: quorum, all-reduce, outer step
             done = time.time()
             times.append({"round": r, "sent": sent, "applied": done, "done": done,
                           "step": manager.current_step()})
@@ -181,7 +182,15 @@ def why_not(python: Path) -> str | None:
 async def run_torchft(links: dict, args: argparse.Namespace, run_dir: Path, sites: int, per_site: int) -> dict:
     """One run of the torchft row; the same figures as a nodeox placement's."""
     from common import model_shapes, process_env, spawn, stop, tail
-    from site_figures import PlacementFailed, PlacementSkipped, mem_available, per_round, run_figures, sent_between
+    from site_figures import (
+        PlacementFailed,
+        PlacementSkipped,
+        check_memory,
+        mem_available,
+        per_round,
+        run_figures,
+        sent_between,
+    )
 
     python = args.torchft_python or Path(sys.executable)
     reason = why_not(python)
@@ -218,7 +227,7 @@ async def run_torchft(links: dict, args: argparse.Namespace, run_dir: Path, site
                 if time.monotonic() > deadline:
                     raise PlacementFailed(f"the torchft run did not finish within {args.timeout:.0f} s")
                 now = time.time()
-                memory["min_available"] = min(memory["min_available"], mem_available())
+                check_memory(memory)
                 for s, keeper in enumerate(keepers):
                     timelines[s].append((now, veth_bytes(keeper.pid, f"{PREFIX}{s}")))
                 await asyncio.sleep(SAMPLE_S)

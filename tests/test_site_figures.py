@@ -65,3 +65,15 @@ def test_goals_met_or_not():
         (7.921, True),  # torchft's 800 far bytes against relays' 101
     ]
     assert sf.goals({"flat": fig(400, 10.0)}) == []  # nothing to compare: no goal claimed
+
+
+def test_root_payload_counts_the_root_s_own_links_only():
+    records = [
+        {"round": 1, "host": "site0", "phase": "upload", "bytes": 100},  # a relay's delta to the root
+        {"round": 1, "host": "site0", "phase": "download", "bytes": 80},
+        {"round": 1, "host": "3", "phase": "upload", "bytes": 7},  # a flat host beside the relays
+        {"round": 1, "host": "site0/0", "phase": "upload", "bytes": 1000},  # inside the site: not a far link
+        {"round": 1, "host": "coordinator", "phase": "receive", "bytes": 107},
+        {"round": 2, "host": "site1", "phase": "upload"},  # no bytes recorded
+    ]
+    assert sf.root_payload(records) == {1: 187, 2: 0}
