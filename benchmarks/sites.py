@@ -20,6 +20,9 @@ exchange each round, no training). Per round (round 0, with the model's first up
 - delta to sync: the last host's delta sent (its upload end) to the last host's sync applied (its apply end);
 - round: the last host's sync applied (verify end) in the round before to the same in this round.
 
+Rounds of different sites overlap (a site done early sends its next delta before the other site's last host is
+done): those bytes count in the window they crossed in, so a single round can read low or high; medians even it.
+
 Printed per placement: the median over rounds of each run, then over runs, with the range over runs; the goals
 beside them, met or not. Memory: the lowest MemAvailable seen while a placement ran, and each process's peak.
 
@@ -236,7 +239,7 @@ def render(result: dict) -> str:
                          for p, rounds in bodies.items()))
     lines += ["", "goals:"]
     for g in result["goals"]:
-        lines.append(f"  {'MET   ' if g['met'] else 'MISSED'} {g['goal']}: {g['measured']:.3f}x")
+        lines.append(f"  {'MET   ' if g['met'] else 'MISSED'} {g['goal']}: {g['measured']:.4f}x")
     if not result["goals"]:
         lines.append("  none measured (a placement they compare did not run)")
     return "\n".join(lines)
