@@ -37,6 +37,7 @@ from lightning_nodeox.host.tensors import HostTensors
 
 REPO = Path(__file__).resolve().parents[1]
 HOSTS = Path(__file__).parent / "hosts"
+FORKED = HOSTS / "forked.py"  # runs `python SCRIPT` forked from the session's zygote (tests/zygote.py): suite time
 SETTINGS = Q4Settings()
 
 # A model as a coordinator receives it over HTTP: named tensors, one of them a buffer.
@@ -233,6 +234,18 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 # Processes of a run
 
+def forked(command: list[str]) -> list[str]:
+    """``command`` with tests/hosts/forked.py in front of the script (or ``-m MODULE``) when it runs this
+    interpreter, so that it is forked from the zygote with torch and Lightning imported (the same process
+    otherwise; it runs the script itself without a zygote); torchrun's workers are forked too."""
+    if command[:1] != [sys.executable] or command[1:2] == [str(FORKED)]:
+        return command
+    if command[1:3] == ["-m", "torch.distributed.run"]:
+        script = next(i for i, a in enumerate(command) if i > 2 and a.endswith(".py"))
+        command = [*command[:script], str(FORKED), *command[script:]]
+    return [sys.executable, str(FORKED), *command[1:]]
+
+
 class socket_closed_port:
     """A local port with nothing listening on it."""
 
@@ -259,7 +272,7 @@ class Coordinator:
         self.log_path = run_dir.parent / f"{run_dir.name}-coordinator{n}.log"  # outside: a new run moves records aside
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lightning_nodeox", "coordinator", "--hosts", str(hosts), "--run-dir", str(run_dir),
+            [sys.executable, str(FORKED), "-m", "lightning_nodeox", "coordinator", "--hosts", str(hosts), "--run-dir", str(run_dir),
              "--bind", "127.0.0.1:0", "--ready-file", str(ready), "--threads", "1", *args],
             stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
         deadline = time.monotonic() + timeout
@@ -269,6 +282,11 @@ class Coordinator:
                 raise RuntimeError(f"coordinator did not start: {self.log_path.read_text()}")
             time.sleep(0.05)
         self.url = ready.read_text().strip()
+
+    @property
+    def pid(self) -> int:
+        """The coordinator's own process (``proc`` may be its forwarder, tests/hosts/forked.py)."""
+        return json.loads((self.run_dir / "coordinator.json").read_text())["pid"]
 
     def events(self) -> list[dict]:
         path = self.run_dir / "events.jsonl"
@@ -293,7 +311,7 @@ def launch(run_dir: Path, hosts: int, command: list[str], *coordinator_args: str
     """`nodeox launch` a run on this machine (in ``cwd``), bounded by ``timeout`` seconds."""
     return subprocess.run(
         [sys.executable, "-m", "lightning_nodeox", "launch", "--hosts", str(hosts), "--run-dir", str(run_dir),
-         "--threads", "1", *coordinator_args, "--", *command],
+         "--threads", "1", *coordinator_args, "--", *forked(command)],
         capture_output=True, text=True, timeout=timeout, cwd=cwd,
         env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {})))
 
@@ -321,7 +339,7 @@ def recorded(host) -> list:
 
 # Digits hosts started one by one (as `nodeox launch` would)
 
-DIGITS = [sys.executable, str(HOSTS / "digits_host.py")]
+DIGITS = [sys.executable, str(FORKED), str(HOSTS / "digits_host.py")]
 
 
 def start_host(host: str, url: str, out: Path, *args: str) -> subprocess.Popen:
@@ -392,7 +410,7 @@ def run_together(commands: dict[str, tuple[list[str], dict[str, str]]], logs: Pa
     try:
         for name, (command, extra) in commands.items():
             with open(logs / f"{name}.log", "w") as log:
-                procs[name] = subprocess.Popen(command, env=dict(env, **extra), cwd=REPO, stdout=log,
+                procs[name] = subprocess.Popen(forked(command), env=dict(env, **extra), cwd=REPO, stdout=log,
                                                stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         return {name: p.wait(max(0.1, deadline - time.monotonic())) for name, p in procs.items()}

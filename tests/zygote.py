@@ -1,0 +1,257 @@
+"""A fork server for the test suite's host and coordinator processes (test-only; it exists for the suite's time).
+
+Every process a test starts that imports torch and Lightning spends ~5 s of CPU importing them before it does
+anything; on a small machine, over a hundred tests, that is minutes of the suite. This server imports them once
+(torch, lightning.pytorch, torchmetrics, sklearn, safetensors, numpy: never lightning_nodeox, which the child
+imports fresh, from its own PYTHONPATH) and forks a child per request from tests/hosts/forked.py, which stays the
+test's process: it passes its argv, environment, cwd, open-file limits, CPU affinity and stdin/stdout/stderr, forwards
+signals to the child and exits as the child did; when it is killed (-9) the server kills the child at once.
+
+The child starts as ``python SCRIPT`` would: a session of its own, the forwarder's environment, cwd, streams (line
+buffered or unbuffered as PYTHONUNBUFFERED says) and limits, default signal dispositions, fresh RNG seeds (Python's,
+numpy's, torch's), ``torch.set_num_threads(OMP_NUM_THREADS)``, Lightning's rank-zero rank read again from the
+environment; then ``runpy`` runs the script, atexit handlers run and it exits with the script's status. What cannot be
+made the same: its parent is this server (it never looks), its str hash seed is this server's, and a request whose
+environment differs from this server's in a variable read at start-up or at import (PYTHON*, OMP_*, TORCH_*, ...)
+is refused, so that the forwarder runs the script itself.
+
+Started once per pytest session (conftest.py, ``NODEOX_TEST_ZYGOTE`` names its socket); ``NODEOX_TEST_NO_ZYGOTE=1``
+switches it off. ``python tests/zygote.py SOCKET`` serves until SIGTERM/SIGINT or until its parent exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import socket
+import struct
+import sys
+
+SENSITIVE = ("PYTHON", "OMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO", "TORCH", "PYTORCH", "CUDA", "NCCL", "LD_",
+             "MALLOC", "SKLEARN", "PL_", "LIGHTNING")  # read at interpreter start or at import
+MAY_DIFFER = ("PYTHONPATH", "PYTHONUNBUFFERED", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "PYTHONIOENCODING")
+
+started_env = dict(os.environ)
+import numpy  # noqa: E402 - the environment before the imports is what a request is compared with
+import safetensors.torch  # noqa: E402, F401
+import sklearn  # noqa: E402, F401
+import torch  # noqa: E402
+import torchmetrics  # noqa: E402, F401
+import lightning.pytorch  # noqa: E402, F401
+import lightning.fabric.utilities.rank_zero as rank_zero  # noqa: E402
+import torchmetrics.utilities.prints as metrics_prints  # noqa: E402
+
+set_by_imports = {k: v for k, v in os.environ.items() if started_env.get(k) != v}  # e.g. PYTORCH_NVML_BASED_...
+own_path = [p for p in sys.path[1:] if p not in started_env.get("PYTHONPATH", "").split(os.pathsep)]
+
+
+def refusal(env: dict[str, str]) -> str | None:
+    """Why a child with ``env`` would not start as a fresh interpreter would from here; None when it would."""
+    for k in sorted(set(env) | set(started_env)):
+        if k.startswith(SENSITIVE) and k not in MAY_DIFFER and env.get(k) != started_env.get(k):
+            return f"{k} differs from the zygote's"
+    return None
+
+
+def read_request(conn: socket.socket) -> tuple[dict, list[int]]:
+    """The forwarder's request and its three stdio file descriptors."""
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+    if len(data) < 8:
+        raise ConnectionError("short request")
+    (size,) = struct.unpack("!Q", data[:8])
+    data = data[8:]
+    while len(data) < size:
+        more = conn.recv(size - len(data))
+        if not more:
+            raise ConnectionError("request cut short")
+        data += more
+    return json.loads(data), fds
+
+
+def stream(fd: int, mode: str, unbuffered: bool, line: bool, encoding: str, errors: str):
+    import io
+
+    raw = io.FileIO(fd, mode, closefd=False)
+    buffered = raw if unbuffered and mode == "w" else (io.BufferedWriter(raw) if mode == "w" else io.BufferedReader(raw))
+    return io.TextIOWrapper(buffered, encoding=encoding, errors=errors, line_buffering=line,
+                            write_through=unbuffered and mode == "w")
+
+
+def child(request: dict, fds: list[int], close: list) -> None:
+    """Become the requested process (runs in the forked child; never returns)."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        for s in close:
+            s.close()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        os.closerange(3, os.sysconf("SC_OPEN_MAX") if os.sysconf("SC_OPEN_MAX") < 1 << 20 else 1 << 16)
+        os.setsid()
+        for s in signal.valid_signals():
+            if s not in (signal.SIGKILL, signal.SIGSTOP):
+                try:
+                    signal.signal(s, signal.SIG_DFL)
+                except (OSError, ValueError):
+                    pass
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as Python sets them
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for s in request["ignored"]:
+            signal.signal(s, signal.SIG_IGN)
+        import resource
+
+        for name, (soft, hard) in request["limits"].items():
+            try:
+                resource.setrlimit(getattr(resource, name), (soft, hard))
+            except (OSError, ValueError):
+                pass
+        if request["affinity"]:
+            os.sched_setaffinity(0, request["affinity"])
+        os.chdir(request["cwd"])
+        env = request["env"]
+        os.environ.clear()
+        os.environ.update({**set_by_imports, **env})
+        unbuffered = bool(env.get("PYTHONUNBUFFERED"))
+        encoding = (env.get("PYTHONIOENCODING") or sys.stdout.encoding).split(":")[0] or sys.stdout.encoding
+        sys.stdin = sys.__stdin__ = stream(0, "r", False, False, encoding, "strict")
+        sys.stdout = sys.__stdout__ = stream(1, "w", unbuffered, os.isatty(1), encoding, "strict")
+        sys.stderr = sys.__stderr__ = stream(2, "w", unbuffered, True, encoding, "backslashreplace")
+        if env.get("OMP_NUM_THREADS", "").isdigit():
+            torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+        torch.seed()
+        numpy.random.seed()
+        rank_zero.rank_zero_only.rank = rank_zero._get_rank() or 0  # both read at import
+        metrics_prints.rank_zero_only.rank = int(env.get("LOCAL_RANK", 0))
+        pythonpath = [p or os.getcwd() for p in env["PYTHONPATH"].split(os.pathsep)] if env.get("PYTHONPATH") else []
+        argv = request["argv"]
+        sys.orig_argv = [sys.executable, *argv]
+        import runpy
+
+        try:
+            if argv[0] == "-m":
+                sys.argv = ["-m", *argv[2:]]
+                sys.path[:] = [os.getcwd(), *pythonpath, *own_path]
+                runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = list(argv)
+                sys.path[:] = [os.path.dirname(os.path.abspath(argv[0])), *pythonpath, *own_path]
+                runpy.run_path(argv[0], run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+            if not isinstance(e.code, (int, type(None))):
+                print(e.code, file=sys.stderr)
+        except KeyboardInterrupt:
+            sys.excepthook(*sys.exc_info())
+            code = -signal.SIGINT  # Python ends by SIGINT itself then
+        except BaseException:
+            sys.excepthook(*sys.exc_info())
+            code = 1
+        import atexit
+        import threading
+
+        threading._shutdown()
+        atexit._run_exitfuncs()
+        for f in (sys.stdout, sys.stderr):
+            try:
+                f.flush()
+            except (OSError, ValueError):
+                pass
+        if code < 0:
+            signal.signal(-code, signal.SIG_DFL)
+            os.kill(os.getpid(), -code)
+    finally:
+        os._exit(code & 0xFF if code >= 0 else 1)
+
+
+def serve(path: str) -> None:
+    """Fork a child per connection on ``path`` until told to stop or the parent is gone."""
+    parent = os.getppid()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    os.set_blocking(wake_r, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    stopping = []
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(s, lambda *_: stopping.append(1))
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ)
+    selector.register(wake_r, selectors.EVENT_READ)
+    children: dict[int, socket.socket] = {}  # pid -> its forwarder's connection
+    try:
+        while not stopping and os.getppid() == parent:
+            for key, _ in selector.select(1.0):
+                if key.fileobj is listener:
+                    conn, _ = listener.accept()
+                    conn.settimeout(10)
+                    try:
+                        request, fds = read_request(conn)
+                    except (OSError, ValueError) as e:
+                        print(f"zygote: bad request: {e}", file=sys.stderr, flush=True)
+                        conn.close()
+                        continue
+                    why = refusal(request["env"])
+                    if why is not None:
+                        conn.sendall(struct.pack("!q", -1) + why.encode())
+                        conn.close()
+                    else:
+                        sys.stdout.flush()
+                        sys.stderr.flush()
+                        pid = os.fork()
+                        if pid == 0:
+                            child(request, fds, [selector, listener, *children.values(), conn])
+                        conn.sendall(struct.pack("!q", pid))
+                        children[pid] = conn
+                        selector.register(conn, selectors.EVENT_READ, pid)
+                    for fd in fds:
+                        os.close(fd)
+                elif key.fileobj == wake_r:
+                    try:
+                        os.read(wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                else:  # the forwarder is gone (it sends nothing): kill -9 reaches its child now
+                    try:
+                        os.kill(key.data, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    selector.unregister(key.fileobj)
+            while children:
+                try:
+                    pid, status = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if pid == 0:
+                    break
+                conn = children.pop(pid, None)
+                if conn is not None:
+                    try:
+                        conn.sendall(struct.pack("!q", status))
+                    except OSError:
+                        pass
+                    if conn.fileno() in selector.get_map():
+                        selector.unregister(conn)
+                    conn.close()
+    finally:
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for pid in children:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+        listener.close()
+        os.unlink(path)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
