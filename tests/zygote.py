@@ -79,6 +79,14 @@ def stream(fd: int, mode: str, unbuffered: bool, line: bool, encoding: str, erro
                             write_through=unbuffered and mode == "w")
 
 
+def logging_handlers() -> list:
+    import logging
+
+    loggers = [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(v, logging.Logger))]
+    return [h for logger in loggers for h in logger.handlers]
+
+
 def child(request: dict, fds: list[int], close: list) -> None:
     """Become the requested process (runs in the forked child; never returns)."""
     code = 1
@@ -115,9 +123,13 @@ def child(request: dict, fds: list[int], close: list) -> None:
         os.environ.update({**set_by_imports, **env})
         unbuffered = bool(env.get("PYTHONUNBUFFERED"))
         encoding = (env.get("PYTHONIOENCODING") or sys.stdout.encoding).split(":")[0] or sys.stdout.encoding
+        old = {id(sys.stdout): 1, id(sys.stderr): 2}
         sys.stdin = sys.__stdin__ = stream(0, "r", False, False, encoding, "strict")
         sys.stdout = sys.__stdout__ = stream(1, "w", unbuffered, os.isatty(1), encoding, "strict")
         sys.stderr = sys.__stderr__ = stream(2, "w", unbuffered, True, encoding, "backslashreplace")
+        for handler in logging_handlers():  # e.g. Lightning's, made at import on the zygote's stderr
+            if id(getattr(handler, "stream", None)) in old:
+                handler.setStream(sys.stdout if old[id(handler.stream)] == 1 else sys.stderr)
         if env.get("OMP_NUM_THREADS", "").isdigit():
             torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
         torch.seed()
