@@ -30,7 +30,7 @@ class Zygote:
     def __init__(self) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="nodeox-zygote-"))
         self.socket = self.dir / "socket"
-        self.log = open(self.dir / "zygote.log", "w")  # its own output never mixes with a test's
+        self.log = open(self.dir / "zygote.log", "w")  # noqa: SIM115 - closed in stop(); never mixed with a test's
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "zygote.py"), str(self.socket)],
                                      stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT)
 

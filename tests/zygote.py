@@ -21,27 +21,34 @@ switches it off. ``python tests/zygote.py SOCKET`` serves until SIGTERM/SIGINT o
 
 from __future__ import annotations
 
+import atexit
+import io
 import json
+import logging
 import os
+import resource
+import runpy
 import selectors
 import signal
 import socket
 import struct
 import sys
+import threading
+import traceback
 
 SENSITIVE = ("PYTHON", "OMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO", "TORCH", "PYTORCH", "CUDA", "NCCL", "LD_",
              "MALLOC", "SKLEARN", "PL_", "LIGHTNING")  # read at interpreter start or at import
 MAY_DIFFER = ("PYTHONPATH", "PYTHONUNBUFFERED", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "PYTHONIOENCODING")
 
-started_env = dict(os.environ)
-import numpy  # noqa: E402 - the environment before the imports is what a request is compared with
-import safetensors.torch  # noqa: E402, F401
-import sklearn  # noqa: E402, F401
-import torch  # noqa: E402
-import torchmetrics  # noqa: E402, F401
-import lightning.pytorch  # noqa: E402, F401
-import lightning.fabric.utilities.rank_zero as rank_zero  # noqa: E402
-import torchmetrics.utilities.prints as metrics_prints  # noqa: E402
+started_env = dict(os.environ)  # before the imports: what a request's environment is compared with
+import lightning.pytorch  # noqa: F401
+import numpy
+import safetensors.torch  # noqa: F401
+import sklearn  # noqa: F401
+import torch
+import torchmetrics  # noqa: F401
+import torchmetrics.utilities.prints as metrics_prints
+from lightning.fabric.utilities import rank_zero
 
 set_by_imports = {k: v for k, v in os.environ.items() if started_env.get(k) != v}  # e.g. PYTORCH_NVML_BASED_...
 own_path = [p for p in sys.path[1:] if p not in started_env.get("PYTHONPATH", "").split(os.pathsep)]
@@ -70,101 +77,100 @@ def read_request(conn: socket.socket) -> tuple[dict, list[int]]:
     return json.loads(data), fds
 
 
-def stream(fd: int, mode: str, unbuffered: bool, line: bool, encoding: str, errors: str):
-    import io
+def stream(fd: int, write: bool, unbuffered: bool, line: bool, encoding: str, errors: str) -> io.TextIOWrapper:
+    """sys.stdin/stdout/stderr on ``fd`` as the interpreter makes them (``-u``: no buffer under the text layer)."""
+    raw = io.FileIO(fd, "w" if write else "r", closefd=False)
+    if not write:
+        return io.TextIOWrapper(io.BufferedReader(raw), encoding=encoding, errors=errors)
+    binary = raw if unbuffered else io.BufferedWriter(raw)
+    return io.TextIOWrapper(binary, encoding=encoding, errors=errors, line_buffering=line, write_through=unbuffered)
 
-    raw = io.FileIO(fd, mode, closefd=False)
-    buffered = raw if unbuffered and mode == "w" else (io.BufferedWriter(raw) if mode == "w" else io.BufferedReader(raw))
-    return io.TextIOWrapper(buffered, encoding=encoding, errors=errors, line_buffering=line,
-                            write_through=unbuffered and mode == "w")
 
-
-def logging_handlers() -> list:
-    import logging
-
+def logging_handlers() -> list[logging.Handler]:
     loggers = [logging.getLogger(), *(v for v in logging.Logger.manager.loggerDict.values()
                                       if isinstance(v, logging.Logger))]
     return [h for logger in loggers for h in logger.handlers]
 
 
+def become(request: dict, fds: list[int], close: list) -> None:
+    """Turn this forked child into the process ``python SCRIPT`` would have started for the forwarder."""
+    signal.set_wakeup_fd(-1)
+    for s in close:
+        s.close()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    os.closerange(3, min(os.sysconf("SC_OPEN_MAX"), 1 << 16))
+    os.setsid()  # its own session: only the forwarder's signals reach it (it forwards them)
+    for s in signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}:
+        try:
+            signal.signal(s, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as the interpreter sets them
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for s in request["ignored"]:
+        signal.signal(s, signal.SIG_IGN)
+    for name, limits in request["limits"].items():
+        try:
+            resource.setrlimit(getattr(resource, name), limits)
+        except (OSError, ValueError):
+            pass
+    os.sched_setaffinity(0, request["affinity"])  # `nodeox launch` pins each host's forwarder to its CPUs
+    os.chdir(request["cwd"])
+    env = request["env"]
+    os.environ.clear()
+    os.environ.update({**set_by_imports, **env})
+    unbuffered = bool(env.get("PYTHONUNBUFFERED"))
+    encoding = (env.get("PYTHONIOENCODING") or "").split(":")[0] or sys.stdout.encoding
+    old = {id(sys.stdout): "stdout", id(sys.stderr): "stderr"}
+    sys.stdin = sys.__stdin__ = stream(0, False, False, False, encoding, "strict")
+    sys.stdout = sys.__stdout__ = stream(1, True, unbuffered, os.isatty(1), encoding, "strict")
+    sys.stderr = sys.__stderr__ = stream(2, True, unbuffered, True, encoding, "backslashreplace")
+    for handler in logging_handlers():  # e.g. Lightning's, made at import on the zygote's stderr
+        if id(getattr(handler, "stream", None)) in old:
+            handler.setStream(getattr(sys, old[id(handler.stream)]))
+    if env.get("OMP_NUM_THREADS", "").isdigit():
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    torch.seed()  # a fresh interpreter's torch and numpy seeds differ per process (Python's random reseeds at fork)
+    numpy.random.seed()
+    rank_zero.rank_zero_only.rank = rank_zero._get_rank() or 0  # both read the rank from the environment at import
+    metrics_prints.rank_zero_only.rank = int(env.get("LOCAL_RANK", 0))
+    argv = request["argv"]
+    pythonpath = [p or os.getcwd() for p in env["PYTHONPATH"].split(os.pathsep)] if env.get("PYTHONPATH") else []
+    sys.path[:] = [os.getcwd() if argv[0] == "-m" else os.path.dirname(os.path.abspath(argv[0])), *pythonpath,
+                   *own_path]
+    sys.argv = ["-m", *argv[2:]] if argv[0] == "-m" else list(argv)  # "-m" while the package imports, as python -m
+    sys.orig_argv = [sys.executable, *argv]
+
+
+def run(argv: list[str]) -> int:
+    """Run the script (or ``-m`` module) as ``__main__``; its exit status (-N: end by signal N)."""
+    try:
+        if argv[0] == "-m":
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(argv[0], run_name="__main__")
+        return 0
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        sys.excepthook(*sys.exc_info())
+        return -signal.SIGINT  # the interpreter ends by SIGINT itself then
+    except BaseException:  # noqa: BLE001 - what the interpreter does with an uncaught exception
+        sys.excepthook(*sys.exc_info())
+        return 1
+
+
 def child(request: dict, fds: list[int], close: list) -> None:
-    """Become the requested process (runs in the forked child; never returns)."""
+    """The forked child: become the process, run the script, exit as the interpreter would. Never returns."""
     code = 1
     try:
-        signal.set_wakeup_fd(-1)
-        for s in close:
-            s.close()
-        for target, fd in enumerate(fds):
-            os.dup2(fd, target)
-        os.closerange(3, os.sysconf("SC_OPEN_MAX") if os.sysconf("SC_OPEN_MAX") < 1 << 20 else 1 << 16)
-        os.setsid()
-        for s in signal.valid_signals():
-            if s not in (signal.SIGKILL, signal.SIGSTOP):
-                try:
-                    signal.signal(s, signal.SIG_DFL)
-                except (OSError, ValueError):
-                    pass
-        signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as Python sets them
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        for s in request["ignored"]:
-            signal.signal(s, signal.SIG_IGN)
-        import resource
-
-        for name, (soft, hard) in request["limits"].items():
-            try:
-                resource.setrlimit(getattr(resource, name), (soft, hard))
-            except (OSError, ValueError):
-                pass
-        if request["affinity"]:
-            os.sched_setaffinity(0, request["affinity"])
-        os.chdir(request["cwd"])
-        env = request["env"]
-        os.environ.clear()
-        os.environ.update({**set_by_imports, **env})
-        unbuffered = bool(env.get("PYTHONUNBUFFERED"))
-        encoding = (env.get("PYTHONIOENCODING") or sys.stdout.encoding).split(":")[0] or sys.stdout.encoding
-        old = {id(sys.stdout): 1, id(sys.stderr): 2}
-        sys.stdin = sys.__stdin__ = stream(0, "r", False, False, encoding, "strict")
-        sys.stdout = sys.__stdout__ = stream(1, "w", unbuffered, os.isatty(1), encoding, "strict")
-        sys.stderr = sys.__stderr__ = stream(2, "w", unbuffered, True, encoding, "backslashreplace")
-        for handler in logging_handlers():  # e.g. Lightning's, made at import on the zygote's stderr
-            if id(getattr(handler, "stream", None)) in old:
-                handler.setStream(sys.stdout if old[id(handler.stream)] == 1 else sys.stderr)
-        if env.get("OMP_NUM_THREADS", "").isdigit():
-            torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-        torch.seed()
-        numpy.random.seed()
-        rank_zero.rank_zero_only.rank = rank_zero._get_rank() or 0  # both read at import
-        metrics_prints.rank_zero_only.rank = int(env.get("LOCAL_RANK", 0))
-        pythonpath = [p or os.getcwd() for p in env["PYTHONPATH"].split(os.pathsep)] if env.get("PYTHONPATH") else []
-        argv = request["argv"]
-        sys.orig_argv = [sys.executable, *argv]
-        import runpy
-
-        try:
-            if argv[0] == "-m":
-                sys.argv = ["-m", *argv[2:]]
-                sys.path[:] = [os.getcwd(), *pythonpath, *own_path]
-                runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-            else:
-                sys.argv = list(argv)
-                sys.path[:] = [os.path.dirname(os.path.abspath(argv[0])), *pythonpath, *own_path]
-                runpy.run_path(argv[0], run_name="__main__")
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-            if not isinstance(e.code, (int, type(None))):
-                print(e.code, file=sys.stderr)
-        except KeyboardInterrupt:
-            sys.excepthook(*sys.exc_info())
-            code = -signal.SIGINT  # Python ends by SIGINT itself then
-        except BaseException:
-            sys.excepthook(*sys.exc_info())
-            code = 1
-        import atexit
-        import threading
-
-        threading._shutdown()
+        become(request, fds, close)
+        code = run(request["argv"])
+        threading._shutdown()  # what the interpreter does at exit: wait for non-daemon threads, then atexit
         atexit._run_exitfuncs()
         for f in (sys.stdout, sys.stderr):
             try:
@@ -174,6 +180,8 @@ def child(request: dict, fds: list[int], close: list) -> None:
         if code < 0:
             signal.signal(-code, signal.SIG_DFL)
             os.kill(os.getpid(), -code)
+    except BaseException:  # noqa: BLE001 - the child must end here, never back in the server's loop
+        traceback.print_exc()
     finally:
         os._exit(code & 0xFF if code >= 0 else 1)
 
@@ -267,3 +275,6 @@ def serve(path: str) -> None:
 
 if __name__ == "__main__":
     serve(sys.argv[1])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # nothing to finalize: tearing torch and Lightning down takes seconds
