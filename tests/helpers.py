@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -234,6 +235,26 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 # Processes of a run
 
+class Process(subprocess.Popen):
+    """A Popen whose ``wait`` returns once the process is gone, also one forked from the zygote: after its forwarder
+    is killed (-9) the zygote kills the child a moment later, and a test must not start its successor before."""
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = super().wait(timeout)
+        path = os.environ.get("NODEOX_TEST_ZYGOTE")
+        if path and os.path.exists(path):
+            request = json.dumps({"gone": self.pid}).encode()
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(30)
+                try:
+                    s.connect(path)
+                    s.sendall(struct.pack("!Q", len(request)) + request)
+                    s.recv(1)  # the zygote closes it once the forwarder's child is gone
+                except OSError:
+                    pass
+        return code
+
+
 def forked(command: list[str]) -> list[str]:
     """``command`` with tests/hosts/forked.py in front of the script (or ``-m MODULE``) when it runs this
     interpreter, so that it is forked from the zygote with torch and Lightning imported (the same process
@@ -271,7 +292,7 @@ class Coordinator:
         n = len(list(run_dir.parent.glob(f"{run_dir.name}-coordinator*.log")))
         self.log_path = run_dir.parent / f"{run_dir.name}-coordinator{n}.log"  # outside: a new run moves records aside
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
+        self.proc = Process(
             [sys.executable, str(FORKED), "-m", "lightning_nodeox", "coordinator", "--hosts", str(hosts), "--run-dir", str(run_dir),
              "--bind", "127.0.0.1:0", "--ready-file", str(ready), "--threads", "1", *args],
             stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -348,7 +369,7 @@ def start_host(host: str, url: str, out: Path, *args: str) -> subprocess.Popen:
     n = len(list(out.glob(f"host{host}-*.log")))
     log = open(out / f"host{host}-{n}.log", "w")  # noqa: SIM115 - the child writes it; closed when the test ends
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", NODEOX_HOST_ID=host, NODEOX_COORDINATOR_URL=url)
-    return subprocess.Popen([*DIGITS, "--out", str(out), *args], cwd=REPO, env=env, stdout=log,
+    return Process([*DIGITS, "--out", str(out), *args], cwd=REPO, env=env, stdout=log,
                             stderr=subprocess.STDOUT)
 
 
@@ -410,7 +431,7 @@ def run_together(commands: dict[str, tuple[list[str], dict[str, str]]], logs: Pa
     try:
         for name, (command, extra) in commands.items():
             with open(logs / f"{name}.log", "w") as log:
-                procs[name] = subprocess.Popen(forked(command), env=dict(env, **extra), cwd=REPO, stdout=log,
+                procs[name] = Process(forked(command), env=dict(env, **extra), cwd=REPO, stdout=log,
                                                stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         return {name: p.wait(max(0.1, deadline - time.monotonic())) for name, p in procs.items()}

@@ -22,6 +22,7 @@ switches it off. ``python tests/zygote.py SOCKET`` serves until SIGTERM/SIGINT o
 from __future__ import annotations
 
 import atexit
+import importlib.machinery
 import io
 import json
 import logging
@@ -30,6 +31,7 @@ import resource
 import runpy
 import selectors
 import signal
+import site
 import socket
 import struct
 import sys
@@ -54,11 +56,21 @@ set_by_imports = {k: v for k, v in os.environ.items() if started_env.get(k) != v
 own_path = [p for p in sys.path[1:] if p not in started_env.get("PYTHONPATH", "").split(os.pathsep)]
 
 
+def site_path(env: dict[str, str]) -> list[str]:
+    """sys.path as a fresh interpreter with ``env`` has it while ``site`` runs (before the script's directory)."""
+    pythonpath = [p or os.getcwd() for p in env["PYTHONPATH"].split(os.pathsep)] if env.get("PYTHONPATH") else []
+    return [*pythonpath, *own_path]
+
+
 def refusal(env: dict[str, str]) -> str | None:
     """Why a child with ``env`` would not start as a fresh interpreter would from here; None when it would."""
     for k in sorted(set(env) | set(started_env)):
         if k.startswith(SENSITIVE) and k not in MAY_DIFFER and env.get(k) != started_env.get(k):
             return f"{k} differs from the zygote's"
+    if "sitecustomize" in sys.modules:  # it ran here; another one on the child's PYTHONPATH would run there
+        spec = importlib.machinery.PathFinder.find_spec("sitecustomize", site_path(env))
+        if spec is None or spec.origin != sys.modules["sitecustomize"].__file__:
+            return "another sitecustomize"
     return None
 
 
@@ -136,9 +148,11 @@ def become(request: dict, fds: list[int], close: list) -> None:
     rank_zero.rank_zero_only.rank = rank_zero._get_rank() or 0  # both read the rank from the environment at import
     metrics_prints.rank_zero_only.rank = int(env.get("LOCAL_RANK", 0))
     argv = request["argv"]
-    pythonpath = [p or os.getcwd() for p in env["PYTHONPATH"].split(os.pathsep)] if env.get("PYTHONPATH") else []
-    sys.path[:] = [os.getcwd() if argv[0] == "-m" else os.path.dirname(os.path.abspath(argv[0])), *pythonpath,
-                   *own_path]
+    sys.path[:] = site_path(env)
+    sys.argv = ["-m"] if argv[0] == "-m" else list(argv)  # what a sitecustomize sees
+    if "sitecustomize" not in sys.modules:  # the zygote had none: one on the child's PYTHONPATH runs, as site does
+        site.execsitecustomize()
+    sys.path.insert(0, os.getcwd() if argv[0] == "-m" else os.path.dirname(os.path.abspath(argv[0])))
     sys.argv = ["-m", *argv[2:]] if argv[0] == "-m" else list(argv)  # "-m" while the package imports, as python -m
     sys.orig_argv = [sys.executable, *argv]
 
@@ -186,91 +200,127 @@ def child(request: dict, fds: list[int], close: list) -> None:
         os._exit(code & 0xFF if code >= 0 else 1)
 
 
-def serve(path: str) -> None:
-    """Fork a child per connection on ``path`` until told to stop or the parent is gone."""
-    parent = os.getppid()
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    listener.listen(64)
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    os.set_blocking(wake_r, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    stopping = []
-    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(s, lambda *_: stopping.append(1))
-    selector = selectors.DefaultSelector()
-    selector.register(listener, selectors.EVENT_READ)
-    selector.register(wake_r, selectors.EVENT_READ)
-    children: dict[int, socket.socket] = {}  # pid -> its forwarder's connection
-    try:
-        while not stopping and os.getppid() == parent:
-            for key, _ in selector.select(1.0):
-                if key.fileobj is listener:
-                    conn, _ = listener.accept()
-                    conn.settimeout(10)
+class Server:
+    """Forks a child per forwarder's connection on ``path``; a connection's end (the forwarder was killed) kills
+    its child; a child's exit status goes back on its connection. A ``gone`` request (helpers.py, after a
+    forwarder ended) is answered once that forwarder's child is gone too: so a test that killed a forwarder
+    knows the process is dead, as it would after killing the process itself."""
+
+    def __init__(self, path: str) -> None:
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        self.listener.listen(64)
+        self.wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_w, False)
+        os.set_blocking(self.wake_r, False)
+        signal.set_wakeup_fd(wake_w)  # SIGCHLD wakes the loop
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.listener, selectors.EVENT_READ)
+        self.selector.register(self.wake_r, selectors.EVENT_READ)
+        self.children: dict[int, socket.socket] = {}  # pid -> its forwarder's connection
+        self.of_forwarder: dict[int, int] = {}  # forwarder's pid -> its child's pid
+        self.waiting: dict[int, list[socket.socket]] = {}  # child pid -> `gone` requests waiting for it
+
+    def serve(self, stopping: list) -> None:
+        parent = os.getppid()
+        while not stopping and os.getppid() == parent:  # the session that started it never outlives it
+            for key, _ in self.selector.select(1.0):
+                if key.fileobj is self.listener:
+                    self.accept()
+                elif key.fileobj == self.wake_r:
                     try:
-                        request, fds = read_request(conn)
-                    except (OSError, ValueError) as e:
-                        print(f"zygote: bad request: {e}", file=sys.stderr, flush=True)
-                        conn.close()
-                        continue
-                    why = refusal(request["env"])
-                    if why is not None:
-                        conn.sendall(struct.pack("!q", -1) + why.encode())
-                        conn.close()
-                    else:
-                        sys.stdout.flush()
-                        sys.stderr.flush()
-                        pid = os.fork()
-                        if pid == 0:
-                            child(request, fds, [selector, listener, *children.values(), conn])
-                        conn.sendall(struct.pack("!q", pid))
-                        children[pid] = conn
-                        selector.register(conn, selectors.EVENT_READ, pid)
-                    for fd in fds:
-                        os.close(fd)
-                elif key.fileobj == wake_r:
-                    try:
-                        os.read(wake_r, 4096)
+                        os.read(self.wake_r, 4096)
                     except BlockingIOError:
                         pass
-                else:  # the forwarder is gone (it sends nothing): kill -9 reaches its child now
+                else:  # the forwarder is gone (it never sends): kill -9 reaches its child now
+                    self.selector.unregister(key.fileobj)
                     try:
                         os.kill(key.data, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
-                    selector.unregister(key.fileobj)
-            while children:
-                try:
-                    pid, status = os.waitpid(-1, os.WNOHANG)
-                except ChildProcessError:
-                    break
-                if pid == 0:
-                    break
-                conn = children.pop(pid, None)
-                if conn is not None:
-                    try:
-                        conn.sendall(struct.pack("!q", status))
-                    except OSError:
-                        pass
-                    if conn.fileno() in selector.get_map():
-                        selector.unregister(conn)
-                    conn.close()
-    finally:
-        for pid in children:
+            self.reap()
+
+    def accept(self) -> None:
+        conn, _ = self.listener.accept()
+        conn.settimeout(10)
+        peer = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+        try:
+            request, fds = read_request(conn)
+        except (OSError, ValueError) as e:
+            print(f"zygote: bad request: {e}", file=sys.stderr, flush=True)
+            conn.close()
+            return
+        if "gone" in request:
+            pid = self.of_forwarder.get(request["gone"])
+            if pid in self.children:
+                self.waiting.setdefault(pid, []).append(conn)
+            else:
+                conn.close()
+            return
+        why = refusal(request["env"])
+        if why is not None:
+            conn.sendall(struct.pack("!q", -1) + why.encode())
+            conn.close()
+        else:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                child(request, fds, [self.selector, self.listener, conn, *self.children.values(),
+                                     *(c for w in self.waiting.values() for c in w)])
+            conn.sendall(struct.pack("!q", pid))
+            self.children[pid] = conn
+            self.of_forwarder[peer] = pid
+            self.selector.register(conn, selectors.EVENT_READ, pid)
+        for fd in fds:
+            os.close(fd)
+
+    def reap(self) -> None:
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = self.children.pop(pid)
+            try:
+                conn.sendall(struct.pack("!q", status))
+            except OSError:
+                pass
+            if conn in self.selector.get_map():
+                self.selector.unregister(conn)
+            conn.close()
+            self.of_forwarder = {f: c for f, c in self.of_forwarder.items() if c != pid}
+            for w in self.waiting.pop(pid, []):
+                w.close()
+
+    def close(self, path: str) -> None:
+        for pid in self.children:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        for pid in children:
+        for pid in self.children:
             try:
                 os.waitpid(pid, 0)
             except ChildProcessError:
                 pass
-        listener.close()
+        self.listener.close()
         os.unlink(path)
+
+
+def serve(path: str) -> None:
+    """Serve on ``path`` until SIGTERM/SIGINT/SIGHUP or until the parent is gone; every child left is killed."""
+    stopping: list[int] = []
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(s, lambda signum, _: stopping.append(signum))
+    server = Server(path)
+    try:
+        server.serve(stopping)
+    finally:
+        server.close(path)
 
 
 if __name__ == "__main__":
