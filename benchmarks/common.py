@@ -127,3 +127,10 @@ def rss() -> int:
     """This process's resident memory in bytes."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def relay_command(upstream: str, hosts: int, run_dir: Path, ready: Path, *args: str) -> list[str]:
+    """`nodeox relay` under ``upstream`` for ``hosts`` hosts on 127.0.0.1 port 0 (id: the run directory's name),
+    writing its URL to ``ready``."""
+    return [sys.executable, "-m", "lightning_nodeox", "relay", "--upstream", upstream, "--hosts", str(hosts),
+            "--run-dir", str(run_dir), "--bind", "127.0.0.1:0", "--ready-file", str(ready), *args]

@@ -1,10 +1,11 @@
-"""Convergence: Nodeox against DDP on real data that ships offline (scikit-learn's digits), 2 hosts on this machine.
+"""Convergence: Nodeox against DDP on real data that ships offline (scikit-learn's digits), 2 hosts on this machine
+(4 in the relay rows).
 
 Every mode trains the same model (a small CNN: two 3x3 convolutions of 32 and 64 channels, 2x2 max-pooling, a
 128-unit hidden layer; 151K parameters) with the same inner optimizer (SGD, lr 0.02, momentum 0.9),
 the same batch size per host (32) and the same number of optimizer steps per host (600, so the same samples per
-host), each host on its own half of a fixed training split; the final model is evaluated on a held-out test split
-(540 images). Modes:
+host), each host on its own share (a half; a quarter with 4 hosts) of a fixed training split; the final model is
+evaluated on a held-out test split (540 images). Modes:
 
     ddp              PyTorch DDP, gloo, 2 processes (gradients all-reduced every step)
     fp32             Nodeox, unquantized exchange (--codec fp32)
@@ -15,8 +16,13 @@ host), each host on its own half of a fixed training split; the final model is e
     uneven           q4, host 1 slowed on purpose to about 2x host 0's step time
     uneven_budget    uneven, with NodeoxStrategy(round_seconds=host 0's time for local_steps steps)
     uneven_budget_overlap  the same with overlap=True
+    q4_4hosts        q4 with 4 hosts, each on its quarter of the training split (the relay row's baseline)
+    q4_relays        q4_4hosts as 2 sites x 2 hosts: `nodeox launch --sites 2`, a root and 2 relays, hosts 0-1
+                     behind one and 2-3 behind the other; each relay re-quantizes its site's mean (a second q4 stage)
     bf16             Nodeox, --codec bf16 (not run by default)
 
+Every mode runs 2 hosts unless it says otherwise; the 4-host modes' differences and ratios to DDP are to DDP's 2
+ranks all the same (their own comparison is to each other: the relay goal).
 Modes whose options this version of lightning_nodeox does not have yet are reported as "not available yet".
 Printed per mode: test accuracy (mean and min-max over seeds), its difference to DDP in percentage points,
 bytes sent per host, wall time, each host's wait share, ratios to DDP; then the goals, MET or MISSED.
@@ -66,6 +72,8 @@ GOAL_ACC_POINTS = 1.0
 GOAL_BYTES_RATIO = 100.0
 GOAL_OVERLAP_WAIT = 0.05
 GOAL_BUDGET_FAST_WAIT = 0.10
+WAIT_COLUMNS = ("0", "1", "2", "3")  # the hosts whose wait share the table shows
+RELAY_MODE, RELAY_BASELINE = "q4_relays", "q4_4hosts"  # goal: no accuracy lost beyond the baseline's seed spread
 
 DILOCO = ["--outer-optimizer", "nesterov", "--outer-lr", "0.7", "--outer-momentum", "0.9"]
 
@@ -81,6 +89,8 @@ MODES: dict[str, dict] = {
     "uneven": {"kind": "nodeox", "slow": True},
     "uneven_budget": {"kind": "nodeox", "slow": True, "strategy": {"round_seconds": "auto"}},
     "uneven_budget_overlap": {"kind": "nodeox", "slow": True, "strategy": {"round_seconds": "auto", "overlap": True}},
+    RELAY_BASELINE: {"kind": "nodeox", "hosts": 4},
+    RELAY_MODE: {"kind": "nodeox", "hosts": 4, "sites": 2},
     "bf16": {"kind": "nodeox", "coordinator": ["--codec", "bf16"]},
 }
 DEFAULT_MODES = [m for m in MODES if m != "bf16"]
@@ -110,7 +120,8 @@ def wait_share(records: list[dict], first_round: int = 1) -> float | None:
 
 
 def host_records(events: list[dict], host: str) -> list[dict]:
-    return [e for e in events if e.get("host") == host and e.get("phase") not in ("rss", None)]
+    """Host ``host``'s phase records in the root's events.jsonl: its own, or forwarded by its relay (``RELAY/HOST``)."""
+    return [e for e in events if str(e.get("host")).rsplit("/", 1)[-1] == host and e.get("phase") not in ("rss", None)]
 
 
 def ddp_bytes_per_host(param_bytes: int, steps: int, ranks: int = HOSTS) -> int:
@@ -144,8 +155,8 @@ def host_main(args: argparse.Namespace) -> None:
 
     x, y = load_digits(return_X_y=True)
     x_train, x_test, y_train, y_test = train_test_split(x / 16.0, y, test_size=TEST_SIZE, random_state=0, stratify=y)
-    x_train = torch.tensor(x_train, dtype=torch.float32)[host::HOSTS]  # this host's half of the training split
-    y_train = torch.tensor(y_train)[host::HOSTS]
+    x_train = torch.tensor(x_train, dtype=torch.float32)[host :: args.num_hosts]  # this host's share of the split
+    y_train = torch.tensor(y_train)[host :: args.num_hosts]
     loader = DataLoader(TensorDataset(x_train, y_train), batch_size=args.batch_size, shuffle=True, drop_last=True,
                         generator=torch.Generator().manual_seed(1000 * args.seed + host))
 
@@ -211,7 +222,7 @@ def host_main(args: argparse.Namespace) -> None:
                                                      world_size=self.world_size, timeout=self._timeout)
 
         trainer = Trainer(strategy=FileStoreDDP(process_group_backend="gloo", timeout=timedelta(seconds=60)),
-                          num_nodes=HOSTS, **common)
+                          num_nodes=args.num_hosts, **common)
     start = time.time()
     trainer.fit(model, loader)
     fit_wall = time.time() - start
@@ -237,16 +248,17 @@ class Unavailable(Exception):
 
 def _host_args(args: argparse.Namespace, kind: str, seed: int, out: Path, steps: list[int], strategy: dict,
                slow: bool) -> list[str]:
-    """A host's command line; ``steps``: each host's optimizer steps (launch runs one command for all hosts)."""
+    """A host's command line; ``steps``: each host's optimizer steps, one per host (launch runs one command for all
+    hosts)."""
     return [sys.executable, str(Path(__file__).resolve()), "--host", "--kind", kind, "--seed", str(seed), "--out",
             str(out), "--host-steps", ",".join(map(str, steps)), "--local-steps", str(args.local_steps), "--batch-size",
             str(args.batch_size), "--lr", str(args.lr), "--strategy-kwargs", json.dumps(strategy),
-            "--slow-host", "1" if slow else "-1", "--slowdown", str(SLOWDOWN)]
+            "--slow-host", "1" if slow else "-1", "--slowdown", str(SLOWDOWN), "--num-hosts", str(len(steps))]
 
 
-def _read_hosts(out: Path) -> dict[str, dict]:
+def _read_hosts(out: Path, n: int) -> dict[str, dict]:
     hosts = {}
-    for i in range(HOSTS):
+    for i in range(n):
         f = out / f"host{i}.json"
         if f.exists():
             hosts[str(i)] = json.loads(f.read_text())
@@ -274,7 +286,7 @@ def run_ddp(args: argparse.Namespace, seed: int, workdir: Path) -> dict:
         stop(procs)
     if any(codes):
         raise RuntimeError(f"DDP exited with {codes}:\n{tail(workdir / 'rank0.log')}\n{tail(workdir / 'rank1.log')}")
-    hosts = _read_hosts(out)
+    hosts = _read_hosts(out, HOSTS)
     param_bytes = hosts["0"]["param_bytes"]
     sent = {h: ddp_bytes_per_host(param_bytes, v["steps"]) for h, v in hosts.items()}
     return _result(hosts, sent, {h: None for h in hosts}, time.time() - started, {})
@@ -285,24 +297,26 @@ def run_nodeox(args: argparse.Namespace, mode: str, seed: int, workdir: Path, ro
     out, run_dir = workdir / "out", workdir / "run"
     out.mkdir(parents=True)
     strategy = dict(spec.get("strategy", {}))
-    steps = [args.steps] * HOSTS
+    n, sites = spec.get("hosts", HOSTS), spec.get("sites", 1)
+    steps = [args.steps] * n
     if strategy.get("round_seconds") == "auto":
         if round_seconds is None:
             raise RuntimeError("no round_seconds: no earlier Nodeox run measured host 0's step time")
         strategy["round_seconds"] = round_seconds
         # a time budget: the same samples in all, each host's share in proportion to its speed, so both end together
-        total = args.steps * HOSTS
-        speeds = [1.0 / SLOWDOWN if spec.get("slow") and i == 1 else 1.0 for i in range(HOSTS)]
+        total = args.steps * n
+        speeds = [1.0 / SLOWDOWN if spec.get("slow") and i == 1 else 1.0 for i in range(n)]
         steps = [round(total * s / sum(speeds)) for s in speeds]
-    cmd = [sys.executable, "-m", "lightning_nodeox", "launch", "--hosts", str(HOSTS), "--run-dir", str(run_dir),
-           "--threads", "1", *spec.get("coordinator", []), "--", *_host_args(args, "nodeox", seed, out, steps, strategy,
-                                                                               spec.get("slow", False))]
+    shape = ["--hosts", str(n), *(["--sites", str(sites)] if sites > 1 else [])]  # --sites: a relay per site
+    cmd = [sys.executable, "-m", "lightning_nodeox", "launch", *shape, "--run-dir", str(run_dir), "--threads", "1",
+           *spec.get("coordinator", []), "--", *_host_args(args, "nodeox", seed, out, steps, strategy,
+                                                           spec.get("slow", False))]
     env = process_env()
     log = workdir / "launch.log"
     started = time.time()
     proc = spawn(cmd, log, env=env, cwd=REPO)
     try:
-        refused = [out / f"host{i}.json" for i in range(HOSTS)]  # a host refused this mode's options: stop early
+        refused = [out / f"host{i}.json" for i in range(n)]  # a host refused this mode's options: stop early
         codes = wait_all([proc], RUN_TIMEOUT,
                           lambda: any(f.exists() and "unavailable" in f.read_text() for f in refused))
     finally:
@@ -313,8 +327,8 @@ def run_nodeox(args: argparse.Namespace, mode: str, seed: int, workdir: Path, ro
             line = next((ln for ln in text.splitlines() if needle in ln and "error:" in ln), None)
             if line:  # nodeox's argument parser refused a coordinator option of this mode
                 raise Unavailable(f"nodeox: {line.split('error:')[-1].strip()}")
-    hosts = _read_hosts(out)
-    if codes[0] or len(hosts) < HOSTS:
+    hosts = _read_hosts(out, n)
+    if codes[0] or len(hosts) < n:
         raise RuntimeError(f"nodeox launch exited with {codes[0]}:\n{tail(log, 25)}")
     events = read_events(run_dir)
     records = {h: host_records(events, h) for h in hosts}
@@ -364,7 +378,7 @@ def missing_option(mode: str, launch_help: str, strategy_params: set[str] | None
     import re
 
     spec = MODES[mode]
-    for opt in spec.get("coordinator", []):
+    for opt in spec.get("coordinator", []) + (["--sites"] if spec.get("sites", 1) > 1 else []):
         if opt.startswith("--") and not re.search(rf"(?<![\w-]){re.escape(opt)}(?![\w-])", launch_help):
             return f"coordinator option {opt}"
     for name in spec.get("strategy", {}):
@@ -444,7 +458,30 @@ def goals(modes: dict, local_steps: int) -> list[dict]:
                                     f"{'n/a' if fast is None else f'{fast:.1%}'}"})
         elif mode in modes:
             out.append({"goal": goal, "met": None, "measured": why})
+    if RELAY_MODE in modes or RELAY_BASELINE in modes:
+        out.append(relay_goal(modes))
     return out
+
+
+def relay_goal(modes: dict) -> dict:
+    """The relay row against flat 4 hosts: the accuracy the relays' second quantization stage costs (baseline mean
+    less relay mean) is at most the baseline's seed spread (its max less its min), and every host ends on one model."""
+    goal = (f"{RELAY_MODE} (2 sites x 2 hosts, each relay re-quantizes its site's mean): accuracy below "
+            f"{RELAY_BASELINE}'s (flat 4 hosts) by no more than {RELAY_BASELINE}'s seed spread (max - min)")
+    found = []
+    for mode in (RELAY_MODE, RELAY_BASELINE):
+        m = modes.get(mode)
+        if m is None or "summary" not in m:
+            why = "not run (not in --modes)" if m is None else m.get("reason", "no result")
+            return {"goal": goal, "met": None, "measured": f"{mode}: {why}"}
+        found.append(m["summary"])
+    relay, base = found
+    cost = 100 * (base["accuracy_mean"] - relay["accuracy_mean"])
+    spread = 100 * (base["accuracy_max"] - base["accuracy_min"])
+    return {"goal": goal, "met": cost <= spread and relay["hosts_identical"],
+            "measured": f"{100 * relay['accuracy_mean']:.2f}% against {100 * base['accuracy_mean']:.2f}%: "
+                        f"{cost:+.2f} points lost, spread {spread:.2f} points over {base['seeds']} seed(s)"
+                        + ("" if relay["hosts_identical"] else "; relay hosts ended on different models")}
 
 
 def _bytes(n: float | None) -> str:
@@ -457,11 +494,12 @@ def _bytes(n: float | None) -> str:
 
 
 def print_table(modes: dict, config: dict) -> None:
-    print(f"\nconvergence on digits: {config['hosts']} hosts, {config['steps']} steps x batch {config['batch_size']} "
+    print(f"\nconvergence on digits: {config['hosts']} hosts (unless the hosts column says), {config['steps']} "
+          f"steps x batch {config['batch_size']} "
           f"per host, local_steps={config['local_steps']}, SGD lr {config['lr']} momentum 0.9, test set "
           f"{config['test_samples']} images, seeds {config['seeds']}")
-    head = (f"{'mode':16} {'accuracy mean (min-max)':26} {'vs DDP':>8} {'bytes/host':>11} {'DDP/mode':>9} "
-            f"{'wall s':>7} {'vs DDP':>7} {'wait h0':>8} {'wait h1':>8}")
+    head = (f"{'mode':16} {'hosts':>5} {'accuracy mean (min-max)':26} {'vs DDP':>8} {'bytes/host':>11} "
+            f"{'DDP/mode':>9} {'wall s':>7} {'vs DDP':>7} " + " ".join(f"{f'wait h{h}':>8}" for h in WAIT_COLUMNS))
     print(head)
     print("-" * len(head))
     for name, m in modes.items():
@@ -473,8 +511,12 @@ def print_table(modes: dict, config: dict) -> None:
         dp = s.get("accuracy_vs_ddp_points")
         br = s.get("bytes_ratio_ddp_to_mode")
         wr = s.get("wall_ratio_to_ddp")
-        waits = [s["wait_share"].get(h) for h in ("0", "1")]
-        print(f"{name:16} {acc:26} {'-' if dp is None else f'{dp:+.2f} pt':>8} {_bytes(s['bytes_per_host']):>11} "
+        waits = [s["wait_share"].get(h) for h in WAIT_COLUMNS]
+        spec = MODES[name]
+        shape = f"{spec.get('sites', 1)}x{spec.get('hosts', HOSTS) // spec.get('sites', 1)}" if spec.get("sites") \
+            else str(spec.get("hosts", HOSTS))
+        print(f"{name:16} {shape:>5} {acc:26} {'-' if dp is None else f'{dp:+.2f} pt':>8} "
+              f"{_bytes(s['bytes_per_host']):>11} "
               f"{'-' if br is None else f'{br:.1f}x':>9} {s['wall_s']:7.1f} {'-' if wr is None else f'{wr:.2f}x':>7} "
               + " ".join(f"{'-' if w is None else f'{w:.1%}':>8}" for w in waits)
               + ("" if s["hosts_identical"] else "  (hosts ended on different models!)"))
@@ -512,6 +554,7 @@ def main() -> None:
     p.add_argument("--slow-host", type=int, default=-1, help=argparse.SUPPRESS)
     p.add_argument("--slowdown", type=float, default=SLOWDOWN, help=argparse.SUPPRESS)
     p.add_argument("--host-steps", help=argparse.SUPPRESS)
+    p.add_argument("--num-hosts", type=int, default=HOSTS, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.host:
         host_main(args)

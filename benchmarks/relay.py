@@ -13,6 +13,8 @@ shared by all connections through the relay (``up``: client to server, ``down``:
 - a new connection costs one round trip (the TCP handshake) before its first byte is forwarded.
 
 End of stream is forwarded (after the delay) as a half close; a reset on either side closes both.
+Each direction counts the bytes it delivered (``relay.up.sent``, ``relay.down.sent``) and when (``.timeline``:
+``(time.time(), bytes so far)`` after each chunk), so a benchmark can read what crossed the link per round.
 ``await relay.close()`` (or leaving ``async with relay``) stops listening and closes every connection.
 """
 
@@ -62,6 +64,8 @@ class Direction:
     def __init__(self, link: Link) -> None:
         self.delay = link.delay
         self.bucket = TokenBucket(link.rate, link.burst) if link.rate else None
+        self.sent = 0  # bytes delivered, over every connection
+        self.timeline: list[tuple[float, int]] = []  # (time.time(), sent) after each delivered chunk
 
     async def pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Copy ``reader`` to ``writer`` through this link until end of stream (then half-close ``writer``)."""
@@ -77,6 +81,8 @@ class Direction:
                         writer.write_eof()
                     return
                 writer.write(data)
+                self.sent += len(data)
+                self.timeline.append((time.time(), self.sent))
                 await writer.drain()
 
         delivering = asyncio.ensure_future(deliver())

@@ -282,9 +282,10 @@ class socket_closed_port:
 
 
 class Coordinator:
-    """A `nodeox coordinator` subprocess; stopped (and waited for) when the test ends."""
+    """A `nodeox coordinator` subprocess (``command``: or a `nodeox relay`); stopped (and waited for) when the test
+    ends."""
 
-    def __init__(self, run_dir: Path, hosts: int, *args: str, timeout: float = 60) -> None:
+    def __init__(self, run_dir: Path, hosts: int, *args: str, timeout: float = 60, command: str = "coordinator") -> None:
         self.run_dir = run_dir
         ready = run_dir / "ready"
         ready.unlink(missing_ok=True)
@@ -293,8 +294,8 @@ class Coordinator:
         self.log_path = run_dir.parent / f"{run_dir.name}-coordinator{n}.log"  # outside: a new run moves records aside
         self.log = open(self.log_path, "w")
         self.proc = Process(
-            [sys.executable, str(FORKED), "-m", "lightning_nodeox", "coordinator", "--hosts", str(hosts), "--run-dir", str(run_dir),
-             "--bind", "127.0.0.1:0", "--ready-file", str(ready), "--threads", "1", *args],
+            [sys.executable, str(FORKED), "-m", "lightning_nodeox", command, "--hosts", str(hosts), "--run-dir",
+             str(run_dir), "--bind", "127.0.0.1:0", "--ready-file", str(ready), "--threads", "1", *args],
             stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
         deadline = time.monotonic() + timeout
         while not ready.exists():
@@ -363,12 +364,14 @@ def recorded(host) -> list:
 DIGITS = [sys.executable, str(FORKED), str(HOSTS / "digits_host.py")]
 
 
-def start_host(host: str, url: str, out: Path, *args: str) -> subprocess.Popen:
-    """A digits host process (as `nodeox launch` would start it), its output in OUT/hostH-N.log."""
+def start_host(host: str, url: str, out: Path, *args: str, token: str | None = None) -> subprocess.Popen:
+    """A digits host process (as `nodeox launch` would start it; ``token``: its NODEOX_TOKEN), its output in
+    OUT/hostH-N.log."""
     out.mkdir(parents=True, exist_ok=True)
     n = len(list(out.glob(f"host{host}-*.log")))
     log = open(out / f"host{host}-{n}.log", "w")  # noqa: SIM115 - the child writes it; closed when the test ends
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", NODEOX_HOST_ID=host, NODEOX_COORDINATOR_URL=url)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", NODEOX_HOST_ID=host, NODEOX_COORDINATOR_URL=url,
+               **({"NODEOX_TOKEN": token} if token else {}))
     return Process([*DIGITS, "--out", str(out), *args], cwd=REPO, env=env, stdout=log,
                             stderr=subprocess.STDOUT)
 
@@ -382,11 +385,17 @@ def wait_for(predicate, timeout: float, what: str) -> None:
 
 
 def published(run_dir: Path) -> dict[int, dict]:
-    """The sync_prepare record of every round published so far."""
+    """The sync_prepare record of every round published so far (the coordinator's own: not those a relay forwards)."""
     path = run_dir / "events.jsonl"
     if not path.exists():
         return {}
-    return {e["round"]: e for e in map(json.loads, path.read_text().splitlines()) if e["phase"] == "sync_prepare"}
+    return {e["round"]: e for e in map(json.loads, path.read_text().splitlines())
+            if e["phase"] == "sync_prepare" and e["host"] == "coordinator"}
+
+
+def received(run_dir: Path) -> list[dict]:
+    """The deltas the coordinator of RUN_DIR took (its own receive records: not those a relay forwards)."""
+    return [e for e in read_events(run_dir) if e["phase"] == "receive" and e["host"] == "coordinator"]
 
 
 def assert_identical(out: Path, hosts: list[str]) -> str:

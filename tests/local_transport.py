@@ -41,9 +41,10 @@ class BytesBody:
 class LocalCoordinator:
     """A ``CoordinatorRun`` on a background event loop; ``tick()`` is one pass of its periodic work (the server's
     ticker runs it four times a second). ``store``: its state is saved in ``run_dir`` (and a saved run there is
-    resumed); else nothing is saved. ``crash()`` ends it as kill -9 would: no shutdown save."""
+    resumed); else nothing is saved. ``crash()`` ends it as kill -9 would: no shutdown save. ``make_run``: the
+    kind of run (default ``CoordinatorRun``)."""
 
-    def __init__(self, run_dir: Path, hosts: int = 2, *, store: bool = False, **config) -> None:
+    def __init__(self, run_dir: Path, hosts: int = 2, *, store: bool = False, make_run=CoordinatorRun, **config) -> None:
         self.config = CoordinatorConfig(hosts=hosts, run_dir=run_dir, bind="127.0.0.1:0", threads=1, **config)
         self.store = RunStore(run_dir) if store else None
         saved = None
@@ -54,11 +55,12 @@ class LocalCoordinator:
         self.thread.start()
         self.pool = WorkerPool(self.config.q4, "cpu", 1)
         self.runlog = RunLog(run_dir)
+        self.make_run = make_run  # a CoordinatorRun, or another kind of run (a site relay's)
         self.run: CoordinatorRun = self.call(self._start(saved))
         self.state, self.rounds, self.membership = self.run.state, self.run.rounds, self.run.membership
 
     async def _start(self, saved: SavedRun | None) -> CoordinatorRun:
-        run = CoordinatorRun(self.config, self.runlog, self.pool, self.store)
+        run = self.make_run(self.config, self.runlog, self.pool, self.store)
         await run.start(saved)
         return run
 

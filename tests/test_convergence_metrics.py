@@ -1,4 +1,4 @@
-"""The definitions benchmarks/convergence.py reports: wait share and bytes per host (no runs)."""
+"""The definitions benchmarks/convergence.py reports: wait share, bytes per host and the relay goal (no runs)."""
 
 from __future__ import annotations
 
@@ -41,3 +41,33 @@ def test_bytes_per_host():
     assert convergence.ddp_bytes_per_host(1000, steps=10, ranks=4) == 15_000
     events = [rec(1, "upload", 0, 1, bytes=100), rec(1, "download", 1, 2, bytes=50), rec(2, "upload", 2, 3, bytes=7)]
     assert convergence.nodeox_bytes_sent(events) == 107
+
+
+def test_host_records_take_a_relayed_host_by_its_id_and_leave_out_memory_samples():
+    events = [rec(1, "train", 0, 1), {**rec(1, "train", 0, 2), "host": "site0/0"},
+              {**rec(1, "train", 0, 3), "host": "1"},
+              {**rec(1, "aggregate", 0, 4), "host": "site0/coordinator"}, {**rec(1, "upload", 0, 5), "host": "site0"},
+              rec(1, "rss", 0, 6), {**rec(1, "rss", 0, 7), "host": "site1/0"}]
+    assert [r["end"] for r in convergence.host_records(events, "0")] == [1, 2]
+    assert [r["end"] for r in convergence.host_records(events, "1")] == [3]
+
+
+def summary(accuracies, identical=True):
+    return {"summary": {"seeds": len(accuracies), "accuracy_mean": sum(accuracies) / len(accuracies),
+                        "accuracy_min": min(accuracies), "accuracy_max": max(accuracies),
+                        "hosts_identical": identical}}
+
+
+def test_relay_goal_allows_no_loss_beyond_the_flat_seed_spread():
+    flat = summary([0.95, 0.96, 0.97])  # mean 96%, spread 2 points
+    base = convergence.RELAY_BASELINE
+    goal = convergence.relay_goal({base: flat, convergence.RELAY_MODE: summary([0.94, 0.94, 0.94])})
+    assert goal["met"] is True and "+2.00 points lost, spread 2.00 points over 3 seed(s)" in goal["measured"]
+    assert convergence.relay_goal({base: flat, convergence.RELAY_MODE: summary([0.93, 0.94, 0.94])})["met"] is False
+    assert convergence.relay_goal({base: flat, convergence.RELAY_MODE: summary([0.97] * 3, identical=False)})["met"] \
+        is False
+    not_run = convergence.relay_goal({base: flat})
+    assert not_run["met"] is None and not_run["measured"] == f"{convergence.RELAY_MODE}: not run (not in --modes)"
+    failed = convergence.relay_goal({base: {"status": "failed", "reason": "boom"}, convergence.RELAY_MODE: flat})
+    assert failed["met"] is None and failed["measured"] == f"{base}: boom"
+    assert not [g for g in convergence.goals({"ddp": {}}, 20) if convergence.RELAY_MODE in g["goal"]]  # neither run

@@ -1,12 +1,20 @@
 """`nodeox launch`: one prefixed line per line a host writes (a progress bar shown as it ends), exit statuses named,
-and the coordinator's options forwarded as given."""
+and the coordinator's options forwarded as given; with ``--sites`` the hosts spread over relays under the root."""
 
 from __future__ import annotations
 
 import io
+import json
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+from helpers import DIGITS, launch, published, read_events, received
+from helpers import assert_identical as assert_hosts_identical
 
 from lightning_nodeox.tools.console import Console
-from lightning_nodeox.tools.launch import _exit_status
+from lightning_nodeox.tools.launch import _exit_status, spread
 
 
 def streamed(data: bytes) -> list[str]:
@@ -39,7 +47,7 @@ def test_launch_forwards_coordinator_options_as_given_and_shares_their_defaults(
     from lightning_nodeox.tools.cli import _config, _parser, main
 
     started = {}
-    monkeypatch.setattr(launch_module, "launch", lambda config, argv, command, gpus: started.update(
+    monkeypatch.setattr(launch_module, "launch", lambda config, argv, command, gpus, **_: started.update(
         config=config, argv=argv, command=command, gpus=gpus) or 0)
     given = ["--hosts", "2", "--run-dir", str(tmp_path), "--outer-lr", "0.5"]
     assert main(["launch", *given, "--gpus-per-host", "2", "--min-hosts", "1", "--", "python", "train.py"]) == 0
@@ -53,3 +61,66 @@ def test_launch_forwards_coordinator_options_as_given_and_shares_their_defaults(
     assert alone == CoordinatorConfig(hosts=2, run_dir=tmp_path)
     main(["launch", *given, "--bind", "127.0.0.1:9", "--", "python"])
     assert started["argv"][-2:] == ["--bind", "127.0.0.1:9"] and started["config"].bind == "127.0.0.1:9"
+
+
+def test_hosts_spread_over_sites_in_blocks_as_even_as_possible_and_bad_site_counts_are_refused() -> None:
+    assert spread(4, 2) == [[0, 1], [2, 3]]
+    assert spread(7, 3) == [[0, 1, 2], [3, 4], [5, 6]]
+    assert spread(3, 3) == [[0], [1], [2]] and spread(5, 1) == [[0, 1, 2, 3, 4]]
+    with pytest.raises(ValueError, match="give at most --sites 2"):
+        spread(2, 3)
+    with pytest.raises(ValueError, match="at least 1"):
+        spread(2, 0)
+
+
+def test_launch_with_sites_gives_each_relay_the_serving_flags_and_the_token_and_refuses_what_the_root_cannot_take(
+        monkeypatch, tmp_path, capsys) -> None:
+    from lightning_nodeox.tools import launch as launch_module
+    from lightning_nodeox.tools.cli import main
+
+    started = {}
+    monkeypatch.setattr(launch_module, "launch", lambda config, argv, command, gpus, **kw: started.update(kw) or 0)
+    (tmp_path / "t").write_text("secret")
+    given = ["--hosts", "4", "--run-dir", str(tmp_path), "--lease", "3", "--outer-lr", "0.5", "--fresh",
+             "--token-file", str(tmp_path / "t"), "--min-hosts", "2", "--sites", "2"]
+    assert main(["launch", *given, "--", "python"]) == 0
+    assert started == {"sites": 2, "relay_args": ["--lease", "3.0", "--fresh", "--token-file", str(tmp_path / "t"),
+                                                  "--upstream-token-file", str(tmp_path / "t")]}
+    for bad, said in ((["--sites", "5"], "--sites 5 is more than --hosts 4"), (["--sites", "0"], "at least 1"),
+                      (["--sites", "2", "--min-hosts", "3"], "the coordinator's hosts are its 2 relays")):
+        with pytest.raises(SystemExit, match=said):
+            main(["launch", "--hosts", "4", "--run-dir", str(tmp_path), *bad, "--", "python"])
+
+
+@pytest.mark.slow
+def test_launch_with_two_sites_runs_a_root_two_relays_and_four_hosts_that_end_on_the_roots_model(tmp_path) -> None:
+    """`nodeox launch --hosts 4 --sites 2`: hosts 0, 1 behind relay site0, hosts 2, 3 behind site1; every host ends
+    on the root's final model, the root takes 2 deltas a round, and the report groups the hosts by site with the
+    far-link bytes those of the 2 relays' messages."""
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    result = launch(run_dir, 4, [*DIGITS, "--out", str(out), "--max-steps", "20"], "--sites", "2", timeout=180)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    synced = published(run_dir)
+    assert sorted(synced) == [0, 1]
+    assert assert_hosts_identical(out, ["0", "1", "2", "3"]) == synced[1]["model_hash"]
+    taken = received(run_dir)
+    assert Counter((e["round"], e["from_host"]) for e in taken) == {(r, s): 1 for r in (0, 1) for s in ("site0", "site1")}
+    assert "[site 1 host 2]" in result.stdout and "[relay 1]" in result.stdout
+    for k, hosts in enumerate((["0", "1"], ["2", "3"])):  # each relay its own run directory, its own hosts
+        relayed = read_events(run_dir / "sites" / f"site{k}")
+        assert {e["from_host"] for e in relayed if e["phase"] == "receive" and e["host"] == "coordinator"} == set(hosts)
+
+    report = json.loads(subprocess.run([sys.executable, "-m", "lightning_nodeox", "report", str(run_dir), "--json"],
+                                       capture_output=True, text=True, check=True, timeout=60).stdout)
+    events = read_events(run_dir)
+    for rnd in report["rounds"]:
+        r = rnd["round"]
+        assert rnd["hosts"] == ["site0", "site1"]
+        assert {name: site["hosts"] for name, site in rnd["sites"].items()} == {"site0": ["0", "1"],
+                                                                                  "site1": ["2", "3"]}
+        assert rnd["far_bytes"]["up"] == sum(e["bytes"] for e in taken if e["round"] == r)  # 2 relays' messages
+        assert rnd["far_bytes"]["down"] == sum(e["bytes"] for e in events if e["round"] == r and e["host"] in
+                                               ("site0", "site1") and e["phase"] in ("download", "fallback_fetch"))
+        assert rnd["site_bytes"]["up"] == sum(e["bytes"] for e in events if e["round"] == r and
+                                              e["phase"] == "upload" and e["host"].count("/") == 1)
+        assert rnd["far_bytes"]["up"] < rnd["site_bytes"]["up"]  # 2 messages across the far links against 4

@@ -1,5 +1,5 @@
-"""The package's rooms keep to their rules: host/ and coordinator/ never import each other, core/ imports
-neither, HTTP (requests, aiohttp, status numbers, header names) lives only in the two transport modules, no room's
+"""The package's rooms keep to their rules: host/ and coordinator/ never import each other (nor relay/, which
+may import both), core/ imports none of them, HTTP (requests, aiohttp, status numbers, header names) lives only in the two transport modules, no room's
 modules import each other in a circle, and the coordinator's transports reach the run only through its
 lifecycle."""
 
@@ -15,8 +15,9 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_nodeox"
 TRANSPORTS = {"host/client.py", "coordinator/server.py"}
-FORBIDDEN_ROOMS = {"host": {"coordinator", "tools"}, "coordinator": {"host", "tools"}, "core": {"host", "coordinator", "tools"}}
-ROOMS = ("coordinator", "host", "core", "tools")
+FORBIDDEN_ROOMS = {"host": {"coordinator", "relay", "tools"}, "coordinator": {"host", "relay", "tools"},
+                   "core": {"host", "coordinator", "relay", "tools"}, "relay": {"tools"}}
+ROOMS = ("coordinator", "host", "core", "relay", "tools")
 # what a coordinator transport may import of the coordinator: the run's lifecycle (which hands it the run's
 # parts), its settings and the limits of what is taken from the network (bodies, connections); never the round's
 # logic itself
@@ -68,6 +69,17 @@ def test_http_lives_only_in_the_transports(path: Path) -> None:
         return  # the protocol itself names routes, headers and the status of each reason
     source = path.read_text()
     assert not re.search(r"X-Nodeox|status_code|\bstatus=\d{3}\b", source), f"{rel} speaks HTTP"
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "relay").glob("*.py")), ids=lambda p: p.name)
+def test_a_relay_is_a_plain_process_without_lightning(path: Path) -> None:
+    """A relay imports the host's client and round, never Lightning (a plain aiohttp + PyTorch process)."""
+    modules = {name for name in imported(path) if name.startswith("lightning_nodeox.host.")}
+    assert not any(n.split(".")[0] == "lightning" for n in imported(path))
+    for module in {".".join(n.split(".")[:3]) for n in modules}:
+        source = PACKAGE / "host" / f"{module.rsplit('.', 1)[1]}.py"
+        if source.exists():
+            assert not any(n.split(".")[0] == "lightning" for n in imported(source)), f"{path.name} -> {module}"
 
 
 def test_the_checks_see_a_violation(tmp_path: Path) -> None:

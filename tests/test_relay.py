@@ -42,6 +42,10 @@ def test_bytes_pass_through_unchanged_and_in_order() -> None:
             backs = await asyncio.wait_for(asyncio.gather(*(round_trip(port, p) for p in payloads)), 20)
             assert backs == payloads
             assert await asyncio.wait_for(round_trip(port, b""), 5) == b""
+            total = sum(len(p) for p in payloads)  # counted once per direction, over every connection
+            assert relay.up.sent == relay.down.sent == total
+            assert relay.up.timeline[-1][1] == total
+            assert all(a <= b for a, b in zip(relay.up.timeline, relay.up.timeline[1:]))
         server.close()
         await server.wait_closed()
 

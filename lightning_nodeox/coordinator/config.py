@@ -10,6 +10,7 @@ from ..core.settings import Q4Settings
 from .outer import OuterSettings
 
 DEFAULT_PORT = 8470
+NAME = "nodeox coordinator"  # what its lines start with (core/logs.Named)
 
 
 def parse_bind(bind: str) -> tuple[str, int]:
@@ -65,6 +66,7 @@ class CoordinatorConfig:
         rss_interval: seconds between memory samples.
         exit_when_done: stop once every host has finished and said goodbye.
         outer: the outer optimizer (plain averaging, or DiLoCo's Nesterov momentum).
+        name: what the run's log lines start with (a site relay's: ``nodeox relay ID``, set by ``nodeox relay``).
     """
 
     hosts: int
@@ -93,6 +95,7 @@ class CoordinatorConfig:
     max_connections: int | None = None
     fresh: bool = False
     status_interval: float = 5.0
+    name: str = NAME
 
     def __post_init__(self) -> None:
         if self.hosts < 1:

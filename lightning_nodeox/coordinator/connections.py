@@ -19,6 +19,9 @@ import time
 from collections import OrderedDict
 from typing import Protocol
 
+from ..core.logs import Named
+from .config import NAME
+
 log = logging.getLogger(__name__)
 
 # files kept free of connections: the run's own (state, logs, a TensorBoard file per host, the lock, stdio) and the
@@ -32,8 +35,9 @@ class Closable(Protocol):
     def force_close(self) -> None: ...
 
 
-def raise_open_file_limit() -> int:
-    """Raise this process's soft limit of open files to its hard limit; returns the soft limit now in force."""
+def raise_open_file_limit(name: str = NAME) -> int:
+    """Raise this process's soft limit of open files to its hard limit; returns the soft limit now in force.
+    ``name``: what a line saying it could not starts with (its run's)."""
     try:
         import resource
     except ImportError:  # not a POSIX system: the limit is what it is
@@ -44,7 +48,7 @@ def raise_open_file_limit() -> int:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
             soft = hard
         except (ValueError, OSError) as e:  # e.g. an unlimited hard limit above the kernel's own ceiling
-            log.warning("nodeox coordinator: cannot raise the open-file limit from %d to %d (%s)", soft, hard, e)
+            Named(log, name).warning("cannot raise the open-file limit from %d to %d (%s)", soft, hard, e)
     return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 

@@ -14,7 +14,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from ..core.logs import Named
 from ..core.protocol import Reason, Refusal
+from .config import NAME
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +41,11 @@ class Host:
 class Hosts(dict[str, Host]):
     """The registry: host id -> :class:`Host`, with the lease rules (changed only on the event loop)."""
 
-    def __init__(self, lease: float) -> None:
+    def __init__(self, lease: float, name: str = NAME) -> None:
+        """``name``: what its log lines start with (its run's)."""
         super().__init__()
         self.lease = lease
+        self.log = Named(log, name)
 
     def restore(self, saved: dict[str, dict]) -> None:
         """Hosts of a resumed run (``{"state", "credential"}`` each), each with a fresh lease, not yet heard from; one
@@ -80,7 +84,7 @@ class Hosts(dict[str, Host]):
         entry.seen, entry.heard = time.monotonic(), True
         if entry.state is HostState.DROPPED:
             entry.state = HostState.TRAINING
-            log.info("nodeox coordinator: host %s is back; rounds wait for it again", entry.id)
+            self.log.info("host %s is back; rounds wait for it again", entry.id)
 
     def expire(self) -> list[Host]:
         """Drop the training hosts not heard from within the lease; returns them."""
@@ -88,8 +92,8 @@ class Hosts(dict[str, Host]):
         expired = [h for h in self.values() if h.state is HostState.TRAINING and now - h.seen > self.lease]
         for h in expired:
             h.state = HostState.DROPPED
-            log.warning("nodeox coordinator: host %s: no heartbeat for %.1f s (--lease %g); rounds no longer wait "
-                        "for it", h.id, now - h.seen, self.lease)
+            self.log.warning("host %s: no heartbeat for %.1f s (--lease %g); rounds no longer wait "
+                             "for it", h.id, now - h.seen, self.lease)
         return expired
 
     def expected(self, received: dict[str, int]) -> list[Host]:

@@ -21,10 +21,12 @@ import re
 import time
 from dataclasses import dataclass
 
-from ..core.phases import HOST_PHASES, PhaseRecord
+from ..core.logs import Named
+from ..core.phases import COORDINATOR_PHASES, HOST_PHASES, RESTART, RSS, PhaseRecord
 from ..core.protocol import MAX_VALUES_BYTES, VALUES_KEY, Reason, Refusal
 from ..core.settings import check_host_id
 from ..core.specs import PayloadError, TensorSpec, specs_from_json
+from .config import NAME
 
 MAX_JSON_BYTES = 16 << 20
 MAX_EVENTS_BYTES = 4 << 20
@@ -126,13 +128,34 @@ def _extra(key: str, value: object) -> object:
                      "characters")
 
 
+SITE_PHASES = (*HOST_PHASES, *COORDINATOR_PHASES, RSS, RESTART)  # what a relay forwards of its site
+
+
+def of_sender(named: object, sender: str) -> bool:
+    """Whether a record naming host ``named`` may come from host ``sender``: its own, or (a site relay forwarding
+    its site's records) ``SENDER/HOST``, each part a host id (``coordinator``: the relay's own coordinator side)."""
+    if named == sender:
+        return True
+    if not isinstance(named, str) or not named.startswith(f"{sender}/"):
+        return False
+    parts = named[len(sender) + 1 :].split("/")
+    try:
+        for part in parts[:-1]:
+            check_host_id(part)
+        return parts[-1] == "coordinator" or check_host_id(parts[-1]) == parts[-1]
+    except ValueError:
+        return False
+
+
 def phase_record(d: object, host: str) -> PhaseRecord:
-    """One host phase record of ``host``, checked field by field."""
-    if not isinstance(d, dict) or d.get("host") != host:
+    """One phase record sent by host ``host`` (its own, or its site's when it is a relay), checked field by field."""
+    named = d.get("host") if isinstance(d, dict) else None
+    if not of_sender(named, host):
         raise ValueError(f"a record must be an object naming its host ({host})")
     phase = d.get("phase")
-    if phase not in HOST_PHASES:
-        raise ValueError(f"phase {str(phase)[:40]!r} is not one of {', '.join(HOST_PHASES)}")
+    phases = HOST_PHASES if named == host else SITE_PHASES
+    if phase not in phases:
+        raise ValueError(f"phase {str(phase)[:40]!r} is not one of {', '.join(phases)}")
     start, end = _time(d.get("start"), "start"), _time(d.get("end"), "end")
     if end < start:
         raise ValueError(f"record ends ({end}) before it starts ({start})")
@@ -140,7 +163,7 @@ def phase_record(d: object, host: str) -> PhaseRecord:
     extra = {k: v for k, v in d.items() if k not in _RECORD_FIELDS}
     if len(extra) > MAX_EXTRA_FIELDS:
         raise ValueError(f"a record has {len(extra)} extra fields; at most {MAX_EXTRA_FIELDS}")
-    return PhaseRecord(_int(d.get("round"), "round"), host, phase, start, end,
+    return PhaseRecord(_int(d.get("round"), "round"), named, phase, start, end,
                        None if size is None else _int(size, "bytes"), {k: _extra(k, v) for k, v in extra.items()})
 
 
@@ -157,10 +180,11 @@ class Batch:
                 **({"error": self.first_error} if self.dropped else {})}
 
 
-def parse_records(body: bytes, host: str) -> Batch:
+def parse_records(body: bytes, host: str, name: str = NAME) -> Batch:
     """The phase records of an events request sent by ``host``: a bad record is dropped and counted, the others
     kept; the whole batch is refused only when it is malformed (not JSON, not a list of records, too many,
-    another host's records) or none of its records passes."""
+    another host's records) or none of its records passes. ``name``: what a line about dropped records starts
+    with (its run's)."""
     usage = 'events need {"records": [{round, host, phase, start, end[, bytes, ...]}, ...]}'
     value = decode_json(body, "events")
     records = value.get("records") if isinstance(value, dict) else None
@@ -169,7 +193,7 @@ def parse_records(body: bytes, host: str) -> Batch:
     if len(records) > MAX_RECORDS:
         raise Refusal(Reason.INVALID, f"{len(records)} records in one batch; send at most {MAX_RECORDS}")
     for d in records:
-        if isinstance(d, dict) and d.get("host", host) != host:
+        if isinstance(d, dict) and not of_sender(d.get("host", host), host):
             raise Refusal(Reason.FORBIDDEN, f"record of host {str(d.get('host'))[:70]!r} sent by host {host}: a host "
                                             "sends only its own records")
     batch = Batch([])
@@ -182,19 +206,19 @@ def parse_records(body: bytes, host: str) -> Batch:
     if batch.dropped and not batch.records:
         raise Refusal(Reason.INVALID, batch.first_error)
     if batch.dropped:
-        _report_dropped(host, batch)
+        _report_dropped(host, batch, name)
     return batch
 
 
 _dropped_reported: dict[str, float] = {}  # host -> when its dropped records were last logged
 
 
-def _report_dropped(host: str, batch: Batch, every: float = 60.0) -> None:
+def _report_dropped(host: str, batch: Batch, name: str, every: float = 60.0) -> None:
     now = time.monotonic()
     if now - _dropped_reported.get(host, -every) >= every:
         _dropped_reported[host] = now
-        log.warning("nodeox coordinator: host %s sent %d bad phase records among %d (dropped; the first: %s)", host,
-                    batch.dropped, batch.dropped + len(batch.records), batch.first_error)
+        Named(log, name).warning("host %s sent %d bad phase records among %d (dropped; the first: %s)", host,
+                                 batch.dropped, batch.dropped + len(batch.records), batch.first_error)
 
 
 class TelemetryBudget:

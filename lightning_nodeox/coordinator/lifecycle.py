@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from ..core.cpu import choose_threads
+from ..core.logs import Named
 from ..core.modelfile import read_named_model
 from ..core.phases import COORDINATOR, RESTART, PhaseRecord
 from ..core.pool import WorkerPool
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 TICK = 0.25  # seconds between the periodic checks
 
 Listen = Callable[["CoordinatorRun"], Awaitable[Callable[[], Awaitable[None]]]]
+MakeRun = Callable[[CoordinatorConfig, RunLog, WorkerPool, RunStore, "BeforePublish | None"], "CoordinatorRun"]
 
 
 class CoordinatorRun:
@@ -58,6 +60,7 @@ class CoordinatorRun:
     def __init__(self, config: CoordinatorConfig, runlog: RunLog, pool: WorkerPool, store: RunStore | None = None,
                  before_publish: BeforePublish | None = None) -> None:
         self.state = RunState(config, runlog, pool)
+        self.log = Named(log, config.name)
         self.recovery = Recovery(self.state, store)
         self.rounds = Rounds(self.state, self.recovery, before_publish)
         self.membership = Membership(self.state, self.recovery, self.rounds)
@@ -80,7 +83,7 @@ class CoordinatorRun:
                                           extra={"model_hash": saved.model_hash,
                                                  "snapshot_round": saved.snapshot_round}))
             await self.recovery.restore()
-            print(f"nodeox coordinator: resuming the run in {config.run_dir} at round {saved.round} (model "
+            print(f"{config.name}: resuming the run in {config.run_dir} at round {saved.round} (model "
                   f"{saved.model_hash}, {self.recovery.source()}); start with --fresh to begin a new run instead",
                   flush=True)
         elif config.initial_model is not None:
@@ -93,8 +96,8 @@ class CoordinatorRun:
         matched by name to that host's specs (the file's order need not be the model's)."""
         initial, skipped = read_named_model(data, "--initial-model")
         if skipped:
-            log.warning("nodeox coordinator: --initial-model: tensors of a dtype nodeox does not exchange are "
-                        "skipped %s", ", ".join(skipped))
+            self.log.warning("--initial-model: tensors of a dtype nodeox does not exchange are "
+                             "skipped %s", ", ".join(skipped))
         self.membership.initial = initial
 
     # -- while it runs --------------------------------------------------------------------------------------
@@ -116,7 +119,7 @@ class CoordinatorRun:
             try:
                 await self.tick()
             except Exception:  # noqa: BLE001 - keep ticking; the failure is logged
-                log.exception("nodeox coordinator: periodic work failed")
+                self.log.exception("periodic work failed")
 
     def _log_waiting(self) -> None:
         """Every ``status_interval`` seconds of a round that has not closed, say whom it waits for."""
@@ -126,7 +129,7 @@ class CoordinatorRun:
         said = waiting_for(self.state, self.rounds, self.recovery, self.membership.provider)
         if said is not None:
             self._last_status = now
-            log.log(said[0], "nodeox coordinator: %s", said[1])
+            self.log.log(said[0], "%s", said[1])
 
     def status(self) -> dict:
         """The run at a glance (what ``GET /v1/status`` shows)."""
@@ -153,25 +156,27 @@ class CoordinatorRun:
         self.recovery.close()
 
 
-async def run(config: CoordinatorConfig, listen: Listen, *, before_publish: BeforePublish | None = None) -> int:
+async def run(config: CoordinatorConfig, listen: Listen, *, before_publish: BeforePublish | None = None,
+              make_run: MakeRun | None = None) -> int:
     """Run a coordinator until its run completes (or a signal); returns the exit status. ``listen(run)`` starts the
-    transport and returns what stops it; ``before_publish`` (for comparisons only) is awaited with each round's sync before it is published."""
+    transport and returns what stops it; ``before_publish`` (for comparisons only) is awaited with each round's sync before it is published;
+    ``make_run`` builds the run (default :class:`CoordinatorRun`; a site relay's is its own kind)."""
     torch.set_num_threads(1)  # codec ops never thread inside ATen here; the codec pool parallelizes
     run_dir = Path(config.run_dir)
     try:
         lock = RunDirLock(run_dir)  # noqa: F841 - one coordinator per run directory, held until run() returns
         config, saved = take_up(config)
     except ValueError as e:
-        print(f"nodeox coordinator: {e}", file=sys.stderr, flush=True)
+        print(f"{config.name}: {e}", file=sys.stderr, flush=True)
         return 2
     threads = choose_threads(config.threads, purpose="coordinator codec")
     pool = WorkerPool(config.q4, "cpu", threads)
-    runlog = RunLog(run_dir)
-    coordinator = CoordinatorRun(config, runlog, pool, RunStore(run_dir), before_publish)
+    runlog = RunLog(run_dir, config.name)
+    coordinator = (make_run or CoordinatorRun)(config, runlog, pool, RunStore(run_dir), before_publish)
     try:
         await coordinator.start(saved)
     except (ValueError, OSError) as e:  # a bad --initial-model, or a saved model that cannot be read back
-        print(f"nodeox coordinator: {e}", file=sys.stderr, flush=True)
+        print(f"{config.name}: {e}", file=sys.stderr, flush=True)
         coordinator.close()
         pool.close()
         runlog.close()
@@ -203,5 +208,5 @@ async def run(config: CoordinatorConfig, listen: Listen, *, before_publish: Befo
     runlog.close()
     status = (f"complete after round {state.published_round}" if state.complete
               else f"stopped before the run completed, at round {state.round}")
-    print(f"nodeox coordinator: run {status}; peak RSS {state.peak_rss / 2**20:.0f} MiB", flush=True)
+    print(f"{config.name}: run {status}; peak RSS {state.peak_rss / 2**20:.0f} MiB", flush=True)
     return 0 if state.complete else 1

@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from ..core.logs import Named
 from ..core.modelfile import arrange, model_header, read_model
 from ..core.protocol import JoinReply, Reason, Refusal
 from ..core.specs import PayloadError, TensorSpec, check_same_model
@@ -47,6 +48,7 @@ class Membership:
 
     def __init__(self, state: RunState, recovery: Recovery, rounds: Rounds) -> None:
         self.state = state
+        self.log = Named(log, state.config.name)
         self.recovery = recovery
         self.rounds = rounds
         self.provider: str | None = None  # the host asked to upload the model
@@ -123,7 +125,7 @@ class Membership:
         self._check_admission(host, credential)
         entry = self.state.hosts.register(host, secrets.token_urlsafe(24))
         self.recovery.save_hosts()  # saved at issue time: after a crash the credential it replaced stays refused
-        log.info("nodeox coordinator: host %s joined", host)
+        self.log.info("host %s joined", host)
         return entry.credential
 
     def authenticate(self, host: str, credential: str, *, left_ok: bool = False) -> Host:
@@ -211,12 +213,12 @@ class Membership:
         now = time.monotonic()
         if state.alone_since is None:
             state.alone_since = now
-            log.warning("nodeox coordinator: no host is live (%s); the run waits for them up to %g s "
-                        "(--no-hosts-timeout)", state.hosts.absent(), state.config.no_hosts_timeout)
+            self.log.warning("no host is live (%s); the run waits for them up to %g s (--no-hosts-timeout)",
+                             state.hosts.absent(), state.config.no_hosts_timeout)
         elif now - state.alone_since >= state.config.no_hosts_timeout and not state.given_up.is_set():
-            log.error("nodeox coordinator: no host was live for %.0f s (--no-hosts-timeout %g): stopping with the run "
-                      "unfinished at round %d; start the coordinator again on %s to resume it", now - state.alone_since,
-                      state.config.no_hosts_timeout, state.round, state.config.run_dir)
+            self.log.error("no host was live for %.0f s (--no-hosts-timeout %g): stopping with the run unfinished "
+                           "at round %d; start the coordinator again on %s to resume it", now - state.alone_since,
+                           state.config.no_hosts_timeout, state.round, state.config.run_dir)
             state.given_up.set()
 
 

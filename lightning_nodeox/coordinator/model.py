@@ -120,7 +120,8 @@ class CoordinatorModel:
             self.weights[i] += samples
         self.weight += samples
 
-    def _end_round(self) -> None:
+    def end_round(self) -> None:
+        """The round's accumulation is done with: its weights, set and raw choices start over."""
         self.weight = 0
         for i in self.moving:
             self.weights[i] = 0
@@ -167,7 +168,7 @@ class CoordinatorModel:
                     self.layout.codec.fill_noop(message.codes(j), message.scales(j))
             message.write_header(Q4Meta("sync", round_, "coordinator", base_hash, samples=0, model_hash=base_hash,
                                         metrics=metrics or {}))
-            self._end_round()
+            self.end_round()
             return ClosedRound(message, sorted(self.specs[i].name for i in not_finite))
         committing = [s and self.outer.has_state for s in stepping]
         try:
@@ -175,11 +176,11 @@ class CoordinatorModel:
         except BaseException:
             self._digests = [None] * len(self.specs)
             self.hash = self._hash_all()
-            self._end_round()
+            self.end_round()
             raise
         message.write_header(Q4Meta("sync", round_, "coordinator", base_hash, samples=self.weight,
                                     model_hash=new_hash, metrics=metrics or {}))
-        self._end_round()
+        self.end_round()
         return ClosedRound(message)
 
     def _raw_sync(self, message: Q4Message, indices: tuple[int, ...], taken: bool) -> None:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..core.logs import Named
 from ..core.phases import COORDINATOR, PERSIST, PhaseRecord
 from ..core.protocol import Reason, Refusal
 from ..core.specs import PayloadError, TensorSpec, check_same_model
@@ -67,10 +68,12 @@ class Recovery:
 
     def __init__(self, state: RunState, store: RunStore | None = None) -> None:
         self.state = state
+        self.log = Named(log, state.config.name)
         self.store = store
         self.resumed: Resumed | None = None
         self.wanted: tuple[int, str] | None = None  # resumed run: (round, hash) of the model being given back
-        self.trouble = Trouble(f"the run's state in {store.dir}", counts=False) if store is not None else None
+        self.trouble = (None if store is None else
+                        Trouble(f"the run's state in {store.dir}", state.config.name, counts=False))
         self._persist = ThreadPoolExecutor(1, thread_name_prefix="nodeox-persist")
         self._persisting: asyncio.Future | None = None
         self._retry_at: float | None = None  # time.monotonic() when a failed save is tried again
@@ -84,8 +87,8 @@ class Recovery:
         if self.resumed is not None:
             await self._adopt(model)
         state.model = model
-        log.info("nodeox coordinator: model from %s: %d tensors (%.1f MB), hash %s, round %d", source,
-                 len(model.specs), model.nbytes / 1e6, model.hash, state.round)
+        self.log.info("model from %s: %d tensors (%.1f MB), hash %s, round %d", source,
+                      len(model.specs), model.nbytes / 1e6, model.hash, state.round)
         state.round_opened = time.time()
         self.save_round()
         state.sample_memory()
@@ -186,9 +189,9 @@ class Recovery:
                 raise ValueError(f"the snapshot {saved.files['model']} hashes to {model.hash}, not "
                                  f"{saved.snapshot_hash}; start with --fresh")
             if not latest:
-                log.warning("nodeox coordinator: the model of round %d is not back (%s); going on from the snapshot "
-                            "of round %d (the rounds since are lost; hosts fetch it)",
-                            saved.round + (resumed.published is not None), why, saved.snapshot_round)
+                self.log.warning("the model of round %d is not back (%s); going on from the snapshot "
+                                 "of round %d (the rounds since are lost; hosts fetch it)",
+                                 saved.round + (resumed.published is not None), why, saved.snapshot_round)
             self.wanted = (saved.round, model.hash)
             await self.model_arrived(model, f"the snapshot of round {saved.snapshot_round}")
             return True
@@ -220,9 +223,9 @@ class Recovery:
         elif published is not None and published.meta.model_hash == model.hash:
             model.adopt_sync(published)
         if round_ != saved.round:
-            log.warning("nodeox coordinator: the saved state was of round %d, hosts were at round %d: going on from "
-                        "theirs%s", saved.round, round_,
-                        " (the outer-optimizer state is one round behind)" if behind else "")
+            self.log.warning("the saved state was of round %d, hosts were at round %d: going on from "
+                             "theirs%s", saved.round, round_,
+                             " (the outer-optimizer state is one round behind)" if behind else "")
         self.state.round, self.state.published_round = round_, round_ - 1
         self.resumed = self.wanted = None
 
@@ -300,12 +303,12 @@ class Recovery:
         if self.store is not None and self.state.model is not None:
             self.save_round(snapshot=True, stopped=True)
             if await self.saved():
-                log.info("nodeox coordinator: the run's state is saved in %s (round %d)", self.store.dir,
-                         self.state.round)
+                self.log.info("the run's state is saved in %s (round %d)", self.store.dir,
+                              self.state.round)
             else:
                 last = self.store.last
-                log.error("nodeox coordinator: the run's state could not be saved at shutdown; %s holds %s",
-                          self.store.dir, "nothing" if last is None else f"that of round {last.round}")
+                self.log.error("the run's state could not be saved at shutdown; %s holds %s",
+                               self.store.dir, "nothing" if last is None else f"that of round {last.round}")
 
     def close(self) -> None:
         self._persist.shutdown(wait=True)

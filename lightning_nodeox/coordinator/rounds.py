@@ -29,9 +29,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
+from ..core.logs import Named
 from ..core.phases import AGGREGATE, COORDINATOR, RECEIVE, SYNC_PREPARE, PhaseRecord
 from ..core.protocol import Reason, Refusal
 from ..core.specs import PayloadError
@@ -48,18 +51,62 @@ log = logging.getLogger(__name__)
 BeforePublish = Callable[[RunState, int, Q4Message], Awaitable[None]]
 
 
+@dataclass
+class Published:
+    """What a round's close publishes: its sync (None: none to pass on, hosts fetch the model), whether the run
+    completed with it, and the round that opens next."""
+
+    sync: Q4Message | None
+    complete: bool
+    next_round: int
+
+
+class RoundClose(Protocol):
+    """How a round's accumulated deltas become what it publishes (the root: :class:`OuterStep`; a site relay
+    sends them upstream, :mod:`lightning_nodeox.relay.close`). Called on the loop while the round is closing."""
+
+    async def close(self, rounds: Rounds, model: CoordinatorModel, round_: int) -> Published: ...
+
+
+class OuterStep:
+    """The root coordinator's close: the outer step of the round's mean, quantized into the sync and applied to
+    θ (:meth:`CoordinatorModel.close_round`); a final delta in the round completes the run."""
+
+    async def close(self, rounds: Rounds, model: CoordinatorModel, round_: int) -> Published:
+        state, start = rounds.state, time.time()
+        await rounds.keep_downloads(set(model.moving))  # the round's set: the other tensors stay as they are
+        closed = await state.in_worker(model.close_round, round_, rounds.round_metrics())
+        message = closed.sync
+        refused = {}
+        if closed.not_finite:
+            refused = {"refused": f"not finite: {', '.join(closed.not_finite[:5])}"}
+            rounds.log.error("round %d refused: its result would make %s NaN or Inf; the model stays %s and hosts "
+                             "get a sync that changes nothing. A host's training diverged, or a delta is too large for "
+                             "the model's dtype (lower the learning rate, clip gradients)", round_,
+                             ", ".join(closed.not_finite[:5]), message.meta.model_hash)
+        state.record(PhaseRecord(round_, COORDINATOR, SYNC_PREPARE, start, time.time(), len(message),
+                                 extra={"model_hash": message.meta.model_hash, **refused}))
+        return Published(message, rounds.stopping, round_ + 1)
+
+
 class Rounds:
     """The open round's deltas and its close; syncs for the hosts that wait for them. ``before_publish`` (for
-    comparisons only, benchmarks/exchange.py) is awaited with each round's sync before it is published."""
+    comparisons only, benchmarks/exchange.py) is awaited with each round's sync before it is published;
+    ``close_with``: how a round's deltas become its sync (default: the outer step)."""
 
-    def __init__(self, state: RunState, recovery: Recovery, before_publish: BeforePublish | None = None) -> None:
+    def __init__(self, state: RunState, recovery: Recovery, before_publish: BeforePublish | None = None,
+                 close_with: RoundClose | None = None) -> None:
         self.state = state
+        self.log = Named(log, state.config.name)
         self.recovery = recovery
+        self.close_with: RoundClose = close_with or OuterStep()
         self.received: dict[str, int] = {}  # the round's deltas: host -> samples
         self.metrics: dict[str, dict[str, list]] = {}  # the round's deltas' sync_dist values, by host
         self.training: set[str] = set()  # hosts whose delta is in and whose training goes on meanwhile (overlap)
         self.stopping = False  # a final delta came in this round: it is the run's last
         self.closing = False
+        self.stable = True  # no close changes θ now: a full-model download may start (a relay's close is stable
+        # while it waits for its upstream, until :meth:`hold_theta`)
         self.shutting_down = False  # no round starts closing
         self.downloads: set[ModelStream] = set()  # full-model downloads in flight (copy-on-publish)
         self.before_publish = before_publish
@@ -147,7 +194,7 @@ class Rounds:
         if future.cancelled():
             return
         if future.exception() is not None:
-            log.error("nodeox coordinator: accumulating host %s's delta failed: %r", host, future.exception())
+            self.log.error("accumulating host %s's delta failed: %r", host, future.exception())
             return
         self.state.record(PhaseRecord(round_, COORDINATOR, RECEIVE, start, time.time(), size,
                                       extra={"from_host": host}))
@@ -186,13 +233,13 @@ class Rounds:
         """Close the open round if it may close (see the module's rules)."""
         if not self._ready_to_close():
             return
-        self.closing = True
+        self.closing, self.stable = True, False
         try:
             await self._close()
         except Exception:  # noqa: BLE001 - the model and its hash still agree (close_round); tried again later
-            log.exception("nodeox coordinator: closing round %d failed; it is tried again", self.state.round)
+            self.log.exception("closing round %d failed; it is tried again", self.state.round)
         finally:
-            self.closing = False
+            self.closing, self.stable = False, True
         await self.state.notify()
 
     async def _close(self) -> None:
@@ -201,8 +248,8 @@ class Rounds:
         round_ = state.round
         late = self.missing()
         if late:  # alive but slow: still in the run, so the next round waits for them again
-            log.warning("nodeox coordinator: round %d closes on its --round-timeout without host(s) %s", round_,
-                        ", ".join(late))
+            self.log.warning("round %d closes on its --round-timeout without host(s) %s", round_,
+                             ", ".join(late))
         start = time.time()
         await asyncio.gather(*self._accumulating)
         self._accumulating = []
@@ -210,61 +257,62 @@ class Rounds:
         state.record(PhaseRecord(round_, COORDINATOR, AGGREGATE, start, aggregated,
                                  extra={"hosts": sorted(self.received), "samples": sum(self.received.values())}))
         await self.recovery.saved()  # the last round's state is on disk before θ changes again
-        await self._keep_downloads()
-        closed = await state.in_worker(model.close_round, round_, self._round_metrics())
-        message = closed.sync
-        refused = {}
-        if closed.not_finite:
-            refused = {"refused": f"not finite: {', '.join(closed.not_finite[:5])}"}
-            log.error("nodeox coordinator: round %d refused: its result would make %s NaN or Inf; the model stays "
-                      "%s and hosts get a sync that changes nothing. A host's training diverged, or a delta is too "
-                      "large for the model's dtype (lower the learning rate, clip gradients)", round_,
-                      ", ".join(closed.not_finite[:5]), message.meta.model_hash)
-        state.record(PhaseRecord(round_, COORDINATOR, SYNC_PREPARE, aggregated, time.time(), len(message),
-                                 extra={"model_hash": message.meta.model_hash, **refused}))
-        if self.before_publish is not None:  # a comparison hook: benchmarks/exchange.py saves the model here
+        closed = await self.close_with.close(self, model, round_)
+        if closed.sync is not None and self.before_publish is not None:  # a comparison hook: benchmarks/exchange.py
             try:
-                await self.before_publish(state, round_, message)
+                await self.before_publish(state, round_, closed.sync)
             except Exception:  # noqa: BLE001 - the round is applied: publish it regardless
-                log.exception("nodeox coordinator: before_publish of round %d failed", round_)
+                self.log.exception("before_publish of round %d failed", round_)
         # the round's state changes together, on the loop, after the last await
-        model.publish(message)
+        if closed.sync is not None:
+            model.publish(closed.sync)
         self.received, self.metrics, self.training = {}, {}, set()
-        state.complete = state.complete or self.stopping
-        state.published_round = round_
-        state.round = round_ + 1
+        state.complete = state.complete or closed.complete
+        state.published_round = closed.next_round - 1
+        state.round = closed.next_round
         state.round_opened = time.time()
         self.check_finished()
         if state.complete:
-            log.info("nodeox coordinator: the run completed after round %d; final model %s", round_, model.hash)
+            self.log.info("the run completed after round %d; final model %s", state.published_round,
+                          model.hash)
         self.recovery.save_round()
         state.sample_memory()
 
-    def _round_metrics(self) -> dict[str, list]:
+    def round_metrics(self) -> dict[str, list]:
         reduced = reduce_metrics([(self.received[h], m) for h, m in self.metrics.items() if m])
         kept, dropped = fit_metrics(reduced)
         if dropped:
-            log.warning("nodeox coordinator: round %d's sync has no room for metrics %s", self.state.round, dropped)
+            self.log.warning("round %d's sync has no room for metrics %s", self.state.round, dropped)
         return kept
 
-    async def _keep_downloads(self) -> None:
-        """Copy-on-publish: full-model downloads in flight keep the θ they started with."""
+    async def keep_downloads(self, changing: set[int] | None) -> None:
+        """Copy-on-publish: full-model downloads in flight keep the θ they started with (of the tensors
+        ``changing``, by index; None: all of them)."""
         streams = list(self.downloads)
         if streams:
-            changing = set(self.state.require_model().moving)  # the round's set: the other tensors stay as they are
             copies = await self.state.in_worker(lambda: [s.unsent(changing) for s in streams])
             for stream, kept in zip(streams, copies):
                 stream.keep(kept)
 
     async def wait_stable(self) -> None:
         """Return once no round's close is changing θ (a full-model download starts only then)."""
-        while self.closing:
-            await self.state.wait(lambda: not self.closing, self.state.config.long_poll)
+        while not self.stable:
+            await self.state.wait(lambda: self.stable, self.state.config.long_poll)
+
+    async def hold_theta(self) -> None:
+        """θ is about to change outside the close's own step (a relay applying its upstream's sync, or fetching
+        its model): no download starts until the close ends, those in flight keep what they have not sent, and a
+        save in flight (which may read θ) is on disk first."""
+        if self.stable:
+            self.stable = False
+            await self.recovery.saved()
+            await self.keep_downloads(None)
 
     async def stop_closing(self) -> None:
         """No round starts closing from now on; returns once one that is closing has published (at shutdown)."""
         self.shutting_down = True
-        await self.wait_stable()
+        while self.closing:
+            await self.state.wait(lambda: not self.closing, self.state.config.long_poll)
 
     def check_finished(self) -> None:
         """Finished (the coordinator may stop) once the run is complete and every host is gone."""

@@ -24,7 +24,9 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..core.logs import Named
 from ..core.phases import COORDINATOR, RSS, SYNC_PARTS, PhaseRecord, metric_name
+from .config import NAME
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +68,14 @@ def tb_folder(host: str) -> str:
 
 class Trouble:
     """A sink that cannot write: said once, then at most every ``REPORT_EVERY`` seconds, and when it recovers.
-    ``counts``: the sink loses records while it fails (and says how many); else it only falls behind."""
+    ``counts``: the sink loses records while it fails (and says how many); else it only falls behind. ``name``:
+    what its lines start with (its run's)."""
 
     REPORT_EVERY = 60.0
 
-    def __init__(self, what: str, *, counts: bool = True) -> None:
+    def __init__(self, what: str, name: str = NAME, *, counts: bool = True) -> None:
         self.what = what
+        self.log = Named(log, name)
         self.counts = counts
         self.failing_since: float | None = None
         self._reported = 0.0
@@ -82,18 +86,18 @@ class Trouble:
         self.lost += lost
         if self.failing_since is None:
             self.failing_since, self._reported = now, now
-            log.error("nodeox coordinator: cannot write %s (%s); the run goes on, writing is tried again", self.what,
-                      error)
+            self.log.error("cannot write %s (%s); the run goes on, writing is tried again", self.what,
+                           error)
         elif now - self._reported >= self.REPORT_EVERY:
             self._reported = now
-            log.error("nodeox coordinator: %s still cannot be written after %.0f s (%s)%s", self.what,
-                      now - self.failing_since, error, f"; {self.lost} records lost so far" if self.counts else "")
+            self.log.error("%s still cannot be written after %.0f s (%s)%s", self.what,
+                           now - self.failing_since, error, f"; {self.lost} records lost so far" if self.counts else "")
 
     def ok(self) -> None:
         if self.failing_since is not None:
-            log.warning("nodeox coordinator: writing %s again after %.0f s%s", self.what,
-                        time.monotonic() - self.failing_since,
-                        f" ({self.lost} records lost meanwhile)" if self.counts else "")
+            self.log.warning("writing %s again after %.0f s%s", self.what,
+                             time.monotonic() - self.failing_since,
+                             f" ({self.lost} records lost meanwhile)" if self.counts else "")
             self.failing_since, self.lost = None, 0
 
 
@@ -104,9 +108,10 @@ class LineFile:
 
     MAX_PENDING = 8 << 20
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, name: str = NAME) -> None:
         self.path = path
-        self.trouble = Trouble(str(path))
+        self.log = Named(log, name)
+        self.trouble = Trouble(str(path), name)
         self._fd: int | None = None
         self._end = 0  # the file's size after its last whole line
         self._pending: list[bytes] = []
@@ -142,8 +147,8 @@ class LineFile:
             fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
             self._end = _last_line_end(fd, os.fstat(fd).st_size)
             if self._end != os.fstat(fd).st_size:
-                log.warning("nodeox coordinator: %s ended in part of a line (an earlier crash); cut back to its last "
-                            "whole line", self.path)
+                self.log.warning("%s ended in part of a line (an earlier crash); cut back to its last "
+                                 "whole line", self.path)
             self._fd = fd
         return self._fd
 
@@ -174,17 +179,19 @@ def _last_line_end(fd: int, size: int, chunk: int = 1 << 16) -> int:
 
 class RunLog:
     """Appends records to ``events.jsonl`` and writes their durations and bytes as TensorBoard scalars; a disk
-    that fails for a while costs records, never the run (both recover once writing works again)."""
+    that fails for a while costs records, never the run (both recover once writing works again). ``name``: what
+    its lines start with (its run's)."""
 
     RETRY_S = 10.0  # how soon a TensorBoard writer that failed is made again
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, name: str = NAME) -> None:
         self.run_dir = run_dir
+        self.log = Named(log, name)
         run_dir.mkdir(parents=True, exist_ok=True)
-        self._events = LineFile(run_dir / EVENTS_FILE)
+        self._events = LineFile(run_dir / EVENTS_FILE, name)
         self._writers: dict[str, object] = {}
         self._retry_at: dict[str, float] = {}  # host -> when its failed TensorBoard writer may be made again
-        self._tb_trouble = Trouble(f"{run_dir / TB_DIR}")
+        self._tb_trouble = Trouble(f"{run_dir / TB_DIR}", name)
         self._sync_parts: dict[str, dict[int, dict[str, float]]] = {}  # host -> round -> sync part -> seconds
 
     def write(self, records: Iterable[PhaseRecord]) -> None:
@@ -193,8 +200,8 @@ class RunLog:
             try:
                 lines.append(json.dumps(r.to_json(), separators=(",", ":"), allow_nan=False).encode() + b"\n")
             except ValueError:
-                log.error("nodeox coordinator: a %s record of %s holds a non-finite number; not written", r.phase,
-                          r.host)
+                self.log.error("a %s record of %s holds a non-finite number; not written", r.phase,
+                               r.host)
                 continue
             self._tb(r)
         if lines:

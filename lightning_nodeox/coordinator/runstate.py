@@ -41,12 +41,13 @@ class RunState:
         self.published_round = -1  # the last round whose sync is published
         self.round_opened = time.time()  # when the open round started (or the model arrived)
         self.complete = False  # the round of a final delta is published: the run's end (rounds)
-        self.hosts = Hosts(config.lease)  # who takes part (membership; rounds note uploads and syncs)
+        self.hosts = Hosts(config.lease, config.name)  # who takes part (membership; rounds note uploads and syncs)
         self.changed = asyncio.Condition()  # notified whenever any of the above changes
         self.finished = asyncio.Event()  # complete, and every host gone: the coordinator may stop
         self.alone_since: float | None = None  # time.monotonic() since when no host is live (membership)
         self.given_up = asyncio.Event()  # no host live for --no-hosts-timeout: stop, resumable (membership)
         self.peak_rss = 0
+        self.listeners: list[Callable[[PhaseRecord], None]] = []  # given every record too (a relay's forwarding)
         self._parse = ThreadPoolExecutor(1, thread_name_prefix="nodeox-parse")
         self._work = ThreadPoolExecutor(1, thread_name_prefix="nodeox-work")
 
@@ -92,6 +93,9 @@ class RunState:
     # -- records --------------------------------------------------------------------------------------------
     def record(self, *records: PhaseRecord) -> None:
         self.runlog.write(records)
+        for listener in self.listeners:
+            for r in records:
+                listener(r)
 
     def sample_memory(self) -> int:
         now, rss = time.time(), rss_bytes()

@@ -38,6 +38,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import LineTooLong
 
 from ..core import protocol as proto
+from ..core.logs import Named
 from ..core.phases import COORDINATOR, MODEL_MATERIALIZE, PhaseRecord
 from ..core.protocol import HTTP_STATUS, Reason, Refusal
 from ..core.specs import PayloadError
@@ -54,6 +55,7 @@ BUFFERS = web.AppKey("buffers", object)
 UPLOADS = web.AppKey("uploads", object)
 BUDGET = web.AppKey("budget", intake.TelemetryBudget)
 CONNECTIONS = web.AppKey("connections", Connections)
+LOG = web.AppKey("log", Named)  # the module's logger, named as its run
 SEND_CHUNK = 8 << 20  # bytes handed to the transport at a time, so its buffer never holds a whole payload
 MIN_RATE = 1e6  # bytes/s: a transfer slower than this (after --transfer-timeout) is cut off
 MAX_UPLOADS = 8  # delta bodies read at once (each needs a receive buffer of the delta's size)
@@ -124,7 +126,7 @@ async def within(request: web.Request, seconds: float, work, what: str):
     except asyncio.TimeoutError:
         if request.transport is not None:
             request.transport.abort()
-        log.warning("nodeox coordinator: %s took longer than %.0f s; connection cut", what, seconds)
+        request.app[LOG].warning("%s took longer than %.0f s; connection cut", what, seconds)
         raise Refusal(Reason.TOO_SLOW, f"{what} took longer than {seconds:.0f} s") from None
 
 
@@ -155,18 +157,18 @@ async def errors_and_auth(request: web.Request, handler):
     except (ConnectionResetError, asyncio.CancelledError):
         raise
     except Exception as e:  # noqa: BLE001 - a bug must not take the coordinator down; say it and go on
-        log.exception("nodeox coordinator: %s %s failed", request.method, request.path)
+        request.app[LOG].exception("%s %s failed", request.method, request.path)
         return web.json_response({"error": f"coordinator error: {type(e).__name__}: {e}"}, status=500)
 
 
-def protocol_error(status: int, exc: BaseException | None, message: str | None) -> web.Response:
+def protocol_error(status: int, exc: BaseException | None, message: str | None, said: Named) -> web.Response:
     """The JSON error for a request aiohttp refused before any route saw it (``status`` is aiohttp's)."""
     if isinstance(exc, LineTooLong):
         return error(Reason.TOO_LARGE, f"the request line or a header is longer than the coordinator's limit of "
                                        f"{MAX_HEADER_BYTES} bytes", limit=MAX_HEADER_BYTES)
     if status < 500:
         return error(Reason.INVALID, f"malformed HTTP request: {message or exc}")
-    log.error("nodeox coordinator: request failed", exc_info=exc)
+    said.error("request failed", exc_info=exc)
     return web.json_response({"error": f"coordinator error: {type(exc).__name__}: {exc}"}, status=status)
 
 
@@ -174,9 +176,10 @@ class Handler(web.RequestHandler):
     """aiohttp's handler of one connection, counted in :class:`Connections` (one refused there is answered
     ``BUSY`` and closed), answering what aiohttp refuses itself with the JSON error (:func:`protocol_error`)."""
 
-    def __init__(self, server: web.Server, connections: Connections, **kwargs) -> None:
+    def __init__(self, server: web.Server, connections: Connections, said: Named, **kwargs) -> None:
         super().__init__(server, **kwargs)
         self._nodeox_connections = connections
+        self._nodeox_log = said
         self._nodeox_admitted = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -199,10 +202,10 @@ class Handler(web.RequestHandler):
 
     def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
-        log.info("nodeox coordinator: refused a request from %s: %s", request.remote, message or exc)
+        self._nodeox_log.info("refused a request from %s: %s", request.remote, message or exc)
         if request.writer.output_size > 0:  # as aiohttp: a response has begun, so the connection is broken
             raise ConnectionError("the response has begun; cannot send an error instead")
-        response = protocol_error(status, exc, message)
+        response = protocol_error(status, exc, message, self._nodeox_log)
         response.force_close()
         return response
 
@@ -417,7 +420,7 @@ async def post_events(request: web.Request) -> web.Response:
         raise Refusal(Reason.TOO_LARGE, f"event batch of {size} bytes is larger than {intake.MAX_EVENTS_BYTES}; "
                                         "send smaller batches")
     request.app[BUDGET].charge(host, size)  # before reading: a flood costs its sender's budget, not our time
-    batch = intake.parse_records(await request.read(), host)
+    batch = intake.parse_records(await request.read(), host, request.app[RUN].config.name)
     request.app[RUN].state.record(*batch.records)
     return web.json_response(batch.answer())
 
@@ -443,6 +446,7 @@ async def leave(request: web.Request) -> web.Response:
 def make_app(run: CoordinatorRun, token: str | None, connections: Connections) -> web.Application:
     app = web.Application(middlewares=[errors_and_auth], client_max_size=intake.MAX_JSON_BYTES)
     app[RUN] = run
+    app[LOG] = Named(log, run.config.name)
     app[TOKEN] = token or ""
     app[CONNECTIONS] = connections
     app[BUFFERS] = ReceiveBuffers()
@@ -489,25 +493,28 @@ def bound_url(scheme: str, bind_host: str, sockname: tuple) -> str:
 
 
 
-async def serve(config: CoordinatorConfig, ready_file: Path | None = None, before_publish=None) -> int:
+async def serve(config: CoordinatorConfig, ready_file: Path | None = None, before_publish=None,
+                make_run: lifecycle.MakeRun | None = None) -> int:
     """Run the coordinator over HTTP until the run completes (or a signal); returns the exit status. Its URL is
     written to ``ready_file`` once it listens; ``before_publish`` (for comparisons only) is awaited with each
-    round's sync before it is published."""
-    open_files = raise_open_file_limit()
+    round's sync before it is published; ``make_run`` builds the run (a site relay's, :mod:`lightning_nodeox.relay`)."""
+    open_files = raise_open_file_limit(config.name)
 
     async def listen(run: CoordinatorRun):
         config = run.config  # as taken up: a resumed run's settings
         connections = Connections(config.max_connections or connection_limit(open_files), config.idle_timeout)
+        app = make_app(run, config.token, connections)
+        said = app[LOG]
         if connections.limit > open_files - RESERVED_FILES:
-            log.warning("nodeox coordinator: --max-connections %d leaves fewer than %d of the %d files this process "
-                        "may open for the run itself; lower it or raise the open-file limit (ulimit -Hn)",
-                        connections.limit, RESERVED_FILES, open_files)
-        runner = web.AppRunner(make_app(run, config.token, connections), access_log=None)
+            said.warning("--max-connections %d leaves fewer than %d of the %d files this process may open for the "
+                         "run itself; lower it or raise the open-file limit (ulimit -Hn)", connections.limit,
+                         RESERVED_FILES, open_files)
+        runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         loop = asyncio.get_running_loop()
 
         def handler() -> Handler:
-            return Handler(runner.server, connections, loop=loop, access_log=None, max_line_size=MAX_HEADER_BYTES,
+            return Handler(runner.server, connections, said, loop=loop, access_log=None, max_line_size=MAX_HEADER_BYTES,
                            max_field_size=MAX_HEADER_BYTES)
 
         host, port = parse_bind(config.bind)
@@ -520,9 +527,9 @@ async def serve(config: CoordinatorConfig, ready_file: Path | None = None, befor
         (Path(config.run_dir) / "coordinator.json").write_text(json.dumps(info))
         if ready_file is not None:
             ready_file.write_text(url)
-        print(f"nodeox coordinator listening on {url} (run dir {config.run_dir}, {config.hosts} hosts)", flush=True)
-        log.info("nodeox coordinator: at most %d connections (open-file limit %d); one waiting %g s for a request "
-                 "is closed", connections.limit, open_files, connections.idle_timeout)
+        print(f"{config.name} listening on {url} (run dir {config.run_dir}, {config.hosts} hosts)", flush=True)
+        said.info("at most %d connections (open-file limit %d); one waiting %g s for a request is closed",
+                  connections.limit, open_files, connections.idle_timeout)
 
         async def stop() -> None:
             sweeping.cancel()
@@ -531,4 +538,4 @@ async def serve(config: CoordinatorConfig, ready_file: Path | None = None, befor
 
         return stop
 
-    return await lifecycle.run(config, listen, before_publish=before_publish)
+    return await lifecycle.run(config, listen, before_publish=before_publish, make_run=make_run)

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from ..core.hashing import model_hash
+from ..core.logs import Named
 from ..core.modelfile import check_model_file, model_header, read_model
 from ..core.settings import Q4Settings
 from ..core.specs import PayloadError, TensorSpec, specs_from_json
@@ -288,21 +289,22 @@ class RunStore:
 def take_up(config: CoordinatorConfig) -> tuple[CoordinatorConfig, SavedRun | None]:
     """The unfinished run saved in the run directory, to resume (its codec and outer optimizer win over the
     command line's), or None for a new run; an earlier run's records are then moved aside, saying where."""
+    said = Named(log, config.name)
     store = RunStore(config.run_dir)
     saved = None if config.fresh else store.load()
     if saved is not None and not saved.complete:
         store.check(saved)
         q4, outer = saved.q4, saved.outer
         if (q4, outer) != (config.q4, config.outer):
-            log.warning("nodeox coordinator: the resumed run keeps its codec (%s, block size %d, %s scales) and outer "
-                        "optimizer (%s); start with --fresh to change them", q4.codec, q4.block_size, q4.scale_dtype, outer)
+            said.warning("the resumed run keeps its codec (%s, block size %d, %s scales) and outer optimizer (%s); "
+                         "start with --fresh to change them", q4.codec, q4.block_size, q4.scale_dtype, outer)
         if config.initial_model is not None:
-            log.warning("nodeox coordinator: --initial-model is ignored: the run in %s is resumed", config.run_dir)
+            said.warning("--initial-model is ignored: the run in %s is resumed", config.run_dir)
         return replace(config, q4=q4, outer=outer), saved
     moved = store.archive()
     if moved is not None:
         why = "--fresh" if config.fresh else ("it held a finished run" if saved is not None else
                                               "it held records of an earlier run")
-        print(f"nodeox coordinator: starting a new run in {config.run_dir} ({why}); the earlier records are now in "
+        print(f"{config.name}: starting a new run in {config.run_dir} ({why}); the earlier records are now in "
               f"{moved}", flush=True)
     return config, None

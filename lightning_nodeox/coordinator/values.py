@@ -75,16 +75,21 @@ class ValueExchanges:
         deadline = time.monotonic() + wait
         while exchange.answer is None:
             if self._ready(key, exchange):
-                hosts = sorted(exchange.posted, key=_host_order)
-                exchange.answer = ValuesReply(key, hosts, [exchange.posted[h] for h in hosts])
-                exchange.posted = {}
-                await self.state.notify()
-                break
+                await self.answer(key, exchange)
+                if exchange.answer is not None:
+                    break
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
             await self.state.wait(lambda: exchange.answer is not None, min(POLL, left))
         return exchange.answer
+
+    async def answer(self, key: str, exchange: _Key) -> None:
+        """Answer a key that is ready: every payload posted, in host order (a site relay asks its upstream)."""
+        hosts = sorted(exchange.posted, key=host_order)
+        exchange.answer = ValuesReply(key, hosts, [exchange.posted[h] for h in hosts])
+        exchange.posted = {}
+        await self.state.notify()
 
     def pending(self, host: str) -> str | None:
         """A key ``host`` posted that is not answered yet (None when it waits on none)."""
@@ -127,6 +132,6 @@ class ValueExchanges:
             raise Refusal(Reason.BUSY, f"{OPEN} value keys are open at once; a host names a new key at every call")
 
 
-def _host_order(host: str) -> tuple:
+def host_order(host: str) -> tuple:
     """Numeric host ids by number, then the others by name (the order the run lists hosts in)."""
     return (0, int(host), "") if host.isdigit() else (1, 0, host)

@@ -72,6 +72,20 @@ def encode_delta(
         )
 
 
+def encode_mean(
+    k: Kernels, acc: torch.Tensor, inv_weight: float, residual: torch.Tensor | None, codes: torch.Tensor,
+    scales: torch.Tensor, *, start: int = 0, stop: int | None = None,
+) -> None:
+    """A site relay's delta: the codes of the mean ``acc * inv_weight (+ residual)`` for flat values ``[start,
+    stop)``; the residual is updated in place (the relay's own error feedback)."""
+    for s, e in chunk_ranges(acc.numel(), k.chunk, start, stop):
+        m = e - s
+        x = torch.mul(acc[s:e], inv_weight, out=k.x[:m])
+        if residual is not None:
+            x.add_(residual[s:e])
+        k.quantize(m, *k.blocks(codes, scales, s, k.padded(m)), residual_out=None if residual is None else residual[s:e])
+
+
 def encode_tensor(k: Kernels, values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *, seed=None) -> None:
     """The codes of a plain flat tensor (reference entry point for tests and benchmarks)."""
     for s, e in chunk_ranges(values.numel(), k.chunk):

@@ -108,6 +108,16 @@ class HttpClient:
         """Whether this client holds a credential from a join (calls on the host's behalf can be made)."""
         return bool(self._credential)
 
+    @property
+    def credential(self) -> str:
+        """This host's credential, from its last join ("" before one). A process that takes its place after a
+        restart (a site relay, from its run directory) sets it back, so its join takes the id back at once."""
+        return self._credential
+
+    @credential.setter
+    def credential(self, value: str) -> None:
+        self._credential = value
+
     def cancel(self) -> None:
         """Make waits and retries in progress give up (:class:`Cancelled`) at their next poll."""
         self._cancelled.set()
@@ -240,6 +250,11 @@ class HttpClient:
                                      ok=(200, 204), read_timeout=poll + self.read_timeout)
             if response.status_code == 200:
                 return ValuesReply.from_json(response.json())
+
+    def status(self) -> dict:
+        """The coordinator's run at a glance (``GET /v1/status``: its round, codec, hosts); a site relay asks it of
+        its upstream before it serves."""
+        return self._request("GET", proto.STATUS).json()
 
     def get_model(self) -> ByteStream:
         return ResponseStream(self._request("GET", proto.MODEL, params={"host": self.host}, stream=True))

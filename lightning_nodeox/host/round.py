@@ -187,7 +187,7 @@ class HostRound:
         is the final one). ``metrics``: this host's latest sync_dist values, ``{name: [value, reduction]}``."""
         self.tensors.boundary()
         message = self.encode(self.tensors.live, samples, final, metrics)
-        return self._finish_round(message, final, Into.LIVE)
+        return self.finish_round(message, final, Into.LIVE)
 
     def run_overlapped(self, samples: int, delayed: bool, metrics: dict[str, list] | None = None) -> RoundResult:
         """One exchange while training goes on: the delta is the snapshot's, and the sync goes into ``base``
@@ -195,9 +195,11 @@ class HostRound:
         message = self.encode(self.tensors.snapshot, samples, False, metrics)
         if delayed:
             self.tensors.snapshot_base()
-        return self._finish_round(message, False, Into.BASE)
+        return self.finish_round(message, False, Into.BASE)
 
-    def _finish_round(self, message: Q4Message, final: bool, into: Into) -> RoundResult:
+    def finish_round(self, message: Q4Message, final: bool, into: Into) -> RoundResult:
+        """Upload an encoded delta and take the round's sync (see :meth:`run_round`); sending it again after a
+        failure is harmless (a delta taken already is ``TAKEN``)."""
         self._final = final
         outcome = self.upload(message, into=into)
         result = self.synchronize(follow_to_end=final and outcome is not Upload.LATE, into=into)

@@ -145,13 +145,17 @@ class HostTensors:
         if self.device.type != "cpu":  # the codec works on the device; only packed bytes cross to host memory
             self._staging = torch.empty(self.layout.total - self.layout.data_start, dtype=torch.uint8,
                                         device=self.device)
-        self.base = [t.detach().clone() for t in self.live]
+        self.base = self._new_base()
         self._digests = [None] * len(self.live)
         if self.raw:
             log.info("nodeox: integer and boolean tensors, equal on every host from each round on (the values of "
                      "the host with the first id among those the round took): %s", ", ".join(self.raw_names))
         self.residual = ([torch.zeros(n, dtype=RESIDUAL_DTYPE, device=self.device) for n in self._coded]
                          if settings.error_feedback else None)
+
+    def _new_base(self) -> list[torch.Tensor]:
+        """θ_r's tensors at :meth:`allocate`: a copy of the live model."""
+        return [t.detach().clone() for t in self.live]
 
     def boundary(self) -> Part:
         """A round boundary: the tensors that move in the round closing now become the delta's (a set not seen

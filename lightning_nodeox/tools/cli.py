@@ -1,18 +1,20 @@
-"""The ``nodeox`` command: ``coordinator``, ``launch`` and ``report``."""
+"""The ``nodeox`` command: ``coordinator``, ``relay``, ``launch`` and ``report``."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import os
 import sys
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, fields, replace
 from pathlib import Path
 
 from ..coordinator.config import DEFAULT_PORT, CoordinatorConfig, OuterSettings
 from ..coordinator.outer import outer_names
 from ..core import logs
-from ..core.settings import BLOCK_SIZES, CODECS, SCALE_DTYPES, Q4Settings
+from ..core.settings import BLOCK_SIZES, CODECS, ENV_CA_FILE, SCALE_DTYPES, Q4Settings
+from ..relay.config import RelayConfig
 
 LAUNCH_BIND = "127.0.0.1:0"  # launch's coordinator serves this machine's hosts only, on a free port
 
@@ -22,9 +24,10 @@ def _defaults(cls) -> dict[str, object]:
     return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
 
 
-def _coordinator_options(p: argparse.ArgumentParser, *, bind: str) -> None:
-    """The coordinator's flags (``nodeox coordinator`` and ``nodeox launch`` alike), defaults from its settings."""
-    run, q4, outer = _defaults(CoordinatorConfig), _defaults(Q4Settings), _defaults(OuterSettings)
+def _serving_options(p: argparse.ArgumentParser, *, bind: str) -> None:
+    """The flags of what serves hosts (``nodeox coordinator``, ``launch`` and ``relay`` alike), defaults from the
+    coordinator's settings."""
+    run = _defaults(CoordinatorConfig)
     p.add_argument("--hosts", type=int, required=True, help="hosts in the run")
     p.add_argument("--run-dir", type=Path, required=True, help="where events.jsonl and tb/ are written")
     p.add_argument("--bind", default=bind, help="HOST:PORT to listen on (default %(default)s; "
@@ -54,6 +57,15 @@ def _coordinator_options(p: argparse.ArgumentParser, *, bind: str) -> None:
     p.add_argument("--tls-cert", type=Path, help="PEM certificate to serve HTTPS with (with --tls-key)")
     p.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
     p.add_argument("--elastic", action="store_true", help="admit more than --hosts distinct host ids")
+    p.add_argument("--threads", type=int, help="codec threads (default: this process's CPU quota)")
+    p.add_argument("--rss-interval", type=float, default=run["rss_interval"],
+                   help="seconds between memory samples (default %(default)g)")
+
+
+def _coordinator_options(p: argparse.ArgumentParser, *, bind: str) -> None:
+    """The coordinator's flags (``nodeox coordinator`` and ``nodeox launch`` alike), defaults from its settings."""
+    q4, outer = _defaults(Q4Settings), _defaults(OuterSettings)
+    _serving_options(p, bind=bind)
     p.add_argument("--block-size", type=int, default=q4["block_size"], choices=BLOCK_SIZES,
                    help="q4 values per scale (default %(default)s)")
     p.add_argument("--scale-dtype", default=q4["scale_dtype"], choices=SCALE_DTYPES,
@@ -68,15 +80,28 @@ def _coordinator_options(p: argparse.ArgumentParser, *, bind: str) -> None:
     p.add_argument("--outer-momentum", type=float, default=outer["momentum"],
                    help="outer momentum (nesterov; default %(default)g)")
     p.add_argument("--initial-model", type=Path, help="safetensors file to start from (default: the first host's)")
-    p.add_argument("--threads", type=int, help="codec threads (default: this process's CPU quota)")
-    p.add_argument("--rss-interval", type=float, default=run["rss_interval"],
-                   help="seconds between memory samples (default %(default)g)")
+
+
+def _relay_options(p: argparse.ArgumentParser) -> None:
+    """The flags of ``nodeox relay`` (beside its hosts' side, :func:`_serving_options`)."""
+    p.add_argument("--upstream", required=True, help="URL of the root coordinator, or of another relay")
+    p.add_argument("--upstream-token-file", type=Path, help="file holding the upstream's bearer token")
+    p.add_argument("--id", help="the relay's host id upstream (default: the run directory's name)")
+    _serving_options(p, bind=_defaults(CoordinatorConfig)["bind"])
+    p.add_argument("--ready-file", type=Path, help=argparse.SUPPRESS)
 
 
 def _launch_options(p: argparse.ArgumentParser) -> None:
     """The flags of ``nodeox launch`` itself (every other flag it takes goes to its coordinator)."""
     p.add_argument("--gpus-per-host", type=int, default=1,
                    help="GPUs each host sees (CUDA_VISIBLE_DEVICES); the host command uses Trainer(devices=K)")
+    p.add_argument("--sites", type=int, default=1,
+                   help="spread the hosts over this many sites, each behind a `nodeox relay` under the coordinator "
+                   "(default 1: every host straight to the coordinator)")
+
+
+RELAYED = ("round_timeout", "lease", "no_hosts_timeout", "snapshot_every", "transfer_timeout", "idle_timeout",
+           "max_connections", "fresh", "threads", "rss_interval")  # launch's flags its relays take as well
 
 
 def _read_token(path: Path | None) -> str | None:
@@ -97,13 +122,23 @@ def _config(args: argparse.Namespace) -> CoordinatorConfig:
             hosts=args.hosts, run_dir=args.run_dir, bind=args.bind, min_hosts=args.min_hosts,
             round_timeout=args.round_timeout, token=_read_token(args.token_file), insecure=args.insecure,
             elastic=args.elastic, tls_cert=args.tls_cert, tls_key=args.tls_key,
-            q4=Q4Settings(block_size=args.block_size, scale_dtype=args.scale_dtype, codec=args.codec),
-            initial_model=args.initial_model, threads=args.threads, rss_interval=args.rss_interval,
+            q4=Q4Settings(block_size=args.block_size, scale_dtype=args.scale_dtype, codec=args.codec)
+            if "codec" in args else Q4Settings(),  # a relay has no codec flags: it takes its upstream's
+            initial_model=getattr(args, "initial_model", None), threads=args.threads, rss_interval=args.rss_interval,
             exit_when_done=not getattr(args, "keep_running", False), lease=args.lease,
             no_hosts_timeout=args.no_hosts_timeout,
             snapshot_every=args.snapshot_every, transfer_timeout=args.transfer_timeout, fresh=args.fresh,
             idle_timeout=args.idle_timeout, max_connections=args.max_connections,
-            outer=OuterSettings(args.outer_optimizer, args.outer_lr, args.outer_momentum))
+            outer=OuterSettings(args.outer_optimizer, args.outer_lr, args.outer_momentum)
+            if "outer_optimizer" in args else OuterSettings())  # nor outer-optimizer flags: it never steps
+    except ValueError as e:
+        raise SystemExit(f"nodeox: {e}") from None
+
+
+def _relay_config(args: argparse.Namespace) -> RelayConfig:
+    try:
+        return RelayConfig(upstream=args.upstream, relay_id=args.id or RelayConfig.default_id(args.run_dir),
+                           token=_read_token(args.upstream_token_file), ca_file=os.environ.get(ENV_CA_FILE))
     except ValueError as e:
         raise SystemExit(f"nodeox: {e}") from None
 
@@ -116,14 +151,35 @@ def coordinator_argv(launch_argv: list[str]) -> list[str]:
     return ["--bind", LAUNCH_BIND, *own.parse_known_args(launch_argv)[1]]
 
 
+def relay_argv(launch_argv: list[str]) -> list[str]:
+    """The options ``nodeox launch --sites S LAUNCH_ARGV`` gives each relay beside its own: the serving flags given
+    (:data:`RELAYED`; ``--min-hosts`` counts the root's sites, not a site's hosts), and ``--token-file`` as both the
+    relay's and its upstream's."""
+    serving = argparse.ArgumentParser(add_help=False)
+    _serving_options(serving, bind=LAUNCH_BIND)
+    given = serving.parse_known_args(launch_argv)[0]
+    argv: list[str] = []
+    for action in serving._actions:
+        value = getattr(given, action.dest, None)
+        if action.dest not in RELAYED or value is None or value == action.default:
+            continue
+        argv += [action.option_strings[0]] if value is True else [action.option_strings[0], str(value)]
+    if given.token_file is not None:
+        argv += ["--token-file", str(given.token_file), "--upstream-token-file", str(given.token_file)]
+    return argv
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nodeox", description="lightning-nodeox: coordinator, launcher, report")
+    parser = argparse.ArgumentParser(prog="nodeox", description="lightning-nodeox: coordinator, relay, launcher, report")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("coordinator", help="run the HTTP coordinator of a run")
     _coordinator_options(p, bind=_defaults(CoordinatorConfig)["bind"])
     p.add_argument("--keep-running", action="store_true", help="keep serving after every host has finished")
     p.add_argument("--ready-file", type=Path, help=argparse.SUPPRESS)
+
+    p = sub.add_parser("relay", help="a site relay: a coordinator to its hosts, one host to its upstream")
+    _relay_options(p)
 
     p = sub.add_parser("launch", help="a coordinator and N hosts on this machine: nodeox launch ... -- COMMAND")
     _coordinator_options(p, bind=LAUNCH_BIND)
@@ -149,13 +205,29 @@ def main(argv: list[str] | None = None) -> int:
         from ..coordinator.server import serve
 
         return asyncio.run(serve(config, args.ready_file))
+    if args.cmd == "relay":
+        config, relay = _config(args), _relay_config(args)
+        from ..relay.run import serve as serve_relay
+
+        return asyncio.run(serve_relay(config, relay, args.ready_file))
     if args.cmd == "launch":
-        from .launch import launch
+        from .launch import launch, spread
 
         config = _config(args)  # validate before starting anything
         if args.gpus_per_host < 1:
             raise SystemExit(f"nodeox: --gpus-per-host must be at least 1, got {args.gpus_per_host}")
-        return launch(config, coordinator_argv(argv[1:]), command, args.gpus_per_host)
+        try:
+            spread(args.hosts, args.sites)
+        except ValueError as e:
+            raise SystemExit(f"nodeox: {e}") from None
+        if args.sites > 1:
+            try:
+                replace(config, hosts=args.sites)  # the root's own settings, one host per relay
+            except ValueError as e:
+                raise SystemExit(f"nodeox: with --sites {args.sites} the coordinator's hosts are its "
+                                 f"{args.sites} relays: {e}") from None
+        return launch(config, coordinator_argv(argv[1:]), command, args.gpus_per_host, sites=args.sites,
+                      relay_args=relay_argv(argv[1:]))
     if args.cmd == "report":
         from .report import main as report_main
 

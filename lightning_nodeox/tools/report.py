@@ -4,6 +4,12 @@ Per round: each host phase as its range across hosts (``17.8–22.3 s``, as in t
 phases, aggregation-to-sync (aggregation end to each host's download start), bytes up and down, each host's
 wait share (the fraction of its round its trainer spent waiting on the exchange), and coordinator memory after
 the round. Then a run summary. ``--json`` gives the same, machine-readable; ``--plot`` draws a timeline.
+
+A run with site relays is grouped by site: the records a relay forwarded (``SITE/HOST``, ``SITE/coordinator``) make
+a report of their own (the same tables, nested sites too) under ``sites`` of each round and of the summary, the
+relay itself (host ``SITE``, its upload, wait and sync) is a row of the root's tables, and the bytes over the links
+into the root (``far_bytes``: the relays' and any host's straight to the root) stand apart from those inside the
+sites (``site_bytes``).
 """
 
 from __future__ import annotations
@@ -54,8 +60,49 @@ def span(values: list[float]) -> dict:
     return {"min": min(values), "max": max(values)} if values else {}
 
 
+def by_site(records: list[dict]) -> tuple[list[dict], dict[str, list[dict]]]:
+    """The records of the root's own tables, and those each relay forwarded (``SITE/...``) under SITE, with the
+    prefix taken off (``SITE/0`` -> ``0``, ``SITE/coordinator`` -> ``coordinator``; ``SITE/B/0`` -> ``B/0``)."""
+    own, sites = [], defaultdict(list)
+    for r in records:
+        site, sep, rest = str(r["host"]).partition("/")
+        if sep:
+            sites[site].append({**r, "host": rest})
+        else:
+            own.append(r)
+    return own, dict(sorted(sites.items()))
+
+
+def _moved(rnd: dict) -> dict:
+    """Bytes up and down over every link of a round's report: its hosts' and, inside its sites, theirs."""
+    inside = [_moved(site) for site in rnd.get("sites", {}).values()]
+    return {k: sum(b[k] for b in rnd["bytes"].values()) + sum(b[k] for b in inside) for k in ("up", "down")}
+
+
 def build(records: list[dict]) -> dict:
-    """The report as a dict (what ``--json`` prints)."""
+    """The report as a dict (what ``--json`` prints), grouped by site when relays forwarded records."""
+    own, sites = by_site(records)
+    report = _build(own)
+    if not sites:
+        return report
+    nested = {name: build(site_records) for name, site_records in sites.items()}
+    for rnd in report["rounds"]:
+        rnd["sites"] = {name: site_rnd for name, sub in nested.items()
+                        for site_rnd in sub["rounds"] if site_rnd["round"] == rnd["round"]}
+        rnd["far_bytes"] = {k: sum(b[k] for b in rnd["bytes"].values()) for k in ("up", "down")}
+        within = [_moved(site_rnd) for site_rnd in rnd["sites"].values()]
+        rnd["site_bytes"] = {k: sum(b[k] for b in within) for k in ("up", "down")}
+    summary = report["summary"]
+    timed = [r for r in records if r["phase"] != P.RSS]  # the run's wall time over every site's records too
+    summary["wall_s"] = max(r["end"] for r in timed) - min(r["start"] for r in timed)
+    summary["sites"] = {name: sub["summary"] for name, sub in nested.items()}
+    for key in ("far_bytes", "site_bytes"):
+        summary[key] = {k: sum(rnd[key][k] for rnd in report["rounds"]) for k in ("up", "down")}
+    return report
+
+
+def _build(records: list[dict]) -> dict:
+    """The report of one coordinator's records (a flat run's, or the root's or one site's own)."""
     seconds = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))  # round -> phase -> host -> s
     first = {}  # (round, host, phase) -> earliest record
     bytes_moved = defaultdict(lambda: defaultdict(lambda: {"up": 0, "down": 0}))  # round -> host
@@ -154,7 +201,7 @@ def _host_key(h: str):
 
 
 def _seconds(s: dict) -> str:
-    if not s:
+    if "min" not in s:  # no value (a per-host dict with no host in it)
         return "-"
     lo, hi = s["min"], s["max"]
     return f"{lo:.3f} s" if abs(hi - lo) < 5e-4 else f"{lo:.3f}–{hi:.3f} s"
@@ -170,30 +217,45 @@ def _bytes(n: float | None) -> str:
     return f"{n:.1f} GB"
 
 
+def _round_lines(rnd: dict, indent: str = "  ") -> list[str]:
+    """One round's table (a site's nested under its relay's row, further indented)."""
+    lines = [f"{indent}{'host phase':22} across hosts"]
+    for ph, s in rnd["host_phases"].items():
+        lines.append(f"{indent}{ph:22} {_seconds(s)}")
+    cp = rnd["coordinator_phases"]
+    if "receive" in cp:
+        lines.append(f"{indent}{'coordinator receive':22} {_seconds(cp['receive'])}")
+    for ph in P.COORDINATOR_PHASES:
+        if ph != P.RECEIVE and ph in cp:
+            lines.append(f"{indent}{'coordinator ' + ph:22} {cp[ph]:.3f} s")
+    lines.append(f"{indent}{'aggregation-to-sync':22} {_seconds(rnd['aggregation_to_sync'])}")
+    up = [b["up"] for b in rnd["bytes"].values()]
+    down = [b["down"] for b in rnd["bytes"].values()]
+    lines.append(f"{indent}{'bytes up / down':22} {_bytes(sum(up))} / {_bytes(sum(down))}"
+                 f"  (per host {_bytes(min(up, default=0))}–{_bytes(max(up, default=0))} up)")
+    if "far_bytes" in rnd:
+        far, near = rnd["far_bytes"], rnd["site_bytes"]
+        lines.append(f"{indent}{'far links / in sites':22} {_bytes(far['up'])} / {_bytes(far['down'])} across "
+                     f"the links into this coordinator; {_bytes(near['up'])} / {_bytes(near['down'])} inside the sites")
+    share = ", ".join(f"host {h} {v:.0%}" for h, v in rnd["wait_share"].items())
+    lines.append(f"{indent}{'wait share':22} {share or '-'}")
+    lines.append(f"{indent}{'coordinator RSS after':22} {_bytes(rnd['coordinator_rss_after_bytes'])}")
+    for name, site in rnd.get("sites", {}).items():
+        lines.append(f"{indent}site {name} (relay {name}; hosts {', '.join(site['hosts']) or '-'})")
+        lines += _round_lines(site, indent + "  ")
+    return lines
+
+
 def render(report: dict) -> str:
     lines = []
     for rnd in report["rounds"]:
         lines.append(f"round {rnd['round']}  (hosts {', '.join(rnd['hosts']) or '-'})")
-        lines.append(f"  {'host phase':22} across hosts")
-        for ph, s in rnd["host_phases"].items():
-            lines.append(f"  {ph:22} {_seconds(s)}")
-        cp = rnd["coordinator_phases"]
-        if "receive" in cp:
-            lines.append(f"  {'coordinator receive':22} {_seconds(cp['receive'])}")
-        for ph in P.COORDINATOR_PHASES:
-            if ph != P.RECEIVE and ph in cp:
-                lines.append(f"  {'coordinator ' + ph:22} {cp[ph]:.3f} s")
-        lines.append(f"  {'aggregation-to-sync':22} {_seconds(rnd['aggregation_to_sync'])}")
-        up = [b["up"] for b in rnd["bytes"].values()]
-        down = [b["down"] for b in rnd["bytes"].values()]
-        lines.append(f"  {'bytes up / down':22} {_bytes(sum(up))} / {_bytes(sum(down))}"
-                     f"  (per host {_bytes(min(up, default=0))}–{_bytes(max(up, default=0))} up)")
-        share = ", ".join(f"host {h} {v:.0%}" for h, v in rnd["wait_share"].items())
-        lines.append(f"  {'wait share':22} {share or '-'}")
-        lines.append(f"  {'coordinator RSS after':22} {_bytes(rnd['coordinator_rss_after_bytes'])}")
+        lines += _round_lines(rnd)
         lines.append("")
     s = report["summary"]
-    lines.append(f"run: {s['rounds']} rounds, {len(s['hosts'])} hosts, {s['wall_s']:.1f} s; "
+    inside = sum(len(site["hosts"]) for site in s.get("sites", {}).values())
+    who = f"{len(s['hosts'])} hosts" + (f" at the root ({len(s['sites'])} relays), {inside} in the sites" if inside else "")
+    lines.append(f"run: {s['rounds']} rounds, {who}, {s['wall_s']:.1f} s; "
                  f"{_bytes(s['bytes_up'])} up, {_bytes(s['bytes_down'])} down; "
                  f"coordinator peak RSS {_bytes(s['coordinator_peak_rss_bytes'])}; "
                  f"{s['fallback_fetches']} full-model fetches")
@@ -202,6 +264,12 @@ def render(report: dict) -> str:
     if s["aggregation_to_sync_median_s"] is not None:
         lines.append(f"aggregation-to-sync, median of the slowest host: {s['aggregation_to_sync_median_s']:.3f} s")
     lines.append("mean wait share: " + (", ".join(f"host {h} {v:.0%}" for h, v in s["mean_wait_share"].items()) or "-"))
+    if "far_bytes" in s:
+        lines.append(f"far links: {_bytes(s['far_bytes']['up'])} up, {_bytes(s['far_bytes']['down'])} down; inside "
+                     f"the sites: {_bytes(s['site_bytes']['up'])} up, {_bytes(s['site_bytes']['down'])} down")
+    for name, site in s.get("sites", {}).items():
+        lines.append(f"site {name}: {site['rounds']} rounds, hosts {', '.join(site['hosts']) or '-'}; relay peak RSS "
+                     f"{_bytes(site['coordinator_peak_rss_bytes'])}; {site['fallback_fetches']} full-model fetches")
     return "\n".join(lines)
 
 
