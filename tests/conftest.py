@@ -51,6 +51,9 @@ class Zygote:
             self.proc.kill()
             self.proc.wait()
         self.log.close()
+        said = (self.dir / "zygote.log").read_text()
+        if said:  # refusals (processes that ran by themselves) or a bad request: shown, never silent
+            print(f"\n{said}", end="", file=sys.__stderr__)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
