@@ -38,9 +38,11 @@ import sys
 import threading
 import traceback
 
-SENSITIVE = ("PYTHON", "OMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO", "TORCH", "PYTORCH", "CUDA", "NCCL", "LD_",
-             "MALLOC", "SKLEARN", "PL_", "LIGHTNING")  # read at interpreter start or at import
-MAY_DIFFER = ("PYTHONPATH", "PYTHONUNBUFFERED", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "PYTHONIOENCODING")
+# read at interpreter start or at import (CUDA_*, NCCL_*, PL_*: only once a process uses them)
+SENSITIVE = ("PYTHON", "OMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTO", "TORCH", "PYTORCH", "LD_", "MALLOC", "SKLEARN",
+             "POSSIBLE_USER_WARNINGS")
+MAY_DIFFER = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONIOENCODING", "OMP_NUM_THREADS",  # the child applies them
+              "TORCHELASTIC_", "TORCH_NCCL_")  # torchrun's, for its workers: read when they run
 
 started_env = dict(os.environ)  # before the imports: what a request's environment is compared with
 import lightning.pytorch  # noqa: F401
@@ -65,7 +67,7 @@ def site_path(env: dict[str, str]) -> list[str]:
 def refusal(env: dict[str, str]) -> str | None:
     """Why a child with ``env`` would not start as a fresh interpreter would from here; None when it would."""
     for k in sorted(set(env) | set(started_env)):
-        if k.startswith(SENSITIVE) and k not in MAY_DIFFER and env.get(k) != started_env.get(k) and not (
+        if k.startswith(SENSITIVE) and not k.startswith(MAY_DIFFER) and env.get(k) != started_env.get(k) and not (
                 k in set_by_imports and env[k] == set_by_imports[k]):  # the test process made the same imports
             return f"{k} differs from the zygote's"
     if "sitecustomize" in sys.modules:  # it ran here; another one on the child's PYTHONPATH would run there
