@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +20,59 @@ from helpers import Coordinator  # noqa: E402 - after the path that finds it
 from restarts import run  # noqa: E402
 
 from lightning_nodeox.core.phases import PhaseLog  # noqa: E402
+
+
+class Zygote:
+    """tests/zygote.py, the fork server behind tests/hosts/forked.py (it saves each host process ~5 s of imports):
+    started with the session when slow tests run, its socket named in ``NODEOX_TEST_ZYGOTE`` once it listens
+    (before the first slow test), stopped at the end. ``NODEOX_TEST_NO_ZYGOTE=1`` keeps it off."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="nodeox-zygote-"))
+        self.socket = self.dir / "socket"
+        self.log = open(self.dir / "zygote.log", "w")  # noqa: SIM115 - closed in stop(); never mixed with a test's
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "zygote.py"), str(self.socket)],
+                                     stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def ready(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.socket.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the test zygote did not start: {(self.dir / 'zygote.log').read_text()}")
+            time.sleep(0.05)
+        os.environ["NODEOX_TEST_ZYGOTE"] = str(self.socket)
+
+    def stop(self) -> None:
+        os.environ.pop("NODEOX_TEST_ZYGOTE", None)
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+        said = (self.dir / "zygote.log").read_text()
+        if said:  # refusals (processes that ran by themselves) or a bad request: shown, never silent
+            print(f"\n{said}", end="", file=sys.__stderr__)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def zygote(request):
+    """The session's zygote, or None when no slow test runs or it is switched off."""
+    wanted = os.environ.get("NODEOX_TEST_NO_ZYGOTE") != "1" and any(
+        item.get_closest_marker("slow") for item in request.session.items)
+    z = Zygote() if wanted else None
+    yield z
+    if z is not None:
+        z.stop()
+
+
+@pytest.fixture(autouse=True)
+def zygote_ready(request, zygote) -> None:
+    """A test that starts processes waits for the zygote to listen (unit tests run while it imports)."""
+    if zygote is not None and request.node.get_closest_marker("slow"):
+        zygote.ready()
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -37,6 +38,7 @@ from lightning_nodeox.host.tensors import HostTensors
 
 REPO = Path(__file__).resolve().parents[1]
 HOSTS = Path(__file__).parent / "hosts"
+FORKED = HOSTS / "forked.py"  # runs `python SCRIPT` forked from the session's zygote (tests/zygote.py): suite time
 SETTINGS = Q4Settings()
 
 # A model as a coordinator receives it over HTTP: named tensors, one of them a buffer.
@@ -233,6 +235,38 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 # Processes of a run
 
+class Process(subprocess.Popen):
+    """A Popen whose ``wait`` returns once the process is gone, also one forked from the zygote: after its forwarder
+    is killed (-9) the zygote kills the child a moment later, and a test must not start its successor before."""
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = super().wait(timeout)
+        path = os.environ.get("NODEOX_TEST_ZYGOTE")
+        if path and os.path.exists(path):
+            request = json.dumps({"gone": self.pid}).encode()
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(30)
+                try:
+                    s.connect(path)
+                    s.sendall(struct.pack("!Q", len(request)) + request)
+                    s.recv(1)  # the zygote closes it once the forwarder's child is gone
+                except OSError:
+                    pass
+        return code
+
+
+def forked(command: list[str]) -> list[str]:
+    """``command`` with tests/hosts/forked.py in front of the script (or ``-m MODULE``) when it runs this
+    interpreter, so that it is forked from the zygote with torch and Lightning imported (the same process
+    otherwise; it runs the script itself without a zygote); torchrun's workers are forked too."""
+    if command[:1] != [sys.executable] or command[1:2] == [str(FORKED)]:
+        return command
+    if command[1:3] == ["-m", "torch.distributed.run"]:
+        script = next(i for i, a in enumerate(command) if i > 2 and a.endswith(".py"))
+        command = [*command[:script], str(FORKED), *command[script:]]
+    return [sys.executable, str(FORKED), *command[1:]]
+
+
 class socket_closed_port:
     """A local port with nothing listening on it."""
 
@@ -259,9 +293,9 @@ class Coordinator:
         n = len(list(run_dir.parent.glob(f"{run_dir.name}-coordinator*.log")))
         self.log_path = run_dir.parent / f"{run_dir.name}-coordinator{n}.log"  # outside: a new run moves records aside
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "lightning_nodeox", command, "--hosts", str(hosts), "--run-dir", str(run_dir),
-             "--bind", "127.0.0.1:0", "--ready-file", str(ready), "--threads", "1", *args],
+        self.proc = Process(
+            [sys.executable, str(FORKED), "-m", "lightning_nodeox", command, "--hosts", str(hosts), "--run-dir",
+             str(run_dir), "--bind", "127.0.0.1:0", "--ready-file", str(ready), "--threads", "1", *args],
             stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
         deadline = time.monotonic() + timeout
         while not ready.exists():
@@ -270,6 +304,11 @@ class Coordinator:
                 raise RuntimeError(f"coordinator did not start: {self.log_path.read_text()}")
             time.sleep(0.05)
         self.url = ready.read_text().strip()
+
+    @property
+    def pid(self) -> int:
+        """The coordinator's own process (``proc`` may be its forwarder, tests/hosts/forked.py)."""
+        return json.loads((self.run_dir / "coordinator.json").read_text())["pid"]
 
     def events(self) -> list[dict]:
         path = self.run_dir / "events.jsonl"
@@ -294,7 +333,7 @@ def launch(run_dir: Path, hosts: int, command: list[str], *coordinator_args: str
     """`nodeox launch` a run on this machine (in ``cwd``), bounded by ``timeout`` seconds."""
     return subprocess.run(
         [sys.executable, "-m", "lightning_nodeox", "launch", "--hosts", str(hosts), "--run-dir", str(run_dir),
-         "--threads", "1", *coordinator_args, "--", *command],
+         "--threads", "1", *coordinator_args, "--", *forked(command)],
         capture_output=True, text=True, timeout=timeout, cwd=cwd,
         env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {})))
 
@@ -322,7 +361,7 @@ def recorded(host) -> list:
 
 # Digits hosts started one by one (as `nodeox launch` would)
 
-DIGITS = [sys.executable, str(HOSTS / "digits_host.py")]
+DIGITS = [sys.executable, str(FORKED), str(HOSTS / "digits_host.py")]
 
 
 def start_host(host: str, url: str, out: Path, *args: str, token: str | None = None) -> subprocess.Popen:
@@ -333,7 +372,7 @@ def start_host(host: str, url: str, out: Path, *args: str, token: str | None = N
     log = open(out / f"host{host}-{n}.log", "w")  # noqa: SIM115 - the child writes it; closed when the test ends
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", NODEOX_HOST_ID=host, NODEOX_COORDINATOR_URL=url,
                **({"NODEOX_TOKEN": token} if token else {}))
-    return subprocess.Popen([*DIGITS, "--out", str(out), *args], cwd=REPO, env=env, stdout=log,
+    return Process([*DIGITS, "--out", str(out), *args], cwd=REPO, env=env, stdout=log,
                             stderr=subprocess.STDOUT)
 
 
@@ -401,7 +440,7 @@ def run_together(commands: dict[str, tuple[list[str], dict[str, str]]], logs: Pa
     try:
         for name, (command, extra) in commands.items():
             with open(logs / f"{name}.log", "w") as log:
-                procs[name] = subprocess.Popen(command, env=dict(env, **extra), cwd=REPO, stdout=log,
+                procs[name] = Process(forked(command), env=dict(env, **extra), cwd=REPO, stdout=log,
                                                stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         return {name: p.wait(max(0.1, deadline - time.monotonic())) for name, p in procs.items()}

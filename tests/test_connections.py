@@ -226,7 +226,7 @@ def test_the_coordinator_raises_its_open_file_limit_to_the_hard_limit_and_sizes_
         coord = coordinator(1)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    line = next(line for line in Path(f"/proc/{coord.proc.pid}/limits").read_text().splitlines()
+    line = next(line for line in Path(f"/proc/{coord.pid}/limits").read_text().splitlines()
                 if line.startswith("Max open files"))
     assert line.split()[3:5] == [str(hard), str(hard)]
     assert status(coord.url)["connections"]["limit"] == connection_limit(hard)

@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from helpers import forked
 from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -109,7 +110,7 @@ def test_a_host_whose_coordinator_stops_before_the_run_completed_exits_non_zero_
     coord = coordinator(1)
     script = tmp_path / "host.py"
     script.write_text(HOST.format(tests=os.path.dirname(__file__)))
-    host = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE,
+    host = subprocess.Popen(forked([sys.executable, str(script), str(tmp_path)]), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, NODEOX_COORDINATOR_URL=coord.url, NODEOX_HOST_ID="h",
                                      PYTHONUNBUFFERED="1"))

@@ -15,7 +15,7 @@ from collections import defaultdict
 import pytest
 import requests
 import torch
-from helpers import HOSTS, REPO, bits, launch, load, read_events
+from helpers import DIGITS, HOSTS, REPO, bits, launch, load, read_events
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 pytestmark = pytest.mark.slow  # every test here starts processes
@@ -96,7 +96,7 @@ def test_sigterm_while_waiting_for_a_sync_leaves_at_once(tmp_path) -> None:
     rounds host 1 no longer sends to), and launch names the host that failed and exits non-zero."""
     run_dir, out = tmp_path / "run", tmp_path / "out"
     cmd = [sys.executable, "-m", "lightning_nodeox", "launch", "--hosts", "2", "--run-dir", str(run_dir), "--threads",
-           "1", "--round-timeout", "4", "--min-hosts", "1", "--", sys.executable, str(HOSTS / "digits_host.py"),
+           "1", "--round-timeout", "4", "--min-hosts", "1", "--", *DIGITS,
            "--out", str(out), "--stall-host", "0", "--stall-round", "1", "--stall-seconds", "6"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
                             env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1"))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import HOSTS, REPO, launch, load, logs_of, read_events, run_together, torchrun
+from helpers import HOSTS, REPO, forked, launch, load, logs_of, read_events, run_together, torchrun
 from lightning.pytorch import Trainer
 
 from lightning_nodeox import NodeoxStrategy
@@ -124,8 +124,8 @@ def test_a_failure_on_rank_0_stops_every_rank_of_the_host_with_its_message(tmp_p
     env = {k: v for k, v in os.environ.items() if k != "NODEOX_COORDINATOR_URL"}
     env.update(OMP_NUM_THREADS="1", NODEOX_HOST_ID="0",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([*torchrun("--standalone", "--nproc-per-node", "2"),
-                             str(HOSTS / "digits_host.py"), "--out", str(tmp_path / "out"), "--devices", "2"],
+    result = subprocess.run(forked([*torchrun("--standalone", "--nproc-per-node", "2"),
+                                    str(HOSTS / "digits_host.py"), "--out", str(tmp_path / "out"), "--devices", "2"]),
                             env=env, cwd=REPO, capture_output=True, text=True, timeout=180, check=False)
     assert result.returncode != 0
     output = result.stdout + result.stderr

@@ -55,6 +55,8 @@ def test_a_killed_host_is_dropped_at_its_lease_and_rejoins_when_started_again(co
         killed = time.time()
         procs[2].wait()
         killed_round = max(published(coord.run_dir)) + 1
+        # until its lease ends its id is in use (a restart forked from the zygote is back well within 2 s)
+        wait_for(lambda: "host 2: no heartbeat" in coord.log_path.read_text(), 30, "host 2's lease to end")
         procs[2] = start_host("2", coord.url, out, "--max-steps", "30", *pace)
 
         def three_again() -> bool:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from helpers import MODEL, SPECS, Coordinator, body_bytes, delta_message, expected_after_round, model_file
+from helpers import MODEL, SPECS, Coordinator, body_bytes, delta_message, expected_after_round, forked, model_file
 
 from lightning_nodeox.coordinator.config import CoordinatorConfig
 from lightning_nodeox.coordinator.server import bound_url
@@ -170,7 +170,7 @@ def test_launch_passes_tls_and_the_token_to_its_hosts(tmp_path) -> None:
     out = subprocess.run([sys.executable, "-m", "lightning_nodeox", "launch", "--hosts", "1", "--run-dir",
                           str(tmp_path / "run"), "--threads", "1", "--token-file", str(tmp_path / "token"),
                           "--tls-cert", str(cert), "--tls-key", str(key), "--elastic", "--",
-                          sys.executable, str(tmp_path / "host.py")],
+                          *forked([sys.executable, str(tmp_path / "host.py")])],
                          capture_output=True, text=True, timeout=180, env=dict(env, PYTHONUNBUFFERED="1"))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "[host 0] sync complete: True" in out.stdout

@@ -50,17 +50,17 @@ def test_a_second_coordinator_on_a_run_directory_refuses_at_once_naming_the_firs
     second = start_coordinator(first.run_dir)
     assert second.returncode == 2, second.stderr
     assert time.monotonic() - began < 30  # at once: no wait for a lease or a timeout
-    assert f"another coordinator holds {first.run_dir} (pid {first.proc.pid} on {socket.gethostname()}" in second.stderr
+    assert f"another coordinator holds {first.run_dir} (pid {first.pid} on {socket.gethostname()}" in second.stderr
     assert "Traceback" not in second.stderr
     assert {name: (first.run_dir / name).read_text() for name in before} == before  # the second changed nothing
-    assert json.loads(before[LOCK_FILE])["pid"] == first.proc.pid
+    assert json.loads(before[LOCK_FILE])["pid"] == first.pid
     assert requests.get(f"{first.url}/v1/status", timeout=10).json()["round"] == 0  # the first serves on
 
     first.proc.send_signal(signal.SIGKILL)  # the kernel releases the lock of a process that dies
     assert first.wait(30) == -signal.SIGKILL
     again = coordinator(1, run_dir=first.run_dir)
     assert requests.get(f"{again.url}/v1/status", timeout=10).json()["round"] == 0
-    assert json.loads((again.run_dir / LOCK_FILE).read_text())["pid"] == again.proc.pid
+    assert json.loads((again.run_dir / LOCK_FILE).read_text())["pid"] == again.pid
 
 
 # -- a new run moves aside what a run wrote, and nothing else --------------------------------------------------------
