@@ -112,6 +112,11 @@ def test_two_sites_behind_relays_end_bit_identical_with_the_root_and_stop_togeth
         assert "could not be sent" not in said
         records = forwarded_whole(tmp_path / name, root.run_dir, name)
         assert ("coordinator", 5, "sync_prepare") in records and all((h, 5, "verify") in records for h in site)
+        # TensorBoard: a site's hosts (and the relay's own upstream phases) where its relay writes them, the
+        # relays (as hosts) at the root
+        assert sorted(p.name for p in (tmp_path / name / "tb").iterdir()) == sorted(
+            ["coordinator", f"host_{name}", *(f"host_{h}" for h in site)])
+    assert sorted(p.name for p in (root.run_dir / "tb").iterdir()) == ["coordinator", *(f"host_{n}" for n in SITES)]
 
 
 def status(url: str) -> dict:
