@@ -13,7 +13,7 @@ from functools import partial
 
 import pytest
 import torch
-from helpers import SETTINGS, bits, exchange, frozen, hosts, read_events, train, wait_for
+from helpers import SETTINGS, bits, exchange, frozen, hosts, read_events, socket_closed_port, train, wait_for
 from local_transport import LocalClient, LocalCoordinator
 from reference_q4 import kernels
 
@@ -22,7 +22,7 @@ from lightning_nodeox.coordinator.model import CoordinatorModel
 from lightning_nodeox.core.codec import decode_tensor, encode_tensor
 from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.pool import WorkerPool
-from lightning_nodeox.core.protocol import Reason, Refusal, ValuesReply
+from lightning_nodeox.core.protocol import Reason, Refusal, Unreachable, ValuesReply
 from lightning_nodeox.core.wire import Q4Message, Q4Meta
 from lightning_nodeox.host.tensors import HostTensors
 from lightning_nodeox.relay.config import RelayConfig
@@ -299,3 +299,12 @@ def test_every_site_flattens_the_upstreams_values_answer_into_the_same_list() ->
     assert at_a.hosts == ["3", "0", "1", "siteB/2", "siteB/sub/5"]
     assert at_b.hosts == ["3", "siteA/0", "siteA/1", "2", "sub/5"]
     assert at_sub.hosts == ["3", "siteA/0", "siteA/1", "2", "5"]
+
+
+def test_an_unreachable_upstream_names_the_relays_upstream_flag_not_the_hosts_variable() -> None:
+    with socket_closed_port() as port:
+        url = f"http://127.0.0.1:{port}"
+        upstream = Upstream(RelayConfig(upstream=url, relay_id="siteA", retry_for=0.5))
+        with pytest.raises(Unreachable, match=r"did not answer .*Check `nodeox relay --upstream`") as raised:
+            upstream.client.status()
+        assert "NODEOX_COORDINATOR_URL" not in str(raised.value)

@@ -86,12 +86,16 @@ class ResponseStream:
 
 class HttpClient:
     """Talks to one coordinator over HTTP(S) on behalf of host ``host``: a
-    :class:`~lightning_nodeox.core.transport.HostClient`."""
+    :class:`~lightning_nodeox.core.transport.HostClient`. ``check``: what to check when the coordinator does not
+    answer (how this process was told where it is)."""
+
+    CHECK = "Check NODEOX_COORDINATOR_URL and that `nodeox coordinator` is running there."
 
     def __init__(self, url: str, *, host: str, token: str | None = None, ca_file: str | None = None,
                  connect_timeout: float = 5.0, read_timeout: float = 120.0, retry_for: float = 60.0,
-                 clock: ClockOffset | None = None) -> None:
+                 clock: ClockOffset | None = None, check: str = CHECK) -> None:
         self.url = url.rstrip("/")
+        self.check = check
         self.host = host
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
@@ -169,7 +173,7 @@ class HttpClient:
             if time.monotonic() + delay > deadline:
                 raise Unreachable(
                     f"coordinator at {self.url} did not answer {method} {path} after {attempt} tries "
-                    f"({problem}). Check NODEOX_COORDINATOR_URL and that `nodeox coordinator` is running there.")
+                    f"({problem}). {self.check}")
             log.warning("nodeox: %s %s failed (%s); retrying in %.1fs", method, path, problem, delay)
             time.sleep(delay)
             delay = min(delay * 2, 5.0)

@@ -74,7 +74,9 @@ class Upstream:
         self.config = config
         self.log = Named(log, config.name)
         self.client = client or HttpClient(config.upstream, host=config.relay_id, token=config.token,
-                                           ca_file=config.ca_file, retry_for=config.retry_for)
+                                           ca_file=config.ca_file, retry_for=config.retry_for,
+                                           check="Check `nodeox relay --upstream` and that the coordinator (or "
+                                                 "relay) is running there.")
         self.phases = PhaseLog(config.relay_id)
         self.telemetry = TelemetryShipper(self.client, self.client.clock)
         self.phases.listeners.append(self.telemetry)  # and the relay's own run log (RelayRun)
