@@ -8,12 +8,15 @@ never another benchmark; it runs another benchmark's file as a process where it 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -134,3 +137,22 @@ def relay_command(upstream: str, hosts: int, run_dir: Path, ready: Path, *args: 
     writing its URL to ``ready``."""
     return [sys.executable, "-m", "lightning_nodeox", "relay", "--upstream", upstream, "--hosts", str(hosts),
             "--run-dir", str(run_dir), "--bind", "127.0.0.1:0", "--ready-file", str(ready), *args]
+
+
+def run_async(run: Callable[[Path], Awaitable[dict]], run_dir: Path | None, name: str) -> dict:
+    """``run(workdir)`` on an event loop, in ``run_dir`` (None: a temporary directory, removed after); SIGTERM
+    cancels it (so the processes it started are stopped) and exits saying ``name`` was terminated."""
+
+    async def cancellable(workdir: Path) -> dict:
+        task = asyncio.current_task()
+        assert task is not None
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+        return await run(workdir)
+
+    try:
+        if run_dir is not None:
+            return asyncio.run(cancellable(run_dir))
+        with tempfile.TemporaryDirectory(prefix=f"nodeox-{name}-") as tmp:
+            return asyncio.run(cancellable(Path(tmp)))
+    except asyncio.CancelledError:
+        sys.exit(f"{name}: terminated")

@@ -20,17 +20,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from common import beside, coordinator_command, process_env, read_events, spawn, stop, wait_ready
-from relay import Link, Relay
+from common import beside, coordinator_command, process_env, read_events, run_async, spawn, stop, wait_ready
+from relay import Link, Relay, add_link_options, links_of
 
 EXCHANGE = Path(__file__).with_name("exchange.py")
 HOSTS = 2
@@ -189,9 +187,6 @@ def render(result: dict) -> str:
 
 
 async def run_all(args: argparse.Namespace, links: dict[str, Link], workdir: Path) -> dict:
-    main_task = asyncio.current_task()
-    assert main_task is not None
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main_task.cancel)  # so children are stopped
     placements, skipped = {}, {}
     for name, link in links.items():
         run_dir = workdir / name
@@ -215,23 +210,12 @@ def main() -> None:
     p.add_argument("--json", action="store_true")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--model", default="vit_base_patch16_224")
-    p.add_argument("--far-delay-ms", type=float, default=30.0)
-    p.add_argument("--far-mbit", type=float, default=200.0)
-    p.add_argument("--near-delay-ms", type=float, default=1.0)
-    p.add_argument("--near-mbit", type=float, default=10000.0)
+    add_link_options(p)
     p.add_argument("--run-dir", type=Path, help="keep the two runs here (default: a temporary directory)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds each placement may take")
     args = p.parse_args()
-    links = {"near": Link(args.near_delay_ms / 1e3, args.near_mbit * 1e6),
-             "far": Link(args.far_delay_ms / 1e3, args.far_mbit * 1e6)}
-    try:
-        if args.run_dir is not None:
-            result = asyncio.run(run_all(args, links, args.run_dir))
-        else:
-            with tempfile.TemporaryDirectory(prefix="nodeox-placement-") as tmp:
-                result = asyncio.run(run_all(args, links, Path(tmp)))
-    except asyncio.CancelledError:  # SIGTERM; the processes it started are stopped
-        sys.exit("placement: terminated")
+    links = links_of(args)
+    result = run_async(lambda workdir: run_all(args, links, workdir), args.run_dir, "placement")
     print(json.dumps(result, indent=2) if args.json else render(result))
     if result["skipped"]:
         sys.exit(1)

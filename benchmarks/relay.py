@@ -20,6 +20,7 @@ Each direction counts the bytes it delivered (``relay.up.sent``, ``relay.down.se
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import time
@@ -36,6 +37,20 @@ class Link:
     delay: float = 0.0
     rate: float | None = None
     burst: int | None = None
+
+
+def add_link_options(p: argparse.ArgumentParser) -> None:
+    """The near and far links' options of the placement benchmarks (one-way delay, rate each way)."""
+    p.add_argument("--far-delay-ms", type=float, default=30.0)
+    p.add_argument("--far-mbit", type=float, default=200.0)
+    p.add_argument("--near-delay-ms", type=float, default=1.0)
+    p.add_argument("--near-mbit", type=float, default=10000.0)
+
+
+def links_of(args: argparse.Namespace) -> dict[str, Link]:
+    """``{"near": Link, "far": Link}`` from :func:`add_link_options`' options."""
+    return {"near": Link(args.near_delay_ms / 1e3, args.near_mbit * 1e6),
+            "far": Link(args.far_delay_ms / 1e3, args.far_mbit * 1e6)}
 
 
 class TokenBucket:

@@ -37,16 +37,14 @@ import argparse
 import asyncio
 import json
 import re
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from common import beside, coordinator_command, process_env, read_events, spawn, stop, tail, wait_ready
-from relay import Link, Relay
+from common import beside, coordinator_command, process_env, read_events, run_async, spawn, stop, tail, wait_ready
+from relay import Link, Relay, add_link_options, links_of
 from site_figures import (
     HOSTS_PER_SITE,
     METRICS,
@@ -177,9 +175,6 @@ async def run_one(placement: str, links: dict[str, Link], args: argparse.Namespa
 
 
 async def run_all(args: argparse.Namespace, links: dict[str, Link], workdir: Path) -> dict:
-    main_task = asyncio.current_task()
-    assert main_task is not None
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main_task.cancel)  # so children are stopped
     runs: dict[str, list[dict]] = {p: [] for p in args.placements}
     skipped: dict[str, str] = {}
     for rep in range(args.repeats):
@@ -254,10 +249,7 @@ def main() -> None:
     p.add_argument("--placements", default="flat,relays,torchft")
     p.add_argument("--torchft-python", type=Path,
                    help="a Python with torch and torchft (default: this one, if it imports torchft)")
-    p.add_argument("--far-delay-ms", type=float, default=30.0)
-    p.add_argument("--far-mbit", type=float, default=200.0)
-    p.add_argument("--near-delay-ms", type=float, default=1.0)
-    p.add_argument("--near-mbit", type=float, default=10000.0)
+    add_link_options(p)
     p.add_argument("--run-dir", type=Path, help="keep the runs here (default: a temporary directory)")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds each run may take")
     args = p.parse_args()
@@ -267,16 +259,8 @@ def main() -> None:
         p.error(f"unknown placement(s) {', '.join(sorted(unknown))}: choose from flat, relays, torchft")
     if args.rounds < 2:
         p.error("--rounds must be at least 2 (round 0 is left out)")
-    links = {"near": Link(args.near_delay_ms / 1e3, args.near_mbit * 1e6),
-             "far": Link(args.far_delay_ms / 1e3, args.far_mbit * 1e6)}
-    try:
-        if args.run_dir is not None:
-            result = asyncio.run(run_all(args, links, args.run_dir))
-        else:
-            with tempfile.TemporaryDirectory(prefix="nodeox-sites-") as tmp:
-                result = asyncio.run(run_all(args, links, Path(tmp)))
-    except asyncio.CancelledError:
-        sys.exit("sites: terminated")
+    links = links_of(args)
+    result = run_async(lambda workdir: run_all(args, links, workdir), args.run_dir, "sites")
     print(json.dumps(result, indent=2) if args.json else render(result))
 
 

@@ -81,7 +81,7 @@ class RelayMembership(Membership):
         hr = upstream.round or await self._attach(model, state.round, ready=False)
         try:
             await upstream.call(upstream.rejoin)
-        except Exception:  # noqa: BLE001 - tried again at the next tick
+        except Exception:  # tried again at the next tick
             self.log.exception("joining %s with the site's model failed; trying again", upstream.url)
             return
         finally:

@@ -124,12 +124,7 @@ class RelayTensors(HostTensors):
     def receive(self, body: ByteStream) -> torch.Tensor:
         """A sync's bytes into a buffer of its own: the relay passes it on to its hosts unchanged, so the next
         round never overwrites one that a slow host may still be downloading."""
-        buffer = torch.empty(body.size, dtype=torch.uint8)
-        try:
-            read_fully(body, memoryview(buffer.numpy()))
-        finally:
-            body.close()
-        return buffer
+        return read_whole(body)
 
     def apply(self, sync: Q4Message, into_live: bool):
         self.before_change()  # downloads of θ from the relay's hosts keep what they have not sent
@@ -139,3 +134,13 @@ class RelayTensors(HostTensors):
     def read_model(self, body: ByteStream, into: list[torch.Tensor]) -> tuple[int, str]:
         self.before_change()
         return super().read_model(body, into)
+
+
+def read_whole(body: ByteStream) -> torch.Tensor:
+    """All of ``body`` (its ``size`` bytes) in a uint8 tensor of its own; the stream is closed either way."""
+    buffer = torch.empty(body.size, dtype=torch.uint8)
+    try:
+        read_fully(body, memoryview(buffer.numpy()))
+    finally:
+        body.close()
+    return buffer

@@ -27,7 +27,7 @@ from ..coordinator.model import CoordinatorModel
 from ..core.logs import Named
 from ..core.modelfile import ModelFileReader, model_header
 from ..core.phases import PhaseLog, PhaseRecord
-from ..core.protocol import JoinReply, read_fully
+from ..core.protocol import JoinReply
 from ..core.settings import Q4Settings
 from ..core.specs import TensorSpec
 from ..core.transport import HostClient
@@ -36,7 +36,7 @@ from ..host.heartbeat import Heartbeat
 from ..host.round import HostRound, Into
 from ..host.telemetry import TelemetryShipper
 from .config import RelayConfig
-from .tensors import RelayTensors
+from .tensors import RelayTensors, read_whole
 
 log = logging.getLogger(__name__)
 
@@ -163,13 +163,7 @@ class Upstream:
 
     def fetch(self) -> torch.Tensor:
         """The upstream's full model, as a model file in memory."""
-        stream = self.client.get_model()
-        data = torch.empty(stream.size, dtype=torch.uint8)
-        try:
-            read_fully(stream, memoryview(data.numpy()))
-        finally:
-            stream.close()
-        return data
+        return read_whole(self.client.get_model())
 
     def provide(self, model: CoordinatorModel, round_: int) -> str:
         """Upload the site's model (the upstream asked this relay to provide it); returns the upstream's hash."""
