@@ -162,6 +162,8 @@ async def run_nodeox(net: Net, args: argparse.Namespace, run_dir: Path) -> dict:
     for rnd in rounds:
         rnd["payload_bytes"] = payload.get(rnd["round"], 0)
     peaks = {f"host{h}": json.loads((out / f"host{h}.json").read_text())["peak_rss"] / 2**20 for h in range(HOSTS)}
+    peaks["coordinator"] = max((r.get("peak_rss_bytes", r["rss_bytes"]) / 2**20 for r in records
+                                if r["phase"] == "rss" and r["host"] == "coordinator"), default=None)
     return {"rounds": rounds, **run_figures(rounds, METRICS), "phases": slowest_phases(records),
             "memory": memory_figures(memory, peaks)}
 
