@@ -33,10 +33,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -46,6 +44,7 @@ from common import (
     model_shapes,
     process_env,
     read_events,
+    run_async,
     spawn,
     stop,
     wait_ready,
@@ -232,9 +231,6 @@ async def run_link(net: Net, args: argparse.Namespace, workdir: Path, skipped: d
 
 
 async def run_all(args: argparse.Namespace, workdir: Path) -> dict:
-    main_task = asyncio.current_task()
-    assert main_task is not None
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main_task.cancel)  # so children are stopped
     skipped: dict[str, str] = {}
     notes: list[str] = []
     if "torchft" in args.placements:
@@ -347,14 +343,7 @@ def main() -> None:
         p.error(f"unknown placement(s) {', '.join(sorted(unknown))}: choose from {', '.join(PLACEMENTS)}")
     if args.rounds < 2:
         p.error("--rounds must be at least 2 (round 0 is left out)")
-    try:
-        if args.run_dir is not None:
-            result = asyncio.run(run_all(args, args.run_dir))
-        else:
-            with tempfile.TemporaryDirectory(prefix="nodeox-peers-") as tmp:
-                result = asyncio.run(run_all(args, Path(tmp)))
-    except asyncio.CancelledError:
-        sys.exit("peers: terminated")
+    result = run_async(lambda workdir: run_all(args, workdir), args.run_dir, "peers")
     print(json.dumps(result, indent=2) if args.json else render(result))
 
 
