@@ -27,10 +27,11 @@ def process_env(**extra: str) -> dict[str, str]:
     return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
 
 
-def coordinator_command(hosts: int, run_dir: Path, ready: Path, *args: str) -> list[str]:
-    """`nodeox coordinator` for ``hosts`` hosts on 127.0.0.1 port 0, writing its URL to ``ready``."""
+def coordinator_command(hosts: int, run_dir: Path, ready: Path, *args: str, bind: str = "127.0.0.1:0") -> list[str]:
+    """`nodeox coordinator` for ``hosts`` hosts on ``bind`` (default 127.0.0.1 port 0), writing its URL to
+    ``ready``."""
     return [sys.executable, "-m", "lightning_nodeox", "coordinator", "--hosts", str(hosts), "--run-dir",
-            str(run_dir), "--bind", "127.0.0.1:0", "--ready-file", str(ready), *args]
+            str(run_dir), "--bind", bind, "--ready-file", str(ready), *args]
 
 
 def beside(run_dir: Path, what: str) -> Path:

@@ -1,7 +1,8 @@
 """The figures of benchmarks/sites.py, pure: per-round times and link timelines in, numbers and goals out.
 
 Shared by the nodeox placements (benchmarks/sites.py) and the torchft one (benchmarks/sites_torchft.py), so both
-are measured by one rule. A round's times are the LAST participant's: ``sent`` (its delta left it), ``applied``
+are measured by one rule; benchmarks/peers.py measures its rounds by the same rule (its own goals:
+benchmarks/peers_figures.py). A round's times are the LAST participant's: ``sent`` (its delta left it), ``applied``
 (its sync applied) and ``done`` (its exchange over: for nodeox the verify end, for torchft the step's end).
 """
 
@@ -78,32 +79,46 @@ def root_payload(records: list[dict]) -> dict[int, int]:
     return out
 
 
-def per_round(last: dict[tuple[int, str], float], far_sent_between: Callable[[float, float], int]) -> list[dict]:
+def latest_times(per_process: list[list[dict]]) -> dict[tuple[int, str], float]:
+    """``(round, sent|applied|done) -> time`` of the last process, from each process's own per-round records
+    (``{"round", "sent", "applied", "done"}``, as torchft's replicas and the DDP workers write them)."""
+    last: dict[tuple[int, str], float] = {}
+    for rounds in per_process:
+        for r in rounds:
+            for what in ("sent", "applied", "done"):
+                last[(r["round"], what)] = max(last.get((r["round"], what), float("-inf")), r[what])
+    return last
+
+
+def per_round(last: dict[tuple[int, str], float], far_sent_between: Callable[[float, float], float] | None = None,
+              *, windows: dict[str, Callable[[float, float], float]] | None = None) -> list[dict]:
     """Per round from round 1 on (round 0 pays for the model's first transfer): far bytes in the window from the
-    round before's ``done`` to this round's (``far_sent_between(start, end)``), delta to sync (``applied`` -
-    ``sent``) and the round time (``done`` - the round before's ``done``)."""
+    round before's ``done`` to this round's (``far_sent_between(start, end)``; and so each of ``windows``, by its
+    name), delta to sync (``applied`` - ``sent``) and the round time (``done`` - the round before's ``done``)."""
+    counted = ({"far_bytes": far_sent_between} if far_sent_between is not None else {}) | (windows or {})
     out = []
     for rnd in sorted({rnd for rnd, what in last if what == "done"}):
         if rnd == 0 or any(k not in last for k in ((rnd - 1, "done"), (rnd, "sent"), (rnd, "applied"))):
             continue
         start, end = last[(rnd - 1, "done")], last[(rnd, "done")]
-        out.append({"round": rnd, "far_bytes": far_sent_between(start, end),
+        out.append({"round": rnd, **{name: count(start, end) for name, count in counted.items()},
                     "delta_to_sync_s": last[(rnd, "applied")] - last[(rnd, "sent")], "round_s": end - start})
     return out
 
 
-def run_figures(rounds: list[dict]) -> dict:
-    """One run: the median over its rounds of each metric."""
-    return {m: statistics.median(r[m] for r in rounds) for m in METRICS} if rounds else {}
+def run_figures(rounds: list[dict], metrics: tuple[str, ...] = METRICS) -> dict:
+    """One run: the median over its rounds of each of ``metrics`` that every round has."""
+    return {m: statistics.median(r[m] for r in rounds) for m in metrics if all(m in r for r in rounds)} \
+        if rounds else {}
 
 
 def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": len(values)}
 
 
-def placement_figures(runs: list[dict]) -> dict:
-    """Over runs: median and range of the runs' medians, per metric."""
-    return {m: spread([run[m] for run in runs]) for m in METRICS if runs and all(m in run for run in runs)}
+def placement_figures(runs: list[dict], metrics: tuple[str, ...] = METRICS) -> dict:
+    """Over runs: median and range of the runs' medians, per metric (of ``metrics``, those every run has)."""
+    return {m: spread([run[m] for run in runs]) for m in metrics if runs and all(m in run for run in runs)}
 
 
 def goals(figures: dict[str, dict], hosts_per_site: int = HOSTS_PER_SITE,
