@@ -157,3 +157,30 @@ def run_async(run: Callable[[Path], Awaitable[dict]], run_dir: Path | None, name
             return asyncio.run(cancellable(Path(tmp)))
     except asyncio.CancelledError:
         sys.exit(f"{name}: terminated")
+
+
+async def interleaved(placements: list[str], repeats: int, run_one: Callable[[str, int], Awaitable[dict]],
+                      skipped: dict[str, str], label: str, metrics: tuple[str, ...]) -> dict[str, list[dict]]:
+    """``run_one(placement, repetition)`` for every placement in turn, ``repeats`` times (interleaved, so that
+    what drifts on a shared machine drifts for all alike): ``{placement: [run, ...]}``. A placement that cannot
+    run here (``PlacementSkipped``) or fails goes to ``skipped`` (placement -> why) and is not tried again."""
+    from site_figures import PlacementFailed, PlacementSkipped
+
+    runs: dict[str, list[dict]] = {p: [] for p in placements}
+    for rep in range(repeats):
+        for placement in placements:
+            if placement in skipped:
+                continue
+            try:
+                run = await run_one(placement, rep)
+            except PlacementSkipped as e:
+                skipped[placement] = str(e)
+                continue
+            except (PlacementFailed, OSError) as e:
+                skipped[placement] = f"{label}, run {rep} failed: {e}"
+                print(f"{label} {placement}: {e}; skipping it", file=sys.stderr)
+                continue
+            runs[placement].append(run)
+            print(f"{label} {placement} run {rep}: " + ", ".join(
+                f"{m} {run[m]:.4g}" for m in metrics if m in run), file=sys.stderr)
+    return runs

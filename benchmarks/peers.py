@@ -41,6 +41,7 @@ from pathlib import Path
 from common import (
     beside,
     coordinator_command,
+    interleaved,
     model_shapes,
     process_env,
     read_events,
@@ -53,7 +54,6 @@ from netns import Counters, Loopback, Namespaces, Net, netns_missing, watch
 from peers_figures import METRICS, goals, host_payload, link_label, phase_figures, slowest_phases
 from site_figures import (
     PlacementFailed,
-    PlacementSkipped,
     latest_times,
     mem_available,
     nodeox_times,
@@ -209,24 +209,9 @@ RUNS = {"nodeox": run_nodeox, "torchft": run_torchft, "ddp": run_ddp}
 async def run_link(net: Net, args: argparse.Namespace, workdir: Path, skipped: dict[str, str]) -> dict:
     """Every placement on one link, interleaved: ``{placement: [run, ...]}``; what could not run goes to
     ``skipped`` (placement -> why) and is not tried again."""
-    runs: dict[str, list[dict]] = {p: [] for p in args.placements}
-    label = link_label(net.mbit)
-    for rep in range(args.repeats):
-        for placement in args.placements:
-            if placement in skipped:
-                continue
-            try:
-                run = await RUNS[placement](net, args, workdir / f"{placement}-{rep}")
-            except PlacementSkipped as e:
-                skipped[placement] = str(e)
-                continue
-            except (PlacementFailed, OSError) as e:
-                skipped[placement] = f"{label}, run {rep} failed: {e}"
-                print(f"{label} {placement}: {e}; skipping it", file=sys.stderr)
-                continue
-            runs[placement].append(run)
-            print(f"{label} {placement} run {rep}: " + ", ".join(
-                f"{m} {run[m]:.4g}" for m in METRICS if m in run), file=sys.stderr)
+    runs = await interleaved(args.placements, args.repeats,
+                             lambda placement, rep: RUNS[placement](net, args, workdir / f"{placement}-{rep}"),
+                             skipped, link_label(net.mbit), METRICS)
     return {p: r for p, r in runs.items() if r}
 
 

@@ -43,14 +43,24 @@ import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from common import beside, coordinator_command, process_env, read_events, run_async, spawn, stop, tail, wait_ready
+from common import (
+    beside,
+    coordinator_command,
+    interleaved,
+    process_env,
+    read_events,
+    run_async,
+    spawn,
+    stop,
+    tail,
+    wait_ready,
+)
 from relay import Link, Relay, add_link_options, links_of
 from site_figures import (
     HOSTS_PER_SITE,
     METRICS,
     SITES,
     PlacementFailed,
-    PlacementSkipped,
     check_memory,
     goals,
     mem_available,
@@ -175,24 +185,10 @@ async def run_one(placement: str, links: dict[str, Link], args: argparse.Namespa
 
 
 async def run_all(args: argparse.Namespace, links: dict[str, Link], workdir: Path) -> dict:
-    runs: dict[str, list[dict]] = {p: [] for p in args.placements}
     skipped: dict[str, str] = {}
-    for rep in range(args.repeats):
-        for placement in args.placements:
-            if placement in skipped:
-                continue
-            try:
-                run = await run_one(placement, links, args, workdir / f"{placement}-{rep}")
-            except PlacementSkipped as e:
-                skipped[placement] = str(e)
-                continue
-            except (PlacementFailed, OSError) as e:
-                skipped[placement] = f"run {rep} failed: {e}"
-                print(f"placement {placement}: {e}; skipping it", file=sys.stderr)
-                continue
-            runs[placement].append(run)
-            print(f"placement {placement} run {rep}: " + ", ".join(
-                f"{m} {run[m]:.4g}" for m in METRICS if m in run), file=sys.stderr)
+    runs = await interleaved(args.placements, args.repeats,
+                             lambda placement, rep: run_one(placement, links, args, workdir / f"{placement}-{rep}"),
+                             skipped, "placement", METRICS)
     figures = {p: placement_figures(r) for p, r in runs.items() if r and p not in skipped}
     return {"model": args.model, "sites": SITES, "hosts_per_site": HOSTS_PER_SITE, "rounds": args.rounds,
             "repeats": args.repeats,
