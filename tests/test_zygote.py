@@ -17,9 +17,9 @@ from helpers import FORKED, Process
 SCRIPT = '''import os, resource, signal, sys, time
 from pathlib import Path
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+Path(sys.argv[1]).write_text(str(os.getpid()))  # before its first line: a test that has read it may kill it
 print(sys.argv, sys.path[0] == os.path.dirname(os.path.abspath(__file__)), os.getcwd(), os.environ["ZYGOTE_TEST"])
 print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], os.environ["SITE_RAN"], flush=True)
-Path(sys.argv[1]).write_text(str(os.getpid()))
 print("to stderr", file=sys.stderr)
 what = sys.argv[2]
 if what == "exit":
