@@ -109,6 +109,7 @@ def test_two_sites_behind_relays_end_bit_identical_with_the_root_and_stop_togeth
         said = relays[name].log_path.read_text()
         assert f"nodeox relay {name}: host {site[0]} joined" in said and f"nodeox relay {name}: run complete" in said
         assert not any(line.startswith("nodeox coordinator") for line in said.splitlines())
+        assert f"nodeox: host {name}" not in said  # its upstream host's lines name the relay too
         assert "could not be sent" not in said
         records = forwarded_whole(tmp_path / name, root.run_dir, name)
         assert ("coordinator", 5, "sync_prepare") in records and all((h, 5, "verify") in records for h in site)
@@ -117,6 +118,9 @@ def test_two_sites_behind_relays_end_bit_identical_with_the_root_and_stop_togeth
         assert sorted(p.name for p in (tmp_path / name / "tb").iterdir()) == sorted(
             ["coordinator", f"host_{name}", *(f"host_{h}" for h in site)])
     assert sorted(p.name for p in (root.run_dir / "tb").iterdir()) == ["coordinator", *(f"host_{n}" for n in SITES)]
+    # the site whose host provided the run's first model gave it upstream, in the relay's name
+    assert sum(f"nodeox relay {n}: host {n} joined again at round 0 and gave the model back"
+               in relays[n].log_path.read_text() for n in SITES) == 1
 
 
 def status(url: str) -> dict:

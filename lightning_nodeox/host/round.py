@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..core import phases as P
+from ..core.logs import Named
 from ..core.phases import PhaseLog
 from ..core.protocol import Reason, Refusal, RunComplete, SyncGone, TransferBroken, Upload, ValuesReply
 from ..core.settings import Q4Settings
@@ -66,7 +67,8 @@ class HostRound:
     """One host's place in the run: its round, its model's hash, and the steps of a round."""
 
     def __init__(self, tensors: HostTensors, client: HostClient, phases: PhaseLog, *, rounding: str = "nearest",
-                 error_feedback: bool = True, codec_threads: int = 1) -> None:
+                 error_feedback: bool = True, codec_threads: int = 1, name: str = "nodeox") -> None:
+        self.log = Named(log, name)  # what its lines start with (a site relay's: its own name)
         self.tensors = tensors
         self.client = client
         self.phases = phases
@@ -111,7 +113,7 @@ class HostRound:
             if theirs != ours:
                 raise RuntimeError(f"coordinator hashed the initial model as {theirs}, this host as {ours}; "
                                    "versions differ?")
-            log.info("nodeox: host %s provided the initial model %s", self.host, ours)
+            self.log.info("host %s provided the initial model %s", self.host, ours)
         elif ours == reply.model_hash:
             self.model_hash = ours
         else:
@@ -136,7 +138,7 @@ class HostRound:
         if theirs != self.model_hash and fetch:
             self.fetch_model(into)
             return
-        log.info("nodeox: host %s joined again at round %d%s", self.host, self.round,
+        self.log.info("host %s joined again at round %d%s", self.host, self.round,
                  " and gave the model back" if reply.provide_model else "")
 
     def _give_back(self) -> str | None:
@@ -157,7 +159,7 @@ class HostRound:
             except Refusal as e:
                 if e.reason not in REJOIN or attempt == REJOIN_TRIES:
                     raise
-                log.warning("nodeox: host %s: %s; joining again", self.host, e)
+                self.log.warning("host %s: %s; joining again", self.host, e)
                 self.rejoin(into)
 
     # -- values outside rounds ------------------------------------------------------------------------------------
@@ -176,7 +178,7 @@ class HostRound:
                 if e.reason not in REJOIN or time.monotonic() >= deadline:
                     raise
                 if joins():
-                    log.warning("nodeox: host %s: values %s: %s; joining again", self.host, key, e)
+                    self.log.warning("host %s: values %s: %s; joining again", self.host, key, e)
                     self.rejoin(fetch=False)
                 else:
                     time.sleep(REJOIN_WAIT)
@@ -292,7 +294,7 @@ class HostRound:
             except Refusal as e:
                 if e.reason is not Reason.NO_DELTA or attempt == DOWNLOAD_TRIES:
                     raise
-                log.warning("nodeox: host %s: %s", self.host, e)
+                self.log.warning("host %s: %s", self.host, e)
                 self._resend(into)
                 if self.round != round_:  # the host fetched a model of another round meanwhile
                     return None
@@ -311,7 +313,7 @@ class HostRound:
                 except TransferBroken as e:
                     if attempt == DOWNLOAD_TRIES:
                         raise
-                    log.warning("nodeox: host %s: sync download of round %d failed (%s); retrying", self.host,
+                    self.log.warning("host %s: sync download of round %d failed (%s); retrying", self.host,
                                 round_, e)
                     continue
                 rec.bytes = buffer.numel()
@@ -320,7 +322,7 @@ class HostRound:
                 sync = Q4Message.parse(buffer)
                 self.tensors.sync_part(sync)  # its tensors are this model's
             except PayloadError as e:
-                log.warning("nodeox: host %s: sync of round %d unusable (%s); fetching the model", self.host,
+                self.log.warning("host %s: sync of round %d unusable (%s); fetching the model", self.host,
                             round_, e)
                 break
             if sync.meta.base_hash == self.model_hash and sync.meta.round == round_:
@@ -339,7 +341,7 @@ class HostRound:
             got = self.tensors.digest(hashers)
         self.round = round_ + 1
         if got != sync.meta.model_hash:
-            log.warning("nodeox: host %s: model hash %s after round %d differs from the coordinator's %s; "
+            self.log.warning("host %s: model hash %s after round %d differs from the coordinator's %s; "
                         "fetching the model", self.host, got, round_, sync.meta.model_hash)
             self.fetch_model(into)
             return RoundResult(round_, self.model_hash, self.complete, False)
@@ -365,13 +367,13 @@ class HostRound:
                 except (TransferBroken, PayloadError) as e:
                     if attempt == DOWNLOAD_TRIES:
                         raise
-                    log.warning("nodeox: host %s: model download failed (%s); retrying", self.host, e)
+                    self.log.warning("host %s: model download failed (%s); retrying", self.host, e)
             tensors.after_fetch(into is Into.LIVE)
             got = tensors.base_hash()  # base holds the fetched model now, in either case
             if got != remote_hash:
                 raise RuntimeError(f"the fetched model hashes to {got}, not the coordinator's {remote_hash}")
             self.round, self.model_hash = round_, got
-        log.info("nodeox: host %s fetched the model of round %d (%s)", self.host, round_, got)
+        self.log.info("host %s fetched the model of round %d (%s)", self.host, round_, got)
 
     def close(self) -> None:
         self.tensors.close()

@@ -176,7 +176,7 @@ class Upstream:
         tensors = RelayTensors(model, self.config.name)
         tensors.before_change = before_change
         tensors.allocate(settings, threads)
-        hr = HostRound(tensors, self.client, self.phases, codec_threads=threads)
+        hr = HostRound(tensors, self.client, self.phases, codec_threads=threads, name=self.config.name)
         hr.round, hr.model_hash = round_, model.hash
         self.round = hr
         return hr
