@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(1)
 
-from helpers import Coordinator  # noqa: E402 - after the path that finds it
+from helpers import Coordinator, terminate  # noqa: E402 - after the path that finds it
 from restarts import run  # noqa: E402
 
 from lightning_nodeox.core.phases import PhaseLog  # noqa: E402
@@ -44,12 +44,7 @@ class Zygote:
 
     def stop(self) -> None:
         os.environ.pop("NODEOX_TEST_ZYGOTE", None)
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        terminate(self.proc, 30)
         self.log.close()
         said = (self.dir / "zygote.log").read_text()
         if said:  # refusals (processes that ran by themselves) or a bad request: shown, never silent

@@ -318,13 +318,7 @@ class Coordinator:
         return self.proc.wait(timeout)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, 15)
         self.log.close()
 
 
@@ -414,6 +408,17 @@ def stop(procs: list[subprocess.Popen]) -> None:
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def terminate(proc: subprocess.Popen, grace: float) -> None:
+    """SIGTERM ``proc`` if it still runs, and kill it if it has not ended within ``grace`` seconds."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 # Hosts of several ranks started by torchrun

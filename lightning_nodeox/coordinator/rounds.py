@@ -63,17 +63,18 @@ class Published:
 
 class RoundClose(Protocol):
     """How a round's accumulated deltas become what it publishes (the root: :class:`OuterStep`; a site relay
-    sends them upstream, :mod:`lightning_nodeox.relay.close`). Called on the loop while the round is closing."""
+    sends them upstream, :mod:`lightning_nodeox.relay.close`). Called on the loop while the round is closing;
+    ``since``: when its aggregation ended (its sync_prepare record starts there)."""
 
-    async def close(self, rounds: Rounds, model: CoordinatorModel, round_: int) -> Published: ...
+    async def close(self, rounds: Rounds, model: CoordinatorModel, round_: int, since: float) -> Published: ...
 
 
 class OuterStep:
     """The root coordinator's close: the outer step of the round's mean, quantized into the sync and applied to
     θ (:meth:`CoordinatorModel.close_round`); a final delta in the round completes the run."""
 
-    async def close(self, rounds: Rounds, model: CoordinatorModel, round_: int) -> Published:
-        state, start = rounds.state, time.time()
+    async def close(self, rounds: Rounds, model: CoordinatorModel, round_: int, since: float) -> Published:
+        state = rounds.state
         await rounds.keep_downloads(set(model.moving))  # the round's set: the other tensors stay as they are
         closed = await state.in_worker(model.close_round, round_, rounds.round_metrics())
         message = closed.sync
@@ -84,7 +85,7 @@ class OuterStep:
                              "get a sync that changes nothing. A host's training diverged, or a delta is too large for "
                              "the model's dtype (lower the learning rate, clip gradients)", round_,
                              ", ".join(closed.not_finite[:5]), message.meta.model_hash)
-        state.record(PhaseRecord(round_, COORDINATOR, SYNC_PREPARE, start, time.time(), len(message),
+        state.record(PhaseRecord(round_, COORDINATOR, SYNC_PREPARE, since, time.time(), len(message),
                                  extra={"model_hash": message.meta.model_hash, **refused}))
         return Published(message, rounds.stopping, round_ + 1)
 
@@ -257,7 +258,7 @@ class Rounds:
         state.record(PhaseRecord(round_, COORDINATOR, AGGREGATE, start, aggregated,
                                  extra={"hosts": sorted(self.received), "samples": sum(self.received.values())}))
         await self.recovery.saved()  # the last round's state is on disk before θ changes again
-        closed = await self.close_with.close(self, model, round_)
+        closed = await self.close_with.close(self, model, round_, aggregated)
         if closed.sync is not None and self.before_publish is not None:  # a comparison hook: benchmarks/exchange.py
             try:
                 await self.before_publish(state, round_, closed.sync)

@@ -34,8 +34,8 @@ class UpstreamClose:
         self.upstream = upstream
         self._pending: tuple[int, Q4Message, bool] | None = None  # (round, delta, final) encoded, not yet through
 
-    async def close(self, rounds: Rounds, model: CoordinatorModel, round_: int) -> Published:
-        state, upstream, start = rounds.state, self.upstream, time.time()
+    async def close(self, rounds: Rounds, model: CoordinatorModel, round_: int, since: float) -> Published:
+        state, upstream = rounds.state, self.upstream
         await upstream.ready.wait()  # the site's first host provided the model; the relay provides it upstream
         hr = upstream.round
         if state.round != round_:  # meanwhile θ became the upstream's model of a later round (a resumed relay whose
@@ -65,7 +65,7 @@ class UpstreamClose:
             sync = None  # θ was fetched (or the run completed before this round): nothing to pass on
             model.latest_sync = None
             model.hash = hr.model_hash
-        state.record(PhaseRecord(round_, COORDINATOR, SYNC_PREPARE, start, time.time(),
+        state.record(PhaseRecord(round_, COORDINATOR, SYNC_PREPARE, since, time.time(),
                                  None if sync is None else len(sync),
                                  extra={"model_hash": hr.model_hash, "upstream": upstream.url,
                                         "samples": message.meta.samples, "contributed": result.contributed}))

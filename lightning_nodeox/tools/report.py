@@ -86,9 +86,9 @@ def build(records: list[dict]) -> dict:
     if not sites:
         return report
     nested = {name: build(site_records) for name, site_records in sites.items()}
+    site_rounds = {name: {r["round"]: r for r in sub["rounds"]} for name, sub in nested.items()}
     for rnd in report["rounds"]:
-        rnd["sites"] = {name: site_rnd for name, sub in nested.items()
-                        for site_rnd in sub["rounds"] if site_rnd["round"] == rnd["round"]}
+        rnd["sites"] = {name: rounds[rnd["round"]] for name, rounds in site_rounds.items() if rnd["round"] in rounds}
         rnd["far_bytes"] = {k: sum(b[k] for b in rnd["bytes"].values()) for k in ("up", "down")}
         within = [_moved(site_rnd) for site_rnd in rnd["sites"].values()]
         rnd["site_bytes"] = {k: sum(b[k] for b in within) for k in ("up", "down")}
