@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 
+from ..core.logs import Named
 from ..core.transport import HostClient
 
 log = logging.getLogger(__name__)
@@ -24,12 +25,14 @@ BEATS_PER_LEASE = 4
 class Heartbeat:
     """Posts ``client.heartbeat()`` on a thread of its own until :meth:`stop`."""
 
-    def __init__(self, client: HostClient) -> None:
+    def __init__(self, client: HostClient, name: str = "nodeox") -> None:
+        """``name``: what its lines start with (a site relay's: its own name)."""
         self.client = client
+        self.log = Named(log, name)
         self.interval = MAX_INTERVAL
         self.beats = 0
         self._stop = threading.Event()
-        self._failing = False
+        self._failures = 0  # in a row
         self._thread = threading.Thread(target=self._run, name="nodeox-heartbeat", daemon=True)
         self._thread.start()
 
@@ -41,12 +44,12 @@ class Heartbeat:
             try:
                 lease = self.client.heartbeat()
             except Exception as e:  # noqa: BLE001 - the coordinator may be restarting; the next beat tries again
-                if not self._failing:
-                    log.info("nodeox: host %s: heartbeat not answered (%s); still trying", self.client.host, e)
-                self._failing = True
+                self._failures += 1
+                if self._failures == 2:  # one alone is a race: a beat sent with the credential a join replaced
+                    self.log.info("host %s: heartbeat not answered (%s); still trying", self.client.host, e)
             else:
                 self.beats += 1
-                self._failing = False
+                self._failures = 0
                 self.interval = min(MAX_INTERVAL, lease / BEATS_PER_LEASE)
             self._stop.wait(self.interval)
 

@@ -81,7 +81,8 @@ class Upstream:
         self.telemetry = TelemetryShipper(self.client, self.client.clock)
         self.phases.listeners.append(self.telemetry)  # and the relay's own run log (RelayRun)
         self.site_live = True  # whether the site has a host in the round (set by the relay's ticker)
-        self.heartbeat = Heartbeat(SiteLease(self))  # the relay's lease upstream, while its site has live hosts
+        # the relay's lease upstream, while its site has live hosts
+        self.heartbeat = Heartbeat(SiteLease(self), name=config.name)
         self.credential_file = credential_file
         self._kept = ""
         self.round: HostRound | None = None
