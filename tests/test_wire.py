@@ -40,7 +40,8 @@ def test_round_trip_and_metadata() -> None:
 def test_readable_by_safetensors() -> None:
     message = make_message()
     tensors = safetensors_load(bytes(message.view()))
-    assert set(tensors) == {f"{n}/{part}" for n, _ in NAMED for part in ("scales", "codes")}
+    pieces = {f"__crc__/{k}" for k in range(len(message.layout.pieces))}
+    assert set(tensors) == {f"{n}/{part}" for n, _ in NAMED for part in ("scales", "codes")} | pieces | {"__trailer__"}
     assert torch.equal(tensors["layer.bias/codes"], message.codes(1))
 
 
@@ -80,7 +81,7 @@ def test_bad_payloads_raise_payload_error(case: str, pattern: str) -> None:
         "empty": lambda: b"",
         "bit_flip_data": lambda: corrupt(data, lambda b: b.__setitem__(len(b) - 5, b[len(b) - 5] ^ 0x10)),
         "bit_flip_header": lambda: corrupt(data, lambda b: b.__setitem__(20, b[20] ^ 0x01)),
-        "wrong_version": lambda: rewrite_metadata(data, b'"version":"1"', b'"version":"9"'),
+        "wrong_version": lambda: rewrite_metadata(data, b'"version":"2"', b'"version":"9"'),
         "huge_header_length": lambda: struct.pack("<Q", 2**40) + data[8:],
         "trailing": lambda: data + b"\0" * 8,
     }[case]()

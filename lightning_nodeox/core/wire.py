@@ -1,10 +1,18 @@
-"""The q4 wire format: a safetensors file with nodeox metadata and a CRC-32 over the whole message.
+"""The q4 wire format: a safetensors file with nodeox metadata, made to be streamed piece by piece.
 
 Layout (readable by ``safetensors.safe_open``): 8-byte little-endian header length, a JSON header padded
 with spaces to a fixed reserved size, then for each tensor it carries ``NAME/scales`` (F16 or F32) followed by
 ``NAME/codes`` (U8, packed q4). ``__metadata__`` holds the format, version, codec settings, kind, round,
-host, base-model hash, resulting-model hash (sync only), sample count, tensor specs and ``crc32``. The
-CRC covers the header (with its ``crc32`` digits read as zeros) and all data.
+host, base-model hash, sample count, tensor specs, ``piece_bytes`` and ``crc32``, the CRC of the header itself
+(with its ``crc32`` digits read as zeros): everything a receiver needs before the first tensor arrives.
+
+The tensors are grouped into *pieces*, consecutive whole tensors of about ``piece_bytes`` (a tensor larger
+than that is a piece of its own); after each piece an 8-byte entry ``__crc__/P`` holds the CRC-32 of the piece's
+bytes (little-endian, then zero bytes to the next multiple of 8), so a receiver checks, accumulates or applies each piece as it arrives
+while the sender still encodes the next. Because a tensor's scales come before its codes, any received prefix
+of a piece is also usable. The message ends with ``__trailer__`` (40 bytes): the resulting model's hash (sync:
+32 hex digits; a delta: zeros), the CRC-32 of those 32 bytes (little-endian) and 4 zero bytes: a sync's hash is
+known only once its last piece is made.
 
 A message carries some of the model's tensors, in the model's order, named by its specs: a delta those that could
 change on its host (frozen parameters stay out), a sync the round's (:mod:`lightning_nodeox.host.moving`).
@@ -25,6 +33,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import struct
 import zlib
 from dataclasses import dataclass, field, replace
 
@@ -37,7 +47,12 @@ from .settings import Q4Settings
 from .specs import PayloadError, TensorSpec, specs_from_json
 
 FORMAT = "nodeox-q4"
-VERSION = 1
+VERSION = 2
+PIECE_BYTES = 4 << 20  # a piece's size (about): NODEOX_PIECE_BYTES overrides it, for a sender
+MIN_PIECE_BYTES, MAX_PIECE_BYTES = 1 << 10, 1 << 30
+CRC_BYTES = 8
+TRAILER_BYTES = 40
+HASH_DIGITS = 32
 _CRC_PLACEHOLDER = "00000000"
 _DTYPE_NAMES = {torch.float16: "F16", torch.float32: "F32", torch.uint8: "U8"}
 METRICS_BYTES = 4096  # room for the metrics JSON, as escaped inside the header
@@ -93,13 +108,15 @@ class Q4Meta:
     codec: str = "q4"
     tensors: tuple[TensorSpec, ...] = field(default=(), repr=False)
     metrics: dict[str, list] = field(default_factory=dict)  # {name: [value, reduction]} (see fit_metrics)
+    piece_bytes: int = PIECE_BYTES
 
     def metadata(self, crc: str) -> dict[str, str]:
         md = {
             "format": FORMAT, "version": str(VERSION), "kind": self.kind, "round": str(self.round),
-            "host": self.host, "base_hash": self.base_hash, "model_hash": self.model_hash,
+            "host": self.host, "base_hash": self.base_hash,
             "samples": str(self.samples), "final": "1" if self.final else "0",
             "block_size": str(self.block_size), "scale_dtype": self.scale_dtype, "codec": self.codec,
+            "piece_bytes": str(self.piece_bytes),
             "tensors": json.dumps([s.as_json() for s in self.tensors], separators=(",", ":")),
         }
         if self.metrics:
@@ -114,79 +131,134 @@ class Region:
     codes: tuple[int, int]
 
 
-def regions_for(specs: tuple[TensorSpec, ...], codec: Codec) -> list[Region]:
-    """Byte ranges (within the data section) of each tensor's scales and codes."""
+@dataclass(frozen=True)
+class Piece:
+    """Consecutive whole tensors of a message (its tensor indices ``[first, stop)``), their bytes in the data
+    section and where the CRC of those bytes sits (``crc``, also in the data section)."""
+
+    first: int
+    stop: int
+    data: tuple[int, int]
+    crc: int  # where its CRC starts (where its data ends)
+
+    @property
+    def end(self) -> int:
+        """Where the piece ends on the wire, its CRC (padded so that the next piece starts aligned to 8)
+        included, in the data section."""
+        return self.crc + CRC_BYTES + -(self.crc + CRC_BYTES) % 8
+
+
+def piece_bytes_default() -> int:
+    """The piece size a sender uses: :data:`PIECE_BYTES`, or ``NODEOX_PIECE_BYTES``."""
+    text = os.environ.get("NODEOX_PIECE_BYTES", "")
+    return check_piece_bytes(int(text)) if text else PIECE_BYTES
+
+
+def check_piece_bytes(size: int) -> int:
+    if not MIN_PIECE_BYTES <= size <= MAX_PIECE_BYTES:
+        raise PayloadError(f"piece size {size} is outside [{MIN_PIECE_BYTES}, {MAX_PIECE_BYTES}] bytes")
+    return size
+
+
+def regions_for(specs: tuple[TensorSpec, ...], codec: Codec,
+                piece_bytes: int = PIECE_BYTES) -> tuple[list[Region], list[Piece], int]:
+    """Byte ranges (within the data section) of each tensor's scales and codes, the pieces (each followed by its
+    CRC) and where the trailer starts."""
     scale_size = codec.scale_dtype.itemsize
-    out, pos = [], 0
-    for s in specs:
+    regions: list[Region] = []
+    pieces: list[Piece] = []
+    pos = first = piece_start = 0
+    for j, s in enumerate(specs):
         if s.raw:  # its own bytes, padded to 8
             sc, cd = (pos, pos), (pos, pos + -(-s.nbytes // 8) * 8)
-            out.append(Region(sc, cd))
-            pos = cd[1]
-            continue
-        sc = (pos, pos + codec.scale_count(s.numel) * scale_size)
-        cd = (sc[1], sc[1] + codec.code_bytes(s.numel))
-        out.append(Region(sc, cd))
+        else:
+            sc = (pos, pos + codec.scale_count(s.numel) * scale_size)
+            cd = (sc[1], sc[1] + codec.code_bytes(s.numel))
+        regions.append(Region(sc, cd))
         pos = cd[1]
-    return out
+        if pos - piece_start >= piece_bytes or j == len(specs) - 1:
+            pieces.append(Piece(first, j + 1, (piece_start, pos), pos))
+            pos = piece_start = pieces[-1].end
+            first = j + 1
+    return regions, pieces, pos
 
 
-def _header_json(meta: Q4Meta, regions: list[Region], codec: Codec, crc: str) -> str:
+def _header_json(meta: Q4Meta, layout_parts: tuple, codec: Codec, crc: str) -> str:
+    regions, pieces, trailer = layout_parts
     scale_name = _DTYPE_NAMES[codec.scale_dtype]
     header: dict = {"__metadata__": meta.metadata(crc)}
     for spec, r in zip(meta.tensors, regions):
         nb = (r.scales[1] - r.scales[0]) // codec.scale_dtype.itemsize
         header[f"{spec.name}/scales"] = {"dtype": scale_name, "shape": [nb], "data_offsets": list(r.scales)}
         header[f"{spec.name}/codes"] = {"dtype": "U8", "shape": [r.codes[1] - r.codes[0]], "data_offsets": list(r.codes)}
+    for k, piece in enumerate(pieces):
+        header[f"__crc__/{k}"] = {"dtype": "U8", "shape": [piece.end - piece.crc], "data_offsets": [piece.crc, piece.end]}
+    header["__trailer__"] = {"dtype": "U8", "shape": [TRAILER_BYTES], "data_offsets": [trailer, trailer + TRAILER_BYTES]}
     return json.dumps(header, separators=(",", ":"))
 
 
 @dataclass(frozen=True)
 class Q4Layout:
     """Where everything sits in a message of some of a model's tensors (those that move: see docs/design.md);
-    the messages of one set of tensors all have the same layout."""
+    the messages of one set of tensors (and piece size) all have the same layout."""
 
     specs: tuple[TensorSpec, ...]
     settings: Q4Settings
     regions: tuple[Region, ...]
+    pieces: tuple[Piece, ...]
+    trailer: int  # where the trailer starts, in the data section
+    piece_bytes: int
     data_start: int
     total: int
     codec: Codec = field(compare=False, repr=False)
 
     @classmethod
-    def of(cls, specs: tuple[TensorSpec, ...], settings: Q4Settings) -> Q4Layout:
+    def of(cls, specs: tuple[TensorSpec, ...], settings: Q4Settings, piece_bytes: int | None = None) -> Q4Layout:
         codec = codec_for(settings)
         if not codec.fixed_size:
             raise ValueError(f"codec {codec.name!r} has messages of varying size; this wire format holds "
                              "fixed-size messages only")
-        regions = tuple(regions_for(specs, codec))
-        longest = Q4Meta("delta", 2**63 - 1, "h" * 64, "f" * 32, 2**63 - 1, "f" * 32, True,
-                         settings.block_size, settings.scale_dtype, settings.codec, specs)
-        reserved = len(_header_json(longest, list(regions), codec, _CRC_PLACEHOLDER).encode()) + 64
+        piece_bytes = piece_bytes_default() if piece_bytes is None else check_piece_bytes(piece_bytes)
+        regions, pieces, trailer = regions_for(specs, codec, piece_bytes)
+        longest = Q4Meta("delta", 2**63 - 1, "h" * 64, "f" * 32, 2**63 - 1, "", True,
+                         settings.block_size, settings.scale_dtype, settings.codec, specs, piece_bytes=MAX_PIECE_BYTES)
+        parts = (regions, pieces, trailer)
+        reserved = len(_header_json(longest, parts, codec, _CRC_PLACEHOLDER).encode()) + 64
         reserved += METRICS_BYTES + len(',"metrics":""')
         reserved += -reserved % 8
-        data_bytes = regions[-1].codes[1] if regions else 0
-        return cls(specs, settings, regions, 8 + reserved, 8 + reserved + data_bytes, codec)
+        data_bytes = trailer + TRAILER_BYTES
+        return cls(specs, settings, tuple(regions), tuple(pieces), trailer, piece_bytes, 8 + reserved,
+                   8 + reserved + data_bytes, codec)
+
+    def piece_of(self, j: int) -> int:
+        """The piece that holds tensor ``j``."""
+        for k, piece in enumerate(self.pieces):
+            if j < piece.stop:
+                return k
+        raise IndexError(j)
 
 
 class Q4Message:
     """One q4 message in a CPU byte buffer, with views on each tensor's scales and codes.
 
-    A sender allocates it once per model and rewrites it every round (``write_header`` last); a receiver
-    wraps received bytes with :meth:`parse`.
+    A sender allocates it once per model and rewrites it every round: all at once (``write_header`` last), or
+    streamed (``write_head`` first, ``seal`` each piece once its tensors are in place, ``write_trailer`` last). A
+    receiver wraps received bytes with :meth:`parse`, or checks a stream as it arrives (:meth:`read_head`, then
+    :meth:`check_piece` per piece and :meth:`read_trailer`).
     """
 
     def __init__(self, buffer: torch.Tensor, layout: Q4Layout, meta: Q4Meta) -> None:
         self.buffer = buffer
         self.layout = layout
         self.meta = meta
-        self.max_scale = math.nan  # known once checked (parse)
+        self.max_scale = 0.0  # the largest scale of the pieces checked so far
 
     @classmethod
     def allocate(cls, layout: Q4Layout, *, pin_memory: bool = False) -> Q4Message:
         buffer = torch.empty(layout.total, dtype=torch.uint8, pin_memory=pin_memory)
         meta = Q4Meta("delta", 0, "", "", block_size=layout.settings.block_size,
-                      scale_dtype=layout.settings.scale_dtype, codec=layout.settings.codec, tensors=layout.specs)
+                      scale_dtype=layout.settings.scale_dtype, codec=layout.settings.codec, tensors=layout.specs,
+                      piece_bytes=layout.piece_bytes)
         return cls(buffer, layout, meta)
 
     def __len__(self) -> int:
@@ -208,33 +280,76 @@ class Q4Message:
         """A raw tensor's bytes (without its region's padding)."""
         return self.codes(i)[: self.layout.specs[i].nbytes]
 
+    # -- writing -----------------------------------------------------------------------------------------------
     def write_header(self, meta: Q4Meta) -> None:
-        """Write the header for ``meta`` and the CRC over header and data (after the data is in place)."""
+        """Complete a message whose data is in place: the header for ``meta``, every piece's CRC, the trailer
+        with ``meta.model_hash``."""
+        self.write_head(meta)
+        for k in range(len(self.layout.pieces)):
+            self.seal(k)
+        self.write_trailer(meta.model_hash)
+
+    def write_head(self, meta: Q4Meta) -> None:
+        """Write the header for ``meta`` (its ``model_hash`` goes in the trailer) and its own CRC."""
         layout = self.layout
         meta = replace(meta, block_size=layout.settings.block_size, scale_dtype=layout.settings.scale_dtype,
-                       codec=layout.settings.codec, tensors=layout.specs)
-        text = _header_json(meta, list(layout.regions), layout.codec, _CRC_PLACEHOLDER).encode()
+                       codec=layout.settings.codec, tensors=layout.specs, piece_bytes=layout.piece_bytes)
+        text = _header_json(meta, (layout.regions, layout.pieces, layout.trailer), layout.codec,
+                            _CRC_PLACEHOLDER).encode()
         framed = safetensors.frame(text, reserve=layout.data_start - safetensors.PREFIX_BYTES)
         if len(framed) != layout.data_start:
             raise ValueError("q4 header does not fit its reserved space: host ids are at most 64 characters "
                              "and metrics must pass fit_metrics")
         raw = self.buffer.numpy()
         raw[: layout.data_start] = memoryview(framed)
-        crc = zlib.crc32(raw[layout.data_start :], zlib.crc32(raw[: layout.data_start]))
+        crc = zlib.crc32(framed)
         pos = framed.index(b'"crc32":"') + len(b'"crc32":"')
         raw[pos : pos + 8] = memoryview(f"{crc:08x}".encode())
         self.meta = meta
 
+    def seal(self, k: int) -> None:
+        """Write piece ``k``'s CRC (its tensors are in place)."""
+        piece, data = self.layout.pieces[k], self.data.numpy()
+        slot = struct.pack("<I", zlib.crc32(data[piece.data[0] : piece.data[1]]))
+        data[piece.crc : piece.end] = memoryview(slot.ljust(piece.end - piece.crc, b"\0"))
+
+    def write_trailer(self, model_hash: str = "") -> None:
+        """Write the trailer: the resulting model's hash (a sync's; "" for a delta) and its CRC."""
+        digits = model_hash.encode().ljust(HASH_DIGITS, b"\0")
+        if len(digits) != HASH_DIGITS:
+            raise ValueError(f"a model hash has at most {HASH_DIGITS} characters, got {model_hash!r}")
+        data, at = self.data.numpy(), self.layout.trailer
+        data[at : at + TRAILER_BYTES] = memoryview(digits + struct.pack("<II", zlib.crc32(digits), 0))
+        self.meta = replace(self.meta, model_hash=model_hash)
+
     def view(self) -> memoryview:
         return memoryview(self.buffer.numpy())
 
+    def wire_end(self, k: int) -> int:
+        """Where piece ``k`` (its CRC included) ends in the whole message."""
+        return self.layout.data_start + self.layout.pieces[k].end
+
+    # -- reading -----------------------------------------------------------------------------------------------
     @classmethod
     def parse(cls, data: torch.Tensor | bytes | bytearray | memoryview) -> Q4Message:
-        """Validate a received message (structure, version, CRC, scales) and return views on it."""
+        """Validate a whole received message (structure, version, CRCs, scales) and return views on it."""
         buffer = data if isinstance(data, torch.Tensor) else _as_tensor(data)
         raw = buffer.numpy()
-        total = len(raw)
         header_bytes, data_start = safetensors.split(raw, "payload")
+        message = cls.read_head(bytes(raw[:data_start]), buffer, total=len(raw))
+        for k in range(len(message.layout.pieces)):
+            message.check_piece(k)
+        message.read_trailer()
+        return message
+
+    @classmethod
+    def read_head(cls, head: bytes, buffer: torch.Tensor | None = None, *, total: int | None = None) -> Q4Message:
+        """A message whose header ``head`` (its first ``data_start`` bytes, length prefix included) is valid,
+        in ``buffer`` (whose first bytes become ``head``; None: allocated for it). ``total``: the message's size,
+        when the receiver knows it (refused unless the header's tensors take exactly that)."""
+        header_bytes, data_start = safetensors.split(head, "payload")
+        if data_start != len(head):
+            raise PayloadError("payload header is longer than the bytes given for it")
         try:
             header = json.loads(header_bytes.decode("utf-8"))
             md = header["__metadata__"]
@@ -252,11 +367,11 @@ class Q4Message:
             settings = Q4Settings(block_size=int(md["block_size"]), scale_dtype=md["scale_dtype"],
                                   codec=md.get("codec", "q4"))
             specs = specs_from_json(json.loads(md["tensors"]))
+            piece_bytes = check_piece_bytes(int(md["piece_bytes"]))
             meta = Q4Meta(kind=md["kind"], round=int(md["round"]), host=str(md["host"]),
-                          base_hash=str(md["base_hash"]), samples=int(md["samples"]),
-                          model_hash=str(md.get("model_hash", "")), final=md["final"] == "1",
+                          base_hash=str(md["base_hash"]), samples=int(md["samples"]), final=md["final"] == "1",
                           block_size=settings.block_size, scale_dtype=settings.scale_dtype, codec=settings.codec,
-                          tensors=specs, metrics=_parse_metrics(md.get("metrics") or "{}"))
+                          tensors=specs, metrics=_parse_metrics(md.get("metrics") or "{}"), piece_bytes=piece_bytes)
             crc_text = str(md["crc32"])
             expected_crc = int(crc_text, 16)
         except PayloadError:
@@ -266,28 +381,63 @@ class Q4Message:
         if meta.kind not in ("delta", "sync") or not 0 <= meta.samples < 2**62 or not 0 <= meta.round < 2**62:
             raise PayloadError(f"payload metadata is out of range: kind={meta.kind!r} round={meta.round} "
                                f"samples={meta.samples}")
-        codec = codec_for(settings)
-        regions = tuple(regions_for(specs, codec))
-        data_bytes = regions[-1].codes[1] if regions else 0
-        if total != data_start + data_bytes:
-            raise PayloadSizeError(data_start + data_bytes, f"payload is truncated or has trailing bytes: {total} "
-                                   f"bytes, {data_start + data_bytes} expected for its tensors")
-        _check_offsets(header, specs, regions, codec)
         pos = header_bytes.find(b'"crc32":"' + crc_text.encode() + b'"')
         if len(crc_text) != 8 or pos < 0:
             raise PayloadError("payload crc32 field is malformed")
-        zeroed = bytearray(header_bytes)
-        start = pos + len(b'"crc32":"')
+        zeroed = bytearray(head)
+        start = safetensors.PREFIX_BYTES + pos + len(b'"crc32":"')
         zeroed[start : start + 8] = _CRC_PLACEHOLDER.encode()
-        crc = zlib.crc32(raw[: safetensors.PREFIX_BYTES].tobytes())
-        crc = zlib.crc32(zeroed, crc)
-        crc = zlib.crc32(raw[data_start:], crc)
+        crc = zlib.crc32(zeroed)
         if crc != expected_crc:
-            raise PayloadError(f"payload failed its integrity check (crc32 {crc:08x}, header says {expected_crc:08x}): "
-                               "it was corrupted in transit")
-        message = cls(buffer, Q4Layout(specs, settings, regions, data_start, total, codec), meta)
-        message.check_scales()
-        return message
+            raise PayloadError(f"payload header failed its integrity check (crc32 {crc:08x}, header says "
+                               f"{expected_crc:08x}): it was corrupted in transit")
+        layout = Q4Layout.of(specs, settings, piece_bytes)
+        if layout.data_start != data_start:
+            raise PayloadError(f"payload header takes {data_start} bytes; {layout.data_start} expected for its tensors")
+        if total is not None and total != layout.total:
+            raise PayloadSizeError(layout.total, f"payload is truncated or has trailing bytes: {total} bytes, "
+                                   f"{layout.total} expected for its tensors")
+        _check_offsets(header, specs, layout)
+        if buffer is None:
+            buffer = torch.empty(layout.total, dtype=torch.uint8)
+        elif buffer.numel() < layout.total:
+            raise PayloadSizeError(layout.total, f"payload needs {layout.total} bytes for its tensors")
+        buffer = buffer[: layout.total]
+        buffer.numpy()[:data_start] = memoryview(head)
+        return cls(buffer, layout, meta)
+
+    def check_piece(self, k: int) -> None:
+        """Piece ``k`` (in place in the buffer) passes its CRC and holds no NaN or Inf scales."""
+        piece, data = self.layout.pieces[k], self.data.numpy()
+        slot = bytes(data[piece.crc : piece.end])
+        (crc,) = struct.unpack("<I", slot[:4])
+        got = zlib.crc32(data[piece.data[0] : piece.data[1]])
+        if got != crc or slot[4:].strip(b"\0"):
+            raise PayloadError(f"payload piece {k} failed its integrity check (crc32 {got:08x}, the piece says "
+                               f"{crc:08x}): it was corrupted in transit")
+        codec = self.layout.codec
+        for j in range(piece.first, piece.stop):
+            spec = self.layout.specs[j]
+            if spec.raw:
+                continue
+            peak = codec.magnitude(self.codes(j), self.scales(j))
+            if not math.isfinite(peak):
+                raise PayloadError(f"payload has NaN or Inf scales for tensor {spec.name!r}")
+            self.max_scale = max(self.max_scale, peak)
+
+    def read_trailer(self) -> str:
+        """The trailer's model hash (checked; "" for a delta), also set in :attr:`meta`."""
+        data, at = self.data.numpy(), self.layout.trailer
+        digits = bytes(data[at : at + HASH_DIGITS])
+        crc, pad = struct.unpack("<II", bytes(data[at + HASH_DIGITS : at + TRAILER_BYTES]))
+        if zlib.crc32(digits) != crc or pad:
+            raise PayloadError("payload trailer failed its integrity check: it was corrupted in transit")
+        try:
+            model_hash = digits.rstrip(b"\0").decode("ascii")
+        except UnicodeDecodeError:
+            raise PayloadError("payload trailer's model hash is not text") from None
+        self.meta = replace(self.meta, model_hash=model_hash)
+        return model_hash
 
     def scale_maxima(self) -> list[float]:
         """Each tensor's largest scale magnitude (NaN or Inf when any of its scales is), one pass over the scales;
@@ -296,28 +446,28 @@ class Q4Message:
         return [0.0 if spec.raw else codec.magnitude(self.codes(i), self.scales(i))
                 for i, spec in enumerate(self.layout.specs)]
 
-    def check_scales(self) -> None:
-        """Refuse NaN or Inf scales; remember the largest scale for :meth:`weighted_scales_finite`."""
-        maxima = self.scale_maxima()
-        for spec, peak in zip(self.meta.tensors, maxima):
-            if not math.isfinite(peak):
-                raise PayloadError(f"payload has NaN or Inf scales for tensor {spec.name!r}")
-        self.max_scale = max(maxima, default=0.0)
-
     def weighted_scales_finite(self, samples: int) -> bool:
         """Whether ``samples`` times the largest dequantized value stays far inside fp32's range."""
         return self.max_scale * 8 * max(samples, 1) < 1e30
 
 
-def _check_offsets(header: dict, specs, regions: list[Region], codec: Codec) -> None:
+def _check_offsets(header: dict, specs, layout: Q4Layout) -> None:
+    codec = layout.codec
     scale_name = _DTYPE_NAMES[codec.scale_dtype]
-    if len(header) != 1 + 2 * len(specs):
-        raise PayloadError(f"payload header lists {len(header) - 1} entries, {2 * len(specs)} expected")
-    for spec, r in zip(specs, regions):
+    entries = 2 * len(specs) + len(layout.pieces) + 1
+    if len(header) != 1 + entries:
+        raise PayloadError(f"payload header lists {len(header) - 1} entries, {entries} expected")
+    for spec, r in zip(specs, layout.regions):
         for suffix, dtype, span in (("scales", scale_name, r.scales), ("codes", "U8", r.codes)):
             entry = header.get(f"{spec.name}/{suffix}")
             if not isinstance(entry, dict) or entry.get("dtype") != dtype or entry.get("data_offsets") != list(span):
                 raise PayloadError(f"payload entry {spec.name}/{suffix} is missing or has the wrong dtype or offsets")
+    spans = [(f"__crc__/{k}", [p.crc, p.end]) for k, p in enumerate(layout.pieces)]
+    spans.append(("__trailer__", [layout.trailer, layout.trailer + TRAILER_BYTES]))
+    for name, span in spans:
+        entry = header.get(name)
+        if not isinstance(entry, dict) or entry.get("dtype") != "U8" or entry.get("data_offsets") != span:
+            raise PayloadError(f"payload entry {name} is missing or has the wrong dtype or offsets")
 
 
 def _as_tensor(data: bytes | bytearray | memoryview) -> torch.Tensor:
