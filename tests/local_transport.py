@@ -15,6 +15,7 @@ import torch
 
 from lightning_nodeox.coordinator.config import CoordinatorConfig
 from lightning_nodeox.coordinator.lifecycle import CoordinatorRun
+from lightning_nodeox.coordinator.making import SyncInMaking
 from lightning_nodeox.coordinator.runlog import RunLog
 from lightning_nodeox.coordinator.state import RunStore, SavedRun, take_up
 from lightning_nodeox.core.pool import WorkerPool
@@ -123,7 +124,13 @@ class LocalClient:
         tensor = torch.frombuffer(data, dtype=torch.uint8)
         return self.coordinator.call(self.membership.put_model(self.host, tensor))["model_hash"]
 
-    def post_delta(self, round_: int, body: memoryview, *, training: bool = False) -> Upload:
+    def post_delta(self, round_: int, body, *, training: bool = False) -> Upload:
+        if hasattr(body, "read"):  # a message streamed as it is encoded
+            body.rewind()
+            data = bytearray()
+            while chunk := body.read(1 << 20):
+                data += bytes(chunk)
+            body = data
         buffer = torch.frombuffer(bytearray(body), dtype=torch.uint8)
 
         async def post() -> None:
@@ -139,10 +146,15 @@ class LocalClient:
                 return reply
 
     def _sync_reply(self, round_: int, poll: float, training: bool = False) -> SyncReply | None:
-        message = self.coordinator.call(self.rounds.wait_sync(round_, poll, self.host, training))
-        if message is not None:
-            complete = self.rounds.is_last(round_)
-            data = bytes(message.view())
+        found = self.coordinator.call(self.rounds.wait_sync(round_, poll, self.host, training))
+        if found is not None:
+            if isinstance(found, SyncInMaking):  # streamed as its pieces are made: taken whole here
+                async def whole() -> bytes:
+                    return b"".join([bytes(part) async for part in found.parts()])
+
+                complete, data = found.complete, self.coordinator.call(whole())
+            else:
+                complete, data = self.rounds.is_last(round_), bytes(found.view())
             broken, self.break_next_sync = self.break_next_sync, False
             return SyncReady(round_, BytesBody(data, len(data) // 2 if broken else None), complete)
         return RunComplete() if self.state.complete else None

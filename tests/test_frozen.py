@@ -55,7 +55,7 @@ def test_a_frozen_backbone_stays_out_of_the_delta_which_is_the_size_of_the_rest(
     module = net()
     module[0].requires_grad_(False)
     ex = exchange_for(module)
-    message = ex.encode(ex.live, Q4Meta("delta", 0, "h", "", samples=8), seed=None)
+    message = ex.encode(ex.live, Q4Meta("delta", 0, "h", "", samples=8), seed=None).join()
     assert names(message) == [n for n, _ in shared_tensors(module) if not n.startswith("0.")]  # BatchNorm stats move
     assert len(message) == layout_size(ex, lambda n: not n.startswith("0.")) < ex.layout.total
     assert Q4Message.parse(message.buffer.clone()).meta.tensors == message.meta.tensors
@@ -71,7 +71,7 @@ def test_the_set_follows_requires_grad_at_each_boundary_and_a_tensor_frozen_mid_
     assert ex.part.indices == head
     with torch.no_grad():
         ex.residual[0].fill_(0.25)  # a frozen tensor's residual waits for it to move again
-    ex.encode(ex.live, Q4Meta("delta", 0, "h", "", samples=8), seed=None)
+    ex.encode(ex.live, Q4Meta("delta", 0, "h", "", samples=8), seed=None).join()
     assert bool((ex.residual[0] == 0.25).all())
     module[0].requires_grad_(True)  # unfrozen during round 1: it moves from round 1 on
     assert ex.boundary().indices == everything
@@ -142,7 +142,7 @@ def test_two_hosts_sending_different_sets_get_each_tensors_mean_over_its_senders
     for host, samples in ((a, 8), (b, 24)):  # this arrival order: the sums round as the coordinator's
         host.tensors.boundary()
         message = host.encode(host.tensors.live, samples, False)
-        sent.append((Q4Message.parse(message.buffer.clone()), samples))
+        sent.append((Q4Message.parse(message.join().buffer.clone()), samples))
         assert host.upload(message) is Upload.TAKEN
     assert len(names(sent[1][0])) == len(a.tensors.specs) - 2 and "2.weight" not in names(sent[1][0])
     for host in (a, b):

@@ -239,7 +239,7 @@ def test_the_round_itself_refuses_a_delta_of_a_host_that_left_whatever_the_trans
     try:
         a, b = join(c, "a", "b")
         train(b, 0)
-        body = b.encode(b.tensors.live, 8, False)
+        body = b.encode(b.tensors.live, 8, False).join()
         b.client.leave()
         with pytest.raises(Refusal) as refused:
             b.client.post_delta(0, body.view())

@@ -18,7 +18,7 @@ def exchange_for(model: torch.nn.Module, settings: Q4Settings = Q4Settings()) ->
 
 
 def encode(tensors: HostTensors, samples: int):
-    return tensors.encode(tensors.live, Q4Meta("delta", 0, "h", "", samples=samples), seed=None)
+    return tensors.encode(tensors.live, Q4Meta("delta", 0, "h", "", samples=samples), seed=None).join()
 
 
 def test_nan_delta_is_refused_naming_the_parameter() -> None:

@@ -21,7 +21,7 @@ ROOMS = ("coordinator", "host", "core", "relay", "tools")
 # what a coordinator transport may import of the coordinator: the run's lifecycle (which hands it the run's
 # parts), its settings and the limits of what is taken from the network (bodies, connections); never the round's
 # logic itself
-TRANSPORT_MAY_IMPORT = {"lifecycle", "config", "intake", "connections"}
+TRANSPORT_MAY_IMPORT = {"lifecycle", "config", "intake", "connections", "making"}  # making: the sync it streams
 
 
 def modules() -> list[Path]:

@@ -46,7 +46,7 @@ def host_delta(host: str, samples: int, scale: float, steps: int, frozen_names: 
         for t in tensors.live[:2]:
             t.add_(torch.linspace(-1, 1, t.numel()).view(t.shape) * scale)
         tensors.live[2].fill_(steps)
-    return tensors.encode(tensors.live, Q4Meta("delta", 0, host, tensors.base_hash(), samples=samples), None)
+    return tensors.encode(tensors.live, Q4Meta("delta", 0, host, tensors.base_hash(), samples=samples), None).join()
 
 
 def test_a_relays_delta_is_its_sites_weighted_mean_requantized_with_its_own_residual() -> None:
@@ -59,7 +59,7 @@ def test_a_relays_delta_is_its_sites_weighted_mean_requantized_with_its_own_resi
     tensors = RelayTensors(model)
     tensors.allocate(SETTINGS, 1)
     tensors.take_round()
-    sent = tensors.encode(tensors.live, Q4Meta("delta", 0, "site", model.hash, samples=model.weight), None)
+    sent = tensors.encode(tensors.live, Q4Meta("delta", 0, "site", model.hash, samples=model.weight), None).join()
 
     assert sent.meta.samples == 32 and [s.name for s in sent.meta.tensors] == ["w", "b", "steps"]
     assert int(sent.raw(2).clone().view(torch.int64)) == 5  # host "a" sorts first: its raw values, as a coordinator's
@@ -129,7 +129,7 @@ def test_each_tensor_of_a_relays_delta_is_the_mean_over_the_hosts_that_sent_it_a
                                            atol=1e-7)
         tensors.take_round()
         message = tensors.encode(tensors.live, Q4Meta("delta", round_, "siteA", model.hash, samples=model.weight),
-                                 None)
+                                 None).join()
         sent.append(([t.name for t in message.meta.tensors], message.meta.samples))
         if round_ == 0:  # no residual yet: q4 of each tensor's own mean
             for j, name in enumerate(("w", "b")):

@@ -35,11 +35,23 @@ from .outer import OuterSettings, make_outer
 
 @dataclass
 class ClosedRound:
-    """A round's sync; ``not_finite`` names the tensors that would have left it NaN or Inf (the round was then
-    refused: the sync changes nothing)."""
+    """A round's sync; ``not_finite`` names the tensors that would have become NaN or Inf (their pieces were
+    refused: the sync changes nothing there)."""
 
     sync: Q4Message
     not_finite: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SyncClosing:
+    """A round's sync while its pieces are made (:meth:`CoordinatorModel.open_sync`)."""
+
+    round: int
+    indices: tuple[int, ...]  # the round's set: the model's index of each tensor the sync carries
+    sync: Q4Message
+    base_hash: str
+    digests: list  # θ's row digests before the round (a refused piece keeps its tensors')
+    not_finite: list[str] = field(default_factory=list)  # tensors of refused pieces
 
 
 def raw_source_key(host: str) -> tuple:
@@ -97,28 +109,43 @@ class CoordinatorModel:
 
     # -- one round ------------------------------------------------------------------------------------------
     def accumulate(self, message: Q4Message, samples: int) -> None:
-        """Add ``samples * delta`` to the accumulator of each tensor the delta carries (a tensor's first delta of
-        the round overwrites it); its tensors join the round's set (also with no samples)."""
+        """A whole delta at once: :meth:`begin_delta`, then :meth:`accumulate_piece` for each of its pieces."""
+        indices = self.begin_delta(message, samples)
+        for k in range(len(message.layout.pieces)):
+            self.accumulate_piece(message, k, samples, indices)
+
+    def begin_delta(self, message: Q4Message, samples: int) -> tuple[int, ...]:
+        """A delta's header is in: its tensors join the round's set (also with no samples), its samples the
+        round's; returns the model's index of each tensor it carries."""
         indices = self.positions(message.meta.tensors)
         self.moving.update(indices)
+        self.weight += max(samples, 0)
+        return indices
+
+    def accumulate_piece(self, message: Q4Message, k: int, samples: int, indices: tuple[int, ...]) -> None:
+        """Add ``samples * delta`` to the accumulator of each tensor of the delta's piece ``k`` (a tensor's first
+        delta of the round overwrites it), which then counts ``samples`` more in its mean."""
         if samples <= 0:
             return
         host = message.meta.host
-        for j, i in enumerate(indices):
+        piece = message.layout.pieces[k]
+        tensors = range(piece.first, piece.stop)
+        for j in tensors:
+            i = indices[j]
             taken_from = self.raw_from.get(i)
             if self.specs[i].raw and (taken_from is None or raw_source_key(host) < raw_source_key(taken_from)):
                 self.raw_taken[i].copy_(message.raw(j))
                 self.raw_from[i] = host
-        assign = [self.weights[i] == 0 for i in indices]
+        assign = {j: self.weights[indices[j]] == 0 for j in tensors}
 
-        def work(k, j: int, start: int, stop: int) -> None:
-            accumulate_tensor(k, message.codes(j), message.scales(j), self.acc[indices[j]], float(samples),
+        def work(kn, jj: int, start: int, stop: int) -> None:
+            j = piece.first + jj
+            accumulate_tensor(kn, message.codes(j), message.scales(j), self.acc[indices[j]], float(samples),
                               start=start, stop=stop, assign=assign[j])
 
-        self.pool.over_ranges([self.specs[i].coded for i in indices], work)
-        for i in indices:
-            self.weights[i] += samples
-        self.weight += samples
+        self.pool.over_ranges([self.specs[indices[j]].coded for j in tensors], work)
+        for j in tensors:
+            self.weights[indices[j]] += samples
 
     def end_round(self) -> None:
         """The round's accumulation is done with: its weights, set and raw choices start over."""
@@ -129,31 +156,50 @@ class CoordinatorModel:
         self.raw_from = {}
 
     def close_round(self, round_: int, metrics: dict[str, list] | None = None) -> ClosedRound:
-        """The outer step of the mean delta, quantized, then applied to θ as hosts will, in two passes: the first
-        quantizes the sync and checks per chunk that θ + sync stays finite without writing θ; only then the
-        second applies it (and the outer step's state) and digests θ's hash. A result that is not finite is
-        refused: θ, its hash and the outer state stay as they were, and the sync adds -0.0 (which leaves every
-        value's bits as they are), so hosts keep the same model too.
+        """The whole round's sync at once: :meth:`open_sync`, :meth:`close_piece` for each piece, then
+        :meth:`finish_sync`."""
+        closing = self.open_sync(round_, metrics)
+        for q in range(len(closing.sync.layout.pieces)):
+            self.close_piece(closing, q)
+        return self.finish_sync(closing)
 
-        A failure half-way through the second pass leaves θ partly applied; the hash is then recomputed, so
-        model and hash always agree (hosts will find the next sync's base differs and fetch the model).
-
-        The sync carries the round's set of tensors (each with its own mean: its sum of weights; a tensor only
-        deltas without samples carried has a zero change and no outer step) and ``metrics``: the round's sync_dist
-        values, reduced across hosts."""
+    def open_sync(self, round_: int, metrics: dict[str, list] | None = None) -> SyncClosing:
+        """Start round ``round_``'s sync: its header (the round's set of tensors, the base model's hash, the
+        round's samples and ``metrics``: its sync_dist values, reduced across hosts) is written and may be sent;
+        its pieces follow (:meth:`close_piece`), each once the deltas' tensors in it are all accumulated."""
         indices = tuple(sorted(self.moving))
-        weights = [self.weights[i] for i in indices]
-        for i, w in zip(indices, weights):
-            if w == 0:
-                self.acc[i].zero_()
-        inverse = [1.0 / max(w, 1) for w in weights]
-        stepping = [w > 0 and self.outer.has_step for w in weights]  # no contribution: no outer step, a zero sync
-        base_hash = self.hash
         message = self._free_sync_buffer(self.layout_of(indices))
-        sizes = [self.specs[i].coded for i in indices]
+        message.write_head(Q4Meta("sync", round_, "coordinator", self.hash, samples=self.weight,
+                                  metrics=metrics or {}))
+        closing = SyncClosing(round_, indices, message, self.hash, list(self._digests))
+        self._digests = [None if i in self.moving else d for i, d in enumerate(self._digests)]
+        return closing
+
+    def close_piece(self, closing: SyncClosing, q: int) -> list[str]:
+        """Piece ``q`` of the sync: for each of its tensors the outer step of its mean (its own sum of weights; a
+        tensor only deltas without samples carried has a zero change and no outer step), quantized, checked that
+        θ + sync stays finite, and only then applied to θ as hosts will (with the outer step's state) and
+        digested for θ's hash; the piece is then sealed (it may be sent). A piece whose result would not be
+        finite is refused alone: θ and the outer state of its tensors stay as they were and its sync adds -0.0
+        (which leaves every value's bits as they are), so hosts keep the same values too; returns the names of
+        its tensors that would have become NaN or Inf.
+
+        A failure half-way through applying leaves θ partly changed; the hash is then recomputed (model and
+        hash always agree; hosts find the next sync's base differs and fetch the model)."""
+        message, indices = closing.sync, closing.indices
+        piece = message.layout.pieces[q]
+        tensors = range(piece.first, piece.stop)
+        weights = {j: self.weights[indices[j]] for j in tensors}
+        for j, w in weights.items():
+            if w == 0:
+                self.acc[indices[j]].zero_()
+        inverse = {j: 1.0 / max(w, 1) for j, w in weights.items()}
+        stepping = {j: w > 0 and self.outer.has_step for j, w in weights.items()}
+        sizes = [self.specs[indices[j]].coded for j in tensors]
         not_finite: set[int] = set()
 
-        def quantize(k, j: int, start: int, stop: int) -> None:
+        def quantize(k, jj: int, start: int, stop: int) -> None:
+            j = piece.first + jj
             i = indices[j]
             if not encode_sync(k, self.acc[i], inverse[j], self.tensors[i].view(-1), message.codes(j),
                                message.scales(j), start=start, stop=stop,
@@ -161,46 +207,55 @@ class CoordinatorModel:
                 not_finite.add(i)
 
         self.pool.over_ranges(sizes, quantize)
-        self._raw_sync(message, indices, taken=not not_finite)
+        self._raw_sync(message, indices, tensors, taken=not not_finite)
         if not_finite:
-            for j, i in enumerate(indices):
-                if not self.specs[i].raw:
+            for j in tensors:
+                if not self.specs[indices[j]].raw:
                     self.layout.codec.fill_noop(message.codes(j), message.scales(j))
-            message.write_header(Q4Meta("sync", round_, "coordinator", base_hash, samples=0, model_hash=base_hash,
-                                        metrics=metrics or {}))
-            self.end_round()
-            return ClosedRound(message, sorted(self.specs[i].name for i in not_finite))
-        committing = [s and self.outer.has_state for s in stepping]
-        try:
-            new_hash = self._apply(message, indices, inverse, committing)
-        except BaseException:
-            self._digests = [None] * len(self.specs)
-            self.hash = self._hash_all()
-            self.end_round()
-            raise
-        message.write_header(Q4Meta("sync", round_, "coordinator", base_hash, samples=self.weight,
-                                    model_hash=new_hash, metrics=metrics or {}))
-        self.end_round()
-        return ClosedRound(message)
+            for j in tensors:  # unchanged: their digests are θ's as it was
+                self._digests[indices[j]] = closing.digests[indices[j]]
+            names = sorted(self.specs[i].name for i in not_finite)
+            closing.not_finite += names
+        else:
+            try:
+                self._apply(message, indices, tensors, inverse, {j: s and self.outer.has_state
+                                                                 for j, s in stepping.items()})
+            except BaseException:
+                self._digests = [None] * len(self.specs)
+                self.hash = self._hash_all()
+                self.end_round()
+                raise
+            names = []
+        message.seal(q)
+        return names
 
-    def _raw_sync(self, message: Q4Message, indices: tuple[int, ...], taken: bool) -> None:
-        """The sync's raw tensors: the values taken this round (``taken``, where a delta with samples carried
-        them), else θ's own (a no-op)."""
-        for j, i in enumerate(indices):
+    def finish_sync(self, closing: SyncClosing) -> ClosedRound:
+        """The sync's trailer: θ's new hash (digesting what the pieces left); the round's accumulation ends."""
+        new_hash = self._hash_all()
+        closing.sync.write_trailer(new_hash)
+        self.end_round()
+        return ClosedRound(closing.sync, closing.not_finite)
+
+    def _raw_sync(self, message: Q4Message, indices: tuple[int, ...], tensors: range, taken: bool) -> None:
+        """The sync's raw tensors of ``tensors``: the values taken this round (``taken``, where a delta with
+        samples carried them), else θ's own (a no-op)."""
+        for j in tensors:
+            i = indices[j]
             if self.specs[i].raw:
                 message.raw(j).copy_(self.raw_taken[i] if taken and i in self.raw_from else _bytes(self.tensors[i]))
 
-    def _apply(self, message: Q4Message, indices: tuple[int, ...], inverse: list[float],
-               committing: list[bool]) -> str:
+    def _apply(self, message: Q4Message, indices: tuple[int, ...], tensors: range, inverse: dict[int, float],
+               committing: dict[int, bool]) -> None:
         """θ += the dequantized sync (and the outer step's state update), θ's raw tensors := the sync's, for the
-        tensors of the round's set; returns θ's new hash."""
-        fresh = [RowHasher(self.tensors[i]) for i in indices]
+        sync's ``tensors``; their row digests are filled (where the chunks allow, while applying)."""
+        fresh = {j: RowHasher(self.tensors[indices[j]]) for j in tensors}
         chunk = self.pool.chunk
-        for j, i in enumerate(indices):
-            if self.specs[i].raw:
-                _bytes(self.tensors[i]).copy_(message.raw(j))
+        for j in tensors:
+            if self.specs[indices[j]].raw:
+                _bytes(self.tensors[indices[j]]).copy_(message.raw(j))
 
-        def work(k, j: int, start: int, stop: int) -> None:
+        def work(k, jj: int, start: int, stop: int) -> None:
+            j = tensors[jj]
             i = indices[j]
             if committing[j]:
                 for s, e in chunk_ranges(self.acc[i].numel(), k.chunk, start, stop):
@@ -209,13 +264,11 @@ class CoordinatorModel:
             theta = self.tensors[i].view(-1)
             apply_sync(k, message.codes(j), message.scales(j), theta, theta, start=start, stop=stop, hasher=fused)
 
-        self._digests = [None if i in self.moving else d for i, d in enumerate(self._digests)]
-        self.pool.over_ranges([self.specs[i].coded for i in indices], work)
-        pending = [h for i, h in zip(indices, fresh) if self.specs[i].raw or not h.fusable(chunk)]
+        self.pool.over_ranges([self.specs[indices[j]].coded for j in tensors], work)
+        pending = [h for j, h in fresh.items() if self.specs[indices[j]].raw or not h.fusable(chunk)]
         self.pool.run([t for h in pending for t in h.tasks()])
-        for i, h in zip(indices, fresh):
-            self._digests[i] = h
-        return self._hash_all()
+        for j, h in fresh.items():
+            self._digests[indices[j]] = h
 
     def _hash_all(self) -> str:
         """θ's hash, digesting the tensors whose row digests are not kept."""

@@ -38,10 +38,12 @@ from ..core.logs import Named
 from ..core.phases import AGGREGATE, COORDINATOR, RECEIVE, SYNC_PREPARE, PhaseRecord
 from ..core.protocol import Reason, Refusal
 from ..core.specs import PayloadError
+from ..core import safetensors
 from ..core.wire import PayloadSizeError, Q4Message, fit_metrics
 from .hosts import HostState
 from .intake import MAX_SAMPLES
 from .metrics import reduce_metrics
+from .making import SyncInMaking
 from .model import CoordinatorModel, ModelStream
 from .recovery import Recovery
 from .runstate import RunState
@@ -70,24 +72,70 @@ class RoundClose(Protocol):
 
 
 class OuterStep:
-    """The root coordinator's close: the outer step of the round's mean, quantized into the sync and applied to
-    θ (:meth:`CoordinatorModel.close_round`); a final delta in the round completes the run."""
+    """The root coordinator's close, piece by piece: the sync's header goes out at once; each piece of it (the
+    outer step of the round's mean, quantized, applied to θ: :meth:`CoordinatorModel.close_piece`) is made once
+    every delta of the round has its tensors in it accumulated, and may be sent while later pieces of the deltas
+    still arrive; a final delta in the round completes the run."""
+
+    streams = True  # the close starts once every delta has begun, not once every delta is in
 
     async def close(self, rounds: Rounds, model: CoordinatorModel, round_: int, since: float) -> Published:
         state = rounds.state
         await rounds.keep_downloads(set(model.moving))  # the round's set: the other tensors stay as they are
-        closed = await state.in_worker(model.close_round, round_, rounds.round_metrics())
+        closing = await state.in_worker(model.open_sync, round_, rounds.round_metrics())
+        making = rounds.making = SyncInMaking(round_, closing.sync, rounds.stopping)
+        await state.notify()  # hosts waiting for the round start downloading
+        try:
+            for q, piece in enumerate(closing.sync.layout.pieces):
+                await rounds.inputs(closing.indices[piece.stop - 1] + 1)
+                await state.in_worker(model.close_piece, closing, q)
+                making.sealed(q)
+            closed = await state.in_worker(model.finish_sync, closing)
+        except BaseException:
+            making.fail()
+            raise
+        making.finished()
         message = closed.sync
         refused = {}
         if closed.not_finite:
             refused = {"refused": f"not finite: {', '.join(closed.not_finite[:5])}"}
-            rounds.log.error("round %d refused: its result would make %s NaN or Inf; the model stays %s and hosts "
-                             "get a sync that changes nothing. A host's training diverged, or a delta is too large for "
-                             "the model's dtype (lower the learning rate, clip gradients)", round_,
+            rounds.log.error("round %d refused where its result would make %s NaN or Inf: those pieces of the sync "
+                             "change nothing (the rest applies; the model is %s). A host's training diverged, or a "
+                             "delta is too large for the model's dtype (lower the learning rate, clip gradients)", round_,
                              ", ".join(closed.not_finite[:5]), message.meta.model_hash)
         state.record(PhaseRecord(round_, COORDINATOR, SYNC_PREPARE, since, time.time(), len(message),
                                  extra={"model_hash": message.meta.model_hash, **refused}))
         return Published(message, rounds.stopping, round_ + 1)
+
+
+@dataclass
+class DeltaIntake:
+    """One host's delta of the open round while its pieces arrive (:meth:`Rounds.begin_delta`)."""
+
+    host: str
+    message: Q4Message
+    indices: tuple[int, ...]  # the model's index of each tensor it carries
+    samples: int
+    start: float
+    queued: int = 0  # pieces handed to the accumulator
+    taken: int = 0  # pieces accumulated
+    cut: str = ""  # why the rest of it is dropped ("" while it goes on)
+
+    @property
+    def done(self) -> bool:
+        return self.taken == len(self.message.layout.pieces)
+
+    @property
+    def begun(self) -> bool:
+        """Whether a piece of it was taken (or it has none)."""
+        return self.queued > 0 or not self.message.layout.pieces
+
+    def frontier(self, model_tensors: int) -> int:
+        """The model's tensors below this index are all in, as far as this delta goes (all, once it is
+        accumulated or cut)."""
+        if self.cut or self.done:
+            return model_tensors
+        return self.indices[self.message.layout.pieces[self.taken].first]
 
 
 class Rounds:
@@ -112,6 +160,8 @@ class Rounds:
         self.downloads: set[ModelStream] = set()  # full-model downloads in flight (copy-on-publish)
         self.before_publish = before_publish
         self._accumulating: list[asyncio.Future] = []
+        self.deltas: dict[str, DeltaIntake] = {}  # the open round's deltas as they arrive
+        self.making: SyncInMaking | None = None  # the sync of the round closing, while it is made
 
     @property
     def model(self) -> CoordinatorModel | None:
@@ -127,6 +177,10 @@ class Rounds:
             raise Refusal(Reason.LATE, f"the run completed at round {state.published_round}; apply its last sync",
                           round=state.round)
         if round_ == state.round and host in self.received:
+            cut = self.deltas[host].cut if host in self.deltas else ""
+            if cut:
+                raise Refusal(Reason.LATE, f"host {host}'s delta of round {round_} was cut ({cut}): its pieces taken "
+                                           "stay in the round, the rest is dropped; apply its sync", round=state.round)
             raise Refusal(Reason.DUPLICATE, f"host {host} already sent its delta for round {round_}")
         if round_ != state.round or self.closing:
             closing = self.closing and round_ == state.round
@@ -143,12 +197,32 @@ class Rounds:
 
     async def accept_delta(self, host: str, round_: int, buffer: torch.Tensor, received_at: float,
                            training: bool = False) -> dict:
-        """Check a received delta completely, then hand it to the accumulator (not waiting for it). ``training``:
-        the host trains on while its round is open (overlap), so it does not wait in it (see :meth:`trains_on`)."""
+        """A whole received delta (an in-process transport's): :meth:`begin_delta`, each piece, :meth:`end_delta`."""
+        state = self.state
+        head_end = await state.in_parser(_head_end, buffer)
+        delta = await self.begin_delta(host, round_, bytes(buffer[:head_end].numpy()), buffer, received_at,
+                                       training)
+        try:
+            pieces = len(delta.message.layout.pieces)
+            for k in range(pieces - 1):
+                await self.take_piece(delta, k)
+            await self.end_delta(delta)  # the trailer is checked before the last piece is taken
+            if pieces:
+                await self.take_piece(delta, pieces - 1)
+        except Refusal as e:
+            raise self.cut_delta(delta, e) from None
+        return {"accepted": True, "round": round_}
+
+    async def begin_delta(self, host: str, round_: int, head: bytes, buffer: torch.Tensor, received_at: float,
+                          training: bool = False) -> DeltaIntake:
+        """A delta's header (``head``, its first bytes) is in: checked completely before anything of the delta is
+        taken, the host then counts as sending its delta (the round may start closing once every live host
+        has begun); its pieces follow into ``buffer`` (:meth:`take_piece`). ``training``: the host trains on while
+        its round is open (overlap), so it does not wait in it (see :meth:`trains_on`)."""
         state = self.state
         model = self.check_upload(host, round_, buffer.numel())
         try:
-            message = await state.in_parser(Q4Message.parse, buffer)
+            message = await state.in_parser(lambda: Q4Message.read_head(head, buffer, total=buffer.numel()))
         except PayloadSizeError as e:
             q4 = state.config.q4
             raise Refusal(Reason.INVALID, f"delta rejected: it is {buffer.numel()} bytes but this model's q4 delta is "
@@ -157,7 +231,7 @@ class Rounds:
         except PayloadError as e:
             raise Refusal(Reason.INVALID, f"delta rejected: {e}") from None
         meta = message.meta
-        self.check_upload(host, round_, None)  # the round may have moved while the payload was checked
+        self.check_upload(host, round_, None)  # the round may have moved while the header was checked
         try:
             if meta.kind != "delta" or meta.round != round_ or meta.host != host:
                 raise PayloadError(f"payload says kind={meta.kind} round={meta.round} host={meta.host}, "
@@ -172,10 +246,6 @@ class Rounds:
         if meta.samples > MAX_SAMPLES:
             raise Refusal(Reason.INVALID, f"delta rejected: {meta.samples} samples in one round; at most {MAX_SAMPLES} "
                                           "(2^24) are taken from one host")
-        if not message.weighted_scales_finite(meta.samples):
-            raise Refusal(Reason.INVALID, f"delta rejected: {meta.samples} samples with scales up to "
-                                  f"{message.max_scale:.3g} would overflow the accumulator; the host's training "
-                                  "diverged or its sample count is wrong")
         if meta.base_hash != model.hash:
             raise Refusal(Reason.STALE_BASE, f"delta of host {host} was computed against model {meta.base_hash}, but "
                                              f"round {round_} started from {model.hash}; fetch the model and rejoin",
@@ -186,20 +256,94 @@ class Rounds:
         self.stopping = self.stopping or meta.final
         entry = state.hosts[host]
         entry.state = HostState.FINISHED if meta.final else HostState.TRAINING
-        future = asyncio.ensure_future(state.in_worker(model.accumulate, message, meta.samples))
-        self._accumulating.append(future)
-        future.add_done_callback(lambda f: self._after_accumulate(f, host, round_, received_at, len(buffer)))
-        return {"accepted": True, "round": round_}
+        delta = self.deltas[host] = DeltaIntake(host, message, model.begin_delta(message, meta.samples),
+                                                meta.samples, received_at)
+        await state.notify()
+        asyncio.ensure_future(self.maybe_close())
+        return delta
 
-    def _after_accumulate(self, future: asyncio.Future, host: str, round_: int, start: float, size: int) -> None:
+    async def take_piece(self, delta: DeltaIntake, k: int) -> None:
+        """Piece ``k`` of ``delta`` is in its buffer: checked (its CRC, its scales), then handed to the
+        accumulator (not waiting for it); a bad piece is refused (:meth:`cut_delta` says what becomes of it)."""
+        state, message = self.state, delta.message
+        try:
+            await state.in_parser(message.check_piece, k)
+        except PayloadError as e:
+            raise Refusal(Reason.INVALID, f"delta rejected: {e}") from None
+        if not message.weighted_scales_finite(delta.samples):
+            raise Refusal(Reason.INVALID, f"delta rejected: {delta.samples} samples with scales up to "
+                                          f"{message.max_scale:.3g} would overflow the accumulator; the host's training "
+                                          "diverged or its sample count is wrong")
+        if delta.cut or self.deltas.get(delta.host) is not delta:
+            return  # the round closed on without the rest of it
+        delta.queued = k + 1
+        if k == 0:
+            asyncio.ensure_future(self.maybe_close())
+        model = state.require_model()
+        future = asyncio.ensure_future(state.in_worker(model.accumulate_piece, message, k, delta.samples,
+                                                       delta.indices))
+        self._accumulating.append(future)
+        future.add_done_callback(lambda f: self._after_accumulate(f, delta, k))
+
+    async def end_delta(self, delta: DeltaIntake) -> None:
+        """The delta's trailer is in (checked before its last piece is taken: a delta of one piece is taken whole
+        or not at all)."""
+        try:
+            await self.state.in_parser(delta.message.read_trailer)
+        except PayloadError as e:
+            raise Refusal(Reason.INVALID, f"delta rejected: {e}") from None
+
+    def cut_delta(self, delta: DeltaIntake, why: BaseException) -> BaseException:
+        """The rest of ``delta`` will not come (a bad piece, a broken or too slow upload): nothing accepted is lost.
+        A delta none of whose pieces was taken is as if never sent (its refusal stands; the host may send it
+        again); otherwise its pieces taken stay in the round and the rest is dropped (the round no longer waits for
+        it), and the host is told so as a late delta: it applies the round's sync. Returns the error to raise."""
+        if self.deltas.get(delta.host) is not delta or delta.cut:
+            return why
+        pieces = len(delta.message.layout.pieces)
+        if delta.queued == 0:
+            del self.deltas[delta.host]
+            self.received.pop(delta.host, None)
+            self.metrics.pop(delta.host, None)
+            self.training.discard(delta.host)
+            model = self.state.model
+            if model is not None:
+                model.weight -= max(delta.samples, 0)
+            asyncio.ensure_future(self.state.notify())
+            return why
+        delta.cut = f"{why}"
+        self.log.warning("host %s's delta of round %d was cut after %d of its %d pieces (%s): those are taken, the "
+                         "rest is dropped from the round", delta.host, self.state.round, delta.queued, pieces, why)
+        asyncio.ensure_future(self.state.notify())
+        asyncio.ensure_future(self.maybe_close())
+        return Refusal(Reason.LATE, f"the delta was cut after {delta.queued} of its {pieces} pieces ({why}): those "
+                                    f"were taken, the rest is dropped from round {self.state.round}; apply its sync",
+                       round=self.state.round)
+
+    def _after_accumulate(self, future: asyncio.Future, delta: DeltaIntake, k: int) -> None:
         if future.cancelled():
             return
         if future.exception() is not None:
-            self.log.error("accumulating host %s's delta failed: %r", host, future.exception())
+            self.log.error("accumulating host %s's delta failed: %r", delta.host, future.exception())
             return
-        self.state.record(PhaseRecord(round_, COORDINATOR, RECEIVE, start, time.time(), size,
-                                      extra={"from_host": host}))
+        delta.taken = max(delta.taken, k + 1)
+        if delta.done:
+            self.state.record(PhaseRecord(self.state.round, COORDINATOR, RECEIVE, delta.start, time.time(),
+                                          len(delta.message), extra={"from_host": delta.host}))
+        asyncio.ensure_future(self.state.notify())
         asyncio.ensure_future(self.maybe_close())
+
+    def inputs_in(self, below: int) -> bool:
+        """Whether every delta of the round has its tensors below model index ``below`` accumulated."""
+        model = self.state.model
+        n = len(model.specs) if model is not None else 0
+        return all(d.frontier(n) >= below for d in self.deltas.values())
+
+    async def inputs(self, below: int) -> None:
+        """Wait until :meth:`inputs_in` ``(below)`` (a delta that breaks off is cut by its upload's handler, so this
+        never waits for a piece that will not come)."""
+        while not await self.state.wait(lambda: self.inputs_in(below), self.state.config.long_poll):
+            pass
 
     async def accumulated(self) -> None:
         """Wait until every delta accepted so far has been accumulated."""
@@ -224,7 +368,11 @@ class Rounds:
         state = self.state
         if state.model is None or self.closing or self.shutting_down or not self.received:
             return False
-        if any(not f.done() for f in self._accumulating) or len(self.received) < self.needed():
+        if not getattr(self.close_with, "streams", False) and not self.inputs_in(len(state.model.specs)):
+            return False  # a close that takes the round's deltas whole waits until they are in
+        if not all(d.begun for d in self.deltas.values()):
+            return False  # a delta counts once its first piece is taken (a bad first piece: as if never sent)
+        if len(self.received) < self.needed():
             return False
         everyone = not self.joins_awaited() and not self.missing()
         timeout = state.config.round_timeout
@@ -252,13 +400,17 @@ class Rounds:
             self.log.warning("round %d closes on its --round-timeout without host(s) %s", round_,
                              ", ".join(late))
         start = time.time()
+        await self.recovery.saved()  # the last round's state is on disk before θ changes again
+        aggregating = asyncio.ensure_future(self._aggregated(round_, start))
+        if not getattr(self.close_with, "streams", False):
+            await aggregating
+        try:
+            closed = await self.close_with.close(self, model, round_, start)
+        finally:
+            self.making = None
+        await aggregating
         await asyncio.gather(*self._accumulating)
         self._accumulating = []
-        aggregated = time.time()
-        state.record(PhaseRecord(round_, COORDINATOR, AGGREGATE, start, aggregated,
-                                 extra={"hosts": sorted(self.received), "samples": sum(self.received.values())}))
-        await self.recovery.saved()  # the last round's state is on disk before θ changes again
-        closed = await self.close_with.close(self, model, round_, aggregated)
         if closed.sync is not None and self.before_publish is not None:  # a comparison hook: benchmarks/exchange.py
             try:
                 await self.before_publish(state, round_, closed.sync)
@@ -267,7 +419,7 @@ class Rounds:
         # the round's state changes together, on the loop, after the last await
         if closed.sync is not None:
             model.publish(closed.sync)
-        self.received, self.metrics, self.training = {}, {}, set()
+        self.received, self.metrics, self.training, self.deltas = {}, {}, set(), {}
         state.complete = state.complete or closed.complete
         state.published_round = closed.next_round - 1
         state.round = closed.next_round
@@ -278,6 +430,13 @@ class Rounds:
                           model.hash)
         self.recovery.save_round()
         state.sample_memory()
+
+    async def _aggregated(self, round_: int, start: float) -> None:
+        """Record the round's aggregation: from its close's start until every delta's last piece is in."""
+        await self.inputs(len(self.state.require_model().specs))
+        await asyncio.gather(*self._accumulating, return_exceptions=True)
+        self.state.record(PhaseRecord(round_, COORDINATOR, AGGREGATE, start, time.time(),
+                                      extra={"hosts": sorted(self.received), "samples": sum(self.received.values())}))
 
     def round_metrics(self) -> dict[str, list]:
         reduced = reduce_metrics([(self.received[h], m) for h, m in self.metrics.items() if m])
@@ -336,10 +495,10 @@ class Rounds:
         return self.state.complete and self.state.published_round == round_
 
     async def wait_sync(self, round_: int, wait: float, host: str | None = None,
-                        training: bool = False) -> Q4Message | None:
-        """Round ``round_``'s sync once published; None if not within ``wait`` seconds or if the run completed
-        before that round closed (``state.complete`` tells which). ``training``: the host trains on meanwhile
-        (:meth:`trains_on`)."""
+                        training: bool = False) -> Q4Message | SyncInMaking | None:
+        """Round ``round_``'s sync once its close has begun (while it is made: a :class:`SyncInMaking`) or once
+        published; None if not within ``wait`` seconds or if the run completed before that round closed
+        (``state.complete`` tells which). ``training``: the host trains on meanwhile (:meth:`trains_on`)."""
         state, hosts = self.state, self.state.hosts
         entry = hosts.get(host or "")
         if entry is not None and entry.state is HostState.LEFT:
@@ -363,10 +522,18 @@ class Rounds:
         def left() -> bool:
             return entry is not None and entry.state is HostState.LEFT
 
-        if not await state.wait(lambda: state.published_round >= round_ or state.complete or left(), wait):
+        def making() -> SyncInMaking | None:
+            return self.making if self.making is not None and self.making.round == round_ else None
+
+        if not await state.wait(lambda: state.published_round >= round_ or state.complete or left() or making(),
+                                wait):
             return None
         if left():
             hosts.known(host)
+        if making() is not None and state.published_round < round_:
+            if entry is not None:
+                hosts.seen(entry)
+            return making()
         if state.published_round < round_:
             return None  # complete: no more rounds
         sync = state.model.latest_sync if state.model is not None else self.recovery.saved_sync
@@ -375,3 +542,11 @@ class Rounds:
         if entry is not None:
             hosts.seen(entry)  # a dropped host that fetches a sync is back: the next round waits for it again
         return sync
+
+
+def _head_end(buffer: torch.Tensor) -> int:
+    """Where a whole message's header ends (its data starts)."""
+    try:
+        return safetensors.split(buffer.numpy(), "payload")[1]
+    except PayloadError as e:
+        raise Refusal(Reason.INVALID, f"delta rejected: {e}") from None

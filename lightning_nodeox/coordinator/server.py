@@ -38,6 +38,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import LineTooLong
 
 from ..core import protocol as proto
+from ..core import safetensors
 from ..core.logs import Named
 from ..core.phases import COORDINATOR, MODEL_MATERIALIZE, PhaseRecord
 from ..core.protocol import HTTP_STATUS, Reason, Refusal
@@ -46,6 +47,7 @@ from . import intake, lifecycle
 from .config import CoordinatorConfig, parse_bind
 from .connections import RESERVED_FILES, Connections, connection_limit, raise_open_file_limit
 from .lifecycle import CoordinatorRun
+from .making import SyncBroken, SyncInMaking
 
 log = logging.getLogger(__name__)
 
@@ -348,6 +350,8 @@ async def get_model(request: web.Request) -> web.StreamResponse:
 
 
 async def post_delta(request: web.Request) -> web.Response:
+    """A delta, taken piece by piece as it arrives (:meth:`Rounds.begin_delta`): its header is checked first,
+    each piece then (its CRC, its scales) and handed to the accumulator while the next one is still on the wire."""
     run = request.app[RUN]
     rounds = run.rounds
     host, round_ = _caller(request), _int(request.match_info["round"], "round")
@@ -361,17 +365,66 @@ async def post_delta(request: web.Request) -> web.Response:
             buffers: ReceiveBuffers = request.app[BUFFERS]
             buf = buffers.get(request.content_length or model.layout.total)  # a delta of the tensors that moved
             try:
-                await within(request, transfer_seconds(run.config, len(buf)), read_body_into(request, buf),
-                             f"host {host}'s delta upload")
-                result = await rounds.accept_delta(host, round_, buf, start, _training(request))
+                await within(request, transfer_seconds(run.config, len(buf)),
+                             receive_delta(request, rounds, host, round_, buf, start), f"host {host}'s delta upload")
             except BaseException:
-                buffers.put(buf)
+                asyncio.ensure_future(_recycle_after(run, buffers, buf))
                 raise
     finally:
         uploads.release(host)
     # the buffer is released back once the delta has been accumulated
     asyncio.ensure_future(_recycle_after(run, buffers, buf))
-    return web.json_response(result, status=202)
+    return web.json_response({"accepted": True, "round": round_}, status=202)
+
+
+async def receive_delta(request: web.Request, rounds, host: str, round_: int, buf: torch.Tensor,
+                        start: float) -> None:
+    """Read the delta's header, then each piece into ``buf``, handing each on as soon as it is in; an upload
+    that breaks off, or a bad piece, cuts the delta there (:meth:`Rounds.cut_delta`)."""
+    view = memoryview(buf.numpy())
+    prefix = safetensors.PREFIX_BYTES
+    await read_into(request, view[:prefix])
+    try:
+        head_end = prefix + safetensors.header_length(bytes(view[:prefix]), len(view), "payload")
+    except PayloadError as e:
+        raise Refusal(Reason.INVALID, f"delta rejected: {e}") from None
+    await read_into(request, view[prefix:head_end])
+    delta = await rounds.begin_delta(host, round_, bytes(view[:head_end]), buf, start, _training(request))
+    try:
+        message = delta.message
+        at, last = head_end, len(message.layout.pieces) - 1
+        for k in range(last + 1):
+            end = message.wire_end(k) if k < last else len(view)  # the last piece with the trailer
+            await read_into(request, view[at:end])
+            if k == last:
+                await rounds.end_delta(delta)
+            await rounds.take_piece(delta, k)
+            at = end
+        if last < 0:
+            await read_into(request, view[at:])
+            await rounds.end_delta(delta)
+    except asyncio.CancelledError:  # too slow (within): the connection is cut
+        rounds.cut_delta(delta, Refusal(Reason.TOO_SLOW, "the upload was too slow"))
+        raise
+    except Refusal as e:  # a bad piece
+        cut = rounds.cut_delta(delta, e)
+        if cut is e:
+            raise
+        raise cut from None
+    except Exception as e:  # the connection broke
+        rounds.cut_delta(delta, e)
+        raise
+
+
+async def read_into(request: web.Request, view: memoryview) -> None:
+    """Exactly ``len(view)`` more bytes of the request body into ``view``."""
+    pos, size = 0, len(view)
+    while pos < size:
+        chunk = await request.content.read(size - pos)
+        if not chunk:
+            raise Refusal(Reason.INVALID, f"body is truncated: it ended {size - pos} bytes early")
+        view[pos : pos + len(chunk)] = chunk
+        pos += len(chunk)
 
 
 async def _recycle_after(run: CoordinatorRun, buffers: ReceiveBuffers, buf: torch.Tensor) -> None:
@@ -380,30 +433,38 @@ async def _recycle_after(run: CoordinatorRun, buffers: ReceiveBuffers, buf: torc
 
 
 async def get_sync(request: web.Request) -> web.StreamResponse:
+    """Round ``round``'s sync: once published, from its message; while its round closes, streamed as its pieces
+    are made (its host applies each as it arrives)."""
     run = request.app[RUN]
     state = run.state
     host = _caller(request)
     round_ = _int(request.match_info["round"], "round")
     wait = min(_wait(request), run.config.long_poll)
-    message = await run.rounds.wait_sync(round_, wait, host, _training(request))
-    if message is None:
+    found = await run.rounds.wait_sync(round_, wait, host, _training(request))
+    if found is None:
         return web.Response(status=204, headers={proto.COMPLETE_HEADER: "1" if state.complete else "0"})
+    making = found if isinstance(found, SyncInMaking) else None
+    message = found.sync if making is not None else found
     model = state.model  # None while a resumed run serves its saved sync without a model
     if model is not None:
         model.reading(message, +1)
     try:
-        complete = run.rounds.is_last(round_)
+        complete = making.complete if making is not None else run.rounds.is_last(round_)
         response = web.StreamResponse(headers={"Content-Type": proto.OCTETS, "Content-Length": str(len(message)),
                                                proto.COMPLETE_HEADER: "1" if complete else "0"})
 
         async def send() -> None:
             await response.prepare(request)
-            await write_chunked(response, message.view())
+            if making is None:
+                await write_chunked(response, message.view())
+            else:
+                async for part in making.parts():
+                    await write_chunked(response, part)
             await finish(request, response)
 
-        await within(request, transfer_seconds(run.config, len(message)), send(),
-                     f"host {host}'s sync download of round {round_}")
-    except Refusal:
+        await within(request, transfer_seconds(run.config, len(message)) + (run.config.long_poll if making else 0),
+                     send(), f"host {host}'s sync download of round {round_}")
+    except (Refusal, SyncBroken):
         return response
     finally:
         if model is not None:

@@ -75,8 +75,10 @@ class HostClient(Protocol):
         """Provide the model (a reader with ``read``); returns the coordinator's hash of it."""
         ...
 
-    def post_delta(self, round_: int, body: memoryview, *, training: bool = False) -> Upload:
-        """Send round ``round_``'s delta (see :func:`delta_outcome`)."""
+    def post_delta(self, round_: int, body, *, training: bool = False) -> Upload:
+        """Send round ``round_``'s delta (see :func:`delta_outcome`): a whole message (a memoryview), or a reader
+        of one being made (:class:`~lightning_nodeox.core.streaming.MessageReader`: ``read``, ``len``,
+        ``rewind``)."""
         ...
 
     def wait_sync(self, round_: int, *, training: Callable[[], bool] | None = None) -> SyncReply:

@@ -221,7 +221,7 @@ class HttpClient:
         return self._request("PUT", proto.MODEL, params={"host": self.host}, data=body,
                              headers={"Content-Type": proto.OCTETS}).json()["model_hash"]
 
-    def post_delta(self, round_: int, body: memoryview, *, training: bool = False) -> Upload:
+    def post_delta(self, round_: int, body, *, training: bool = False) -> Upload:
         params = {"host": self.host, **_training(training)}
         return delta_outcome(lambda: self._request("POST", proto.DELTA.format(round=round_), params=params,
                                                    data=body, ok=(202,), headers={"Content-Type": proto.OCTETS}),

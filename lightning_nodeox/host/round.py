@@ -30,10 +30,11 @@ from dataclasses import dataclass, field
 
 from ..core import phases as P
 from ..core.logs import Named
-from ..core.phases import PhaseLog
+from ..core.phases import PhaseLog, PhaseRecord
 from ..core.protocol import Reason, Refusal, RunComplete, SyncGone, TransferBroken, Upload, ValuesReply
 from ..core.settings import Q4Settings
 from ..core.specs import ModelMismatchError, PayloadError
+from ..core.streaming import MessageReader
 from ..core.transport import HostClient
 from ..core.wire import Q4Message, Q4Meta
 from .ending import run_completed
@@ -199,7 +200,7 @@ class HostRound:
             self.tensors.snapshot_base()
         return self.finish_round(message, False, Into.BASE)
 
-    def finish_round(self, message: Q4Message, final: bool, into: Into) -> RoundResult:
+    def finish_round(self, message: MessageReader, final: bool, into: Into) -> RoundResult:
         """Upload an encoded delta and take the round's sync (see :meth:`run_round`); sending it again after a
         failure is harmless (a delta taken already is ``TAKEN``)."""
         self._final = final
@@ -211,27 +212,47 @@ class HostRound:
         result.contributed = outcome is Upload.TAKEN and result.contributed
         return result
 
-    def encode(self, source, samples: int, final: bool, metrics: dict[str, list] | None = None) -> Q4Message:
+    def encode(self, source, samples: int, final: bool, metrics: dict[str, list] | None = None) -> MessageReader:
+        """Start encoding this round's delta, piece by piece (:meth:`HostTensors.encode`); its upload sends each
+        piece as it is sealed."""
         tensors = self.tensors
         error = tensors.estimate_error(source) if samples > 0 else None
         seed = None if self.rounding == "nearest" else hash((self._seed, self.round)) & (2**62 - 1)
-        with self.phases.timed(self.round, P.ENCODE, samples=samples, q4_rel_error=error) as rec:
-            message = tensors.encode(source, Q4Meta("delta", self.round, self.host, self.model_hash,
-                                                    samples=samples, final=final, metrics=metrics or {}), seed)
-            rec.bytes = len(message)
-        return message
+        start = time.time()
+        reader = tensors.encode(source, Q4Meta("delta", self.round, self.host, self.model_hash, samples=samples,
+                                               final=final, metrics=metrics or {}), seed)
+        reader.record = PhaseRecord(self.round, self.phases.host, P.ENCODE, start, start, len(reader),
+                                    {"samples": samples, "q4_rel_error": error})
+        return reader
 
-    def upload(self, message: Q4Message, *, into: Into = Into.LIVE) -> Upload:
-        """Send the delta. ``TAKEN``; ``LATE``: the round closed without it, but its sync can be applied; or
-        ``STALE_BASE``, after which this host has fetched the model (``into``) and taken part in the current round
-        anew (with an empty delta). Unless taken, this round's local work is dropped."""
+    def _encoded(self, reader: MessageReader) -> Q4Message:
+        """Wait until ``reader``'s message is made (raising the encoder's error) and record its encode phase."""
+        try:
+            reader.join()
+        finally:
+            record = reader.record
+            if record is not None:
+                record.end = max(record.start, reader.done_at or time.time())
+                self.phases.emit(record)
+                reader.record = None
+        return reader.message
+
+    def upload(self, reader: MessageReader, *, into: Into = Into.LIVE) -> Upload:
+        """Send the delta (each piece as it is encoded). ``TAKEN``; ``LATE``: the round closed without it (or
+        without part of it), but its sync can be applied; or ``STALE_BASE``, after which this host has fetched the
+        model (``into``) and taken part in the current round anew (with an empty delta). Unless taken, this
+        round's local work is dropped."""
+        message = reader.message
         self._sent = message
-        with self.phases.timed(self.round, P.UPLOAD) as rec:
-            rec.bytes = len(message)
-            outcome = self._call(self.client.post_delta, self.round, message.view(), into=into,
-                                 training=self._training(into))
-            if outcome is not Upload.TAKEN:
-                rec.extra["rejected"] = outcome.value
+        try:
+            with self.phases.timed(self.round, P.UPLOAD) as rec:
+                rec.bytes = len(message)
+                outcome = self._call(self.client.post_delta, self.round, reader, into=into,
+                                     training=self._training(into))
+                if outcome is not Upload.TAKEN:
+                    rec.extra["rejected"] = outcome.value
+        finally:
+            self._encoded(reader)
         if outcome is Upload.STALE_BASE:
             self.fetch_model(into)
             self._send_empty(message.meta.final, into=into)
@@ -240,11 +261,14 @@ class HostRound:
     def _send_empty(self, final: bool, *, into: Into) -> None:
         """Take part in the current round without a contribution (no samples: it adds nothing)."""
         with self.phases.timed(self.round, P.UPLOAD, empty=True) as rec:
-            message = self.tensors.encode(self.tensors.base, Q4Meta("delta", self.round, self.host, self.model_hash,
-                                                                    samples=0, final=final), None)
-            rec.bytes = len(message)
-            self._sent = message
-            self._call(self.client.post_delta, self.round, message.view(), into=into, training=self._training(into))
+            reader = self.tensors.encode(self.tensors.base, Q4Meta("delta", self.round, self.host, self.model_hash,
+                                                                   samples=0, final=final), None)
+            rec.bytes = len(reader)
+            self._sent = reader.message
+            try:
+                self._call(self.client.post_delta, self.round, reader, into=into, training=self._training(into))
+            finally:
+                reader.join()
 
     def _resend(self, into: Into) -> None:
         """The coordinator lost this host's delta of the current round (it restarted): send it again."""

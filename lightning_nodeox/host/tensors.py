@@ -37,6 +37,7 @@ from ..core.protocol import ByteStream, read_fully
 from ..core.recent import Recent
 from ..core.settings import Q4Settings
 from ..core.specs import positions_in, spec_of
+from ..core.streaming import MessageReader
 from ..core.wire import Q4Layout, Q4Message, Q4Meta
 from .moving import MovingSet, SetNotice
 
@@ -307,11 +308,15 @@ class HostTensors:
         k.quantize(m, codes, scales)
         return relative_error(x, k.dequantize(codes, scales, mp)[:m])
 
-    def encode(self, source: list[torch.Tensor], meta: Q4Meta, seed: int | None) -> Q4Message:
-        """q4 of (source - base + residual) of the tensors that move (:attr:`part`) into their delta message; the
-        residual keeps what q4 could not carry (a tensor that does not move keeps its residual for when it does)."""
+    def encode(self, source: list[torch.Tensor], meta: Q4Meta, seed: int | None) -> MessageReader:
+        """q4 of (source - base + residual) of the tensors that move (:attr:`part`) into their delta message, piece
+        by piece on a thread of its own: the returned reader gives each piece once it is sealed (an upload sends
+        it while the next is encoded; :meth:`MessageReader.join` waits for the whole). The residual keeps what q4
+        could not carry (a tensor that does not move keeps its residual for when it does)."""
         part = self.part
         message = part.message
+        message.write_head(meta)
+        reader = MessageReader(message)
 
         def work(k, j: int, start: int, stop: int) -> None:
             i = part.indices[j]
@@ -319,33 +324,43 @@ class HostTensors:
             encode_delta(k, source[i].view(-1), self.base[i].view(-1), res, *self._region(message, j),
                          start=start, stop=stop, seed=None if seed is None else seed + i)
 
-        with torch.no_grad():
-            self.pool.over_ranges(part.coded, work)
-            for j in part.raw:  # raw tensors: their values as they are
-                i = part.indices[j]
-                self._region(message, j)[0][: self.specs[i].nbytes].copy_(_bytes(source[i]))
-        if self._staging is not None:
-            cuda = self.device.type == "cuda"
-            message.data.copy_(self._staging[: message.data.numel()], non_blocking=cuda)
-            if cuda:
-                torch.cuda.current_stream(self.device).synchronize()
-        self._check_finite(message, source, meta)
-        message.write_header(meta)
-        return message
+        def make(k: int) -> None:
+            piece = message.layout.pieces[k]
+            tensors = range(piece.first, piece.stop)
+            with torch.no_grad():
+                self.pool.over_ranges([part.coded[j] for j in tensors],
+                                      lambda kn, jj, a, b: work(kn, piece.first + jj, a, b))
+                for j in part.raw:  # raw tensors: their values as they are
+                    if piece.first <= j < piece.stop:
+                        i = part.indices[j]
+                        self._region(message, j)[0][: self.specs[i].nbytes].copy_(_bytes(source[i]))
+            if self._staging is not None:
+                cuda = self.device.type == "cuda"
+                a, b = piece.data
+                message.data[a:b].copy_(self._staging[a:b], non_blocking=cuda)
+                if cuda:
+                    torch.cuda.current_stream(self.device).synchronize()
+            self._check_finite(message, tensors, source, meta)
+            message.seal(k)
 
-    def _check_finite(self, message: Q4Message, source: list[torch.Tensor], meta: Q4Meta) -> None:
-        for i, peak in zip(self.part.indices, message.scale_maxima()):
-            if math.isfinite(peak):
+        reader.produce(make, message.write_trailer)
+        return reader
+
+    def _check_finite(self, message: Q4Message, tensors: range, source: list[torch.Tensor], meta: Q4Meta) -> None:
+        codec = self.layout.codec
+        for j in tensors:
+            i = self.part.indices[j]
+            if self.specs[i].raw or math.isfinite(codec.magnitude(message.codes(j), message.scales(j))):
                 continue
             name = self.names[i]
             finite = bool(torch.isfinite(source[i]).all())
-            too_large = self.layout.codec.too_large(name, meta.round) if finite else None
+            too_large = codec.too_large(name, meta.round) if finite else None
             if too_large:
                 raise NonFiniteDeltaError(too_large)
             raise NonFiniteDeltaError(
                 f"the delta of parameter {name!r} in round {meta.round} holds NaN or Inf: training diverged on "
                 f"host {meta.host}. Lower the learning rate or clip gradients "
-                "(Trainer(gradient_clip_val=1.0)); nothing was sent")
+                "(Trainer(gradient_clip_val=1.0)); the upload was cut before it")
 
     # -- syncs ---------------------------------------------------------------------------------------------------
     def receive(self, body: ByteStream) -> torch.Tensor:

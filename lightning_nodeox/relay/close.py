@@ -22,7 +22,7 @@ import time
 from ..coordinator.model import CoordinatorModel
 from ..coordinator.rounds import Published, Rounds
 from ..core.phases import COORDINATOR, SYNC_PREPARE, PhaseRecord
-from ..core.wire import Q4Message
+from ..core.streaming import MessageReader
 from ..host.round import Into
 from .upstream import Upstream
 
@@ -32,7 +32,7 @@ class UpstreamClose:
 
     def __init__(self, upstream: Upstream) -> None:
         self.upstream = upstream
-        self._pending: tuple[int, Q4Message, bool] | None = None  # (round, delta, final) encoded, not yet through
+        self._pending: tuple[int, MessageReader, bool] | None = None  # (round, delta, final) encoded, not yet through
 
     async def close(self, rounds: Rounds, model: CoordinatorModel, round_: int, since: float) -> Published:
         state, upstream = rounds.state, self.upstream
@@ -49,15 +49,15 @@ class UpstreamClose:
             final = rounds.stopping
             samples, metrics = model.weight, rounds.round_metrics()
 
-            def encode() -> Q4Message:
+            def encode() -> MessageReader:
                 hr.tensors.take_round()
                 return hr.encode(hr.tensors.live, samples, final, metrics)
 
             self._pending = (round_, await state.in_worker(encode), final)
-        _, message, final = self._pending
+        _, reader, final = self._pending
         rounds.stable = True  # θ does not change while the upstream's round goes on: downloads may start ...
         await state.notify()
-        result = await upstream.call(hr.finish_round, message, final, Into.LIVE)  # ... until RelayTensors holds it
+        result = await upstream.call(hr.finish_round, reader, final, Into.LIVE)  # ... until RelayTensors holds it
         self._pending = None
         upstream.keep_credential()  # the exchange joined again if the upstream had restarted
         sync = hr.tensors.last_sync
@@ -68,5 +68,5 @@ class UpstreamClose:
         state.record(PhaseRecord(round_, COORDINATOR, SYNC_PREPARE, since, time.time(),
                                  None if sync is None else len(sync),
                                  extra={"model_hash": hr.model_hash, "upstream": upstream.url,
-                                        "samples": message.meta.samples, "contributed": result.contributed}))
+                                        "samples": reader.message.meta.samples, "contributed": result.contributed}))
         return Published(sync, hr.complete, hr.round)

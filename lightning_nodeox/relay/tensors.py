@@ -27,6 +27,7 @@ from ..coordinator.model import CoordinatorModel
 from ..core.codec import encode_mean
 from ..core.logs import Named
 from ..core.protocol import ByteStream, read_fully
+from ..core.streaming import MessageReader
 from ..core.wire import Q4Message, Q4Meta
 from ..host.tensors import HostTensors
 
@@ -89,7 +90,7 @@ class RelayTensors(HostTensors):
     def estimate_error(self, source: list[torch.Tensor]) -> float | None:
         return None  # the site's mean is not at hand as one tensor; its hosts report their own errors
 
-    def encode(self, source: list[torch.Tensor], meta: Q4Meta, seed: int | None) -> Q4Message:
+    def encode(self, source: list[torch.Tensor], meta: Q4Meta, seed: int | None) -> MessageReader:
         """The site's mean after :meth:`take_round` (then the model's round ends); any other delta (an empty one,
         ``samples=0``) as a host encodes it."""
         if not self._site_round:
@@ -115,11 +116,11 @@ class RelayTensors(HostTensors):
                     i = part.indices[j]
                     taken = model.raw_taken[i] if i in model.raw_from else self.live[i].view(-1).view(torch.uint8)
                     message.raw(j).copy_(taken)
-            self._check_finite(message, self.live, meta)
+            self._check_finite(message, range(len(part.indices)), self.live, meta)
             message.write_header(meta)
         finally:
             model.end_round()
-        return message
+        return MessageReader.whole(message)
 
     def receive(self, body: ByteStream) -> torch.Tensor:
         """A sync's bytes into a buffer of its own: the relay passes it on to its hosts unchanged, so the next
