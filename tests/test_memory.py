@@ -32,14 +32,14 @@ async def scenario(tmp_path, monkeypatch) -> list[int]:
     run = CoordinatorRun(config, runlog, pool, RunStore(tmp_path))
     state, rounds = run.state, run.rounds
     parsed: list[tuple[int, weakref.ref]] = []
-    parse = Q4Message.parse
+    read_head = Q4Message.read_head
 
-    def parse_and_watch(data):
-        message = parse(data)
+    def read_and_watch(*args, **kwargs):
+        message = read_head(*args, **kwargs)
         parsed.append((message.meta.round, weakref.ref(message)))
         return message
 
-    monkeypatch.setattr(Q4Message, "parse", staticmethod(parse_and_watch))
+    monkeypatch.setattr(Q4Message, "read_head", staticmethod(read_and_watch))
     await run.load_initial_model(torch.frombuffer(bytearray(model_file()), dtype=torch.uint8))
     for host in "ab":
         await run.membership.join(host, SPECS)

@@ -78,7 +78,7 @@ def test_an_overlapped_host_holds_a_key_while_it_trains_on_and_no_longer_once_it
     assert box and box[0].hosts == ["b"] and c.rounds.training == set()  # a does not hold b's key: no deadlock
     upload(b)
     waiting.join(10)
-    assert synced and synced[0].meta.round == 0
+    assert synced and synced[0].round == 0 and synced[0].contributed
 
 
 def test_a_host_that_is_not_overlapped_is_held_as_soon_as_its_delta_is_in(local_coordinator):

@@ -311,12 +311,13 @@ class Rounds:
                 model.weight -= max(delta.samples, 0)
             asyncio.ensure_future(self.state.notify())
             return why
-        delta.cut = f"{why}"
+        delta.cut = str(why)  # text: a log record keeps its arguments (an exception would keep its frames)
         self.log.warning("host %s's delta of round %d was cut after %d of its %d pieces (%s): those are taken, the "
-                         "rest is dropped from the round", delta.host, self.state.round, delta.queued, pieces, why)
+                         "rest is dropped from the round", delta.host, self.state.round, delta.queued, pieces,
+                         delta.cut)
         asyncio.ensure_future(self.state.notify())
         asyncio.ensure_future(self.maybe_close())
-        return Refusal(Reason.LATE, f"the delta was cut after {delta.queued} of its {pieces} pieces ({why}): those "
+        return Refusal(Reason.LATE, f"the delta was cut after {delta.queued} of its {pieces} pieces ({delta.cut}): those "
                                     f"were taken, the rest is dropped from round {self.state.round}; apply its sync",
                        round=self.state.round)
 

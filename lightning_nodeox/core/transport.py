@@ -30,7 +30,7 @@ def delta_outcome(send: Callable[[], object], host: str, round_: int) -> Upload:
         if outcome is None:
             raise
         if outcome is not Upload.TAKEN:
-            log.warning("nodeox: host %s: delta of round %d not taken: %s", host, round_, e)
+            log.warning("nodeox: host %s: delta of round %d not taken: %s", host, round_, str(e))  # text: not its frames
         return outcome
     return Upload.TAKEN
 

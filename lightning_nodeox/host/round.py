@@ -29,9 +29,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..core import phases as P
+from ..core import safetensors
 from ..core.logs import Named
 from ..core.phases import PhaseLog, PhaseRecord
-from ..core.protocol import Reason, Refusal, RunComplete, SyncGone, TransferBroken, Upload, ValuesReply
+from ..core.protocol import (Reason, Refusal, RunComplete, SyncGone, TransferBroken, Upload, ValuesReply,
+                             read_fully)
 from ..core.settings import Q4Settings
 from ..core.specs import ModelMismatchError, PayloadError
 from ..core.streaming import MessageReader
@@ -82,6 +84,7 @@ class HostRound:
         self._sent: Q4Message | None = None  # the last delta uploaded (resent if the coordinator lost it)
         self._final = False  # this host has sent (or is sending) its final delta
         self.trains_on = False  # training goes on while the round overlapped is open (set by the training side)
+        self._applying = None  # the sync being applied, across retries of its download
         self._seed = int.from_bytes(client.host.encode()[:8].ljust(8, b"\0"), "little")
 
     @property
@@ -291,24 +294,26 @@ class HostRound:
 
     # -- syncs -------------------------------------------------------------------------------------------------------
     def synchronize(self, *, follow_to_end: bool = False, into: Into = Into.LIVE) -> RoundResult:
-        """Wait for the round's sync, apply it ``into`` the live model or base and verify the model hash (fetching
-        the model if needed). With ``follow_to_end`` keep applying later rounds' syncs until the run completes."""
+        """Wait for the round's sync, apply it ``into`` the live model or base as it arrives and verify the model
+        hash (fetching the model if needed). With ``follow_to_end`` keep applying later rounds' syncs until the
+        run completes."""
         while True:
             round_ = self.round
-            sync = self.download(into)
-            if sync is None:
+            result = self.download(into)
+            if result is None:
                 result = RoundResult(round_, self.model_hash, self.complete, False)
-            else:
-                result = self.apply(sync, into)
             if result.complete or not follow_to_end:
                 return result
 
-    def download(self, into: Into = Into.LIVE) -> Q4Message | None:
-        """Round ``self.round``'s sync, parsed; None when there is none to apply (the run completed, or the host
-        fetched the model ``into`` the live model or base instead). Training waits for it (``WAIT``) unless it
-        goes into base (``POLL``: training overlaps)."""
+    def download(self, into: Into = Into.LIVE) -> RoundResult | None:
+        """Round ``self.round``'s sync, applied piece by piece as it arrives and verified; None when there is none
+        to apply (the run completed, or the host fetched the model ``into`` the live model or base instead).
+        Training waits for it (``WAIT``) unless it goes into base (``POLL``: training overlaps). A download that
+        breaks off is asked for again, and the pieces already applied are skipped; a piece that fails its check
+        after others were applied leaves the model half-changed: the host fetches the model."""
         round_ = self.round
         attempt = 0
+        self._applying = None
         while attempt < DOWNLOAD_TRIES:
             attempt += 1
             try:
@@ -329,44 +334,80 @@ class HostRound:
                     self.tensors.restore_live()
                 return None
             if isinstance(reply, SyncGone):
-                self.fetch_model(into)
-                return None
-            with self.phases.timed(round_, P.DOWNLOAD) as rec:
-                try:
-                    buffer = self.tensors.receive(reply.body)
-                except TransferBroken as e:
-                    if attempt == DOWNLOAD_TRIES:
-                        raise
-                    self.log.warning("host %s: sync download of round %d failed (%s); retrying", self.host,
-                                round_, e)
-                    continue
-                rec.bytes = buffer.numel()
-            self.complete = reply.complete
+                break
             try:
-                sync = Q4Message.parse(buffer)
-                self.tensors.sync_part(sync)  # its tensors are this model's
+                sync = self._receive(reply.body, round_, into)
+            except TransferBroken as e:
+                if attempt == DOWNLOAD_TRIES:
+                    if self._applying is not None and self._applying.applied:
+                        break  # half applied: the model is fetched
+                    raise
+                self.log.warning("host %s: sync download of round %d failed (%s); retrying", self.host, round_, e)
+                continue
             except PayloadError as e:
                 self.log.warning("host %s: sync of round %d unusable (%s); fetching the model", self.host,
-                            round_, e)
+                                 round_, e)
                 break
-            if sync.meta.base_hash == self.model_hash and sync.meta.round == round_:
-                return sync
-            break
+            self.complete = reply.complete
+            if sync is None:
+                break
+            return self._verified(sync, into)
+        self._applying = None
         self.fetch_model(into)
         return None
 
-    def apply(self, sync: Q4Message, into: Into = Into.LIVE) -> RoundResult:
-        """Apply a downloaded sync ``into`` the live model (and base) or base only, and check the resulting model
-        hash against the coordinator's."""
+    def _receive(self, body, round_: int, into: Into) -> Q4Message | None:
+        """Read round ``round_``'s sync from ``body``, applying each piece as soon as it is in and checked; the
+        sync once whole, or None when it is not this host's to apply (another base or round)."""
+        tensors = self.tensors
+        applied = []  # (start, end) of each piece's apply
+        with self.phases.timed(round_, P.DOWNLOAD) as rec:
+            try:
+                buffer = tensors.sync_buffer(body.size)
+                view = memoryview(buffer.numpy())
+                prefix = safetensors.PREFIX_BYTES
+                read_fully(body, view[:prefix])
+                head_end = prefix + safetensors.header_length(bytes(view[:prefix]), body.size, "sync")
+                read_fully(body, view[prefix:head_end])
+                sync = Q4Message.read_head(bytes(view[:head_end]), buffer, total=body.size)
+                tensors.sync_part(sync)  # its tensors are this model's
+                if sync.meta.base_hash != self.model_hash or sync.meta.round != round_:
+                    return None
+                applying = self._applying
+                if applying is None:
+                    applying = self._applying = tensors.apply_begin(sync, into is Into.LIVE)
+                applying.sync = sync  # asked again: the same sync, read again
+                at = head_end
+                for k in range(len(sync.layout.pieces)):
+                    end = sync.wire_end(k)
+                    read_fully(body, view[at:end])
+                    at = end
+                    if k < applying.applied:
+                        continue
+                    sync.check_piece(k)
+                    start = time.time()
+                    tensors.apply_piece(applying, k)
+                    applied.append((start, time.time()))
+                read_fully(body, view[at:])
+                sync.read_trailer()
+            finally:
+                body.close()
+                rec.bytes = body.size
+        if applied:
+            self.phases.emit(PhaseRecord(round_, self.phases.host, P.APPLY, applied[0][0], applied[-1][1],
+                                         extra={"seconds": round(sum(e - s for s, e in applied), 6)}))
+        return sync
+
+    def _verified(self, sync: Q4Message, into: Into) -> RoundResult:
+        """The applied sync's model hash, checked against the coordinator's (a mismatch: the model is fetched)."""
         round_ = sync.meta.round
-        with self.phases.timed(round_, P.APPLY):
-            hashers = self.tensors.apply(sync, into is Into.LIVE)
         with self.phases.timed(round_, P.VERIFY):
-            got = self.tensors.digest(hashers)
+            got = self.tensors.digest(self.tensors.apply_end(self._applying))
+        self._applying = None
         self.round = round_ + 1
         if got != sync.meta.model_hash:
             self.log.warning("host %s: model hash %s after round %d differs from the coordinator's %s; "
-                        "fetching the model", self.host, got, round_, sync.meta.model_hash)
+                             "fetching the model", self.host, got, round_, sync.meta.model_hash)
             self.fetch_model(into)
             return RoundResult(round_, self.model_hash, self.complete, False)
         self.model_hash = got

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -45,6 +46,17 @@ log = logging.getLogger(__name__)
 
 ERROR_SAMPLE = 1 << 15  # values per round used to estimate the q4 error metric
 CACHED_SETS = 4  # message layouts kept, one per set of tensors (a set that changes back finds its own)
+
+
+@dataclass
+class Applying:
+    """A sync being applied piece by piece (:meth:`HostTensors.apply_begin`)."""
+
+    sync: Q4Message
+    part: Part
+    target: list[torch.Tensor]
+    fresh: list[RowHasher]
+    applied: int = 0  # pieces applied
 
 
 def _state(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -363,12 +375,16 @@ class HostTensors:
                 "(Trainer(gradient_clip_val=1.0)); the upload was cut before it")
 
     # -- syncs ---------------------------------------------------------------------------------------------------
+    def sync_buffer(self, size: int) -> torch.Tensor:
+        """The buffer a sync of ``size`` bytes is read into: the reused one (pinned on a GPU; it grows to the
+        largest sync, and a sync of fewer tensors takes its start)."""
+        if self._sync_buffer is None or self._sync_buffer.numel() < size:
+            self._sync_buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        return self._sync_buffer[:size]
+
     def receive(self, body: ByteStream) -> torch.Tensor:
-        """Read a sync's bytes into the reused sync buffer (pinned on a GPU; it grows to the largest sync, and a
-        sync of fewer tensors takes its start)."""
-        if self._sync_buffer is None or self._sync_buffer.numel() < body.size:
-            self._sync_buffer = torch.empty(body.size, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-        buffer = self._sync_buffer[: body.size]
+        """Read a whole sync's bytes into :meth:`sync_buffer`."""
+        buffer = self.sync_buffer(body.size)
         try:
             read_fully(body, memoryview(buffer.numpy()))
         finally:
@@ -376,12 +392,18 @@ class HostTensors:
         return buffer
 
     def apply(self, sync: Q4Message, into_live: bool) -> list[RowHasher]:
-        """θ_{r+1} = θ_r + dequantized sync, into ``base`` and (``into_live``) the live model, for the tensors the
-        sync carries (the round's set); returns the row hashers of θ_{r+1}: of the tensors the sync changed,
-        filled while it is applied where the chunks allow (:meth:`digest` finishes them), and the kept ones of the
-        others. A tensor this host sent that the round did not take goes back to θ_r (its local work is dropped,
-        as the sync drops it in the others); overlapped, a tensor the round changed that this host did not send
-        has its θ_r set aside for the fold."""
+        """A whole sync at once: :meth:`apply_begin`, :meth:`apply_piece` for each piece, :meth:`apply_end`."""
+        applying = self.apply_begin(sync, into_live)
+        for k in range(len(sync.layout.pieces)):
+            self.apply_piece(applying, k)
+        return self.apply_end(applying)
+
+    def apply_begin(self, sync: Q4Message, into_live: bool) -> Applying:
+        """Start applying θ_{r+1} = θ_r + dequantized sync, into ``base`` and (``into_live``) the live model, for
+        the tensors the sync carries (the round's set), piece by piece as they arrive (:meth:`apply_piece`). A
+        tensor this host sent that the round did not take goes back to θ_r (its local work is dropped, as the sync
+        drops it in the others); overlapped, a tensor the round changed that this host did not send has its θ_r
+        set aside for the fold."""
         part = self.sync_part(sync)
         own = self.part.indices
         self.notice.compare(own, part.indices, sync.meta.round)
@@ -389,30 +411,49 @@ class HostTensors:
         if into_live:
             self._wrote(part.indices)
             self._wrote(own)  # those the round did not take go back to θ_r
-        if self._staging is not None:
-            self._staging[: sync.data.numel()].copy_(sync.data)
-        fresh = [RowHasher(self.base[i]) for i in part.indices]  # base: target's bytes once applied, and kept
-        chunk = self.pool.chunk
-
-        def work(k, j: int, start: int, stop: int) -> None:
-            i = part.indices[j]
-            fused = fresh[j] if fresh[j].fusable(chunk) else None
-            apply_sync(k, *self._region(sync, j), self.base[i].view(-1), target[i].view(-1), start=start, stop=stop,
-                       hasher=fused)
-
         for i in part.indices:
             self._digests[i] = None  # until digest(): an apply cut short leaves no stale digest behind
         with torch.no_grad():
             if part.indices != own:
                 self._differing(part.indices, own, into_live)
-            self.pool.over_ranges(part.coded, work)
+        fresh = [RowHasher(self.base[i]) for i in part.indices]  # base: target's bytes once applied, and kept
+        return Applying(sync, part, target, fresh)
+
+    def apply_piece(self, applying: Applying, k: int) -> None:
+        """Apply piece ``k`` of the sync (in place in its buffer, checked), digesting its rows while they are in
+        cache where the chunks allow."""
+        sync, part, target, fresh = applying.sync, applying.part, applying.target, applying.fresh
+        piece = sync.layout.pieces[k]
+        if self._staging is not None:
+            a, b = piece.data
+            self._staging[a:b].copy_(sync.data[a:b])
+        chunk = self.pool.chunk
+
+        def work(kn, jj: int, start: int, stop: int) -> None:
+            j = piece.first + jj
+            i = part.indices[j]
+            fused = fresh[j] if fresh[j].fusable(chunk) else None
+            apply_sync(kn, *self._region(sync, j), self.base[i].view(-1), target[i].view(-1), start=start, stop=stop,
+                       hasher=fused)
+
+        tensors = range(piece.first, piece.stop)
+        with torch.no_grad():
+            self.pool.over_ranges([part.coded[j] for j in tensors], work)
             for j in part.raw:  # raw tensors: the sync's values, for base and the target alike
-                i = part.indices[j]
-                values = self._region(sync, j)[0][: self.specs[i].nbytes]
-                _bytes(self.base[i]).copy_(values)
-                if target is not self.base:
-                    _bytes(target[i]).copy_(values)
+                if piece.first <= j < piece.stop:
+                    i = part.indices[j]
+                    values = self._region(sync, j)[0][: self.specs[i].nbytes]
+                    _bytes(self.base[i]).copy_(values)
+                    if target is not self.base:
+                        _bytes(target[i]).copy_(values)
+        applying.applied = k + 1
+
+    def apply_end(self, applying: Applying) -> list[RowHasher]:
+        """The row hashers of θ_{r+1}: of the tensors the sync changed (:meth:`digest` finishes what the apply
+        could not digest), and the kept ones of the others."""
+        part, fresh = applying.part, applying.fresh
         raw = set(part.raw)
+        chunk = self.pool.chunk
         self._undigested = [h for j, h in enumerate(fresh) if j in raw or not h.fusable(chunk)]
         hashers = list(self._digests)
         for i, h in zip(part.indices, fresh):

@@ -122,15 +122,15 @@ class RelayTensors(HostTensors):
             model.end_round()
         return MessageReader.whole(message)
 
-    def receive(self, body: ByteStream) -> torch.Tensor:
-        """A sync's bytes into a buffer of its own: the relay passes it on to its hosts unchanged, so the next
-        round never overwrites one that a slow host may still be downloading."""
-        return read_whole(body)
+    def sync_buffer(self, size: int) -> torch.Tensor:
+        """A buffer of its own for each sync: the relay passes it on to its hosts unchanged, so the next round
+        never overwrites one that a slow host may still be downloading."""
+        return torch.empty(size, dtype=torch.uint8)
 
-    def apply(self, sync: Q4Message, into_live: bool):
+    def apply_begin(self, sync: Q4Message, into_live: bool):
         self.before_change()  # downloads of θ from the relay's hosts keep what they have not sent
-        self.last_sync = sync  # what the relay publishes, once its hash is verified
-        return super().apply(sync, into_live)
+        self.last_sync = sync  # what the relay publishes, once whole and its hash verified
+        return super().apply_begin(sync, into_live)
 
     def read_model(self, body: ByteStream, into: list[torch.Tensor]) -> tuple[int, str]:
         self.before_change()

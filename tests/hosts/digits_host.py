@@ -175,17 +175,15 @@ def main() -> None:
     fail = args.fail_round * args.local_steps + args.local_steps // 2 if args.fail_round >= 0 and host == "1" else -1
     model = DigitsNet(host=int(host), stop_host=args.stop_host, fail_at_step=fail, epoch_value=args.epoch_value)
     if args.skip_sync_round >= 0 and host == "1":
-        from lightning_nodeox.core.hashing import RowHasher
         from lightning_nodeox.host.tensors import HostTensors
 
-        original = HostTensors.apply
+        original = HostTensors.apply_piece
 
-        def skip_once(self, sync, into_live):
-            if sync.meta.round == args.skip_sync_round:  # as if this round's sync never reached the host
-                return [RowHasher(t) for t in (self.live if into_live else self.base)]
-            return original(self, sync, into_live)
+        def skip_once(self, applying, k):
+            if applying.sync.meta.round != args.skip_sync_round:  # else as if this round's sync never reached it
+                original(self, applying, k)
 
-        HostTensors.apply = skip_once
+        HostTensors.apply_piece = skip_once
     callbacks = [PhaseMonitor(), DumpRounds(args.out, host)]
     if args.stall_round >= 0 and host == args.stall_host:
         callbacks.append(Stall(args.stall_round * args.local_steps + 1, args.stall_seconds))
