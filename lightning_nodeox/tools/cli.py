@@ -71,7 +71,8 @@ def _coordinator_options(p: argparse.ArgumentParser, *, bind: str) -> None:
     p.add_argument("--scale-dtype", default=q4["scale_dtype"], choices=SCALE_DTYPES,
                    help="q4 scale type (default %(default)s)")
     p.add_argument("--codec", default=q4["codec"], choices=CODECS,
-                   help="q4 (default); bf16 or fp32 send deltas unquantized, to measure what q4 costs")
+                   help="q4 (default); q2: 2-bit, about half of q4's bytes; bf16 or fp32 send deltas unquantized, "
+                   "to measure what q4 costs")
     p.add_argument("--outer-optimizer", default=outer["name"], choices=outer_names(),
                    help="how the mean delta becomes the sync: plain averaging, or DiLoCo's Nesterov momentum "
                    "(default %(default)s)")
