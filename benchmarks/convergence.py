@@ -125,7 +125,6 @@ class Metric:
 
     key: str
     label: str
-    higher_is_better: bool
     scale: float  # the difference to DDP in the table's unit (accuracy: percentage points)
     unit: str
 
@@ -146,8 +145,8 @@ class Workload:
     timeout: float
 
 
-ACCURACY = Metric("accuracy", "accuracy", True, 100.0, "pt")
-VAL_LOSS = Metric("val_loss", "val loss", False, 1.0, "")
+ACCURACY = Metric("accuracy", "accuracy", 100.0, "pt")
+VAL_LOSS = Metric("val_loss", "val loss", 1.0, "")  # lower is better
 WORKLOADS = {"digits": Workload(ACCURACY, STEPS, LR, BATCH_SIZE, DEFAULT_MODES, RUN_TIMEOUT),
              "lm": Workload(VAL_LOSS, LM_STEPS, 1e-3, 8, LM_MODES, LM_TIMEOUT)}
 UNAVAILABLE_EXIT = 3  # a host's exit status when NodeoxStrategy refuses an option of its mode
@@ -193,7 +192,7 @@ def nodeox_bytes_sent(records: list[dict]) -> int:
 # -- the host (run once per process, by DDP's launcher here or by `nodeox launch`) ---------------------------------
 
 
-def digits_workload(args: argparse.Namespace, host: int, steps: int):
+def digits_workload(args: argparse.Namespace, host: int):
     """What host ``host`` trains on digits, as (LightningModule, DataLoader, evaluate): the CNN under SGD on its
     share of the training split, and ``evaluate()``, its accuracy on the test split."""
     import torch
@@ -256,7 +255,7 @@ def host_main(args: argparse.Namespace) -> None:
         model, loader, evaluate = lm.workload(host=host, hosts=args.num_hosts, seed=args.seed, steps=steps,
                                               batch_size=args.batch_size, lr=args.lr)
     else:
-        model, loader, evaluate = digits_workload(args, host, steps)
+        model, loader, evaluate = digits_workload(args, host)
 
     class Count(Callback):
         """Samples trained; with ``slowdown`` > 1, sleeps after each batch to run that many times slower."""
