@@ -1,5 +1,8 @@
-"""Convergence: Nodeox against DDP on real data that ships offline (scikit-learn's digits), 2 hosts on this machine
-(4 in the relay rows).
+"""Convergence: Nodeox against DDP on real data that ships offline, 2 hosts on this machine (4 in the relay rows),
+on one of two workloads (``--workload``): scikit-learn's digits (the default, below), or ``lm``, a 3.3M-parameter
+byte-level causal transformer trained on the Python standard library's own source (benchmarks/lm.py: AdamW lr
+1e-3, batch 8 windows of 128 bytes, 240 steps per host), reporting validation loss (nats per byte; lower is
+better) and perplexity instead of accuracy.
 
 Every mode trains the same model (a small CNN: two 3x3 convolutions of 32 and 64 channels, 2x2 max-pooling, a
 128-unit hidden layer; 151K parameters) with the same inner optimizer (SGD, lr 0.02, momentum 0.9),
@@ -19,7 +22,14 @@ evaluated on a held-out test split (540 images). Modes:
     q4_4hosts        q4 with 4 hosts, each on its quarter of the training split (the relay row's baseline)
     q4_relays        q4_4hosts as 2 sites x 2 hosts: `nodeox launch --sites 2`, a root and 2 relays, hosts 0-1
                      behind one and 2-3 behind the other; each relay re-quantizes its site's mean (a second q4 stage)
-    bf16             Nodeox, --codec bf16 (not run by default)
+    q4_no_ef         q4 with NodeoxStrategy(error_feedback=False): what error feedback buys
+    q2               Nodeox, --codec q2 (2-bit, 0.53x q4's bytes at block size 64)
+    q2_b256          q2 at --block-size 256 (0.49x q4's bytes)
+    bf16             Nodeox, --codec bf16 (not run by default on digits)
+    q4_average_hH, q4_nesterov_hH   q4 average / Nesterov at H local steps, H in 10, 20, 50, 100
+                     (--local-steps-sweep runs these and DDP)
+
+The lm workload runs ddp, fp32, bf16, q4, q4_nesterov, q4_no_ef, q2 and q2_b256 by default (--modes takes any).
 
 Every mode runs 2 hosts unless it says otherwise; the 4-host modes' differences and ratios to DDP are to DDP's 2
 ranks all the same (their own comparison is to each other: the relay goal).
@@ -27,7 +37,8 @@ Modes whose options this version of lightning_nodeox does not have yet are repor
 Printed per mode: test accuracy (mean and min-max over seeds), its difference to DDP in percentage points,
 bytes sent per host, wall time, each host's wait share, ratios to DDP; then the goals, MET or MISSED.
 
-    python benchmarks/convergence.py [--json] [--seeds 3] [--quick] [--modes ddp,q4,...]
+    python benchmarks/convergence.py [--workload digits|lm] [--json] [--seeds 3] [--quick] [--modes ddp,q4,...]
+                                     [--local-steps-sweep]
 
 Definitions (see `ddp_bytes_per_host`, `nodeox_bytes_sent` and `wait_share`):
 - bytes per host, DDP: steps x gradient bytes x 2(N-1)/N, the bytes one rank sends in a ring all-reduce of every
@@ -52,6 +63,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from common import REPO, process_env, read_events, spawn, stop, tail, wait_all
@@ -67,6 +79,9 @@ HIDDEN = 128
 TEST_SIZE = 0.3
 SLOWDOWN = 2.0
 RUN_TIMEOUT = 180.0
+LM_STEPS = 240  # about 85 s a run on the 2-core development machine (2 hosts, 0.32 s a step each)
+LM_TIMEOUT = 600.0
+SWEEP = (10, 20, 50, 100)  # --local-steps-sweep
 
 GOAL_ACC_POINTS = 1.0
 GOAL_BYTES_RATIO = 100.0
@@ -91,9 +106,49 @@ MODES: dict[str, dict] = {
     "uneven_budget_overlap": {"kind": "nodeox", "slow": True, "strategy": {"round_seconds": "auto", "overlap": True}},
     RELAY_BASELINE: {"kind": "nodeox", "hosts": 4},
     RELAY_MODE: {"kind": "nodeox", "hosts": 4, "sites": 2},
+    "q4_no_ef": {"kind": "nodeox", "strategy": {"error_feedback": False}},
+    "q2": {"kind": "nodeox", "coordinator": ["--codec", "q2"]},
+    "q2_b256": {"kind": "nodeox", "coordinator": ["--codec", "q2", "--block-size", "256"]},
     "bf16": {"kind": "nodeox", "coordinator": ["--codec", "bf16"]},
+    **{f"q4_{outer}_h{h}": {"kind": "nodeox", "local_steps": h, "coordinator": options}
+       for outer, options in (("average", ["--outer-optimizer", "average"]), ("nesterov", DILOCO)) for h in SWEEP},
 }
-DEFAULT_MODES = [m for m in MODES if m != "bf16"]
+SWEEP_MODES = [m for m in MODES if MODES[m].get("local_steps")]
+DEFAULT_MODES = [m for m in MODES if m not in ("bf16", "q2_b256", *SWEEP_MODES)]
+LM_MODES = ["ddp", "fp32", "bf16", "q4", "q4_nesterov", "q4_no_ef", "q2", "q2_b256"]
+
+
+@dataclass(frozen=True)
+class Metric:
+    """What a workload's runs are judged by: ``key`` in a host's result; the summary holds ``KEY_mean``, ``_min``,
+    ``_max`` and ``_stdev``, and ``vs_ddp`` (the mean's difference to DDP's, times ``scale``)."""
+
+    key: str
+    label: str
+    scale: float  # the difference to DDP in the table's unit (accuracy: percentage points)
+    unit: str
+
+    @property
+    def vs_ddp(self) -> str:
+        return f"{self.key}_vs_ddp" + ("_points" if self.unit == "pt" else "")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A workload's metric and its defaults (steps, inner learning rate and batch size per host, modes)."""
+
+    metric: Metric
+    steps: int
+    lr: float
+    batch_size: int
+    modes: list[str]
+    timeout: float
+
+
+ACCURACY = Metric("accuracy", "accuracy", 100.0, "pt")
+VAL_LOSS = Metric("val_loss", "val loss", 1.0, "")  # lower is better
+WORKLOADS = {"digits": Workload(ACCURACY, STEPS, LR, BATCH_SIZE, DEFAULT_MODES, RUN_TIMEOUT),
+             "lm": Workload(VAL_LOSS, LM_STEPS, 1e-3, 8, LM_MODES, LM_TIMEOUT)}
 UNAVAILABLE_EXIT = 3  # a host's exit status when NodeoxStrategy refuses an option of its mode
 
 
@@ -137,21 +192,15 @@ def nodeox_bytes_sent(records: list[dict]) -> int:
 # -- the host (run once per process, by DDP's launcher here or by `nodeox launch`) ---------------------------------
 
 
-def host_main(args: argparse.Namespace) -> None:
-    import hashlib
-
+def digits_workload(args: argparse.Namespace, host: int):
+    """What host ``host`` trains on digits, as (LightningModule, DataLoader, evaluate): the CNN under SGD on its
+    share of the training split, and ``evaluate()``, its accuracy on the test split."""
     import torch
-    from lightning.pytorch import Callback, LightningModule, Trainer
+    from lightning.pytorch import LightningModule
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
-
-    torch.set_num_threads(1)
-    out = Path(args.out)
-    nodeox = args.kind == "nodeox"
-    host = int(os.environ["NODEOX_HOST_ID"] if nodeox else os.environ["NODE_RANK"])
-    strategy_kwargs = json.loads(args.strategy_kwargs)
 
     x, y = load_digits(return_X_y=True)
     x_train, x_test, y_train, y_test = train_test_split(x / 16.0, y, test_size=TEST_SIZE, random_state=0, stratify=y)
@@ -175,6 +224,39 @@ def host_main(args: argparse.Namespace) -> None:
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=args.lr, momentum=0.9)
 
+    torch.manual_seed(args.seed)  # every process starts from the same model
+    model = Net()
+
+    def evaluate() -> dict:
+        model.eval()
+        with torch.no_grad():
+            logits = model.net(torch.tensor(x_test, dtype=torch.float32))
+        correct = int((logits.argmax(1) == torch.tensor(y_test)).sum())
+        return {"accuracy": correct / len(y_test), "test_samples": len(y_test)}
+
+    return model, loader, evaluate
+
+
+def host_main(args: argparse.Namespace) -> None:
+    import hashlib
+
+    import torch
+    from lightning.pytorch import Callback, Trainer
+
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    nodeox = args.kind == "nodeox"
+    host = int(os.environ["NODEOX_HOST_ID"] if nodeox else os.environ["NODE_RANK"])
+    strategy_kwargs = json.loads(args.strategy_kwargs)
+    steps = int(args.host_steps.split(",")[host])
+    if args.workload == "lm":
+        import lm
+
+        model, loader, evaluate = lm.workload(host=host, hosts=args.num_hosts, seed=args.seed, steps=steps,
+                                              batch_size=args.batch_size, lr=args.lr)
+    else:
+        model, loader, evaluate = digits_workload(args, host)
+
     class Count(Callback):
         """Samples trained; with ``slowdown`` > 1, sleeps after each batch to run that many times slower."""
 
@@ -182,7 +264,7 @@ def host_main(args: argparse.Namespace) -> None:
             self.samples, self.slowdown, self.periods, self.last, self.slept = 0, slowdown, [], None, 0.0
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.samples += len(batch[1])
+            self.samples += len(batch[0] if isinstance(batch, (list, tuple)) else batch)
             if self.slowdown <= 1:
                 return
             now = time.perf_counter()
@@ -192,10 +274,8 @@ def host_main(args: argparse.Namespace) -> None:
             time.sleep(self.slept)
             self.last = now
 
-    torch.manual_seed(args.seed)  # every process starts from the same model
-    model = Net()
     count = Count(args.slowdown if host == args.slow_host else 1.0)
-    common = {"max_steps": int(args.host_steps.split(",")[host]), "accelerator": "cpu", "devices": 1, "logger": False,
+    common = {"max_steps": steps, "accelerator": "cpu", "devices": 1, "logger": False,
               "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False,
               "use_distributed_sampler": False, "callbacks": [count]}
     if nodeox:
@@ -226,12 +306,9 @@ def host_main(args: argparse.Namespace) -> None:
     start = time.time()
     trainer.fit(model, loader)
     fit_wall = time.time() - start
-    model.eval()
-    with torch.no_grad():
-        correct = int((model.net(torch.tensor(x_test, dtype=torch.float32)).argmax(1) == torch.tensor(y_test)).sum())
-        digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()[:16]
     result = {
-        "host": host, "accuracy": correct / len(y_test), "test_samples": len(y_test), "samples": count.samples,
+        "host": host, **evaluate(), "samples": count.samples,
         "steps": trainer.global_step, "fit_start": start, "fit_wall_s": fit_wall,
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()), "param_digest": digest,
         "model_hash": getattr(trainer.strategy, "model_hash", None) if nodeox else None,
@@ -247,11 +324,12 @@ class Unavailable(Exception):
 
 
 def _host_args(args: argparse.Namespace, kind: str, seed: int, out: Path, steps: list[int], strategy: dict,
-               slow: bool) -> list[str]:
+               slow: bool, local_steps: int | None = None) -> list[str]:
     """A host's command line; ``steps``: each host's optimizer steps, one per host (launch runs one command for all
-    hosts)."""
-    return [sys.executable, str(Path(__file__).resolve()), "--host", "--kind", kind, "--seed", str(seed), "--out",
-            str(out), "--host-steps", ",".join(map(str, steps)), "--local-steps", str(args.local_steps), "--batch-size",
+    hosts); ``local_steps``: the mode's own (default ``--local-steps``)."""
+    return [sys.executable, str(Path(__file__).resolve()), "--host", "--kind", kind, "--workload", args.workload,
+            "--seed", str(seed), "--out", str(out), "--host-steps", ",".join(map(str, steps)),
+            "--local-steps", str(local_steps or args.local_steps), "--batch-size",
             str(args.batch_size), "--lr", str(args.lr), "--strategy-kwargs", json.dumps(strategy),
             "--slow-host", "1" if slow else "-1", "--slowdown", str(SLOWDOWN), "--num-hosts", str(len(steps))]
 
@@ -281,7 +359,7 @@ def run_ddp(args: argparse.Namespace, seed: int, workdir: Path) -> dict:
         for i in range(HOSTS):
             procs.append(spawn(cmd, workdir / f"rank{i}.log", env=dict(env, NODE_RANK=str(i)), cpus=shares[i],
                                cwd=REPO))
-        codes = wait_all(procs, RUN_TIMEOUT)
+        codes = wait_all(procs, WORKLOADS[args.workload].timeout)
     finally:
         stop(procs)
     if any(codes):
@@ -310,14 +388,14 @@ def run_nodeox(args: argparse.Namespace, mode: str, seed: int, workdir: Path, ro
     shape = ["--hosts", str(n), *(["--sites", str(sites)] if sites > 1 else [])]  # --sites: a relay per site
     cmd = [sys.executable, "-m", "lightning_nodeox", "launch", *shape, "--run-dir", str(run_dir), "--threads", "1",
            *spec.get("coordinator", []), "--", *_host_args(args, "nodeox", seed, out, steps, strategy,
-                                                           spec.get("slow", False))]
+                                                           spec.get("slow", False), spec.get("local_steps"))]
     env = process_env()
     log = workdir / "launch.log"
     started = time.time()
     proc = spawn(cmd, log, env=env, cwd=REPO)
     try:
         refused = [out / f"host{i}.json" for i in range(n)]  # a host refused this mode's options: stop early
-        codes = wait_all([proc], RUN_TIMEOUT,
+        codes = wait_all([proc], WORKLOADS[args.workload].timeout,
                           lambda: any(f.exists() and "unavailable" in f.read_text() for f in refused))
     finally:
         stop([proc])
@@ -344,10 +422,14 @@ def run_nodeox(args: argparse.Namespace, mode: str, seed: int, workdir: Path, ro
 
 
 def _result(hosts: dict, sent: dict, waits: dict, run_wall: float, step_s: dict, extra: dict | None = None) -> dict:
-    accs = {h: v["accuracy"] for h, v in hosts.items()}
+    """One run's figures; its metrics (accuracy, or val_loss and perplexity) are host 0's, with ``KEY_per_host``."""
     same = len({v["param_digest"] for v in hosts.values()}) == 1
+    metrics = {k: v for k, v in hosts["0"].items() if k in ("accuracy", "test_samples", "val_loss", "perplexity",
+                                                              "val_tokens")}
+    per_host = {f"{k}_per_host": {h: v[k] for h, v in hosts.items()} for k in ("accuracy", "val_loss")
+                if k in hosts["0"]}
     return {
-        "accuracy": accs["0"], "accuracy_per_host": accs, "test_samples": hosts["0"]["test_samples"],
+        **metrics, **per_host,
         "hosts_identical": same,
         "model_hash": hosts["0"].get("model_hash"), "bytes_per_host": statistics.mean(sent.values()),
         "bytes_sent": sent, "wall_s": max(v["fit_wall_s"] for v in hosts.values()), "run_wall_s": run_wall,
@@ -387,13 +469,15 @@ def missing_option(mode: str, launch_help: str, strategy_params: set[str] | None
     return None
 
 
-def summarize(runs: list[dict]) -> dict:
-    accs = [r["accuracy"] for r in runs]
+def summarize(runs: list[dict], metric: Metric = ACCURACY) -> dict:
+    values = [r[metric.key] for r in runs]
+    key = metric.key
     hosts = sorted(runs[0]["wait_share"])
     waits = {h: [r["wait_share"][h] for r in runs if r["wait_share"].get(h) is not None] for h in hosts}
+    extra = {"perplexity_mean": statistics.mean(r["perplexity"] for r in runs)} if "perplexity" in runs[0] else {}
     return {
-        "seeds": len(runs), "accuracy_mean": statistics.mean(accs), "accuracy_min": min(accs),
-        "accuracy_max": max(accs), "accuracy_stdev": statistics.stdev(accs) if len(accs) > 1 else 0.0,
+        "seeds": len(runs), f"{key}_mean": statistics.mean(values), f"{key}_min": min(values),
+        f"{key}_max": max(values), f"{key}_stdev": statistics.stdev(values) if len(values) > 1 else 0.0, **extra,
         "bytes_per_host": statistics.mean(r["bytes_per_host"] for r in runs),
         "wall_s": statistics.mean(r["wall_s"] for r in runs),
         "wait_share": {h: statistics.mean(w) if w else None for h, w in waits.items()},
@@ -404,13 +488,13 @@ def summarize(runs: list[dict]) -> dict:
     }
 
 
-def with_ratios(modes: dict) -> None:
+def with_ratios(modes: dict, metric: Metric = ACCURACY) -> None:
     ddp = modes.get("ddp", {}).get("summary")
     for m in modes.values():
         s = m.get("summary")
         if not s or not ddp:
             continue
-        s["accuracy_vs_ddp_points"] = 100 * (s["accuracy_mean"] - ddp["accuracy_mean"])
+        s[metric.vs_ddp] = metric.scale * (s[f"{metric.key}_mean"] - ddp[f"{metric.key}_mean"])
         s["bytes_ratio_ddp_to_mode"] = ddp["bytes_per_host"] / s["bytes_per_host"] if s["bytes_per_host"] else None
         s["wall_ratio_to_ddp"] = s["wall_s"] / ddp["wall_s"]
 
@@ -484,6 +568,40 @@ def relay_goal(modes: dict) -> dict:
                         + ("" if relay["hosts_identical"] else "; relay hosts ended on different models")}
 
 
+def lm_goals(modes: dict) -> list[dict]:
+    """The language model's goals: a codec at half q4's bytes or fewer whose validation loss is within q4's seed
+    spread (its mean at most q4's mean plus q4's max less min), on one model across hosts; and q4 without error
+    feedback measured against q4 with (what error feedback buys: met once both ran)."""
+    base = modes.get("q4", {}).get("summary")
+    out = []
+    for mode in ("q2", "q2_b256"):
+        goal = (f"{mode}: at most 0.5x q4's bytes per host, validation loss within q4's seed spread "
+                f"(mean <= q4's mean + (max - min))")
+        s = modes.get(mode, {}).get("summary")
+        if s is None or base is None:
+            if mode in modes:
+                why = next((f"{m}: {modes[m].get('reason', 'no result')}" if m in modes else f"{m}: not run"
+                            for m in (mode, "q4") if modes.get(m, {}).get("summary") is None), "")
+                out.append({"goal": goal, "met": None, "measured": why})
+            continue
+        ratio = s["bytes_per_host"] / base["bytes_per_host"]
+        spread = base["val_loss_max"] - base["val_loss_min"]
+        excess = s["val_loss_mean"] - base["val_loss_mean"]
+        out.append({"goal": goal, "met": ratio <= 0.5 and excess <= spread and s["hosts_identical"],
+                    "measured": f"{ratio:.3f}x q4's bytes, val loss {s['val_loss_mean']:.4f} against q4's "
+                                f"{base['val_loss_mean']:.4f} ({excess:+.4f}, spread {spread:.4f} over "
+                                f"{base['seeds']} seed(s))"})
+    s = modes.get("q4_no_ef", {}).get("summary")
+    goal = "q4_no_ef: q4 without error feedback measured against q4 with"
+    if s is not None and base is not None:
+        out.append({"goal": goal, "met": True,
+                    "measured": f"val loss {s['val_loss_mean']:.4f} against {base['val_loss_mean']:.4f} with error "
+                                f"feedback ({s['val_loss_mean'] - base['val_loss_mean']:+.4f})"})
+    elif "q4_no_ef" in modes:
+        out.append({"goal": goal, "met": None, "measured": modes["q4_no_ef"].get("reason", "no result")})
+    return out
+
+
 def _bytes(n: float | None) -> str:
     if n is None:
         return "-"
@@ -493,12 +611,18 @@ def _bytes(n: float | None) -> str:
     return f"{n:.0f} B"
 
 
-def print_table(modes: dict, config: dict) -> None:
-    print(f"\nconvergence on digits: {config['hosts']} hosts (unless the hosts column says), {config['steps']} "
-          f"steps x batch {config['batch_size']} "
-          f"per host, local_steps={config['local_steps']}, SGD lr {config['lr']} momentum 0.9, test set "
-          f"{config['test_samples']} images, seeds {config['seeds']}")
-    head = (f"{'mode':16} {'hosts':>5} {'accuracy mean (min-max)':26} {'vs DDP':>8} {'bytes/host':>11} "
+def print_table(modes: dict, config: dict, metric: Metric = ACCURACY) -> None:
+    if config.get("workload", "digits") == "lm":
+        print(f"\nconvergence on the language model (benchmarks/lm.py): {config['hosts']} hosts, {config['steps']} "
+              f"steps x batch {config['batch_size']} x 128 bytes per host, local_steps={config['local_steps']} "
+              f"(unless the mode says), AdamW lr {config['lr']}, validation {config['val_tokens']} bytes, "
+              f"seeds {config['seeds']}; val loss in nats per byte (lower is better)")
+    else:
+        print(f"\nconvergence on digits: {config['hosts']} hosts (unless the hosts column says), {config['steps']} "
+              f"steps x batch {config['batch_size']} "
+              f"per host, local_steps={config['local_steps']}, SGD lr {config['lr']} momentum 0.9, test set "
+              f"{config['test_samples']} images, seeds {config['seeds']}")
+    head = (f"{'mode':16} {'hosts':>5} {metric.label + ' mean (min-max)':26} {'vs DDP':>8} {'bytes/host':>11} "
             f"{'DDP/mode':>9} {'wall s':>7} {'vs DDP':>7} " + " ".join(f"{f'wait h{h}':>8}" for h in WAIT_COLUMNS))
     print(head)
     print("-" * len(head))
@@ -507,18 +631,22 @@ def print_table(modes: dict, config: dict) -> None:
         if not s:
             print(f"{name:16} {m['status']}: {m.get('reason', '')}")
             continue
-        acc = f"{100 * s['accuracy_mean']:.2f}% ({100 * s['accuracy_min']:.2f}-{100 * s['accuracy_max']:.2f})"
-        dp = s.get("accuracy_vs_ddp_points")
+        mean, low, high = (s[f"{metric.key}_{part}"] for part in ("mean", "min", "max"))
+        acc = (f"{100 * mean:.2f}% ({100 * low:.2f}-{100 * high:.2f})" if metric.unit == "pt"
+               else f"{mean:.4f} ({low:.4f}-{high:.4f})")
+        dp = s.get(metric.vs_ddp)
         br = s.get("bytes_ratio_ddp_to_mode")
         wr = s.get("wall_ratio_to_ddp")
         waits = [s["wait_share"].get(h) for h in WAIT_COLUMNS]
         spec = MODES[name]
         shape = f"{spec.get('sites', 1)}x{spec.get('hosts', HOSTS) // spec.get('sites', 1)}" if spec.get("sites") \
             else str(spec.get("hosts", HOSTS))
-        print(f"{name:16} {shape:>5} {acc:26} {'-' if dp is None else f'{dp:+.2f} pt':>8} "
+        diff = "-" if dp is None else f"{dp:+.2f} pt" if metric.unit == "pt" else f"{dp:+.4f}"
+        print(f"{name:16} {shape:>5} {acc:26} {diff:>8} "
               f"{_bytes(s['bytes_per_host']):>11} "
               f"{'-' if br is None else f'{br:.1f}x':>9} {s['wall_s']:7.1f} {'-' if wr is None else f'{wr:.2f}x':>7} "
               + " ".join(f"{'-' if w is None else f'{w:.1%}':>8}" for w in waits)
+              + (f"  perplexity {s['perplexity_mean']:.3f}" if "perplexity_mean" in s else "")
               + ("" if s["hosts_identical"] else "  (hosts ended on different models!)"))
         steps = s["step_s"]
         if MODES[name].get("slow") and steps.get("0") and steps.get("1"):
@@ -535,12 +663,17 @@ def main() -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="one seed")
-    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
-                   help=f"comma-separated, of {','.join(MODES)} (ddp always runs: the ratios are to it)")
-    p.add_argument("--steps", type=int, default=STEPS, help="optimizer steps per host")
+    p.add_argument("--workload", default="digits", choices=tuple(WORKLOADS),
+                   help="digits (default), or lm: the language model of benchmarks/lm.py")
+    p.add_argument("--modes", help=f"comma-separated, of {','.join(MODES)} (ddp always runs: the ratios are to it; "
+                   f"default: {','.join(DEFAULT_MODES)} on digits, {','.join(LM_MODES)} on lm)")
+    p.add_argument("--local-steps-sweep", action="store_true",
+                   help=f"run q4 average and Nesterov at local steps {', '.join(map(str, SWEEP))} (and DDP) "
+                   "instead of --modes")
+    p.add_argument("--steps", type=int, help=f"optimizer steps per host (default: digits {STEPS}, lm {LM_STEPS})")
     p.add_argument("--local-steps", type=int, default=LOCAL_STEPS)
-    p.add_argument("--batch-size", type=int, default=BATCH_SIZE)
-    p.add_argument("--lr", type=float, default=LR)
+    p.add_argument("--batch-size", type=int, help=f"default: digits {BATCH_SIZE}, lm {WORKLOADS['lm'].batch_size}")
+    p.add_argument("--lr", type=float, help=f"inner learning rate (default: digits {LR}, lm {WORKLOADS['lm'].lr:g})")
     p.add_argument("--round-seconds", type=float,
                    help="uneven_budget's round_seconds (default: host 0's measured time for local_steps steps)")
     p.add_argument("--keep", type=Path, help="keep every run's directory under this folder")
@@ -559,7 +692,15 @@ def main() -> None:
     if args.host:
         host_main(args)
         return
-    wanted = [m.strip() for m in args.modes.split(",") if m.strip()]
+    workload = WORKLOADS[args.workload]
+    metric = workload.metric
+    args.steps = args.steps or workload.steps
+    args.batch_size = args.batch_size or workload.batch_size
+    args.lr = args.lr or workload.lr
+    if args.local_steps_sweep and args.modes:
+        p.error("--local-steps-sweep runs its own modes; leave out --modes")
+    modes_text = ",".join(SWEEP_MODES) if args.local_steps_sweep else args.modes or ",".join(workload.modes)
+    wanted = [m.strip() for m in modes_text.split(",") if m.strip()]
     unknown = [m for m in wanted if m not in MODES]
     if unknown:
         p.error(f"unknown modes {unknown}; choose from {list(MODES)}")
@@ -596,6 +737,8 @@ def main() -> None:
                 try:
                     r = (run_ddp(args, seed, workdir) if MODES[mode]["kind"] == "ddp"
                          else run_nodeox(args, mode, seed, workdir, round_seconds))
+                    if metric.key not in r:
+                        raise KeyError(f"the hosts' results have no {metric.key}")
                 except Unavailable as e:
                     entry = {"status": "not available yet", "reason": str(e)}
                     say(f"{mode}: not available yet ({e})")
@@ -606,10 +749,10 @@ def main() -> None:
                     continue
                 r["seed"] = seed
                 runs.append(r)
-                say(f"{mode} seed {seed}: accuracy {r['accuracy']:.4f}, bytes/host {_bytes(r['bytes_per_host'])}, "
+                say(f"{mode} seed {seed}: {metric.label} {r[metric.key]:.4f}, bytes/host {_bytes(r['bytes_per_host'])}, "
                     f"wall {r['wall_s']:.1f}s, wait {r['wait_share']}")
             if runs:
-                entry.update(runs=runs, summary=summarize(runs))
+                entry.update(runs=runs, summary=summarize(runs, metric))
                 if round_seconds is not None:
                     entry["round_seconds"] = round_seconds
             elif entry["status"] == "ok":
@@ -620,16 +763,20 @@ def main() -> None:
     finally:
         if tmp is not None:
             tmp.cleanup()
-    with_ratios(modes)
-    test_samples = next((m["runs"][0]["test_samples"] for m in modes.values() if m.get("runs")
-                         and "test_samples" in m["runs"][0]), None)
-    config = {"hosts": HOSTS, "steps": args.steps, "local_steps": args.local_steps, "batch_size": args.batch_size,
-              "lr": args.lr, "hidden": HIDDEN, "slowdown": SLOWDOWN, "seeds": len(seeds), "test_samples": test_samples}
-    result_goals = goals(modes, args.local_steps)
+    with_ratios(modes, metric)
+
+    def first(key: str):
+        return next((m["runs"][0][key] for m in modes.values() if m.get("runs") and key in m["runs"][0]), None)
+
+    config = {"workload": args.workload, "hosts": HOSTS, "steps": args.steps, "local_steps": args.local_steps,
+              "batch_size": args.batch_size, "lr": args.lr, "slowdown": SLOWDOWN, "seeds": len(seeds),
+              **({"val_tokens": first("val_tokens")} if args.workload == "lm"
+                 else {"hidden": HIDDEN, "test_samples": first("test_samples")})}
+    result_goals = lm_goals(modes) if args.workload == "lm" else goals(modes, args.local_steps)
     if args.json:
         print(json.dumps({"config": config, "modes": modes, "goals": result_goals}, indent=2))
         return
-    print_table(modes, config)
+    print_table(modes, config, metric)
     print("\ngoals:")
     for g in result_goals:
         status = "NOT RUN" if g["met"] is None else "MET" if g["met"] else "MISSED"

@@ -204,20 +204,21 @@ def body_bytes(body) -> torch.Tensor:
     return buffer
 
 
-def expected_after_round(model: list[torch.Tensor], contributions) -> list[torch.Tensor]:
-    """What the coordinator must publish: q4 of the sample-weighted mean of the dequantized deltas."""
+def expected_after_round(model: list[torch.Tensor], contributions, settings: Q4Settings = SETTINGS) -> list[torch.Tensor]:
+    """What the coordinator must publish: the codec's sync of the sample-weighted mean of the dequantized deltas."""
     total = sum(n for _, n in contributions)
     specs = spec_of([(f"t{i}", t) for i, t in enumerate(model)])
     out = []
     for i, t in enumerate(model):
         acc = torch.zeros(t.numel())
         for j, (deltas, samples) in enumerate(contributions):
-            k = kernels(SETTINGS)
-            message = delta_message(deltas, round_=0, host="x", base_hash="", samples=samples, specs=specs)
+            k = kernels(settings)
+            message = delta_message(deltas, round_=0, host="x", base_hash="", samples=samples, specs=specs,
+                                    settings=settings)
             accumulate_tensor(k, message.codes(i), message.scales(i), acc, float(samples), assign=j == 0)
         new = t.clone().view(-1)
         codes, scales = torch.empty_like(message.codes(i)), torch.empty_like(message.scales(i))
-        encode_sync_and_apply(kernels(SETTINGS), acc, 1 / total, new, codes, scales)
+        encode_sync_and_apply(kernels(settings), acc, 1 / total, new, codes, scales)
         out.append(new.view(t.shape))
     return out
 

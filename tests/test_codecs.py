@@ -19,7 +19,7 @@ from lightning_nodeox.core.specs import spec_of
 from lightning_nodeox.core.wire import Q4Layout, Q4Message
 from lightning_nodeox.host.tensors import HostTensors
 
-NOOP_BYTES = {"q4": (b"\x88", b"\x00\x80"), "bf16": (b"\x00\x80", b""), "fp32": (b"\x00\x00\x00\x80", b"")}
+NOOP_BYTES = {"q4": (b"\x88", b"\x00\x80"), "q2": (b"\xaa", b"\x00\x80"), "bf16": (b"\x00\x80", b""), "fp32": (b"\x00\x00\x00\x80", b"")}
 INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
@@ -52,16 +52,17 @@ def delta(specs, settings: Q4Settings, values: list[torch.Tensor]) -> Q4Message:
 
 
 def test_every_codec_is_found_by_its_name() -> None:
-    assert CODECS == ("q4", "bf16", "fp32") == tuple(REGISTRY)
+    assert CODECS == ("q4", "q2", "bf16", "fp32") == tuple(REGISTRY)
     for name in CODECS:
         codec = codec_for(Q4Settings(codec=name, block_size=32))
         assert codec.name == name and codec.fixed_size and codec.settings.block_size == 32
-    with pytest.raises(ValueError, match=r"codec='int2' is not supported; use one of \('q4', 'bf16', 'fp32'\)"):
+    with pytest.raises(ValueError, match=r"codec='int2' is not supported; use one of \('q4', 'q2', 'bf16', 'fp32'\)"):
         Q4Settings(codec="int2")
 
 
 @pytest.mark.parametrize(("name", "scale_dtype", "scales", "codes", "alignment"), [
-    ("q4", "fp16", 2, 64, 64), ("q4", "fp32", 2, 64, 64), ("bf16", "fp16", 0, 200, 1), ("fp32", "fp16", 0, 400, 1),
+    ("q4", "fp16", 2, 64, 64), ("q4", "fp32", 2, 64, 64), ("q2", "fp16", 2, 32, 64), ("q2", "fp32", 2, 32, 64),
+    ("bf16", "fp16", 0, 200, 1), ("fp32", "fp16", 0, 400, 1),
 ])
 def test_each_codec_owns_its_byte_counts(name, scale_dtype, scales, codes, alignment) -> None:
     codec = codec_for(Q4Settings(codec=name, scale_dtype=scale_dtype))
@@ -74,11 +75,13 @@ def test_each_codec_owns_its_byte_counts(name, scale_dtype, scales, codes, align
     assert layout.codec.name == name
 
 
-def test_only_q4_with_fp16_scales_has_a_finite_delta_it_cannot_hold() -> None:
+def test_only_the_blockwise_codecs_with_fp16_scales_have_a_finite_delta_they_cannot_hold() -> None:
     text = codec_for(Q4Settings()).too_large("fc.weight", 3)
+    assert codec_for(Q4Settings(codec="q2")).too_large("fc.weight", 3) == text
     assert text == ("the delta of parameter 'fc.weight' in round 3 is too large for fp16 scales; "
                     "start the coordinator with --scale-dtype fp32, or lower the learning rate")
-    for settings in (Q4Settings(scale_dtype="fp32"), Q4Settings(codec="bf16"), Q4Settings(codec="fp32")):
+    for settings in (Q4Settings(scale_dtype="fp32"), Q4Settings(codec="q2", scale_dtype="fp32"), Q4Settings(codec="bf16"),
+                     Q4Settings(codec="fp32")):
         assert codec_for(settings).too_large("fc.weight", 3) is None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -71,3 +72,44 @@ def test_relay_goal_allows_no_loss_beyond_the_flat_seed_spread():
     failed = convergence.relay_goal({base: {"status": "failed", "reason": "boom"}, convergence.RELAY_MODE: flat})
     assert failed["met"] is None and failed["measured"] == f"{base}: boom"
     assert not [g for g in convergence.goals({"ddp": {}}, 20) if convergence.RELAY_MODE in g["goal"]]  # neither run
+
+
+def lm_summary(losses, bytes_per_host, identical=True):
+    return {"summary": {"seeds": len(losses), "val_loss_mean": sum(losses) / len(losses), "val_loss_min": min(losses),
+                        "val_loss_max": max(losses), "bytes_per_host": bytes_per_host, "hosts_identical": identical}}
+
+
+def test_language_model_goals_take_half_the_bytes_within_q4s_seed_spread():
+    q4 = lm_summary([2.40, 2.42, 2.44], 1000)  # mean 2.42, spread 0.04
+    goals = convergence.lm_goals({"q4": q4, "q2": lm_summary([2.45, 2.46, 2.47], 530),
+                                  "q2_b256": lm_summary([2.44, 2.45, 2.46], 490),
+                                  "q4_no_ef": lm_summary([2.50, 2.50, 2.50], 1000)})
+    by_mode = {g["goal"].split(":")[0]: g for g in goals}
+    assert by_mode["q2"]["met"] is False and by_mode["q2"]["measured"].startswith("0.530x q4's bytes")
+    assert by_mode["q2_b256"]["met"] is True
+    assert "val loss 2.4500 against q4's 2.4200 (+0.0300, spread 0.0400 over 3 seed(s))" in by_mode["q2_b256"]["measured"]
+    assert by_mode["q4_no_ef"]["met"] is True and "(+0.0800)" in by_mode["q4_no_ef"]["measured"]
+    worse = convergence.lm_goals({"q4": q4, "q2_b256": lm_summary([2.47, 2.47, 2.47], 490)})
+    assert [g["met"] for g in worse] == [False]
+    assert convergence.lm_goals({"q4": q4, "q2": {"status": "failed", "reason": "boom"}})[0]["measured"] == "q2: boom"
+    assert convergence.lm_goals({"ddp": {}}) == []
+
+
+def test_the_language_models_summary_is_of_its_validation_loss():
+    runs = [{"val_loss": v, "perplexity": math.exp(v), "bytes_per_host": 10, "wall_s": 1.0, "wait_share": {"0": 0.1},
+             "hosts_identical": True, "samples": {"0": 8}, "step_s": {"0": 0.3}} for v in (2.0, 2.2)]
+    s = convergence.summarize(runs, convergence.VAL_LOSS)
+    assert (s["val_loss_mean"], s["val_loss_min"], s["val_loss_max"]) == (pytest.approx(2.1), 2.0, 2.2)
+    assert s["perplexity_mean"] == pytest.approx((math.exp(2.0) + math.exp(2.2)) / 2)
+    modes = {"ddp": {"summary": {**s, "val_loss_mean": 2.0, "wall_s": 2.0}}, "q4": {"summary": s}}
+    convergence.with_ratios(modes, convergence.VAL_LOSS)
+    assert modes["q4"]["summary"]["val_loss_vs_ddp"] == pytest.approx(0.1)
+    assert convergence.ACCURACY.vs_ddp == "accuracy_vs_ddp_points"  # the digits table's key, as before
+
+
+def test_the_sweep_modes_set_their_own_local_steps():
+    assert convergence.SWEEP_MODES == [f"q4_{o}_h{h}" for o in ("average", "nesterov") for h in (10, 20, 50, 100)]
+    assert convergence.MODES["q4_nesterov_h50"]["local_steps"] == 50
+    assert convergence.MODES["q4_nesterov_h50"]["coordinator"] == convergence.DILOCO
+    assert not set(convergence.SWEEP_MODES) & set(convergence.DEFAULT_MODES) | set(convergence.LM_MODES) - set(
+        convergence.MODES)

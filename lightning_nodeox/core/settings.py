@@ -12,7 +12,7 @@ from .codecs import REGISTRY
 if TYPE_CHECKING:
     import torch
 
-CODECS = tuple(REGISTRY)  # q4; bf16 and fp32: unquantized, for ablations
+CODECS = tuple(REGISTRY)  # q4, q2; bf16 and fp32: unquantized, for ablations
 BLOCK_SIZES = (32, 64, 128, 256)
 SCALE_DTYPES = ("fp16", "fp32")
 ROUNDINGS = ("nearest", "stochastic")
@@ -54,7 +54,8 @@ class Q4Settings:
     """How deltas are quantized.
 
     Args:
-        codec: ``"q4"``; ``"bf16"`` or ``"fp32"`` send deltas unquantized (an ablation: what q4 costs).
+        codec: ``"q4"``; ``"q2"`` (2-bit, about half of q4's bytes, a coarser delta); ``"bf16"`` or ``"fp32"``
+            send deltas unquantized (an ablation: what q4 costs).
         block_size: values per scale (32, 64, 128 or 256).
         scale_dtype: ``"fp16"`` (smaller payload) or ``"fp32"`` (any magnitude).
         rounding: ``"nearest"`` or ``"stochastic"`` (unbiased, noisier).

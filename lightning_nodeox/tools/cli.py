@@ -67,11 +67,12 @@ def _coordinator_options(p: argparse.ArgumentParser, *, bind: str) -> None:
     q4, outer = _defaults(Q4Settings), _defaults(OuterSettings)
     _serving_options(p, bind=bind)
     p.add_argument("--block-size", type=int, default=q4["block_size"], choices=BLOCK_SIZES,
-                   help="q4 values per scale (default %(default)s)")
+                   help="values per scale of q4 and q2 (default %(default)s)")
     p.add_argument("--scale-dtype", default=q4["scale_dtype"], choices=SCALE_DTYPES,
-                   help="q4 scale type (default %(default)s)")
+                   help="scale type of q4 and q2 (default %(default)s)")
     p.add_argument("--codec", default=q4["codec"], choices=CODECS,
-                   help="q4 (default); bf16 or fp32 send deltas unquantized, to measure what q4 costs")
+                   help="q4 (default); q2: 2-bit, about half of q4's bytes; bf16 or fp32 send deltas unquantized, "
+                   "to measure what q4 costs")
     p.add_argument("--outer-optimizer", default=outer["name"], choices=outer_names(),
                    help="how the mean delta becomes the sync: plain averaging, or DiLoCo's Nesterov momentum "
                    "(default %(default)s)")

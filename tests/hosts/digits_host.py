@@ -162,6 +162,7 @@ def main() -> None:
                    help="also log an epoch value and a torchmetrics Accuracy with sync_dist=True")
     p.add_argument("--devices", default="1", help="devices (CPU ranks) of the host, or one number per host id: 2,1")
     p.add_argument("--num-nodes", default="1", help="machines of the host (torchrun --nnodes), or one per host id")
+    p.add_argument("--error-feedback", default="on", help="on or off, or one per host id: on,off")
     args = p.parse_args()
     torch.set_num_threads(1)
     host = os.environ["NODEOX_HOST_ID"]
@@ -196,8 +197,10 @@ def main() -> None:
                                          save_top_k=-1, enable_version_counter=False))
     if args.stop_host >= 0:
         callbacks.append(EarlyStopping("stop_signal", mode="min", stopping_threshold=0.5, check_on_train_epoch_end=True))
+    feedback = args.error_feedback.split(",")
     strategy = NodeoxStrategy(local_steps=args.local_steps, cpu_threads=1, codec_threads=1,
-                              overlap=False if args.overlap == "off" else args.overlap, round_seconds=args.round_seconds)
+                              overlap=False if args.overlap == "off" else args.overlap, round_seconds=args.round_seconds,
+                              error_feedback=feedback[int(host) if len(feedback) > 1 else 0] == "on")
     per_host = [int(k) for k in args.devices.split(",")]
     devices = per_host[int(host)] if len(per_host) > 1 else per_host[0]
     machines = [int(m) for m in args.num_nodes.split(",")]

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
 
 REGISTRY: dict[str, type[Codec] | str] = {
     "q4": f"{__name__}.q4:Q4",
+    "q2": f"{__name__}.q2:Q2",
     "bf16": f"{__name__}.raw:BF16",
     "fp32": f"{__name__}.raw:FP32",
 }

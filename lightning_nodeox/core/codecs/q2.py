@@ -1,0 +1,234 @@
+"""q2: blockwise 2-bit quantization with a mean-magnitude scale, as chunked torch kernels that allocate nothing
+per round.
+
+One tensor of ``n`` values at block size ``B`` becomes ``ceil(n / B)`` blocks (the last one zero-padded). Each
+block has ``B`` codes ``c`` in ``[0, 3]``, four a byte (value ``4j + k`` in bits ``2k, 2k+1`` of byte ``j``),
+and one scale ``s``; decoding is ``(2c - 3) * s``: the four levels ``-3s, -s, s, 3s``, evenly spaced and
+symmetric around zero. The codes are those of ``s0 = 0.7 * mean|x|`` (the mean over the block's own values, not
+its padding): for Gaussian values close to the uniform 4-level quantizer of least squared error, where absmax
+scaling, which one outlier stretches, loses half the signal at two bits. With nearest rounding the scale sent is
+then the least-squares one for those codes, ``s = sum(x * l) / sum(l * l)`` with ``l = 2c - 3`` (a block of
+equal values comes back exact, not shrunk to ``0.7 x``); stochastic rounding sends ``s0`` itself, so that it stays
+unbiased. There is no zero level: a zero decodes to ``s`` or ``-s`` (error feedback carries it); a block of
+zeros has scale 0 and stays zero.
+
+The error bound of the round trip (up to the rounding of the scale to fp16):
+
+- nearest rounding: a block's ``||x - d||`` is at most ``||x - d0||``, where ``d0 = l * s0`` and every value of
+  ``d0`` keeps ``|x - d0| <= max(s0, |x| - 3 s0)`` (at most ``s0`` inside ``[-4 s0, 4 s0]``; beyond, the value
+  is clipped to ``±3 s0``);
+- stochastic rounding: every value keeps ``|x - d| <= max(2s, |x| - 3s)``, unbiased inside ``[-3s, 3s]``.
+
+On Gaussian values at block size 64 the relative error ``||x - d|| / ||x||`` is about 0.35 (q4: 0.11), at 18
+bytes per 64 values against q4's 34 (fp16 scales; at block size 128, 34 bytes per 128 values: half of q4's).
+
+The no-op sync is code 2 (``+s``) with scale -0.0 (``1.0 * -0.0 = -0.0``), byte ``0xAA``. Like q4's, the CPU
+kernels never let ATen split an op over threads; parallelism comes from the worker pool, each worker with its
+own :class:`Q2Kernels` scratch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import Codec, Kernels
+from .q4 import block_count
+
+SCALE = 0.7  # s / mean|x|
+TOP = 3  # codes span 0..3
+HALF = 1.5  # x / (2s) + 1.5 rounds to the code
+NOOP_CODE = 0b10101010  # four codes 2 (+s) a byte
+
+# Adding 1.5 * 2**23 to a float in [0, 2**22] rounds it to an integer (half to even) held in the low mantissa
+# bits: the low byte of the float's bits is the code itself.
+_ROUND_MAGIC = 12582912.0
+_TINY = 1e-30
+
+
+def code_bytes(numel: int, block_size: int) -> int:
+    """Bytes of the codes of ``numel`` values: four a byte over whole blocks."""
+    return block_count(numel, block_size) * block_size // 4
+
+
+class Q2(Codec):
+    """The q2 codec: packed 2-bit codes and one fp16 or fp32 scale per block."""
+
+    name = "q2"
+
+    @property
+    def alignment(self) -> int:
+        return self.settings.block_size
+
+    def scale_count(self, numel: int) -> int:
+        return block_count(numel, self.settings.block_size)
+
+    def code_bytes(self, numel: int) -> int:
+        return code_bytes(numel, self.settings.block_size)
+
+    def kernels(self, device: torch.device | str = "cpu", chunk: int | None = None) -> Q2Kernels:
+        return Q2Kernels(self, device, chunk)
+
+    def fill_noop(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        codes.fill_(NOOP_CODE)
+        scales.fill_(-0.0)
+
+    def magnitude(self, codes: torch.Tensor, scales: torch.Tensor) -> float:
+        return float(scales.abs().max()) if scales.numel() else 0.0
+
+    def too_large(self, name: str, round_: int) -> str | None:
+        if self.settings.scale_dtype != "fp16":
+            return None
+        return (f"the delta of parameter {name!r} in round {round_} is too large for fp16 scales; "
+                "start the coordinator with --scale-dtype fp32, or lower the learning rate")
+
+
+class Q2Kernels(Kernels):
+    """Scratch buffers and the chunk kernels of one worker on one device."""
+
+    def __init__(self, codec: Q2, device: torch.device | str = "cpu", chunk: int | None = None) -> None:
+        super().__init__(codec, device, chunk)
+        n, nb, dev = self.chunk, self.chunk // codec.settings.block_size, self.device
+        self.c8 = torch.empty(n, dtype=torch.uint8, device=dev)
+        self.w32 = torch.empty(n // 4, dtype=torch.int32, device=dev)
+        self.t32 = torch.empty(n // 4, dtype=torch.int32, device=dev)
+        self.total = torch.empty(nb, device=dev)
+        self.scale = torch.empty(nb, device=dev)
+        self.inv = torch.empty(nb, device=dev)
+        self.magic = torch.tensor(_ROUND_MAGIC, device=dev)
+        self.generator = torch.Generator(device=dev) if self.settings.rounding == "stochastic" else None
+
+    def padded(self, m: int) -> int:
+        bs = self.settings.block_size
+        return -(-m // bs) * bs
+
+    def blocks(self, codes: torch.Tensor, scales: torch.Tensor, start: int, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
+        bs = self.settings.block_size
+        return codes[start // 4 : (start + padded) // 4], scales[start // bs : (start + padded) // bs]
+
+    # -- encode ---------------------------------------------------------------------------------------------
+    def quantize(
+        self,
+        m: int,
+        codes_out: torch.Tensor,
+        scales_out: torch.Tensor,
+        *,
+        residual_out: torch.Tensor | None = None,
+        dequant_out: torch.Tensor | None = None,
+        seed: int | None = None,
+    ) -> None:
+        """Quantize ``self.x[:m]`` (filled by the caller) into ``codes_out`` and ``scales_out``.
+
+        ``residual_out`` (m values) receives ``x - dequantized``; ``dequant_out`` (padded length) the
+        dequantized values themselves, computed exactly as a decoder computes them.
+        """
+        bs = self.settings.block_size
+        mp = self.padded(m)
+        nb = mp // bs
+        x = self.x[:mp]
+        if mp != m:
+            x[m:].zero_()
+        xb, y = x.view(nb, bs), self.y[:mp]
+        yb = y.view(nb, bs)
+        total = torch.sum(torch.abs(xb, out=yb), dim=1, out=self.total[:nb])
+        scale = self.scale[:nb]
+        torch.mul(total, SCALE / bs, out=scale)
+        if mp != m:  # the last block's mean is over its own values
+            torch.mul(total[-1:], SCALE / (m - (nb - 1) * bs), out=scale[-1:])
+        stochastic = self.generator is not None and seed is not None
+        if stochastic:
+            self._publish(scale, scales_out)
+        inv = torch.reciprocal(torch.clamp_min(scale, _TINY, out=self.inv[:nb]), out=self.inv[:nb]).mul_(0.5)
+        torch.mul(xb, inv[:, None], out=yb)
+        y.add_(HALF)
+        if stochastic:
+            noise = self.d[:mp]
+            noise.uniform_(-0.5, 0.5, generator=self.generator.manual_seed(seed))
+            y.add_(noise)
+        y.clamp_(0, TOP)
+        y.add_(self.magic)
+        c8 = self.c8[:mp]
+        c8.copy_(y.view(torch.int32))  # int32 -> uint8 keeps the low byte: the code
+        y.sub_(self.magic)
+        y.mul_(2).sub_(TOP)  # the levels l = 2c - 3, as floats
+        if not stochastic:  # the least-squares scale of these codes: sum(x * l) / sum(l * l)
+            product = self.d[:mp].view(nb, bs)
+            num = torch.sum(torch.mul(xb, yb, out=product), dim=1, out=self.total[:nb])
+            den = torch.sum(torch.mul(yb, yb, out=product), dim=1, out=self.inv[:nb])
+            if mp != m:
+                den[-1:].sub_(mp - m)  # a padding zero has code 2: l * l = 1
+            torch.div(num, den, out=scale)
+            self._publish(scale, scales_out)
+        if residual_out is not None:
+            if mp == m:
+                torch.addcmul(xb, yb, scale[:, None], value=-1, out=residual_out.view(nb, bs))
+            else:
+                d = self.d[:mp]
+                torch.addcmul(xb, yb, scale[:, None], value=-1, out=d.view(nb, bs))
+                residual_out.copy_(d[:m])
+        if dequant_out is not None:
+            torch.mul(yb, scale[:, None], out=dequant_out.view(nb, bs))
+        v = c8.view(torch.int32)  # bytes c0 c1 c2 c3 (little-endian)
+        w, t = self.w32[: mp // 4], self.t32[: mp // 4]
+        torch.bitwise_right_shift(v, 6, out=w)
+        w.bitwise_or_(v)  # low byte: c0 | c1 << 2; third byte: c2 | c3 << 2
+        torch.bitwise_right_shift(w, 12, out=t)
+        w.bitwise_or_(t)
+        codes_out.copy_(w)  # low byte: c0 | c1 << 2 | c2 << 4 | c3 << 6
+
+    def _publish(self, scale: torch.Tensor, scales_out: torch.Tensor) -> None:
+        """Write the scales; ``scale`` becomes what a decoder will read (rounded to fp16 where they are)."""
+        scales_out.copy_(scale)
+        if self.settings.scale_dtype == "fp16":
+            scale.copy_(scales_out)
+
+    # -- decode ---------------------------------------------------------------------------------------------
+    def levels(self, codes: torch.Tensor, mp: int) -> torch.Tensor:
+        """``float(2c - 3)`` for ``mp`` values unpacked from ``codes`` (into ``self.y``)."""
+        w, t = self.w32[: mp // 4], self.t32[: mp // 4]
+        w.copy_(codes)
+        torch.bitwise_left_shift(w, 12, out=t)
+        w.bitwise_or_(t)
+        w.bitwise_and_(0x000F000F)  # c0 c1 in bits 0-3, c2 c3 in bits 16-19
+        torch.bitwise_left_shift(w, 6, out=t)
+        w.bitwise_or_(t)
+        w.bitwise_and_(0x03030303)  # one code a byte
+        f = self.y[:mp]
+        f.copy_(w.view(torch.uint8))
+        return f.mul_(2).sub_(TOP)
+
+    def block_scales(self, scales: torch.Tensor, nb: int) -> torch.Tensor:
+        if scales.dtype == torch.float32:
+            return scales
+        return self.scale[:nb].copy_(scales)
+
+    def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, mp: int) -> torch.Tensor:
+        """The dequantized values of one chunk (``mp`` values, in ``self.d``)."""
+        bs = self.settings.block_size
+        nb = mp // bs
+        f = self.levels(codes, mp)
+        d = self.d[:mp]
+        torch.mul(f.view(nb, bs), self.block_scales(scales, nb)[:, None], out=d.view(nb, bs))
+        return d
+
+    def accumulate(self, codes: torch.Tensor, scales: torch.Tensor, m: int, acc: torch.Tensor, weight: float,
+                   assign: bool = False) -> None:
+        """``acc += weight * dequantized`` (``acc = ...`` when ``assign``) for the first ``m`` values of one chunk."""
+        bs = self.settings.block_size
+        mp = self.padded(m)
+        nb = mp // bs
+        if mp != m:
+            d = self.dequantize(codes, scales, mp)[:m]
+            if assign:
+                torch.mul(d, weight, out=acc)
+            else:
+                acc.add_(d, alpha=weight)
+            return
+        f = self.levels(codes, mp)
+        weighted = torch.mul(self.block_scales(scales, nb), weight, out=self.inv[:nb])
+        if assign:
+            torch.mul(f.view(nb, bs), weighted[:, None], out=acc.view(nb, bs))
+        else:
+            acc.view(nb, bs).addcmul_(f.view(nb, bs), weighted[:, None])
+
+    def bound(self, dequantized: torch.Tensor, scales: torch.Tensor) -> float:
+        return TOP * float(scales.abs().max())
