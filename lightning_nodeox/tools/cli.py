@@ -1,4 +1,4 @@
-"""The ``nodeox`` command: ``coordinator``, ``relay``, ``launch`` and ``report``."""
+"""The ``nodeox`` command: ``coordinator``, ``relay``, ``launch``, ``report`` and ``status``."""
 
 from __future__ import annotations
 
@@ -185,10 +185,14 @@ def _parser() -> argparse.ArgumentParser:
     _coordinator_options(p, bind=LAUNCH_BIND)
     _launch_options(p)
 
-    p = sub.add_parser("report", help="per-round phase tables of a run directory")
+    p = sub.add_parser("report", help="a run directory's summary, or its per-round phase tables")
     p.add_argument("run_dir", type=Path)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--plot", type=Path, help="draw a timeline to this PNG file")
+    p.add_argument("--rounds", nargs="?", const="", metavar="A:B", help="per-round tables instead of the summary: "
+                   "every round, or rounds A to B (both included; A: and :B too); with --plot, its timeline's rounds")
+    p.add_argument("--gpu-hour-price", type=float, metavar="P", help="price of one GPU for one hour: the summary "
+                   "starts with what the run and its waiting cost")
     return parser
 
 
@@ -231,5 +235,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "report":
         from .report import main as report_main
 
-        return report_main(args.run_dir, as_json=args.json, plot_to=args.plot)
+        return report_main(args.run_dir, as_json=args.json, plot_to=args.plot, rounds=args.rounds,
+                           price=args.gpu_hour_price)
     return 2
