@@ -93,24 +93,30 @@ def _wait_shares(summary: dict, prefix: str = "") -> dict[str, float]:
 
 
 def samples(rnd: dict, prefix: str = "") -> list[tuple[tuple[str, str], str, float]]:
-    """A round's timed values, ``((site, what), label, seconds)`` each: host phases per host, the coordinator's
-    phases, aggregation-to-sync per host; its sites' too (``site`` their path)."""
-    out = []
-    on = f"relay {prefix[:-1]}: " if prefix else ""
-    for ph, s in rnd["host_phases"].items():
-        for h, v in s["per_host"].items():
-            out.append(((prefix, ph), f"{ph} on host {prefix}{h}", v))
+    """A round's timed values, ``((site, what), host, seconds)`` each (``host`` "" for the coordinator's own):
+    host phases per host, the coordinator's phases (receive per host), aggregation-to-sync per host; its sites'
+    too (``site`` their path, ``SITE/``)."""
+    out = [((prefix, ph), h, v) for ph, s in rnd["host_phases"].items() for h, v in s["per_host"].items()]
     for ph, v in rnd["coordinator_phases"].items():
         if ph == P.RECEIVE:
-            for h, x in v["per_host"].items():
-                out.append(((prefix, "coordinator receive"), f"{on}receive from {prefix}{h}", x))
+            out += [((prefix, "coordinator receive"), h, x) for h, x in v["per_host"].items()]
         else:
-            out.append(((prefix, "coordinator " + ph), f"{on}coordinator {ph}", v))
-    for h, v in rnd["aggregation_to_sync"]["per_host"].items():
-        out.append(((prefix, "aggregation-to-sync"), f"{on}aggregation-to-sync of host {prefix}{h}", v))
+            out.append(((prefix, "coordinator " + ph), "", v))
+    out += [((prefix, "aggregation-to-sync"), h, v) for h, v in rnd["aggregation_to_sync"]["per_host"].items()]
     for name, site in rnd.get("sites", {}).items():
         out += samples(site, f"{prefix}{name}/")
     return out
+
+
+def label(key: tuple[str, str], host: str) -> str:
+    """What a sample of :func:`samples` is, in words (``train on host A/0``, ``relay A: coordinator aggregate``)."""
+    site, what = key
+    on = f"relay {site[:-1]}: " if site else ""
+    if what == "coordinator receive":
+        return f"{on}receive from {site}{host}"
+    if what == "aggregation-to-sync":
+        return f"{on}aggregation-to-sync of host {site}{host}"
+    return f"{on}{what}" if not host else f"{what} on host {site}{host}"
 
 
 def round_times(records: list[dict]) -> dict[int, float]:
@@ -162,11 +168,11 @@ def extend(report: dict, records: list[dict], price: float | None = None) -> dic
     summary["round_time_median_s"] = statistics.median(times.values()) if times else None
     slowest = []
     for rnd in heapq.nlargest(SLOWEST, times, key=times.get):
-        causes = sorted(((v - medians[key], label) for key, label, v in per_round.get(rnd, ())
-                         if key[1] not in NOT_A_CAUSE and key[1].removeprefix("coordinator ") not in OFF_THE_PATH),
-                        reverse=True)
+        causes = heapq.nlargest(2, ((v - medians[key], key, host) for key, host, v in per_round.get(rnd, ())
+                                    if key[1] not in NOT_A_CAUSE
+                                    and key[1].removeprefix("coordinator ") not in OFF_THE_PATH))
         slowest.append({"round": rnd, "seconds": times[rnd],
-                        "causes": [{"what": label, "above_median_s": x} for x, label in causes[:2] if x > 0]})
+                        "causes": [{"what": label(key, host), "above_median_s": x} for x, key, host in causes if x > 0]})
     summary["slowest_rounds"] = slowest
     if price is not None:
         summary["cost"] = cost(hosts, price)
