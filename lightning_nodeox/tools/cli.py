@@ -60,6 +60,8 @@ def _serving_options(p: argparse.ArgumentParser, *, bind: str) -> None:
     p.add_argument("--threads", type=int, help="codec threads (default: this process's CPU quota)")
     p.add_argument("--rss-interval", type=float, default=run["rss_interval"],
                    help="seconds between memory samples (default %(default)g)")
+    p.add_argument("--gpu-hour-price", type=float, metavar="P", help="price of one GPU for one hour: the status "
+                   "page says what the hosts' waiting cost")
 
 
 def _coordinator_options(p: argparse.ArgumentParser, *, bind: str) -> None:
@@ -101,7 +103,7 @@ def _launch_options(p: argparse.ArgumentParser) -> None:
 
 
 RELAYED = ("round_timeout", "lease", "no_hosts_timeout", "snapshot_every", "transfer_timeout", "idle_timeout",
-           "max_connections", "fresh", "threads", "rss_interval")  # launch's flags its relays take as well
+           "max_connections", "fresh", "threads", "rss_interval", "gpu_hour_price")  # launch's flags its relays take as well
 
 
 def _read_token(path: Path | None) -> str | None:
@@ -128,7 +130,7 @@ def _config(args: argparse.Namespace) -> CoordinatorConfig:
             exit_when_done=not getattr(args, "keep_running", False), lease=args.lease,
             no_hosts_timeout=args.no_hosts_timeout,
             snapshot_every=args.snapshot_every, transfer_timeout=args.transfer_timeout, fresh=args.fresh,
-            idle_timeout=args.idle_timeout, max_connections=args.max_connections,
+            idle_timeout=args.idle_timeout, max_connections=args.max_connections, gpu_hour_price=args.gpu_hour_price,
             outer=OuterSettings(args.outer_optimizer, args.outer_lr, args.outer_momentum)
             if "outer_optimizer" in args else OuterSettings())  # nor outer-optimizer flags: it never steps
     except ValueError as e:
@@ -193,6 +195,12 @@ def _parser() -> argparse.ArgumentParser:
                    "every round, or rounds A to B (both included; A: and :B too); with --plot, its timeline's rounds")
     p.add_argument("--gpu-hour-price", type=float, metavar="P", help="price of one GPU for one hour: the summary "
                    "starts with what the run and its waiting cost")
+
+    p = sub.add_parser("status", help="a running run's state in a terminal (the status page's picture)")
+    p.add_argument("url", help="the coordinator's (or a relay's) URL")
+    p.add_argument("--watch", action="store_true", help="redraw until the run completes or fails (Ctrl-C stops)")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between redraws (default %(default)g)")
+    p.add_argument("--token-file", type=Path, help="file holding the coordinator's bearer token (else NODEOX_TOKEN)")
     return parser
 
 
@@ -237,4 +245,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return report_main(args.run_dir, as_json=args.json, plot_to=args.plot, rounds=args.rounds,
                            price=args.gpu_hour_price)
+    if args.cmd == "status":
+        from .status import main as status_main
+
+        if not args.interval > 0:
+            raise SystemExit(f"nodeox: --interval must be positive seconds, got {args.interval}")
+        return status_main(args.url, token=_read_token(args.token_file), watch=args.watch, interval=args.interval)
     return 2
