@@ -50,6 +50,8 @@ def render(status: dict) -> str:
               f" (published {published if published >= 0 else '-'}), model {live['model_hash'] or '-'}"),
              (f"coordinator RSS {_bytes(memory.get('rss_bytes'))} (peak {_bytes(memory.get('peak_rss_bytes'))}); "
               f"links {_bytes(link) + '/s' if link is not None else '-'}")]
+    if "relay" in status:  # a site relay's page: its site's hosts, under its upstream
+        lines[0] += f"; relay {status['relay']} under {status['upstream']}"
     priced = live.get("gpu_hour_price") is not None
     if priced:
         lines.append(f"waiting has cost {live['wait_cost']:.2f} at {live['gpu_hour_price']:g} per GPU-hour")

@@ -205,7 +205,8 @@ def _hours(s: float) -> str:
     return f"{s / 3600:.2f} h" if s >= 36 else f"{s:.1f} s"
 
 
-def _money(x: float) -> str:
+def _amount(x: float) -> str:
+    """Money or GPU-hours: cents, or four decimals below 1."""
     return f"{x:,.2f}" if abs(x) >= 1 else f"{x:.4f}"
 
 
@@ -217,19 +218,20 @@ def render(report: dict, run_line: list[str], *, size=lambda n: f"{n} B") -> str
     c = s.get("cost")
     if c is not None:
         share = c["wait_gpu_hours"] / c["gpu_hours"] if c["gpu_hours"] else 0.0
-        lines.append(f"cost at {c['price_per_gpu_hour']:g} per GPU-hour: {c['gpu_hours']:.2f} GPU-hours, "
-                     f"{_money(c['cost'])}; waiting {c['wait_gpu_hours']:.2f} GPU-hours cost "
-                     f"{_money(c['wait_cost'])} ({share:.0%}); training {c['train_gpu_hours']:.2f}, exchanging "
-                     f"{c['exchange_gpu_hours']:.2f}")
+        lines.append(f"cost at {c['price_per_gpu_hour']:g} per GPU-hour: {_amount(c['gpu_hours'])} GPU-hours, "
+                     f"{_amount(c['cost'])}; waiting {_amount(c['wait_gpu_hours'])} GPU-hours cost "
+                     f"{_amount(c['wait_cost'])} ({share:.0%}); training {_amount(c['train_gpu_hours'])}, exchanging "
+                     f"{_amount(c['exchange_gpu_hours'])} GPU-hours")
+    lines.append("GPU time per host (its GPUs x the seconds of each):")
     head = f"{'host':10} {'GPUs':>4} {'training':>10} {'waiting':>10} {'exchanging':>10} {'wait share':>10}"
-    lines.append(head + (f" {'waiting cost':>12}" if c else "") + "  up / down  (GPU time)")
+    lines.append(head + (f" {'waiting cost':>12}" if c else "") + "  up / down")
     for h, a in s["per_host"].items():
         g = a["gpus"]
         share = "-" if a["mean_wait_share"] is None else f"{a['mean_wait_share']:.0%}"
         line = (f"{h:10} {a['gpus']:>4} {_hours(a['train_s'] * g):>10} {_hours(a['wait_s'] * g):>10} "
                 f"{_hours(a['exchange_s'] * g):>10} {share:>10}")
         if c:
-            line += f" {_money(c['per_host'][h]['wait_cost']):>12}"
+            line += f" {_amount(c['per_host'][h]['wait_cost']):>12}"
         lines.append(f"{line}  {size(a['up_bytes'])} / {size(a['down_bytes'])}")
     lines += ["", *run_line, ""]
     q = s["quantiles_s"]
