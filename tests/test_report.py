@@ -81,7 +81,8 @@ def test_a_run_with_relays_is_grouped_by_site_and_its_far_link_bytes_stand_apart
     assert "3 hosts at the root (2 relays), 4 in the sites" in text  # A: 0, 1; B: 2, C (a relay of its own)
     hosts = extend(report, records)["per_host"]
     assert list(hosts) == ["9", "A/0", "A/1", "B/2", "B/C/3"]  # the hosts that train: relays are not among them
-    assert hosts["A/1"]["train_s"] == pytest.approx(0.7) and hosts["A/1"]["mean_wait_share"] == pytest.approx(1 - 0.7 / 0.8)  # its site's report
+    assert hosts["A/1"]["train_s"] == pytest.approx(0.7)
+    assert hosts["A/1"]["mean_wait_share"] == pytest.approx(1 - 0.7 / 0.8)  # from its site's report
 
 
 def test_a_run_without_relays_reports_as_before() -> None:
@@ -199,9 +200,10 @@ def test_the_timeline_draws_each_phase_in_its_colour_with_a_legend_entry(tmp_pat
     colour) and named in the legend; a run longer than the window gets the aggregate above its last rounds."""
     records = run_records(rounds)
     last = rounds - 1
-    records += [rec(P.POLL, 50.0 * rounds, 50.0 * rounds + 1, "0", last), rec(P.FOLD, 50.0 * rounds + 1, 50.0 * rounds + 2, "0", last),
-                rec(P.PROVIDE_MODEL, -2.0, -1.0, "1", 0), rec(P.FALLBACK_FETCH, 50.0 * rounds, 50.0 * rounds + 2, "1", last),
-                rec(P.MODEL_MATERIALIZE, 50.0 * rounds, 50.0 * rounds + 2, P.COORDINATOR, last)]
+    t = 50.0 * rounds  # after the rounds' records
+    records += [rec(P.POLL, t, t + 1, "0", last), rec(P.FOLD, t + 1, t + 2, "0", last),
+                rec(P.PROVIDE_MODEL, -2.0, -1.0, "1", 0), rec(P.FALLBACK_FETCH, t, t + 2, "1", last),
+                rec(P.MODEL_MATERIALIZE, t, t + 2, P.COORDINATOR, last)]
     png = tmp_path / "t.png"
     legend = timeline.plot(records, png)
     phases = (*P.HOST_PHASES, *P.COORDINATOR_PHASES)

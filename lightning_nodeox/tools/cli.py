@@ -103,7 +103,8 @@ def _launch_options(p: argparse.ArgumentParser) -> None:
 
 
 RELAYED = ("round_timeout", "lease", "no_hosts_timeout", "snapshot_every", "transfer_timeout", "idle_timeout",
-           "max_connections", "fresh", "threads", "rss_interval", "gpu_hour_price")  # launch's flags its relays take as well
+           "max_connections", "fresh", "threads", "rss_interval",
+           "gpu_hour_price")  # launch's flags its relays take as well
 
 
 def _read_token(path: Path | None) -> str | None:
@@ -172,7 +173,8 @@ def relay_argv(launch_argv: list[str]) -> list[str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nodeox", description="lightning-nodeox: coordinator, relay, launcher, report")
+    parser = argparse.ArgumentParser(prog="nodeox",
+                                     description="lightning-nodeox: coordinator, relay, launcher, report, status")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("coordinator", help="run the HTTP coordinator of a run")

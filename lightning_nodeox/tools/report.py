@@ -2,10 +2,10 @@
 
 By default a summary of the run (:mod:`~lightning_nodeox.tools.summary`: per-host totals, phase quantiles, the
 slowest rounds and what made them slow, with ``--gpu-hour-price`` what the waiting cost); with ``--rounds [A:B]``
-the per-round tables (of rounds A to B, both included). Per round: each host phase as its range across hosts (``17.8–22.3 s``, as in the study), the coordinator's
-phases, aggregation-to-sync (aggregation end to each host's download start), bytes up and down, each host's
-wait share (the fraction of its round its trainer spent waiting on the exchange), and coordinator memory after
-the round, then the run's totals. ``--json`` gives the same, machine-readable (every round, or those of
+the per-round tables (of rounds A to B, both included). Per round: each host phase as its range across hosts
+(``17.8–22.3 s``, as in the study), the coordinator's phases, aggregation-to-sync (aggregation end to each host's
+download start), bytes up and down, each host's wait share (the fraction of its round its trainer spent waiting on
+the exchange), and coordinator memory after the round, then the run's totals. ``--json`` gives the same, machine-readable (every round, or those of
 ``--rounds``, and the summary); ``--plot`` draws a timeline (:mod:`~lightning_nodeox.tools.timeline`).
 
 A run with site relays is grouped by site: the records a relay forwarded (``SITE/HOST``, ``SITE/coordinator``) make
@@ -242,7 +242,8 @@ def totals(report: dict) -> list[str]:
     """The run's totals: rounds, hosts, wall time, bytes, coordinator memory, full-model fetches; each site's."""
     s = report["summary"]
     inside = sum(len(site["hosts"]) for site in s.get("sites", {}).values())
-    who = f"{len(s['hosts'])} hosts" + (f" at the root ({len(s['sites'])} relays), {inside} in the sites" if inside else "")
+    who = f"{len(s['hosts'])} hosts" + (f" at the root ({len(s['sites'])} relays), {inside} in the sites"
+                                        if inside else "")
     lines = [(f"run: {s['rounds']} rounds, {who}, {s['wall_s']:.1f} s; "
               f"{_bytes(s['bytes_up'])} up, {_bytes(s['bytes_down'])} down; "
               f"coordinator peak RSS {_bytes(s['coordinator_peak_rss_bytes'])}; "

@@ -171,8 +171,8 @@ def extend(report: dict, records: list[dict], price: float | None = None) -> dic
         causes = heapq.nlargest(2, ((v - medians[key], key, host) for key, host, v in per_round.get(rnd, ())
                                     if key[1] not in NOT_A_CAUSE
                                     and key[1].removeprefix("coordinator ") not in OFF_THE_PATH))
-        slowest.append({"round": rnd, "seconds": times[rnd],
-                        "causes": [{"what": label(key, host), "above_median_s": x} for x, key, host in causes if x > 0]})
+        slowest.append({"round": rnd, "seconds": times[rnd], "causes": [
+            {"what": label(key, host), "above_median_s": x} for x, key, host in causes if x > 0]})
     summary["slowest_rounds"] = slowest
     if price is not None:
         summary["cost"] = cost(hosts, price)
