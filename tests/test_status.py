@@ -14,14 +14,19 @@ import shutil
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
 import requests
-from helpers import Coordinator, free_port, hosts, start_host, stop, terminate, upload, wait_for
+from helpers import Coordinator, exchange, free_port, hosts, start_host, stop, terminate, upload, wait_for
+from local_transport import LocalClient, LocalCoordinator
 
 from lightning_nodeox.coordinator import statuspage
 from lightning_nodeox.core.phases import PhaseRecord
+from lightning_nodeox.relay.config import RelayConfig
+from lightning_nodeox.relay.run import RelayRun
+from lightning_nodeox.relay.upstream import Upstream
 from lightning_nodeox.tools import status as status_cli
 from lightning_nodeox.tools import timeline
 
@@ -59,6 +64,26 @@ def test_the_live_view_says_who_the_round_waits_for_and_each_hosts_wait_share_by
 
 async def _snapshot(c):
     return c.run.watch.snapshot()
+
+
+def test_a_relays_live_view_holds_its_sites_hosts_and_the_root_sees_the_relay_as_one(tmp_path) -> None:
+    root = LocalCoordinator(tmp_path / "root", 1)
+    upstream = Upstream(RelayConfig(upstream="http://root", relay_id="site"), client=LocalClient(root, "site"))
+    relay = LocalCoordinator(tmp_path / "relay", 2, make_run=partial(RelayRun, upstream=upstream))
+    try:
+        h0, h1 = hosts(relay, "0", "1")
+        relay.call(relay.run.membership.join_upstream_with_model())
+        exchange((h0, 8), (h1, 24))
+        site, top = relay.call(_snapshot(relay)), root.call(_snapshot(root))
+    finally:
+        relay.close()
+        root.close()
+    assert [h["id"] for h in site["hosts"]] == ["0", "1"] and [h["id"] for h in top["hosts"]] == ["site"]
+    assert site["round"] == top["round"] == 1 and site["model_hash"] == top["model_hash"] == h0.model_hash
+    assert {h["state"] for h in site["hosts"]} == {"training"}  # both synced, the next round open
+    lanes = dict(site["timeline"]["lanes"])
+    assert list(lanes) == ["coordinator", "0", "1", "site"]  # the relay's own exchange with the root: a lane
+    assert "upload" in {p[0] for p in lanes["site"]}
 
 
 def test_the_terminal_table_has_a_row_per_host_with_its_values() -> None:
@@ -129,7 +154,7 @@ def test_nodeox_status_shows_both_hosts_and_the_round_and_fails_against_a_dead_u
 
     watched = subprocess.Popen([sys.executable, "-m", "lightning_nodeox", "status", coord.url, "--watch",
                                 "--interval", "0.5", "--token-file", str(token)], stdout=subprocess.PIPE, text=True)
-    time.sleep(4)
+    time.sleep(3)
     terminate(watched, 5)
     tables = re.findall(r"running, round (\d+) ", watched.stdout.read())
     watched.stdout.close()

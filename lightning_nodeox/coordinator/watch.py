@@ -14,7 +14,8 @@ per host). :meth:`RunWatch.snapshot` reads it with the registry and the open rou
   and bytes per round over its last rounds, sync_dist values of its last delta, and its last loss (a logged
   value whose name holds ``loss``, or a ``loss`` field of its ``train`` record);
 - the coordinator's memory (RSS, peak) and CPU seconds, bytes per second over the links in the last rounds;
-- the timeline of the last :data:`TIMELINE` rounds: per lane (``coordinator``, each host) its phases;
+- the timeline of the last :data:`TIMELINE` rounds: per lane (``coordinator``, each host; a relay's own
+  exchange with its upstream, under its id) its phases;
 - with ``--gpu-hour-price``, GPU-hours training and waiting per host since this coordinator started, and
   what the waiting cost.
 """
@@ -153,8 +154,8 @@ class RunWatch:
         price = state.config.gpu_hour_price
         hosts = []
         traffic, first, last = 0, float("inf"), 0.0
-        for host_id in sorted(set(state.hosts) | set(self.hosts), key=host_order):
-            entry = state.hosts.get(host_id)
+        for host_id in sorted(state.hosts, key=host_order):  # a relay's own records (upstream): timeline only
+            entry = state.hosts[host_id]
             seen = self.hosts.get(host_id) or _Host()
             done = sorted(seen.rounds)
             share = None
@@ -167,8 +168,7 @@ class RunWatch:
             traffic += sum(moved)
             for r in done:
                 first, last = min(first, seen.rounds[r].start), max(last, seen.rounds[r].end)
-            row = {"id": host_id, "state": "gone" if entry is None else self.host_state(entry, uploading),
-                   "lease_age_s": None if entry is None else clock - entry.seen,
+            row = {"id": host_id, "state": self.host_state(entry, uploading), "lease_age_s": clock - entry.seen,
                    "last_round": done[-1] if done else None, "wait_share": share,
                    "bytes_per_round": sum(moved) / len(moved) if moved else None,
                    "loss": seen.loss, "metrics": seen.metrics, "gpus": seen.gpus,
