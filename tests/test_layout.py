@@ -20,8 +20,8 @@ FORBIDDEN_ROOMS = {"host": {"coordinator", "relay", "tools"}, "coordinator": {"h
 ROOMS = ("coordinator", "host", "core", "relay", "tools")
 # what a coordinator transport may import of the coordinator: the run's lifecycle (which hands it the run's
 # parts), its settings and the limits of what is taken from the network (bodies, connections); never the round's
-# logic itself
-TRANSPORT_MAY_IMPORT = {"lifecycle", "config", "intake", "connections", "making"}  # making: the sync it streams
+# logic itself; the sync it streams while it is made, and the status page's files
+TRANSPORT_MAY_IMPORT = {"lifecycle", "config", "intake", "connections", "making", "statuspage"}
 
 
 def modules() -> list[Path]:

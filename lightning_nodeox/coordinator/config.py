@@ -66,6 +66,8 @@ class CoordinatorConfig:
         rss_interval: seconds between memory samples.
         exit_when_done: stop once every host has finished and said goodbye.
         outer: the outer optimizer (plain averaging, or DiLoCo's Nesterov momentum).
+        gpu_hour_price: the price of one GPU for one hour (None: not given); the status page then says what the
+            hosts' waiting cost.
         name: what the run's log lines start with (a site relay's: ``nodeox relay ID``, set by ``nodeox relay``).
     """
 
@@ -95,6 +97,7 @@ class CoordinatorConfig:
     max_connections: int | None = None
     fresh: bool = False
     status_interval: float = 5.0
+    gpu_hour_price: float | None = None
     name: str = NAME
 
     def __post_init__(self) -> None:
@@ -118,6 +121,9 @@ class CoordinatorConfig:
             raise ValueError(f"--max-connections must be at least 1, got {self.max_connections}")
         if self.rss_interval <= 0:
             raise ValueError(f"--rss-interval must be positive seconds, got {self.rss_interval}")
+        if self.gpu_hour_price is not None and not self.gpu_hour_price >= 0:
+            raise ValueError(f"--gpu-hour-price must be the price of one GPU for one hour (>= 0), got "
+                             f"{self.gpu_hour_price}")
         if self.initial_model is not None and not Path(self.initial_model).is_file():
             raise ValueError(f"--initial-model {self.initial_model} is not a file; pass a safetensors file")
         host, _ = parse_bind(self.bind)

@@ -43,6 +43,7 @@ from .runstate import RunState
 from .state import RunStore, SavedRun, take_up
 from .values import ValueExchanges
 from .waiting import waiting_for
+from .watch import RunWatch
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class CoordinatorRun:
         self.rounds = Rounds(self.state, self.recovery, before_publish)
         self.membership = Membership(self.state, self.recovery, self.rounds)
         self.values = ValueExchanges(self.state, self.rounds)
+        self.watch = RunWatch(self.state, self.rounds)  # what the status page and `nodeox status` show
         self._last_status = 0.0
         self._next_rss = time.time()
 

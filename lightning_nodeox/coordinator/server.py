@@ -43,7 +43,7 @@ from ..core.logs import Named
 from ..core.phases import COORDINATOR, MODEL_MATERIALIZE, PhaseRecord
 from ..core.protocol import HTTP_STATUS, Reason, Refusal
 from ..core.specs import PayloadError
-from . import intake, lifecycle
+from . import intake, lifecycle, statuspage
 from .config import CoordinatorConfig, parse_bind
 from .connections import RESERVED_FILES, Connections, connection_limit, raise_open_file_limit
 from .lifecycle import CoordinatorRun
@@ -141,11 +141,10 @@ async def errors_and_auth(request: web.Request, handler):
     request.app[CONNECTIONS].busy(request.protocol)  # its headers are in: no longer waiting (Handler.log_access)
     try:
         token = request.app[TOKEN]
-        if token and request.path != proto.HEALTH:
-            given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-            if not hmac.compare_digest(given, f"Bearer {token}".encode()):
-                raise Refusal(Reason.UNAUTHORIZED, "missing or wrong bearer token: set NODEOX_TOKEN to the "
-                                                   "coordinator's token")
+        if token and request.path != proto.HEALTH and not _authorized(request, token):
+            raise Refusal(Reason.UNAUTHORIZED, "missing or wrong bearer token: set NODEOX_TOKEN to the "
+                                               "coordinator's token (the status page: open the link the "
+                                               "coordinator printed, which carries it)")
         return await handler(request)
     except Refusal as e:
         return error(e.reason, str(e), **e.extra)
@@ -161,6 +160,24 @@ async def errors_and_auth(request: web.Request, handler):
     except Exception as e:  # noqa: BLE001 - a bug must not take the coordinator down; say it and go on
         request.app[LOG].exception("%s %s failed", request.method, request.path)
         return web.json_response({"error": f"coordinator error: {type(e).__name__}: {e}"}, status=500)
+
+
+def _same(given: str, token: str) -> bool:
+    return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), token.encode())
+
+
+def _authorized(request: web.Request, token: str) -> bool:
+    """The bearer token; for the status page's reads only (``GET`` of the page, its files and the status), also
+    the page's cookie, or on the page itself ``?token=`` (the link the coordinator prints)."""
+    if _same(request.headers.get("Authorization", ""), f"Bearer {token}"):
+        return True
+    if request.method != "GET" or not (request.path in (statuspage.PAGE, proto.STATUS)
+                                       or request.path.startswith(statuspage.FILES)):
+        return False
+    given = request.cookies.get(statuspage.cookie_name(request.url.port), "")
+    if request.path == statuspage.PAGE:
+        given = request.query.get("token", "") or given
+    return bool(given) and _same(given, token)
 
 
 def protocol_error(status: int, exc: BaseException | None, message: str | None, said: Named) -> web.Response:
@@ -288,8 +305,30 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def status(request: web.Request) -> web.Response:
-    return web.json_response({**request.app[RUN].status(), "uploads": len(request.app[UPLOADS].hosts),
-                              "connections": request.app[CONNECTIONS].status()})
+    run = request.app[RUN]
+    return web.json_response({**run.status(), "uploads": len(request.app[UPLOADS].hosts),
+                              "connections": request.app[CONNECTIONS].status(),
+                              "live": run.watch.snapshot(request.app[UPLOADS].hosts)})
+
+
+async def status_page(request: web.Request) -> web.Response:
+    """The status page; opened with ``?token=`` (the printed link) it keeps the token in a cookie of this
+    coordinator's port (HttpOnly, path /) and sends the browser on to the page without it."""
+    token = request.query.get("token")
+    if token:
+        response = web.HTTPFound(statuspage.PAGE)
+        response.set_cookie(statuspage.cookie_name(request.url.port), token, httponly=True, path="/",
+                            samesite="Strict", secure=request.secure)
+        raise response
+    return web.Response(body=statuspage.asset("index.html"), content_type="text/html", charset="utf-8",
+                        headers={"Cache-Control": "no-store"})
+
+
+async def status_file(request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    if name not in statuspage.ASSETS:
+        raise web.HTTPNotFound()
+    return web.Response(body=statuspage.asset(name), content_type=statuspage.ASSETS[name], charset="utf-8")
 
 
 async def join(request: web.Request) -> web.Response:
@@ -516,6 +555,8 @@ def make_app(run: CoordinatorRun, token: str | None, connections: Connections) -
     app.on_response_prepare.append(stamp_time)
     app.router.add_get(proto.HEALTH, health)
     app.router.add_get(proto.STATUS, status)
+    app.router.add_get(statuspage.PAGE, status_page)
+    app.router.add_get(statuspage.FILES + "{name}", status_file)
     app.router.add_post(proto.JOIN, join)
     app.router.add_put(proto.MODEL, put_model)
     app.router.add_get(proto.MODEL, get_model)
@@ -589,6 +630,7 @@ async def serve(config: CoordinatorConfig, ready_file: Path | None = None, befor
         if ready_file is not None:
             ready_file.write_text(url)
         print(f"{config.name} listening on {url} (run dir {config.run_dir}, {config.hosts} hosts)", flush=True)
+        print(f"{config.name} status page: {statuspage.link(url, config.token)}", flush=True)
         said.info("at most %d connections (open-file limit %d); one waiting %g s for a request is closed",
                   connections.limit, open_files, connections.idle_timeout)
 

@@ -1,4 +1,4 @@
-"""The ``nodeox`` command: ``coordinator``, ``relay``, ``launch`` and ``report``."""
+"""The ``nodeox`` command: ``coordinator``, ``relay``, ``launch``, ``report`` and ``status``."""
 
 from __future__ import annotations
 
@@ -60,6 +60,8 @@ def _serving_options(p: argparse.ArgumentParser, *, bind: str) -> None:
     p.add_argument("--threads", type=int, help="codec threads (default: this process's CPU quota)")
     p.add_argument("--rss-interval", type=float, default=run["rss_interval"],
                    help="seconds between memory samples (default %(default)g)")
+    p.add_argument("--gpu-hour-price", type=float, metavar="P", help="price of one GPU for one hour: the status "
+                   "page says what the hosts' waiting cost")
 
 
 def _coordinator_options(p: argparse.ArgumentParser, *, bind: str) -> None:
@@ -102,7 +104,8 @@ def _launch_options(p: argparse.ArgumentParser) -> None:
 
 
 RELAYED = ("round_timeout", "lease", "no_hosts_timeout", "snapshot_every", "transfer_timeout", "idle_timeout",
-           "max_connections", "fresh", "threads", "rss_interval")  # launch's flags its relays take as well
+           "max_connections", "fresh", "threads", "rss_interval",
+           "gpu_hour_price")  # launch's flags its relays take as well
 
 
 def _read_token(path: Path | None) -> str | None:
@@ -129,7 +132,7 @@ def _config(args: argparse.Namespace) -> CoordinatorConfig:
             exit_when_done=not getattr(args, "keep_running", False), lease=args.lease,
             no_hosts_timeout=args.no_hosts_timeout,
             snapshot_every=args.snapshot_every, transfer_timeout=args.transfer_timeout, fresh=args.fresh,
-            idle_timeout=args.idle_timeout, max_connections=args.max_connections,
+            idle_timeout=args.idle_timeout, max_connections=args.max_connections, gpu_hour_price=args.gpu_hour_price,
             outer=OuterSettings(args.outer_optimizer, args.outer_lr, args.outer_momentum)
             if "outer_optimizer" in args else OuterSettings())  # nor outer-optimizer flags: it never steps
     except ValueError as e:
@@ -171,7 +174,8 @@ def relay_argv(launch_argv: list[str]) -> list[str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nodeox", description="lightning-nodeox: coordinator, relay, launcher, report")
+    parser = argparse.ArgumentParser(prog="nodeox",
+                                     description="lightning-nodeox: coordinator, relay, launcher, report, status")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("coordinator", help="run the HTTP coordinator of a run")
@@ -186,10 +190,20 @@ def _parser() -> argparse.ArgumentParser:
     _coordinator_options(p, bind=LAUNCH_BIND)
     _launch_options(p)
 
-    p = sub.add_parser("report", help="per-round phase tables of a run directory")
+    p = sub.add_parser("report", help="a run directory's summary, or its per-round phase tables")
     p.add_argument("run_dir", type=Path)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--plot", type=Path, help="draw a timeline to this PNG file")
+    p.add_argument("--rounds", nargs="?", const="", metavar="A:B", help="per-round tables instead of the summary: "
+                   "every round, or rounds A to B (both included; A: and :B too); with --plot, its timeline's rounds")
+    p.add_argument("--gpu-hour-price", type=float, metavar="P", help="price of one GPU for one hour: the summary "
+                   "starts with what the run and its waiting cost")
+
+    p = sub.add_parser("status", help="a running run's state in a terminal (the status page's picture)")
+    p.add_argument("url", help="the coordinator's (or a relay's) URL")
+    p.add_argument("--watch", action="store_true", help="redraw until the run completes or fails (Ctrl-C stops)")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between redraws (default %(default)g)")
+    p.add_argument("--token-file", type=Path, help="file holding the coordinator's bearer token (else NODEOX_TOKEN)")
     return parser
 
 
@@ -232,5 +246,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "report":
         from .report import main as report_main
 
-        return report_main(args.run_dir, as_json=args.json, plot_to=args.plot)
+        return report_main(args.run_dir, as_json=args.json, plot_to=args.plot, rounds=args.rounds,
+                           price=args.gpu_hour_price)
+    if args.cmd == "status":
+        from .status import main as status_main
+
+        if not args.interval > 0:
+            raise SystemExit(f"nodeox: --interval must be positive seconds, got {args.interval}")
+        return status_main(args.url, token=_read_token(args.token_file), watch=args.watch, interval=args.interval)
     return 2
