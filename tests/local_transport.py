@@ -141,12 +141,16 @@ class LocalClient:
 
     def wait_sync(self, round_: int, poll: float = 5.0, *, training=None) -> SyncReply:
         while True:
-            reply = sync_outcome(lambda: self._sync_reply(round_, poll, bool(training and training())))
+            reply = self.poll_sync(round_, poll, training=bool(training and training()))
             if reply is not None:
                 return reply
 
-    def _sync_reply(self, round_: int, poll: float, training: bool = False) -> SyncReply | None:
-        found = self.coordinator.call(self.rounds.wait_sync(round_, poll, self.host, training))
+    def poll_sync(self, round_: int, poll: float = 5.0, *, training: bool = False,
+                  sending: bool = False) -> SyncReply | None:
+        return sync_outcome(lambda: self._sync_reply(round_, poll, training, sending))
+
+    def _sync_reply(self, round_: int, poll: float, training: bool = False, sending: bool = False) -> SyncReply | None:
+        found = self.coordinator.call(self.rounds.wait_sync(round_, poll, self.host, training, sending))
         if found is not None:
             if isinstance(found, SyncInMaking):  # streamed as its pieces are made: taken whole here
                 async def whole() -> bytes:

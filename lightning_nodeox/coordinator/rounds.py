@@ -495,11 +495,12 @@ class Rounds:
         """Whether round ``round_``'s sync is the run's last: the run completed with that round."""
         return self.state.complete and self.state.published_round == round_
 
-    async def wait_sync(self, round_: int, wait: float, host: str | None = None,
-                        training: bool = False) -> Q4Message | SyncInMaking | None:
+    async def wait_sync(self, round_: int, wait: float, host: str | None = None, training: bool = False,
+                        sending: bool = False) -> Q4Message | SyncInMaking | None:
         """Round ``round_``'s sync once its close has begun (while it is made: a :class:`SyncInMaking`) or once
         published; None if not within ``wait`` seconds or if the run completed before that round closed
-        (``state.complete`` tells which). ``training``: the host trains on meanwhile (:meth:`trains_on`)."""
+        (``state.complete`` tells which). ``training``: the host trains on meanwhile (:meth:`trains_on`);
+        ``sending``: its delta of the round is on its way (it polls while it uploads), so none is no refusal."""
         state, hosts = self.state, self.state.hosts
         entry = hosts.get(host or "")
         if entry is not None and entry.state is HostState.LEFT:
@@ -511,7 +512,7 @@ class Rounds:
             state.require_model()  # a resumed run whose saved state is behind this host: it gives its model back
             raise Refusal(Reason.NOT_OPEN, f"round {round_} has not started; the coordinator is at round {state.round}",
                           round=state.round)
-        if (round_ == state.round and not self.closing and not state.complete and entry is not None
+        if (round_ == state.round and not self.closing and not state.complete and entry is not None and not sending
                 and host not in self.received and entry.state in (HostState.TRAINING, HostState.DROPPED)):
             raise Refusal(Reason.NO_DELTA, f"the coordinator holds no delta of host {host} for round {round_} (it "
                                            "restarted, or the delta was never sent): send it again")

@@ -479,7 +479,7 @@ async def get_sync(request: web.Request) -> web.StreamResponse:
     host = _caller(request)
     round_ = _int(request.match_info["round"], "round")
     wait = min(_wait(request), run.config.long_poll)
-    found = await run.rounds.wait_sync(round_, wait, host, _training(request))
+    found = await run.rounds.wait_sync(round_, wait, host, _training(request), request.query.get("sending") == "1")
     if found is None:
         return web.Response(status=204, headers={proto.COMPLETE_HEADER: "1" if state.complete else "0"})
     making = found if isinstance(found, SyncInMaking) else None

@@ -87,6 +87,12 @@ class HostClient(Protocol):
         overlaps), so the coordinator waits for its values (:mod:`lightning_nodeox.coordinator.values`)."""
         ...
 
+    def poll_sync(self, round_: int, poll: float = ..., *, training: bool = False,
+                  sending: bool = False) -> SyncReply | None:
+        """One wait for round ``round_``'s sync (None: not ready yet); ``sending``: this host's delta of the round
+        is still on its way, so the coordinator does not refuse the poll for want of it."""
+        ...
+
     def get_model(self) -> ByteStream:
         """The coordinator's full model, as a model file."""
         ...

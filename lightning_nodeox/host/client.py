@@ -231,15 +231,22 @@ class HttpClient:
                   training: Callable[[], bool] | None = None) -> SyncReply:
         """Long-poll until round ``round_``'s sync is ready (or the run completed, or the sync is gone); each poll
         says whether this host's training goes on meanwhile (``training()``)."""
-        path = proto.SYNC.format(round=round_)
         while True:
-            reply = sync_outcome(lambda: self._sync_reply(round_, path, poll, bool(training and training())))
+            reply = self.poll_sync(round_, poll, training=bool(training and training()))
             if reply is not None:
                 return reply
 
-    def _sync_reply(self, round_: int, path: str, poll: float, training: bool) -> SyncReply | None:
-        response = self._request("GET", path, params={"wait": poll, "host": self.host, **_training(training)},
-                                 ok=(200, 204), stream=True, read_timeout=poll + self.read_timeout)
+    def poll_sync(self, round_: int, poll: float = SYNC_POLL, *, training: bool = False,
+                  sending: bool = False) -> SyncReply | None:
+        """One long poll for round ``round_``'s sync (None: not ready within ``poll`` seconds). ``sending``: this
+        host's delta of the round is still on its way (its upload runs meanwhile), so its absence is no reason to
+        refuse."""
+        return sync_outcome(lambda: self._sync_reply(round_, proto.SYNC.format(round=round_), poll, training, sending))
+
+    def _sync_reply(self, round_: int, path: str, poll: float, training: bool, sending: bool) -> SyncReply | None:
+        params = {"wait": poll, "host": self.host, **_training(training), **({"sending": "1"} if sending else {})}
+        response = self._request("GET", path, params=params, ok=(200, 204), stream=True,
+                                 read_timeout=poll + self.read_timeout)
         complete = response.headers.get(proto.COMPLETE_HEADER) == "1"
         if response.status_code == 200:
             return SyncReady(round_, ResponseStream(response), complete)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,8 +33,8 @@ from ..core import phases as P
 from ..core import safetensors
 from ..core.logs import Named
 from ..core.phases import PhaseLog, PhaseRecord
-from ..core.protocol import (Reason, Refusal, RunComplete, SyncGone, TransferBroken, Upload, ValuesReply,
-                             read_fully)
+from ..core.protocol import (Reason, Refusal, RunComplete, SyncGone, SyncReady, TransferBroken, Upload,
+                             ValuesReply, read_fully)
 from ..core.settings import Q4Settings
 from ..core.specs import ModelMismatchError, PayloadError
 from ..core.streaming import MessageReader
@@ -48,6 +49,7 @@ DOWNLOAD_TRIES = 3
 REJOIN_TRIES = 3
 REJOIN = (Reason.NOT_JOINED, Reason.NO_MODEL)
 REJOIN_WAIT = 0.2  # seconds between values posts while the exchange in flight joins again
+UPLOAD_POLL = 1.0  # seconds a sync poll lasts while the host's own upload goes on
 
 
 class Into(enum.Enum):
@@ -198,22 +200,58 @@ class HostRound:
     def run_overlapped(self, samples: int, delayed: bool, metrics: dict[str, list] | None = None) -> RoundResult:
         """One exchange while training goes on: the delta is the snapshot's, and the sync goes into ``base``
         only; the training side folds it into the live model (:meth:`HostTensors.fold`)."""
-        message = self.encode(self.tensors.snapshot, samples, False, metrics)
+        reader = self.encode(self.tensors.snapshot, samples, False, metrics)
         if delayed:
+            reader.join()  # the snapshot becomes θ_r only once the delta is encoded from it
             self.tensors.snapshot_base()
-        return self.finish_round(message, False, Into.BASE)
+        return self.finish_round(reader, False, Into.BASE)
 
-    def finish_round(self, message: MessageReader, final: bool, into: Into) -> RoundResult:
-        """Upload an encoded delta and take the round's sync (see :meth:`run_round`); sending it again after a
-        failure is harmless (a delta taken already is ``TAKEN``)."""
+    def finish_round(self, reader: MessageReader, final: bool, into: Into) -> RoundResult:
+        """Upload a delta as it is encoded and take the round's sync (see :meth:`run_round`), which starts to
+        arrive while the upload still goes on (:meth:`_sync_while_uploading`); sending it again after a failure
+        is harmless (a delta taken already is ``TAKEN``)."""
         self._final = final
-        outcome = self.upload(message, into=into)
-        result = self.synchronize(follow_to_end=final and outcome is not Upload.LATE, into=into)
+        uploading = _Uploading(self, reader, into)
+        early = self._sync_while_uploading(uploading, into)
+        outcome = uploading.outcome()
+        if early is not None:
+            result = early
+            if final and outcome is not Upload.LATE and not result.complete:
+                result = self.synchronize(follow_to_end=True, into=into)
+        else:
+            result = self.synchronize(follow_to_end=final and outcome is not Upload.LATE, into=into)
         if final and outcome is Upload.LATE and not self.complete:
             self._send_empty(final=True, into=into)  # so the coordinator knows this host has finished
             result = self.synchronize(follow_to_end=True, into=into)
         result.contributed = outcome is Upload.TAKEN and result.contributed
         return result
+
+    def _sync_while_uploading(self, uploading: _Uploading, into: Into) -> RoundResult | None:
+        """While this host's delta is still on its way, wait for the round's sync and apply it as it comes (the
+        link carries the delta's last pieces one way and the sync's first the other); None when it is not
+        ready before the upload ends, or anything is not plain (the round's normal course then takes over:
+        :meth:`synchronize`, which resumes a sync half applied here)."""
+        round_, start = self.round, time.time()
+        while uploading.running():
+            try:
+                reply = self.client.poll_sync(round_, UPLOAD_POLL, training=self._training(into), sending=True)
+            except Exception:  # noqa: BLE001 - the normal course says what is wrong
+                return None
+            if reply is None:
+                continue
+            if not isinstance(reply, SyncReady):
+                return None
+            self.phases.emit(PhaseRecord(round_, self.phases.host, P.WAIT if into is Into.LIVE else P.POLL, start,
+                                         time.time(), extra={"uploading": True}))
+            try:
+                sync = self._receive(reply.body, round_, into)
+            except (TransferBroken, PayloadError):
+                return None
+            if sync is None:
+                return None
+            self.complete = reply.complete
+            return self._verified(sync, into)
+        return None
 
     def encode(self, source, samples: int, final: bool, metrics: dict[str, list] | None = None) -> MessageReader:
         """Start encoding this round's delta, piece by piece (:meth:`HostTensors.encode`); its upload sends each
@@ -313,7 +351,8 @@ class HostRound:
         after others were applied leaves the model half-changed: the host fetches the model."""
         round_ = self.round
         attempt = 0
-        self._applying = None
+        if self._applying is not None and self._applying.sync.meta.round != round_:
+            self._applying = None  # (one of this round, half applied while uploading, is resumed)
         while attempt < DOWNLOAD_TRIES:
             attempt += 1
             try:
@@ -442,3 +481,31 @@ class HostRound:
 
     def close(self) -> None:
         self.tensors.close()
+
+
+class _Uploading:
+    """A host's upload of its delta on a thread of its own (:meth:`HostRound.upload`), while the host waits for
+    the round's sync."""
+
+    def __init__(self, host: HostRound, reader: MessageReader, into: Into) -> None:
+        self._result: Upload | None = None
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                self._result = host.upload(reader, into=into)
+            except BaseException as e:  # noqa: BLE001 - raised by outcome()
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name="nodeox-upload", daemon=True)
+        self._thread.start()
+
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def outcome(self) -> Upload:
+        """The upload's outcome once it has ended (its error raised)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result

@@ -18,7 +18,8 @@ rank 0's other ranks take those alone (:mod:`~lightning_nodeox.host.ranks`), so 
 too.
 
 Memory beyond the model: the base (1x the exchanged tensors), the residual (bf16, 0.5x), two q4 messages
-(about 0.14x each, of the tensors that move), on a GPU a device staging area of one message, and with overlap the
+(about 0.14x each, of the tensors that move), on a GPU two device staging areas of one message (a delta's and a
+sync's: a sync is applied while the delta is still encoded), and with overlap the
 snapshot (1x the tensors that move).
 """
 
@@ -136,6 +137,7 @@ class HostTensors:
         self._undigested: list[RowHasher] = []
         self._sync_buffer: torch.Tensor | None = None
         self._staging: torch.Tensor | None = None
+        self._sync_staging: torch.Tensor | None = None
 
     @classmethod
     def of_module(cls, module: torch.nn.Module) -> HostTensors:
@@ -158,6 +160,7 @@ class HostTensors:
         if self.device.type != "cpu":  # the codec works on the device; only packed bytes cross to host memory
             self._staging = torch.empty(self.layout.total - self.layout.data_start, dtype=torch.uint8,
                                         device=self.device)
+            self._sync_staging = torch.empty_like(self._staging)  # a sync is applied while a delta is encoded
         self.base = self._new_base()
         self._digests = [None] * len(self.live)
         if self.raw:
@@ -262,14 +265,16 @@ class HostTensors:
                 t.copy_(b)
 
     # -- tensors on the codec's device -------------------------------------------------------------------------
-    def _region(self, message: Q4Message, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _region(self, message: Q4Message, j: int,
+                staging: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Where the codec reads and writes the codes and scales of the message's tensor ``j``: the message, or
-        device staging."""
-        if self._staging is None:
+        device staging (the delta's, or ``staging``: the sync's, which is applied while the delta is encoded)."""
+        staging = self._staging if staging is None else staging
+        if staging is None:
             return message.codes(j), message.scales(j)
         region = message.layout.regions[j]
         (ca, cb), (sa, sb) = region.codes, region.scales
-        return self._staging[ca:cb], self._staging[sa:sb].view(self.layout.codec.scale_dtype)
+        return staging[ca:cb], staging[sa:sb].view(self.layout.codec.scale_dtype)
 
     # -- encoding --------------------------------------------------------------------------------------------------
     def take_snapshot(self, restart_from_base: bool) -> None:
@@ -424,17 +429,17 @@ class HostTensors:
         cache where the chunks allow."""
         sync, part, target, fresh = applying.sync, applying.part, applying.target, applying.fresh
         piece = sync.layout.pieces[k]
-        if self._staging is not None:
+        if self._sync_staging is not None:
             a, b = piece.data
-            self._staging[a:b].copy_(sync.data[a:b])
+            self._sync_staging[a:b].copy_(sync.data[a:b])
         chunk = self.pool.chunk
 
         def work(kn, jj: int, start: int, stop: int) -> None:
             j = piece.first + jj
             i = part.indices[j]
             fused = fresh[j] if fresh[j].fusable(chunk) else None
-            apply_sync(kn, *self._region(sync, j), self.base[i].view(-1), target[i].view(-1), start=start, stop=stop,
-                       hasher=fused)
+            apply_sync(kn, *self._region(sync, j, self._sync_staging), self.base[i].view(-1), target[i].view(-1),
+                       start=start, stop=stop, hasher=fused)
 
         tensors = range(piece.first, piece.stop)
         with torch.no_grad():
@@ -442,7 +447,7 @@ class HostTensors:
             for j in part.raw:  # raw tensors: the sync's values, for base and the target alike
                 if piece.first <= j < piece.stop:
                     i = part.indices[j]
-                    values = self._region(sync, j)[0][: self.specs[i].nbytes]
+                    values = self._region(sync, j, self._sync_staging)[0][: self.specs[i].nbytes]
                     _bytes(self.base[i]).copy_(values)
                     if target is not self.base:
                         _bytes(target[i]).copy_(values)
