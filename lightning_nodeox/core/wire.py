@@ -48,7 +48,7 @@ from .specs import PayloadError, TensorSpec, specs_from_json
 
 FORMAT = "nodeox-q4"
 VERSION = 2
-PIECE_BYTES = 4 << 20  # a piece's size (about): NODEOX_PIECE_BYTES overrides it, for a sender
+PIECE_BYTES = 2 << 20  # a piece's size (about): NODEOX_PIECE_BYTES overrides it, for a sender
 MIN_PIECE_BYTES, MAX_PIECE_BYTES = 1 << 10, 1 << 30
 CRC_BYTES = 8
 TRAILER_BYTES = 40
