@@ -168,6 +168,17 @@ class Rounds:
         return self.state.model
 
     # -- deltas ---------------------------------------------------------------------------------------------
+    async def wait_open(self, round_: int) -> None:
+        """A call about the round after the one closing waits until that one is published: its sync streams to
+        hosts while it is made (or passed down by a relay), so a quick host may be back before the round is."""
+        state = self.state
+
+        def ahead() -> bool:
+            return self.closing and round_ == state.round + 1
+
+        while ahead():
+            await state.wait(lambda: not ahead(), state.config.long_poll)
+
     def check_upload(self, host: str, round_: int, size: int | None) -> CoordinatorModel:
         """Refuse an upload before its body is read, where its headers already show it is wrong."""
         state = self.state
@@ -220,6 +231,7 @@ class Rounds:
         has begun); its pieces follow into ``buffer`` (:meth:`take_piece`). ``training``: the host trains on while
         its round is open (overlap), so it does not wait in it (see :meth:`trains_on`)."""
         state = self.state
+        await self.wait_open(round_)
         model = self.check_upload(host, round_, buffer.numel())
         try:
             message = await state.in_parser(lambda: Q4Message.read_head(head, buffer, total=buffer.numel()))
@@ -502,6 +514,7 @@ class Rounds:
         (``state.complete`` tells which). ``training``: the host trains on meanwhile (:meth:`trains_on`);
         ``sending``: its delta of the round is on its way (it polls while it uploads), so none is no refusal."""
         state, hosts = self.state, self.state.hosts
+        await self.wait_open(round_)
         entry = hosts.get(host or "")
         if entry is not None and entry.state is HostState.LEFT:
             hosts.known(host)

@@ -395,6 +395,7 @@ async def post_delta(request: web.Request) -> web.Response:
     rounds = run.rounds
     host, round_ = _caller(request), _int(request.match_info["round"], "round")
     start = time.time()
+    await rounds.wait_open(round_)  # (a host back from the round closing, whose sync it took as it streamed)
     rounds.check_upload(host, round_, request.content_length)  # a buffer only for an expected host ...
     uploads: Uploads = request.app[UPLOADS]
     uploads.claim(host)  # ... with no upload in flight

@@ -78,9 +78,10 @@ class MessageReader:
         chunk, self._pos = self._view[self._pos : end], end
         return chunk
 
-    def produce(self, make: Callable[[int], None], finish: Callable[[], None]) -> None:
-        """Run ``make(k)`` for each piece (sealing it), then ``finish()`` (writing the trailer), on a thread of
-        their own; :meth:`join` waits for it."""
+    def produce(self, make: Callable[[int], None], finish: Callable[[], None],
+                after: Callable[[], None] | None = None) -> None:
+        """Run ``make(k)`` for each piece (sealing it), then ``finish()`` (writing the trailer), then ``after()``
+        whatever happened, on a thread of their own; :meth:`join` waits for it."""
         def run() -> None:
             try:
                 for k in range(len(self.message.layout.pieces)):
@@ -90,6 +91,9 @@ class MessageReader:
                 self.finished()
             except BaseException as e:  # noqa: BLE001 - handed to the reader and to join()
                 self.failed(e)
+            finally:
+                if after is not None:
+                    after()
 
         self._thread = threading.Thread(target=run, name="nodeox-encode", daemon=True)
         self._thread.start()

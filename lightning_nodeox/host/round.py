@@ -243,13 +243,13 @@ class HostRound:
                 return None
             self.phases.emit(PhaseRecord(round_, self.phases.host, P.WAIT if into is Into.LIVE else P.POLL, start,
                                          time.time(), extra={"uploading": True}))
+            self.complete = reply.complete
             try:
                 sync = self._receive(reply.body, round_, into)
             except (TransferBroken, PayloadError):
                 return None
             if sync is None:
                 return None
-            self.complete = reply.complete
             return self._verified(sync, into)
         return None
 
@@ -374,6 +374,7 @@ class HostRound:
                 return None
             if isinstance(reply, SyncGone):
                 break
+            self.complete = reply.complete
             try:
                 sync = self._receive(reply.body, round_, into)
             except TransferBroken as e:
@@ -387,7 +388,6 @@ class HostRound:
                 self.log.warning("host %s: sync of round %d unusable (%s); fetching the model", self.host,
                                  round_, e)
                 break
-            self.complete = reply.complete
             if sync is None:
                 break
             return self._verified(sync, into)

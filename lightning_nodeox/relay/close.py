@@ -17,12 +17,15 @@ whose upstream moved on): the site's deltas of the θ before are not sent. A clo
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from ..coordinator.model import CoordinatorModel
+from ..coordinator.making import SyncInMaking
 from ..coordinator.rounds import Published, Rounds
 from ..core.phases import COORDINATOR, SYNC_PREPARE, PhaseRecord
 from ..core.streaming import MessageReader
+from ..core.wire import Q4Message
 from ..host.round import Into
 from .upstream import Upstream
 
@@ -57,7 +60,13 @@ class UpstreamClose:
         _, reader, final = self._pending
         rounds.stable = True  # θ does not change while the upstream's round goes on: downloads may start ...
         await state.notify()
-        result = await upstream.call(hr.finish_round, reader, final, Into.LIVE)  # ... until RelayTensors holds it
+        passing = hr.tensors.passing = PassDown(rounds, round_, hr, asyncio.get_running_loop())
+        try:
+            result = await upstream.call(hr.finish_round, reader, final, Into.LIVE)  # ... until RelayTensors holds it
+        finally:
+            hr.tensors.passing = None
+            if passing.making is not None and passing.making.ready < len(passing.making):
+                passing.making.fail()  # the relay fetched the model instead: the site's hosts ask again
         self._pending = None
         upstream.keep_credential()  # the exchange joined again if the upstream had restarted
         sync = hr.tensors.last_sync
@@ -70,3 +79,29 @@ class UpstreamClose:
                                  extra={"model_hash": hr.model_hash, "upstream": upstream.url,
                                         "samples": reader.message.meta.samples, "contributed": result.contributed}))
         return Published(sync, hr.complete, hr.round)
+
+
+class PassDown:
+    """The upstream's sync of round ``round_``, passed on to the site's hosts as the relay applies it (each piece
+    once checked and applied to θ here): a :class:`~lightning_nodeox.coordinator.making.SyncInMaking` of the
+    relay's round, fed from the upstream thread through the loop."""
+
+    def __init__(self, rounds: Rounds, round_: int, hr, loop: asyncio.AbstractEventLoop) -> None:
+        self.rounds, self.round, self.hr, self.loop = rounds, round_, hr, loop
+        self.making: SyncInMaking | None = None
+
+    def begin(self, sync: Q4Message) -> None:
+        if sync.meta.round == self.round:  # (another round's: not the site's to take)
+            self.loop.call_soon_threadsafe(self._begin, sync, self.hr.complete)
+
+    def _begin(self, sync: Q4Message, complete: bool) -> None:
+        if self.making is not None:
+            return  # asked again after a download broke off: the same sync, already passing
+        self.making = self.rounds.making = SyncInMaking(self.round, sync, complete)
+        asyncio.ensure_future(self.rounds.state.notify())  # the site's hosts waiting for the round start
+
+    def sealed(self, k: int) -> None:
+        self.loop.call_soon_threadsafe(lambda: self.making is not None and self.making.sealed(k))
+
+    def finished(self) -> None:
+        self.loop.call_soon_threadsafe(lambda: self.making is not None and self.making.finished())

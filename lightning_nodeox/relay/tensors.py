@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -63,6 +64,7 @@ class RelayTensors(HostTensors):
         self._site_round = False  # the next encode is the site's mean
         self.last_sync: Q4Message | None = None  # the last sync applied (the relay passes it on once verified)
         self.before_change: Callable[[], None] = lambda: None  # called before θ changes (on the upstream thread)
+        self.passing: SyncPassing | None = None  # passes a sync on to the site's hosts as it is applied
 
     def _new_base(self) -> list[torch.Tensor]:
         return self.live  # one copy: θ is both
@@ -91,8 +93,8 @@ class RelayTensors(HostTensors):
         return None  # the site's mean is not at hand as one tensor; its hosts report their own errors
 
     def encode(self, source: list[torch.Tensor], meta: Q4Meta, seed: int | None) -> MessageReader:
-        """The site's mean after :meth:`take_round` (then the model's round ends); any other delta (an empty one,
-        ``samples=0``) as a host encodes it."""
+        """The site's mean after :meth:`take_round`, piece by piece on a thread of its own as a host's delta (then
+        the model's round ends); any other delta (an empty one, ``samples=0``) as a host encodes it."""
         if not self._site_round:
             return super().encode(source, meta, seed)
         self._site_round = False
@@ -109,18 +111,24 @@ class RelayTensors(HostTensors):
             encode_mean(k, model.acc[i], inverse[j], None if self.residual is None else self.residual[i],
                         message.codes(j), message.scales(j), start=start, stop=stop)
 
-        try:
+        def make(q: int) -> None:
+            piece = message.layout.pieces[q]
+            tensors = range(piece.first, piece.stop)
             with torch.no_grad():
-                self.pool.over_ranges(part.coded, work)
+                self.pool.over_ranges([part.coded[j] for j in tensors],
+                                      lambda kn, jj, a, b: work(kn, piece.first + jj, a, b))
                 for j in part.raw:  # the values the site's round took, else θ's own
-                    i = part.indices[j]
-                    taken = model.raw_taken[i] if i in model.raw_from else self.live[i].view(-1).view(torch.uint8)
-                    message.raw(j).copy_(taken)
-            self._check_finite(message, range(len(part.indices)), self.live, meta)
-            message.write_header(meta)
-        finally:
-            model.end_round()
-        return MessageReader.whole(message)
+                    if piece.first <= j < piece.stop:
+                        i = part.indices[j]
+                        taken = model.raw_taken[i] if i in model.raw_from else self.live[i].view(-1).view(torch.uint8)
+                        message.raw(j).copy_(taken)
+            self._check_finite(message, tensors, self.live, meta)
+            message.seal(q)
+
+        message.write_head(meta)
+        reader = MessageReader(message)
+        reader.produce(make, message.write_trailer, after=model.end_round)  # sent upstream as it is encoded
+        return reader
 
     def sync_buffer(self, size: int) -> torch.Tensor:
         """A buffer of its own for each sync: the relay passes it on to its hosts unchanged, so the next round
@@ -130,7 +138,20 @@ class RelayTensors(HostTensors):
     def apply_begin(self, sync: Q4Message, into_live: bool):
         self.before_change()  # downloads of θ from the relay's hosts keep what they have not sent
         self.last_sync = sync  # what the relay publishes, once whole and its hash verified
-        return super().apply_begin(sync, into_live)
+        applying = super().apply_begin(sync, into_live)
+        if self.passing is not None:
+            self.passing.begin(sync)
+        return applying
+
+    def apply_piece(self, applying, k: int) -> None:
+        super().apply_piece(applying, k)
+        if self.passing is not None:
+            self.passing.sealed(k)  # checked and applied here: the site's hosts may take it
+
+    def apply_end(self, applying):
+        if self.passing is not None:
+            self.passing.finished()
+        return super().apply_end(applying)
 
     def read_model(self, body: ByteStream, into: list[torch.Tensor]) -> tuple[int, str]:
         self.before_change()
@@ -145,3 +166,14 @@ def read_whole(body: ByteStream) -> torch.Tensor:
     finally:
         body.close()
     return buffer
+
+
+class SyncPassing(Protocol):
+    """Where a relay passes the upstream's sync on to its hosts while it is applied (called on the upstream
+    thread, in order): its header is in, piece ``k`` is checked and applied, the whole is in."""
+
+    def begin(self, sync: Q4Message) -> None: ...
+
+    def sealed(self, k: int) -> None: ...
+
+    def finished(self) -> None: ...
