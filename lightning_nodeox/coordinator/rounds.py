@@ -6,7 +6,8 @@ the accumulator (on the work thread, in order with the round's close).
 When a round closes (the rule, also in docs/clusters.md):
 - round 0 (only) waits until ``--hosts`` hosts have joined (or for ``--round-timeout``); later rounds never wait
   for hosts that have not joined, whatever ``--hosts`` (also after a restart with a larger one);
-- a round closes once every *live* host has sent its delta: a host is live while it is training and has been
+- a round closes once every *live* host has sent its delta (begun it: its first piece is in; the close then
+  takes each piece as it arrives, see :class:`OuterStep`): a host is live while it is training and has been
   heard from within ``--lease`` seconds (hosts send heartbeats); a host whose lease expires is dropped (no
   longer waited for) until it is heard from again;
 - with ``--round-timeout S``, a round also closes after S seconds without the live hosts still missing;
@@ -66,7 +67,12 @@ class Published:
 class RoundClose(Protocol):
     """How a round's accumulated deltas become what it publishes (the root: :class:`OuterStep`; a site relay
     sends them upstream, :mod:`lightning_nodeox.relay.close`). Called on the loop while the round is closing;
-    ``since``: when its aggregation ended (its sync_prepare record starts there)."""
+    ``since``: when its own part began (its sync_prepare record starts there: a close that streams, at the round's
+    close; one that takes the deltas whole, once they are in). ``streams``: whether it takes
+    the round's deltas piece by piece as they arrive (the round then starts closing once every delta has begun),
+    or whole (once every delta is in)."""
+
+    streams: bool
 
     async def close(self, rounds: Rounds, model: CoordinatorModel, round_: int, since: float) -> Published: ...
 
@@ -381,7 +387,7 @@ class Rounds:
         state = self.state
         if state.model is None or self.closing or self.shutting_down or not self.received:
             return False
-        if not getattr(self.close_with, "streams", False) and not self.inputs_in(len(state.model.specs)):
+        if not self.close_with.streams and not self.inputs_in(len(state.model.specs)):
             return False  # a close that takes the round's deltas whole waits until they are in
         if not all(d.begun for d in self.deltas.values()):
             return False  # a delta counts once its first piece is taken (a bad first piece: as if never sent)
@@ -412,13 +418,14 @@ class Rounds:
         if late:  # alive but slow: still in the run, so the next round waits for them again
             self.log.warning("round %d closes on its --round-timeout without host(s) %s", round_,
                              ", ".join(late))
-        start = time.time()
-        await self.recovery.saved()  # the last round's state is on disk before θ changes again
+        start = since = time.time()
         aggregating = asyncio.ensure_future(self._aggregated(round_, start))
-        if not getattr(self.close_with, "streams", False):
+        if not self.close_with.streams:  # it takes the deltas whole: its own part starts once they are in
             await aggregating
+            since = time.time()
+        await self.recovery.saved()  # the last round's state is on disk before θ changes again
         try:
-            closed = await self.close_with.close(self, model, round_, start)
+            closed = await self.close_with.close(self, model, round_, since)
         finally:
             self.making = None
         await aggregating

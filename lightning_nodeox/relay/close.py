@@ -33,6 +33,8 @@ from .upstream import Upstream
 class UpstreamClose:
     """The :class:`~lightning_nodeox.coordinator.rounds.RoundClose` of a site relay."""
 
+    streams = False  # the site's mean is taken once every delta of the site is in
+
     def __init__(self, upstream: Upstream) -> None:
         self.upstream = upstream
         self._pending: tuple[int, MessageReader, bool] | None = None  # (round, delta, final) encoded, not yet through
