@@ -20,7 +20,8 @@ import torch
 from common import spawn, stop
 
 from lightning_nodeox.core.codec import accumulate_tensor, decode_tensor, encode_delta, encode_tensor, relative_error
-from lightning_nodeox.core.codecs.q4 import block_count, code_bytes
+from lightning_nodeox.core.codecs.blockwise import block_count
+from lightning_nodeox.core.codecs.q4 import code_bytes
 from lightning_nodeox.core.pool import WorkerPool
 from lightning_nodeox.core.settings import BLOCK_SIZES, ROUNDINGS, Q4Settings
 from lightning_nodeox.core.cpu import granted_cpus

@@ -16,7 +16,8 @@ from lightning_nodeox.core.codec import (
     relative_error,
 )
 from lightning_nodeox.core.codecs import codec_for
-from lightning_nodeox.core.codecs.q4 import block_count, code_bytes
+from lightning_nodeox.core.codecs.blockwise import block_count
+from lightning_nodeox.core.codecs.q4 import code_bytes
 from lightning_nodeox.core.pool import WorkerPool
 from lightning_nodeox.core.settings import BLOCK_SIZES, Q4Settings
 

@@ -57,7 +57,8 @@ def test_parallel_pool_gives_the_same_hash() -> None:
 def test_hash_digested_while_applying_equals_the_plain_hash() -> None:
     """The fused path (rows digested chunk by chunk inside apply) gives the same hash as hashing afterwards."""
     from lightning_nodeox.core.codec import apply_sync, encode_tensor
-    from lightning_nodeox.core.codecs.q4 import block_count, code_bytes
+    from lightning_nodeox.core.codecs.blockwise import block_count
+    from lightning_nodeox.core.codecs.q4 import code_bytes
     from lightning_nodeox.core.hashing import RowHasher, combine
 
     settings = Q4Settings()

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ..core import phases as P
 from . import summary, timeline
-from .columns import HOST_COLUMNS, SYNC, host_columns  # noqa: F401 - host_columns: part of what report offers
+from .columns import HOST_COLUMNS, SYNC, host_columns, human_bytes  # noqa: F401 - host_columns: part of what report offers
 
 
 def load(run_dir: Path) -> list[dict]:
@@ -199,16 +199,6 @@ def _seconds(s: dict) -> str:
     return f"{lo:.3f} s" if abs(hi - lo) < 5e-4 else f"{lo:.3f}–{hi:.3f} s"
 
 
-def _bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} GB"
-
-
 def _round_lines(rnd: dict, indent: str = "  ") -> list[str]:
     """One round's table (a site's nested under its relay's row, further indented)."""
     lines = [f"{indent}{'host phase':22} across hosts"]
@@ -223,15 +213,15 @@ def _round_lines(rnd: dict, indent: str = "  ") -> list[str]:
     lines.append(f"{indent}{'aggregation-to-sync':22} {_seconds(rnd['aggregation_to_sync'])}")
     up = [b["up"] for b in rnd["bytes"].values()]
     down = [b["down"] for b in rnd["bytes"].values()]
-    lines.append(f"{indent}{'bytes up / down':22} {_bytes(sum(up))} / {_bytes(sum(down))}"
-                 f"  (per host {_bytes(min(up, default=0))}–{_bytes(max(up, default=0))} up)")
+    lines.append(f"{indent}{'bytes up / down':22} {human_bytes(sum(up))} / {human_bytes(sum(down))}"
+                 f"  (per host {human_bytes(min(up, default=0))}–{human_bytes(max(up, default=0))} up)")
     if "far_bytes" in rnd:
         far, near = rnd["far_bytes"], rnd["site_bytes"]
-        lines.append(f"{indent}{'far links / in sites':22} {_bytes(far['up'])} / {_bytes(far['down'])} across "
-                     f"the links into this coordinator; {_bytes(near['up'])} / {_bytes(near['down'])} inside the sites")
+        lines.append(f"{indent}{'far links / in sites':22} {human_bytes(far['up'])} / {human_bytes(far['down'])} across "
+                     f"the links into this coordinator; {human_bytes(near['up'])} / {human_bytes(near['down'])} inside the sites")
     share = ", ".join(f"host {h} {v:.0%}" for h, v in rnd["wait_share"].items())
     lines.append(f"{indent}{'wait share':22} {share or '-'}")
-    lines.append(f"{indent}{'coordinator RSS after':22} {_bytes(rnd['coordinator_rss_after_bytes'])}")
+    lines.append(f"{indent}{'coordinator RSS after':22} {human_bytes(rnd['coordinator_rss_after_bytes'])}")
     for name, site in rnd.get("sites", {}).items():
         lines.append(f"{indent}site {name} (relay {name}; hosts {', '.join(site['hosts']) or '-'})")
         lines += _round_lines(site, indent + "  ")
@@ -245,15 +235,15 @@ def totals(report: dict) -> list[str]:
     who = f"{len(s['hosts'])} hosts" + (f" at the root ({len(s['sites'])} relays), {inside} in the sites"
                                         if inside else "")
     lines = [(f"run: {s['rounds']} rounds, {who}, {s['wall_s']:.1f} s; "
-              f"{_bytes(s['bytes_up'])} up, {_bytes(s['bytes_down'])} down; "
-              f"coordinator peak RSS {_bytes(s['coordinator_peak_rss_bytes'])}; "
+              f"{human_bytes(s['bytes_up'])} up, {human_bytes(s['bytes_down'])} down; "
+              f"coordinator peak RSS {human_bytes(s['coordinator_peak_rss_bytes'])}; "
               f"{s['fallback_fetches']} full-model fetches")]
     if "far_bytes" in s:
-        lines.append(f"far links: {_bytes(s['far_bytes']['up'])} up, {_bytes(s['far_bytes']['down'])} down; inside "
-                     f"the sites: {_bytes(s['site_bytes']['up'])} up, {_bytes(s['site_bytes']['down'])} down")
+        lines.append(f"far links: {human_bytes(s['far_bytes']['up'])} up, {human_bytes(s['far_bytes']['down'])} down; inside "
+                     f"the sites: {human_bytes(s['site_bytes']['up'])} up, {human_bytes(s['site_bytes']['down'])} down")
     for name, site in s.get("sites", {}).items():
         lines.append(f"site {name}: {site['rounds']} rounds, hosts {', '.join(site['hosts']) or '-'}; relay peak RSS "
-                     f"{_bytes(site['coordinator_peak_rss_bytes'])}; {site['fallback_fetches']} full-model fetches")
+                     f"{human_bytes(site['coordinator_peak_rss_bytes'])}; {site['fallback_fetches']} full-model fetches")
     return lines
 
 
@@ -276,7 +266,7 @@ def render_rounds(report: dict) -> str:
 
 def render_summary(report: dict) -> str:
     """The summary (the default; :mod:`~lightning_nodeox.tools.summary`), once :func:`summary.extend` added to it."""
-    return summary.render(report, totals(report), size=_bytes)
+    return summary.render(report, totals(report), size=human_bytes)
 
 
 def parse_window(text: str) -> tuple[int | None, int | None]:

@@ -20,20 +20,11 @@ import time
 from ..core.protocol import Refusal, Unreachable
 from ..core.settings import ENV_CA_FILE, ENV_TOKEN
 from ..host.client import HttpClient
+from .columns import human_bytes
 
 FAILED = ("hosts gone",)
 DONE = ("complete", *FAILED)
 CLEAR = "\x1b[H\x1b[2J"
-
-
-def _bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} GB"
 
 
 def _value(x: float | None) -> str:
@@ -48,8 +39,8 @@ def render(status: dict) -> str:
     link = live.get("link_bytes_per_s")
     lines = [(f"{live['name']}: {live['state']}, round {live['round']}"
               f" (published {published if published >= 0 else '-'}), model {live['model_hash'] or '-'}"),
-             (f"coordinator RSS {_bytes(memory.get('rss_bytes'))} (peak {_bytes(memory.get('peak_rss_bytes'))}); "
-              f"links {_bytes(link) + '/s' if link is not None else '-'}")]
+             (f"coordinator RSS {human_bytes(memory.get('rss_bytes'))} (peak {human_bytes(memory.get('peak_rss_bytes'))}); "
+              f"links {human_bytes(link) + '/s' if link is not None else '-'}")]
     if "relay" in status:  # a site relay's page: its site's hosts, under its upstream
         lines[0] += f"; relay {status['relay']} under {status['upstream']}"
     priced = live.get("gpu_hour_price") is not None
@@ -60,7 +51,7 @@ def render(status: dict) -> str:
     for h in live["hosts"]:
         rows.append([h["id"], h["state"], "-" if h["lease_age_s"] is None else f"{h['lease_age_s']:.1f} s",
                      "-" if h["last_round"] is None else str(h["last_round"]),
-                     "-" if h["wait_share"] is None else f"{h['wait_share']:.0%}", _bytes(h["bytes_per_round"]),
+                     "-" if h["wait_share"] is None else f"{h['wait_share']:.0%}", human_bytes(h["bytes_per_round"]),
                      _value(h["loss"]), *([f"{h['wait_cost']:.2f}"] if priced else []),
                      ", ".join(f"{k} {_value(v)}" for k, v in h["metrics"].items()) or "-"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Codec, Kernels
+from .blockwise import Blockwise, BlockwiseKernels, packed_bytes
 
 LEVELS = 7  # codes span -7..7 around the offset
 CODE_OFFSET = 8
@@ -26,48 +26,23 @@ _ROUND_MAGIC = 12582912.0 + CODE_OFFSET
 _TINY = 1e-30
 
 
-def block_count(numel: int, block_size: int) -> int:
-    return -(-numel // block_size)
-
-
 def code_bytes(numel: int, block_size: int) -> int:
     """Bytes of the codes of ``numel`` values: two a byte over whole blocks."""
-    return block_count(numel, block_size) * block_size // 2
+    return packed_bytes(numel, block_size, 4)
 
 
-class Q4(Codec):
+class Q4(Blockwise):
     """The q4 codec: packed 4-bit codes and one fp16 or fp32 scale per block."""
 
     name = "q4"
-
-    @property
-    def alignment(self) -> int:
-        return self.settings.block_size
-
-    def scale_count(self, numel: int) -> int:
-        return block_count(numel, self.settings.block_size)
-
-    def code_bytes(self, numel: int) -> int:
-        return code_bytes(numel, self.settings.block_size)
+    bits = 4
+    noop_code = NOOP_CODE
 
     def kernels(self, device: torch.device | str = "cpu", chunk: int | None = None) -> Q4Kernels:
         return Q4Kernels(self, device, chunk)
 
-    def fill_noop(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
-        codes.fill_(NOOP_CODE)
-        scales.fill_(-0.0)
 
-    def magnitude(self, codes: torch.Tensor, scales: torch.Tensor) -> float:
-        return float(scales.abs().max()) if scales.numel() else 0.0
-
-    def too_large(self, name: str, round_: int) -> str | None:
-        if self.settings.scale_dtype != "fp16":
-            return None
-        return (f"the delta of parameter {name!r} in round {round_} is too large for fp16 scales; "
-                "start the coordinator with --scale-dtype fp32, or lower the learning rate")
-
-
-class Q4Kernels(Kernels):
+class Q4Kernels(BlockwiseKernels):
     """Scratch buffers and the chunk kernels of one worker on one device."""
 
     def __init__(self, codec: Q4, device: torch.device | str = "cpu", chunk: int | None = None) -> None:
@@ -81,14 +56,6 @@ class Q4Kernels(Kernels):
         self.inv = torch.empty(nb, device=dev)
         self.magic = torch.tensor(_ROUND_MAGIC, device=dev)
         self.generator = torch.Generator(device=dev) if self.settings.rounding == "stochastic" else None
-
-    def padded(self, m: int) -> int:
-        bs = self.settings.block_size
-        return -(-m // bs) * bs
-
-    def blocks(self, codes: torch.Tensor, scales: torch.Tensor, start: int, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
-        bs = self.settings.block_size
-        return codes[start // 2 : (start + padded) // 2], scales[start // bs : (start + padded) // bs]
 
     # -- encode ---------------------------------------------------------------------------------------------
     def quantize(
