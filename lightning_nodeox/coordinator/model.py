@@ -138,12 +138,11 @@ class CoordinatorModel:
                 self.raw_from[i] = host
         assign = {j: self.weights[indices[j]] == 0 for j in tensors}
 
-        def work(kn, jj: int, start: int, stop: int) -> None:
-            j = piece.first + jj
+        def work(kn, j: int, start: int, stop: int) -> None:
             accumulate_tensor(kn, message.codes(j), message.scales(j), self.acc[indices[j]], float(samples),
                               start=start, stop=stop, assign=assign[j])
 
-        self.pool.over_ranges([self.specs[indices[j]].coded for j in tensors], work)
+        self.pool.over(tensors, lambda j: self.specs[indices[j]].coded, work)
         for j in tensors:
             self.weights[indices[j]] += samples
 
@@ -195,18 +194,16 @@ class CoordinatorModel:
                 self.acc[indices[j]].zero_()
         inverse = {j: 1.0 / max(w, 1) for j, w in weights.items()}
         stepping = {j: w > 0 and self.outer.has_step for j, w in weights.items()}
-        sizes = [self.specs[indices[j]].coded for j in tensors]
         not_finite: set[int] = set()
 
-        def quantize(k, jj: int, start: int, stop: int) -> None:
-            j = piece.first + jj
+        def quantize(k, j: int, start: int, stop: int) -> None:
             i = indices[j]
             if not encode_sync(k, self.acc[i], inverse[j], self.tensors[i].view(-1), message.codes(j),
                                message.scales(j), start=start, stop=stop,
                                outer_step=(lambda x, a, b: self.outer.step(i, x, a, b)) if stepping[j] else None):
                 not_finite.add(i)
 
-        self.pool.over_ranges(sizes, quantize)
+        self.pool.over(tensors, lambda j: self.specs[indices[j]].coded, quantize)
         self._raw_sync(message, indices, tensors, taken=not not_finite)
         if not_finite:
             for j in tensors:
@@ -230,8 +227,10 @@ class CoordinatorModel:
         return names
 
     def finish_sync(self, closing: SyncClosing) -> ClosedRound:
-        """The sync's trailer: θ's new hash (digesting what the pieces left); the round's accumulation ends."""
-        new_hash = self._hash_all()
+        """The sync's trailer: θ's new hash (digesting what the pieces left), also the model's at once (θ changed
+        already, and a host that reads the trailer may be back before the round is published); the round's
+        accumulation ends."""
+        new_hash = self.hash = self._hash_all()
         closing.sync.write_trailer(new_hash)
         self.end_round()
         return ClosedRound(closing.sync, closing.not_finite)
@@ -254,8 +253,7 @@ class CoordinatorModel:
             if self.specs[indices[j]].raw:
                 _bytes(self.tensors[indices[j]]).copy_(message.raw(j))
 
-        def work(k, jj: int, start: int, stop: int) -> None:
-            j = tensors[jj]
+        def work(k, j: int, start: int, stop: int) -> None:
             i = indices[j]
             if committing[j]:
                 for s, e in chunk_ranges(self.acc[i].numel(), k.chunk, start, stop):
@@ -264,7 +262,7 @@ class CoordinatorModel:
             theta = self.tensors[i].view(-1)
             apply_sync(k, message.codes(j), message.scales(j), theta, theta, start=start, stop=stop, hasher=fused)
 
-        self.pool.over_ranges([self.specs[indices[j]].coded for j in tensors], work)
+        self.pool.over(tensors, lambda j: self.specs[indices[j]].coded, work)
         pending = [h for j, h in fresh.items() if self.specs[indices[j]].raw or not h.fusable(chunk)]
         self.pool.run([t for h in pending for t in h.tasks()])
         for j, h in fresh.items():

@@ -73,7 +73,12 @@ class WorkerPool:
 
     def over_ranges(self, sizes: Sequence[int], work: RangeWork) -> None:
         """``work(kernels, i, start, stop)`` over every task-sized range of every tensor ``i`` of ``sizes``."""
-        self.run([lambda k, i=i, a=a, b=b: work(k, i, a, b) for i, n in enumerate(sizes) for a, b in self.split(n)])
+        self.over(range(len(sizes)), sizes.__getitem__, work)
+
+    def over(self, indices: Sequence[int], size: Callable[[int], int], work: RangeWork) -> None:
+        """``work(kernels, i, start, stop)`` over every task-sized range of each tensor ``i`` of ``indices`` (some of
+        a message's: a piece), of ``size(i)`` values."""
+        self.run([lambda k, i=i, a=a, b=b: work(k, i, a, b) for i in indices for a, b in self.split(size(i))])
 
     def close(self) -> None:
         if self._executor is not None:

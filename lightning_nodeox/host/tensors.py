@@ -345,8 +345,7 @@ class HostTensors:
             piece = message.layout.pieces[k]
             tensors = range(piece.first, piece.stop)
             with torch.no_grad():
-                self.pool.over_ranges([part.coded[j] for j in tensors],
-                                      lambda kn, jj, a, b: work(kn, piece.first + jj, a, b))
+                self.pool.over(tensors, part.coded.__getitem__, work)
                 for j in part.raw:  # raw tensors: their values as they are
                     if piece.first <= j < piece.stop:
                         i = part.indices[j]
@@ -434,8 +433,7 @@ class HostTensors:
             self._sync_staging[a:b].copy_(sync.data[a:b])
         chunk = self.pool.chunk
 
-        def work(kn, jj: int, start: int, stop: int) -> None:
-            j = piece.first + jj
+        def work(kn, j: int, start: int, stop: int) -> None:
             i = part.indices[j]
             fused = fresh[j] if fresh[j].fusable(chunk) else None
             apply_sync(kn, *self._region(sync, j, self._sync_staging), self.base[i].view(-1), target[i].view(-1),
@@ -443,7 +441,7 @@ class HostTensors:
 
         tensors = range(piece.first, piece.stop)
         with torch.no_grad():
-            self.pool.over_ranges([part.coded[j] for j in tensors], work)
+            self.pool.over(tensors, part.coded.__getitem__, work)
             for j in part.raw:  # raw tensors: the sync's values, for base and the target alike
                 if piece.first <= j < piece.stop:
                     i = part.indices[j]

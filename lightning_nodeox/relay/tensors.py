@@ -115,8 +115,7 @@ class RelayTensors(HostTensors):
             piece = message.layout.pieces[q]
             tensors = range(piece.first, piece.stop)
             with torch.no_grad():
-                self.pool.over_ranges([part.coded[j] for j in tensors],
-                                      lambda kn, jj, a, b: work(kn, piece.first + jj, a, b))
+                self.pool.over(tensors, part.coded.__getitem__, work)
                 for j in part.raw:  # the values the site's round took, else θ's own
                     if piece.first <= j < piece.stop:
                         i = part.indices[j]
