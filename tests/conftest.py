@@ -108,20 +108,21 @@ def keep_records(monkeypatch):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """The final model of a run never interrupted (restarts.run), per outer optimizer and frozen tensors."""
+    """The final model of a run never interrupted (restarts.run), per outer optimizer, frozen tensors and
+    fragments."""
     hashes = {}
 
-    def final(outer: tuple[str, ...], still: tuple[str, ...] = ()) -> str:
-        if (outer, still) not in hashes:
+    def final(outer: tuple[str, ...], still: tuple[str, ...] = (), fragments: int = 1) -> str:
+        if (outer, still, fragments) not in hashes:
             coord = Coordinator(tmp_path_factory.mktemp("reference") / "run", 2, *outer)
             try:
-                a, b = run(coord.url, still=still)
+                a, b = run(coord.url, still=still, fragments=fragments)
                 assert coord.wait(60) == 0
             finally:
                 coord.stop()
             assert a == b
-            hashes[outer, still] = a
-        return hashes[outer, still]
+            hashes[outer, still, fragments] = a
+        return hashes[outer, still, fragments]
 
     return final
 

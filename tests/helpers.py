@@ -133,9 +133,11 @@ def train_on_model(host: HostRound, k: int, round_: int) -> None:
                 t.mul_(1 + 1e-3 * k).add_(1e-3 * ((i + k + round_) % 5 - 2))
 
 
-def frozen(named: list[tuple[str, torch.Tensor]], names: tuple[str, ...]) -> HostTensors:
-    """The host tensors of ``named`` where the tensors ``names`` are frozen parameters (the others always move)."""
-    return HostTensors(named, [nn.Parameter(t, requires_grad=False) if n in names else None for n, t in named])
+def frozen(named: list[tuple[str, torch.Tensor]], names: tuple[str, ...], fragments: int = 1) -> HostTensors:
+    """The host tensors of ``named`` where the tensors ``names`` are frozen parameters (the others always move), in
+    ``fragments``."""
+    return HostTensors(named, [nn.Parameter(t, requires_grad=False) if n in names else None for n, t in named],
+                       fragments=fragments)
 
 
 def deltas(host: HostRound) -> list[torch.Tensor]:

@@ -17,11 +17,11 @@ AVERAGE = ("--outer-optimizer", "average")
 TUNED = ("--outer-optimizer", "nesterov", "--outer-lr", "0.5", "--outer-momentum", "0.8")  # every setting not its default
 
 
-def run(url: str, interrupt=None, at_round: int = 2, still: tuple[str, ...] = ()) -> list[str]:
+def run(url: str, interrupt=None, at_round: int = 2, still: tuple[str, ...] = (), fragments: int = 1) -> list[str]:
     """Two hosts a and b exchange ROUNDS rounds; ``interrupt()`` runs once host a has sent round ``at_round``'s
-    delta (so that round cannot close before it); the tensors ``still`` are frozen parameters on both. Returns each
-    host's final model hash."""
-    hosts = [HostRound(frozen(model(seed), still), HttpClient(url, host=h, retry_for=60), PhaseLog(h))
+    delta (so that round cannot close before it); the tensors ``still`` are frozen parameters on both; each round
+    exchanges one of ``fragments`` (the last one all). Returns each host's final model hash."""
+    hosts = [HostRound(frozen(model(seed), still, fragments), HttpClient(url, host=h, retry_for=60), PhaseLog(h))
              for seed, h in enumerate("ab")]
     for h in hosts:
         h.join()
@@ -30,6 +30,7 @@ def run(url: str, interrupt=None, at_round: int = 2, still: tuple[str, ...] = ()
             final = r == ROUNDS - 1
             for k, h in enumerate(hosts, 1):
                 train_on_model(h, k, r)
+                h.tensors.boundary(h.round, final=final)
                 assert h.upload(h.encode(h.tensors.live, 16, final)).value == "taken"
                 if (r, h.host) == (at_round, "a") and interrupt is not None:
                     interrupt()

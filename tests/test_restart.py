@@ -18,6 +18,7 @@ from lightning_nodeox.core.settings import Q4Settings
 from lightning_nodeox.core.specs import spec_of
 from lightning_nodeox.core.wire import Q4Layout
 from lightning_nodeox.host.client import HttpClient
+from lightning_nodeox.host.fragments import Fragments
 from lightning_nodeox.host.round import HostRound
 from lightning_nodeox.host.tensors import HostTensors
 
@@ -40,16 +41,20 @@ def one_round_behind(run_dir) -> None:
     path.write_text(json.dumps(state))
 
 
-@pytest.mark.parametrize("how, snapshot_every, outer, still", [
-    ("kill", 100, NESTEROV, ()), ("kill", 1, NESTEROV, ()), ("stop", 100, NESTEROV, ()), ("behind", 100, AVERAGE, ()),
-    ("stop", 100, TUNED, ()), ("kill", 100, NESTEROV, ("w",))])
+@pytest.mark.parametrize("how, snapshot_every, outer, still, fragments", [
+    ("kill", 100, NESTEROV, (), 1), ("kill", 1, NESTEROV, (), 1), ("stop", 100, NESTEROV, (), 1),
+    ("behind", 100, AVERAGE, (), 1), ("stop", 100, TUNED, (), 1), ("kill", 100, NESTEROV, ("w",), 1),
+    ("kill", 100, NESTEROV, (), 2)])
 def test_a_restarted_coordinator_ends_on_the_model_of_an_uninterrupted_run(coordinator, uninterrupted, how,
-                                                                           snapshot_every, outer, still) -> None:
+                                                                           snapshot_every, outer, still,
+                                                                           fragments) -> None:
     """Mid-round, one delta sent: kill -9 (no snapshot of the current model: a host gives it back; or a snapshot
     every round), a clean stop (a snapshot at shutdown), or kill -9 with the saved state a round behind the hosts.
     Host a resends its delta, b sends its own, and the run ends bit-identical to one never interrupted. The
     coordinator is started again without the outer-optimizer flags: the saved ones (TUNED: each differs from its
-    default) must win. With a frozen parameter (``still``), its deltas and syncs leave it out throughout."""
+    default) must win. With a frozen parameter (``still``), its deltas and syncs leave it out throughout. With 2
+    fragments the kill falls in the middle of a fragment cycle (round 2 sends the first fragment, round 3 the
+    second), and every round's messages carry its fragment, the last all."""
     coord = coordinator(2, *outer, "--snapshot-every", str(snapshot_every))
     port = coord.url.rsplit(":", 1)[1]
     started = []
@@ -66,8 +71,8 @@ def test_a_restarted_coordinator_ends_on_the_model_of_an_uninterrupted_run(coord
         started.append(coordinator(2, "--bind", f"127.0.0.1:{port}", "--snapshot-every", str(snapshot_every),
                                    run_dir=coord.run_dir))
 
-    final = uninterrupted(outer, still)
-    assert run(coord.url, interrupt, still=still) == [final, final]
+    final = uninterrupted(outer, still, fragments)
+    assert run(coord.url, interrupt, still=still, fragments=fragments) == [final, final]
     assert started[0].wait(60) == 0
     log = started[0].log_path.read_text()
     from_snapshot = how == "stop" or snapshot_every == 1
@@ -79,9 +84,13 @@ def test_a_restarted_coordinator_ends_on_the_model_of_an_uninterrupted_run(coord
     assert restart == (1 if how == "behind" else 2)
     assert [e["round"] for e in events if e["phase"] == "sync_prepare"] == list(range(ROUNDS))
     assert [e["hosts"] for e in events if e["phase"] == "aggregate" and e["round"] == 2] == [["a", "b"]]
-    specs = spec_of([(n, t) for n, t in model(0) if n not in still])
-    sizes = {e["bytes"] for e in events if e["phase"] in ("receive", "sync_prepare")}
-    assert sizes == {Q4Layout.of(specs, Q4Settings()).total}
+    moving = [(n, t) for n, t in model(0) if n not in still]
+    cut = Fragments(fragments, [s.nbytes for s in spec_of(moving)]).cut(tuple(range(len(moving))))
+    assert len(cut) == fragments
+    sizes = [Q4Layout.of(spec_of([moving[i] for i in cut[r % fragments]]), Q4Settings()).total
+             for r in range(ROUNDS - 1)] + [Q4Layout.of(spec_of(moving), Q4Settings()).total]
+    for phase in ("receive", "sync_prepare"):  # (a delta resent after the restart is received twice)
+        assert {(e["round"], e["bytes"]) for e in events if e["phase"] == phase} == set(enumerate(sizes)), phase
 
 
 def test_a_finished_run_is_moved_aside_and_a_new_one_starts(coordinator, tmp_path) -> None:

@@ -83,7 +83,7 @@ class NodeoxFabricStrategy(SessionReadings, SingleDeviceStrategy):
     Args:
         **arguments: NodeoxStrategy's (documented there): ``coordinator_url``, ``local_steps``, ``host_id``,
             ``token``, ``rounding``, ``error_feedback``, ``codec_threads``, ``cpu_threads``, ``telemetry_url``,
-            ``request_timeout``, ``retry_for``, ``overlap``, ``round_seconds``, ``client``.
+            ``request_timeout``, ``retry_for``, ``overlap``, ``round_seconds``, ``fragments``, ``client``.
         max_steps: this host's optimizer steps at most, as ``Trainer(max_steps=...)``: the round that closes at that
             step is its final one (``should_stop`` turns True there), so :meth:`finish` sends no empty round.
         accelerator, checkpoint_io, precision: Fabric's plugins, as for its own strategies (usually left to

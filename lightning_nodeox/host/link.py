@@ -86,9 +86,9 @@ class RunLink:
         round_ = HostRound(tensors, client, PhaseLog(conn.host_id), rounding=settings.rounding,
                            error_feedback=settings.error_feedback, codec_threads=codec_threads)
         link = cls(conn, round_, sigterm, listeners, telemetry_client(conn, client), settings.retry_for)
-        log.info("NodeoxStrategy: host %s joining %s (%d tensors, %.1f MB, local_steps=%d, %d rank%s)", conn.host_id,
-                 conn.coordinator_url, len(tensors.live), tensors.nbytes / 1e6, settings.local_steps, ranks,
-                 "" if ranks == 1 else "s")
+        log.info("NodeoxStrategy: host %s joining %s (%d tensors, %.1f MB, local_steps=%d%s, %d rank%s)", conn.host_id,
+                 conn.coordinator_url, len(tensors.live), tensors.nbytes / 1e6, settings.local_steps,
+                 f", fragments={settings.fragments}" if settings.fragments > 1 else "", ranks, "" if ranks == 1 else "s")
         try:
             round_.join()
         except BaseException:

@@ -60,14 +60,17 @@ class SetNotice:
         self.names = host_names
         self._told: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
-    def compare(self, own: tuple[int, ...], round_set: tuple[int, ...], round_: int) -> None:
+    def compare(self, own: tuple[int, ...], round_set: tuple[int, ...], round_: int,
+                moves: tuple[int, ...] | None = None) -> None:
+        """``own``: the tensors this host sent; ``moves``: those that move on it (default: ``own``; with fragments,
+        a round that takes more of them, as the final round does, is as it should be)."""
         if own == round_set:
             self._told = None
             return
         mine, theirs = set(own), set(round_set)
-        extra = tuple(sorted(theirs - mine))
+        extra = tuple(sorted(theirs - mine - set(moves or ())))
         missing = tuple(sorted(mine - theirs))
-        if (extra, missing) == self._told:
+        if not extra and not missing or (extra, missing) == self._told:
             return
         self._told = (extra, missing)
         parts = []

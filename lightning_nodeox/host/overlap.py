@@ -54,7 +54,7 @@ class InFlight:
         def lead() -> None:
             begin()
             link = self.link
-            link.round.tensors.take_snapshot(restart_from_base=delayed)
+            link.round.tensors.take_snapshot(restart_from_base=delayed, round_=link.round.round)
             link.round.trains_on = True  # before the exchange starts: its delta already says so
             self._round = link.round.round
             self._future = link.submit(link.round.run_overlapped, samples, delayed, metrics())

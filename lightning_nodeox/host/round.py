@@ -26,6 +26,7 @@ import enum
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -88,6 +89,7 @@ class HostRound:
         self.trains_on = False  # training goes on while the round overlapped is open (set by the training side)
         self._applying = None  # the sync being applied, across retries of its download
         self._seed = int.from_bytes(client.host.encode()[:8].ljust(8, b"\0"), "little")
+        self._trained: deque[int] = deque()  # the samples of the last rounds, one per fragment
 
     @property
     def host(self) -> str:
@@ -193,18 +195,26 @@ class HostRound:
     def run_round(self, samples: int, final: bool, metrics: dict[str, list] | None = None) -> RoundResult:
         """One whole exchange while training waits: encode, upload, then sync (following later rounds if this
         is the final one). ``metrics``: this host's latest sync_dist values, ``{name: [value, reduction]}``."""
-        self.tensors.boundary()
-        message = self.encode(self.tensors.live, samples, final, metrics)
+        self.tensors.boundary(self.round, final=final)
+        message = self.encode(self.tensors.live, self._weight(samples), final, metrics)
         return self.finish_round(message, final, Into.LIVE)
 
     def run_overlapped(self, samples: int, delayed: bool, metrics: dict[str, list] | None = None) -> RoundResult:
         """One exchange while training goes on: the delta is the snapshot's, and the sync goes into ``base``
         only; the training side folds it into the live model (:meth:`HostTensors.fold`)."""
-        reader = self.encode(self.tensors.snapshot, samples, False, metrics)
+        reader = self.encode(self.tensors.snapshot, self._weight(samples), False, metrics)
         if delayed:
             reader.join()  # the snapshot becomes θ_r only once the delta is encoded from it
             self.tensors.snapshot_base()
         return self.finish_round(reader, False, Into.BASE)
+
+    def _weight(self, samples: int) -> int:
+        """A delta's samples from the ``samples`` trained in the round closing now: with fragments, what the round's
+        fragment trained since its own last sync (the samples of the last rounds, one per fragment)."""
+        self._trained.append(samples)
+        while len(self._trained) > self.tensors.fragment_count:
+            self._trained.popleft()
+        return sum(self._trained)
 
     def finish_round(self, reader: MessageReader, final: bool, into: Into) -> RoundResult:
         """Upload a delta as it is encoded and take the round's sync (see :meth:`run_round`), which starts to
@@ -300,7 +310,9 @@ class HostRound:
         return outcome
 
     def _send_empty(self, final: bool, *, into: Into) -> None:
-        """Take part in the current round without a contribution (no samples: it adds nothing)."""
+        """Take part in the current round without a contribution (no samples: it adds nothing), with the round's
+        fragment: the tensors the others send."""
+        self.tensors.take_part(self.round)
         with self.phases.timed(self.round, P.UPLOAD, empty=True) as rec:
             reader = self.tensors.encode(self.tensors.base, Q4Meta("delta", self.round, self.host, self.model_hash,
                                                                    samples=0, final=final), None)

@@ -55,7 +55,7 @@ class HostSession:
         self.ranks: OneRank | HostRanks | None = None  # while training: this host's ranks
         self.link: RunLink | None = None  # rank 0, once joined
         self.overlap: InFlight | None = None  # while training
-        self.timing = RoundTiming(settings.local_steps, settings.round_seconds)
+        self.timing = RoundTiming(settings.round_steps, settings.round_budget)
         self.hash = ""  # ranks other than 0: the model hash rank 0 last shared
         self.phase_records: deque[PhaseRecord] = deque(maxlen=100_000)
         self.last_result: RoundResult | None = None
@@ -102,7 +102,8 @@ class HostSession:
         conn = self.connection_settings.resolve()
         codec_threads = 1 if device.type != "cpu" else choose_threads(self.settings.codec_threads,
                                                                       purpose="host codec")
-        self.link = RunLink.join(conn, self.client(conn), HostTensors.of_module(module), self.settings,
+        tensors = HostTensors.of_module(module, fragments=self.settings.fragments)
+        self.link = RunLink.join(conn, self.client(conn), tensors, self.settings,
                                  codec_threads=codec_threads, sigterm=self.sigterm,
                                  listeners=[self.phase_records.append], ranks=self.ranks.size)
         self.ranks.changed = self.link.round.tensors.take_changed  # the join's lead sends them all

@@ -56,10 +56,18 @@ class HostSettings:
     retry_for: float = 60.0
     overlap: Overlap = Overlap.OFF
     round_seconds: float | None = None
+    fragments: int = 1
 
     def __post_init__(self) -> None:
         if self.local_steps < 1:
             raise ValueError(f"local_steps must be at least 1, got {self.local_steps}")
+        if not isinstance(self.fragments, int) or self.fragments < 1:
+            raise ValueError(f"fragments must be a whole number of at least 1 (1: the whole model each round), got "
+                             f"{self.fragments!r}")
+        if self.round_seconds is None and self.local_steps % self.fragments:
+            raise ValueError(f"local_steps={self.local_steps} does not split into fragments={self.fragments} rounds "
+                             f"of equal steps; choose local_steps a multiple of fragments (e.g. "
+                             f"local_steps={self.local_steps - self.local_steps % self.fragments or self.fragments})")
         if not isinstance(self.overlap, Overlap):
             raise TypeError(f"overlap must be an Overlap mode (Overlap.of({self.overlap!r})), got {self.overlap!r}")
         if self.round_seconds is not None and not self.round_seconds > 0:
@@ -69,6 +77,16 @@ class HostSettings:
             raise ValueError(f"codec_threads must be at least 1 (or None for the CPU quota), got {self.codec_threads}")
         if self.request_timeout <= 0 or self.retry_for < 0:
             raise ValueError("request_timeout must be positive and retry_for non-negative seconds")
+
+    @property
+    def round_steps(self) -> int:
+        """Steps between two rounds: ``local_steps``, or with fragments one fragment's share of them."""
+        return self.local_steps // self.fragments
+
+    @property
+    def round_budget(self) -> float | None:
+        """Seconds between two rounds with ``round_seconds`` (one fragment's share of them)."""
+        return None if self.round_seconds is None else self.round_seconds / self.fragments
 
 
 def default_host_id() -> str:

@@ -87,6 +87,12 @@ class NodeoxStrategy(SessionReadings, DDPStrategy):
         round_seconds: work to a time budget instead of ``local_steps``: a round closes at the first step after
             this many seconds of training, so a fast host does more steps than a slow one and nobody idles at the
             barrier (deltas are weighted by the samples they saw).
+        fragments: streaming fragments: the tensors that move are cut into this many fragments of about equal
+            bytes, and a round, every ``local_steps / fragments`` steps (or ``round_seconds / fragments``), exchanges
+            one of them, so each fragment still syncs every ``local_steps`` steps but an exchange carries a
+            fragment's bytes (staggered: the link is busy evenly, and with ``overlap`` the snapshot is one
+            fragment). ``local_steps`` must be a multiple of it; the final round exchanges every tensor. Every host of
+            a run should use the same value. See :mod:`lightning_nodeox.host.fragments`.
         client: how rank 0 talks to the coordinator: called with the resolved
             :class:`~lightning_nodeox.host.settings.Connection`, returns a
             :class:`~lightning_nodeox.core.transport.HostClient` (default: HTTP(S) to ``coordinator_url``, with
@@ -114,6 +120,7 @@ class NodeoxStrategy(SessionReadings, DDPStrategy):
         retry_for: float = 60.0,
         overlap: bool | str = False,
         round_seconds: float | None = None,
+        fragments: int = 1,
         client: Callable[[Connection], HostClient] | None = None,
         accelerator=None,
         checkpoint_io=None,
@@ -126,7 +133,8 @@ class NodeoxStrategy(SessionReadings, DDPStrategy):
                                        token=token, rounding=rounding, error_feedback=error_feedback,
                                        codec_threads=codec_threads, cpu_threads=cpu_threads,
                                        telemetry_url=telemetry_url, request_timeout=request_timeout,
-                                       retry_for=retry_for, overlap=overlap, round_seconds=round_seconds, client=client)
+                                       retry_for=retry_for, overlap=overlap, round_seconds=round_seconds,
+                                       fragments=fragments, client=client)
         self._metric_states: MetricStates | None = None  # while training: the module's torchmetrics synced across hosts
 
     # -- devices and ranks: one device plays Lightning's single-device strategy, several its DDP (host/devices.py)

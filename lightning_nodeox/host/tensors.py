@@ -41,6 +41,7 @@ from ..core.settings import Q4Settings
 from ..core.specs import positions_in, spec_of
 from ..core.streaming import MessageReader
 from ..core.wire import Q4Layout, Q4Message, Q4Meta
+from .fragments import Fragments
 from .moving import MovingSet, SetNotice
 
 log = logging.getLogger(__name__)
@@ -102,9 +103,10 @@ class HostTensors:
     """The exchanged tensors of one host and the tensor work of a round (encode, apply, hash, read the model)."""
 
     def __init__(self, named: list[tuple[str, torch.Tensor]],
-                 parameters: list[torch.nn.Parameter | None] | None = None) -> None:
+                 parameters: list[torch.nn.Parameter | None] | None = None, *, fragments: int = 1) -> None:
         """``parameters``: each tensor's parameter (its ``requires_grad`` says whether it moves) or None (a buffer,
-        or a tensor that always moves); default: every tensor moves."""
+        or a tensor that always moves); default: every tensor moves. ``fragments``: a round exchanges one of that
+        many fragments of the tensors that move (:mod:`~lightning_nodeox.host.fragments`)."""
         for name, t in named:
             if not t.is_contiguous():
                 raise ValueError(f"tensor {name!r} is not contiguous; nodeox updates tensors in place")
@@ -119,14 +121,17 @@ class HostTensors:
         if any(t.device != self.device for t in self.live):
             raise ValueError("all parameters and buffers must be on one device")
         self.moving = MovingSet(parameters if parameters is not None else [None] * len(named))
+        self.fragments = Fragments(fragments, [s.nbytes for s in self.specs])
+        self._moves: tuple[int, ...] = ()  # the tensors that move, as of the last boundary
         self.notice = SetNotice(self.names)
         self._index = {n: i for i, n in enumerate(self.names)}
         self.settings: Q4Settings | None = None
         self.pool: WorkerPool | None = None
         self.layout: Q4Layout | None = None  # of the whole model
         self.part: Part | None = None  # the tensors this host's delta carries (set at each round boundary)
-        self._parts: Recent[tuple[int, ...], Part] = Recent(CACHED_SETS)  # by this host's indices
-        self._sync_parts: Recent[tuple, Part] = Recent(CACHED_SETS)  # by the specs a sync names
+        self._cached = CACHED_SETS + fragments  # each fragment's set, and the final round's whole one
+        self._parts: Recent[tuple[int, ...], Part] = Recent(self._cached)  # by this host's indices
+        self._sync_parts: Recent[tuple, Part] = Recent(self._cached)  # by the specs a sync names
         self.base: list[torch.Tensor] = []
         self.residual: list[torch.Tensor] | None = None
         self.snapshot: list[torch.Tensor | None] | None = None
@@ -140,9 +145,9 @@ class HostTensors:
         self._sync_staging: torch.Tensor | None = None
 
     @classmethod
-    def of_module(cls, module: torch.nn.Module) -> HostTensors:
+    def of_module(cls, module: torch.nn.Module, *, fragments: int = 1) -> HostTensors:
         """The exchanged tensors of a LightningModule (or any module): frozen parameters do not travel."""
-        return cls(shared_tensors(module), shared_parameters(module))
+        return cls(shared_tensors(module), shared_parameters(module), fragments=fragments)
 
     @property
     def nbytes(self) -> int:
@@ -154,7 +159,7 @@ class HostTensors:
         self.settings = settings
         self.pool = WorkerPool(settings, self.device, codec_threads)
         self.layout = Q4Layout.of(self.specs, settings)
-        self._parts = Recent(CACHED_SETS)
+        self._parts = Recent(self._cached)
         self.boundary()
         self._sync_buffer = torch.empty(self.part.layout.total, dtype=torch.uint8, pin_memory=cuda)
         if self.device.type != "cpu":  # the codec works on the device; only packed bytes cross to host memory
@@ -163,6 +168,15 @@ class HostTensors:
             self._sync_staging = torch.empty_like(self._staging)  # a sync is applied while a delta is encoded
         self.base = self._new_base()
         self._digests = [None] * len(self.live)
+        if self.fragments.count > 1:
+            cut = self.fragments.cut(self._moves)
+            log.info("nodeox: %d fragments of %s MB, one exchanged a round (the final round exchanges them all)",
+                     len(cut), "/".join(f"{sum(self.specs[i].nbytes for i in f) / 1e6:.3g}" for f in cut))
+            if len(cut) < self.fragments.count:
+                log.warning("nodeox: fragments=%d asked, but this model's tensors make %d (a tensor holds more than a "
+                            "fragment's share of the bytes): each fragment is exchanged every %d rounds, more often "
+                            "than local_steps asks; lower fragments to %d to keep local_steps", self.fragments.count,
+                            len(cut), len(cut), len(cut))
         if self.raw:
             log.info("nodeox: integer and boolean tensors, equal on every host from each round on (the values of "
                      "the host with the first id among those the round took): %s", ", ".join(self.raw_names))
@@ -173,12 +187,24 @@ class HostTensors:
         """θ_r's tensors at :meth:`allocate`: a copy of the live model."""
         return [t.detach().clone() for t in self.live]
 
-    def boundary(self) -> Part:
-        """A round boundary: the tensors that move in the round closing now become the delta's (a set not seen
-        before gets its message layout, kept for later rounds)."""
+    def boundary(self, round_: int | None = None, *, final: bool = False) -> Part:
+        """The boundary of round ``round_``: the tensors that move in the round closing now become the delta's, all
+        of them or (with fragments, unless ``final`` or no round is given) the round's fragment of them (a set not
+        seen before gets its message layout, kept for later rounds)."""
         if self.base:
             self._watch_frozen()
-        indices = self.moving.at_boundary()
+        self._moves = self.moving.at_boundary()
+        return self.take_part(None if final else round_)
+
+    @property
+    def fragment_count(self) -> int:
+        """The fragments the tensors that move make (1 without fragments)."""
+        return len(self.fragments.cut(self._moves)) if self.fragments.count > 1 and self._moves else 1
+
+    def take_part(self, round_: int | None) -> Part:
+        """The delta's tensors become round ``round_``'s fragment of those that moved at the last boundary (None:
+        all of them), e.g. for an empty delta sent into another round than the boundary's."""
+        indices = self._moves if round_ is None else self.fragments.of_round(self._moves, round_)
         self.part = self._parts.get(indices, lambda: self._delta_part(indices))
         return self.part
 
@@ -195,7 +221,7 @@ class HostTensors:
 
     def _delta_part(self, indices: tuple[int, ...]) -> Part:
         layout = Q4Layout.of(tuple(self.specs[i] for i in indices), self.settings)
-        if self.part is not None or len(indices) < len(self.specs):
+        if self.fragments.count == 1 and (self.part is not None or len(indices) < len(self.specs)):
             log.info("nodeox: this host's delta now carries %d of the model's %d tensors (%.3g MB a round)%s",
                      len(indices), len(self.specs), layout.total / 1e6,
                      "" if len(indices) == len(self.specs) else ": frozen parameters do not travel")
@@ -277,13 +303,18 @@ class HostTensors:
         return staging[ca:cb], staging[sa:sb].view(self.layout.codec.scale_dtype)
 
     # -- encoding --------------------------------------------------------------------------------------------------
-    def take_snapshot(self, restart_from_base: bool) -> None:
-        """A round boundary (:meth:`boundary`), then copy the tensors that moved aside: what this round sends while
-        training goes on. ``restart_from_base`` (the delayed variant of overlap): the live model then goes back to
-        θ_r and trains on from there."""
-        part = self.boundary()
+    def take_snapshot(self, restart_from_base: bool, round_: int | None = None) -> None:
+        """Round ``round_``'s boundary (:meth:`boundary`), then copy the tensors it sends aside: what this round
+        sends while training goes on (the snapshot holds those alone: with fragments, one fragment).
+        ``restart_from_base`` (the delayed variant of overlap): the live model then goes back to θ_r and trains on
+        from there."""
+        part = self.boundary(round_)
         if self.snapshot is None:
             self.snapshot = [None] * len(self.live)
+        sent = set(part.indices)
+        for i, kept in enumerate(self.snapshot):
+            if kept is not None and i not in sent:
+                self.snapshot[i] = None
         self._snapped, self._fold_all = set(part.indices), False
         if restart_from_base:
             self._wrote(part.indices)
@@ -410,7 +441,7 @@ class HostTensors:
         set aside for the fold."""
         part = self.sync_part(sync)
         own = self.part.indices
-        self.notice.compare(own, part.indices, sync.meta.round)
+        self.notice.compare(own, part.indices, sync.meta.round, moves=self._moves)
         target = self.live if into_live else self.base
         if into_live:
             self._wrote(part.indices)

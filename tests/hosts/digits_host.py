@@ -163,6 +163,7 @@ def main() -> None:
     p.add_argument("--devices", default="1", help="devices (CPU ranks) of the host, or one number per host id: 2,1")
     p.add_argument("--num-nodes", default="1", help="machines of the host (torchrun --nnodes), or one per host id")
     p.add_argument("--error-feedback", default="on", help="on or off, or one per host id: on,off")
+    p.add_argument("--fragments", type=int, default=1, help="NodeoxStrategy(fragments=F)")
     args = p.parse_args()
     torch.set_num_threads(1)
     host = os.environ["NODEOX_HOST_ID"]
@@ -200,7 +201,8 @@ def main() -> None:
     feedback = args.error_feedback.split(",")
     strategy = NodeoxStrategy(local_steps=args.local_steps, cpu_threads=1, codec_threads=1,
                               overlap=False if args.overlap == "off" else args.overlap, round_seconds=args.round_seconds,
-                              error_feedback=feedback[int(host) if len(feedback) > 1 else 0] == "on")
+                              error_feedback=feedback[int(host) if len(feedback) > 1 else 0] == "on",
+                              fragments=args.fragments)
     per_host = [int(k) for k in args.devices.split(",")]
     devices = per_host[int(host)] if len(per_host) > 1 else per_host[0]
     machines = [int(m) for m in args.num_nodes.split(",")]
