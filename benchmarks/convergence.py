@@ -25,11 +25,12 @@ evaluated on a held-out test split (540 images). Modes:
     q4_no_ef         q4 with NodeoxStrategy(error_feedback=False): what error feedback buys
     q2               Nodeox, --codec q2 (2-bit, 0.53x q4's bytes at block size 64)
     q2_b256          q2 at --block-size 256 (0.49x q4's bytes)
+    q4_f4            q4 with NodeoxStrategy(fragments=4): a round every local_steps/4 steps exchanges a quarter
     bf16             Nodeox, --codec bf16 (not run by default on digits)
     q4_average_hH, q4_nesterov_hH   q4 average / Nesterov at H local steps, H in 10, 20, 50, 100
                      (--local-steps-sweep runs these and DDP)
 
-The lm workload runs ddp, fp32, bf16, q4, q4_nesterov, q4_no_ef, q2 and q2_b256 by default (--modes takes any).
+The lm workload runs ddp, fp32, bf16, q4, q4_nesterov, q4_no_ef, q2, q2_b256 and q4_f4 by default (--modes takes any).
 
 Every mode runs 2 hosts unless it says otherwise; the 4-host modes' differences and ratios to DDP are to DDP's 2
 ranks all the same (their own comparison is to each other: the relay goal).
@@ -46,6 +47,9 @@ Definitions (see `ddp_bytes_per_host`, `nodeox_bytes_sent` and `wait_share`):
   the model from rank 0 is not counted (nor is Nodeox's first upload of the model, see below).
 - bytes per host, Nodeox: the `bytes` of the host's `upload` records in the run's events.jsonl (its deltas), mean
   over hosts. The full model host 0 provides at join is not an `upload` record, hence not counted.
+- peak exch: the largest delta a host sent before its last round (mean over hosts), the bytes one exchange puts on
+  the link at once; DDP: one step's all-reduce. With fragments the last round exchanges every tensor (its bytes are
+  in the JSON as `final_bytes`).
 - wait share of a host: the share of its time, from its first `train` start to its last record's end, in which
   its trainer did not train: that time less its `train` records, plus its `fold` records (a fold stops training
   inside a round). From round 1 on (round 0 holds the hosts' different start-up times). Exchange work that runs
@@ -107,6 +111,7 @@ MODES: dict[str, dict] = {
     RELAY_BASELINE: {"kind": "nodeox", "hosts": 4},
     RELAY_MODE: {"kind": "nodeox", "hosts": 4, "sites": 2},
     "q4_no_ef": {"kind": "nodeox", "strategy": {"error_feedback": False}},
+    "q4_f4": {"kind": "nodeox", "strategy": {"fragments": 4}},
     "q2": {"kind": "nodeox", "coordinator": ["--codec", "q2"]},
     "q2_b256": {"kind": "nodeox", "coordinator": ["--codec", "q2", "--block-size", "256"]},
     "bf16": {"kind": "nodeox", "coordinator": ["--codec", "bf16"]},
@@ -115,7 +120,7 @@ MODES: dict[str, dict] = {
 }
 SWEEP_MODES = [m for m in MODES if MODES[m].get("local_steps")]
 DEFAULT_MODES = [m for m in MODES if m not in ("bf16", "q2_b256", *SWEEP_MODES)]
-LM_MODES = ["ddp", "fp32", "bf16", "q4", "q4_nesterov", "q4_no_ef", "q2", "q2_b256"]
+LM_MODES = ["ddp", "fp32", "bf16", "q4", "q4_nesterov", "q4_no_ef", "q2", "q2_b256", "q4_f4"]
 
 
 @dataclass(frozen=True)
@@ -187,6 +192,16 @@ def ddp_bytes_per_host(param_bytes: int, steps: int, ranks: int = HOSTS) -> int:
 def nodeox_bytes_sent(records: list[dict]) -> int:
     """Bytes a host sent in its deltas: the ``bytes`` of its ``upload`` records."""
     return sum(int(r.get("bytes") or 0) for r in records if r["phase"] == "upload")
+
+
+def peak_exchange_bytes(records: list[dict]) -> tuple[int, int]:
+    """A host's largest delta before its last round, and its last round's (with fragments: every tensor)."""
+    uploads = [r for r in records if r["phase"] == "upload" and r.get("bytes") and not r.get("empty")]
+    if not uploads:
+        return 0, 0
+    last = max(r["round"] for r in uploads)
+    before = [int(r["bytes"]) for r in uploads if r["round"] != last]
+    return max(before, default=0), max(int(r["bytes"]) for r in uploads if r["round"] == last)
 
 
 # -- the host (run once per process, by DDP's launcher here or by `nodeox launch`) ---------------------------------
@@ -367,7 +382,9 @@ def run_ddp(args: argparse.Namespace, seed: int, workdir: Path) -> dict:
     hosts = _read_hosts(out, HOSTS)
     param_bytes = hosts["0"]["param_bytes"]
     sent = {h: ddp_bytes_per_host(param_bytes, v["steps"]) for h, v in hosts.items()}
-    return _result(hosts, sent, {h: None for h in hosts}, time.time() - started, {})
+    step = ddp_bytes_per_host(param_bytes, 1)  # an exchange: one step's all-reduce
+    return _result(hosts, sent, {h: None for h in hosts}, time.time() - started, {},
+                   {"peak_bytes": step, "final_bytes": step})
 
 
 def run_nodeox(args: argparse.Namespace, mode: str, seed: int, workdir: Path, round_seconds: float | None) -> dict:
@@ -411,6 +428,7 @@ def run_nodeox(args: argparse.Namespace, mode: str, seed: int, workdir: Path, ro
     events = read_events(run_dir)
     records = {h: host_records(events, h) for h in hosts}
     sent = {h: nodeox_bytes_sent(r) for h, r in records.items()}
+    peaks = {h: peak_exchange_bytes(r) for h, r in records.items()}
     waits = {h: wait_share(r) for h, r in records.items()}
     step_s = {}
     for h, rs in records.items():
@@ -418,7 +436,9 @@ def run_nodeox(args: argparse.Namespace, mode: str, seed: int, workdir: Path, ro
         step_s[h] = statistics.median(per_step) if per_step else None
     return _result(hosts, sent, waits, time.time() - started, step_s,
                    {"round_seconds": strategy.get("round_seconds"), "rounds": max((e["round"] for e in events
-                                                                                    if "round" in e), default=0)})
+                                                                                    if "round" in e), default=0),
+                    "peak_bytes": statistics.mean(p[0] for p in peaks.values()),
+                    "final_bytes": statistics.mean(p[1] for p in peaks.values())})
 
 
 def _result(hosts: dict, sent: dict, waits: dict, run_wall: float, step_s: dict, extra: dict | None = None) -> dict:
@@ -479,6 +499,7 @@ def summarize(runs: list[dict], metric: Metric = ACCURACY) -> dict:
         "seeds": len(runs), f"{key}_mean": statistics.mean(values), f"{key}_min": min(values),
         f"{key}_max": max(values), f"{key}_stdev": statistics.stdev(values) if len(values) > 1 else 0.0, **extra,
         "bytes_per_host": statistics.mean(r["bytes_per_host"] for r in runs),
+        **{k: statistics.mean(r[k] for r in runs) for k in ("peak_bytes", "final_bytes") if k in runs[0]},
         "wall_s": statistics.mean(r["wall_s"] for r in runs),
         "wait_share": {h: statistics.mean(w) if w else None for h, w in waits.items()},
         "hosts_identical": all(r["hosts_identical"] for r in runs),
@@ -591,6 +612,19 @@ def lm_goals(modes: dict) -> list[dict]:
                     "measured": f"{ratio:.3f}x q4's bytes, val loss {s['val_loss_mean']:.4f} against q4's "
                                 f"{base['val_loss_mean']:.4f} ({excess:+.4f}, spread {spread:.4f} over "
                                 f"{base['seeds']} seed(s))"})
+    s = modes.get("q4_f4", {}).get("summary")
+    goal = ("q4_f4: peak bytes per exchange (before the final round) at most 0.3x q4's, validation loss within q4's "
+            "seed spread")
+    if s is not None and base is not None:
+        ratio = s["peak_bytes"] / base["peak_bytes"]
+        spread = base["val_loss_max"] - base["val_loss_min"]
+        excess = s["val_loss_mean"] - base["val_loss_mean"]
+        out.append({"goal": goal, "met": ratio <= 0.3 and excess <= spread and s["hosts_identical"],
+                    "measured": f"{ratio:.3f}x q4's peak ({_bytes(s['peak_bytes'])}; the final round, every tensor: "
+                                f"{_bytes(s['final_bytes'])}), val loss {s['val_loss_mean']:.4f} against "
+                                f"{base['val_loss_mean']:.4f} ({excess:+.4f}, spread {spread:.4f})"})
+    elif "q4_f4" in modes:
+        out.append({"goal": goal, "met": None, "measured": modes["q4_f4"].get("reason", "no result")})
     s = modes.get("q4_no_ef", {}).get("summary")
     goal = "q4_no_ef: q4 without error feedback measured against q4 with"
     if s is not None and base is not None:
@@ -623,6 +657,7 @@ def print_table(modes: dict, config: dict, metric: Metric = ACCURACY) -> None:
               f"per host, local_steps={config['local_steps']}, SGD lr {config['lr']} momentum 0.9, test set "
               f"{config['test_samples']} images, seeds {config['seeds']}")
     head = (f"{'mode':16} {'hosts':>5} {metric.label + ' mean (min-max)':26} {'vs DDP':>8} {'bytes/host':>11} "
+            f"{'peak exch':>10} "
             f"{'DDP/mode':>9} {'wall s':>7} {'vs DDP':>7} " + " ".join(f"{f'wait h{h}':>8}" for h in WAIT_COLUMNS))
     print(head)
     print("-" * len(head))
@@ -643,7 +678,7 @@ def print_table(modes: dict, config: dict, metric: Metric = ACCURACY) -> None:
             else str(spec.get("hosts", HOSTS))
         diff = "-" if dp is None else f"{dp:+.2f} pt" if metric.unit == "pt" else f"{dp:+.4f}"
         print(f"{name:16} {shape:>5} {acc:26} {diff:>8} "
-              f"{_bytes(s['bytes_per_host']):>11} "
+              f"{_bytes(s['bytes_per_host']):>11} {_bytes(s.get('peak_bytes')):>10} "
               f"{'-' if br is None else f'{br:.1f}x':>9} {s['wall_s']:7.1f} {'-' if wr is None else f'{wr:.2f}x':>7} "
               + " ".join(f"{'-' if w is None else f'{w:.1%}':>8}" for w in waits)
               + (f"  perplexity {s['perplexity_mean']:.3f}" if "perplexity_mean" in s else "")

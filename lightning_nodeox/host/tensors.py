@@ -20,7 +20,7 @@ too.
 Memory beyond the model: the base (1x the exchanged tensors), the residual (bf16, 0.5x), two q4 messages
 (about 0.14x each, of the tensors that move), on a GPU two device staging areas of one message (a delta's and a
 sync's: a sync is applied while the delta is still encoded), and with overlap the
-snapshot (1x the tensors that move).
+snapshot (1x the tensors the round sends: with fragments, one fragment).
 """
 
 from __future__ import annotations
