@@ -1,7 +1,7 @@
 """Streaming fragments (NodeoxStrategy(fragments=F)): the cut, the settings, rounds of one fragment each against the
 in-process coordinator (every fragment's sync applied once a cycle, hosts bit-identical, a fragment's message a
-fragment's bytes, the final round all), a host that missed a fragment's sync, overlap's snapshot of one fragment;
-and one Lightning run under `nodeox launch` with EarlyStopping mid-cycle and a skipped sync. The coordinator restart
+fragment's bytes, the final round all), a host that missed a fragment's sync, overlap's snapshot of one fragment,
+hosts behind a relay; and one Lightning run under `nodeox launch` with EarlyStopping mid-cycle and a skipped sync. The coordinator restart
 in the middle of a cycle is in test_restart.py."""
 
 from __future__ import annotations
@@ -9,11 +9,12 @@ from __future__ import annotations
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import pytest
 import torch
 from helpers import HOSTS, assert_on_the_run_model, bits, launch, load, model, read_events, train_on_model, upload
-from local_transport import LocalClient
+from local_transport import LocalClient, LocalCoordinator
 
 from lightning_nodeox import NodeoxStrategy
 from lightning_nodeox.core.hashing import model_hash
@@ -23,6 +24,9 @@ from lightning_nodeox.host.fragments import Fragments
 from lightning_nodeox.host.round import HostRound
 from lightning_nodeox.host.settings import HostSettings
 from lightning_nodeox.host.tensors import HostTensors
+from lightning_nodeox.relay.config import RelayConfig
+from lightning_nodeox.relay.run import RelayRun
+from lightning_nodeox.relay.upstream import Upstream
 
 SHAPES = {"a.weight": (32, 32), "a.bias": (32,), "b.weight": (32, 32), "b.bias": (32,), "c.weight": (32, 32),
           "c.bias": (32,), "d.weight": (32, 32), "norm.running_mean": (32,)}
@@ -175,6 +179,34 @@ def test_overlap_snapshots_one_fragment_and_folds_the_rest_of_training_on_top_of
     assert_on_the_run_model(c, a, b)
     for h in (a, b):
         h.close()
+
+
+def test_hosts_behind_a_relay_exchange_fragments_and_end_on_the_roots_model(tmp_path) -> None:
+    """A relay passes fragments through as any set: its delta upstream is its site's fragment, the root's sync of
+    it comes down unchanged, and the hosts end bit-identical to the root after the final round of every tensor."""
+    root = LocalCoordinator(tmp_path / "root", 1)
+    upstream = Upstream(RelayConfig(upstream="http://root", relay_id="site"), client=LocalClient(root, "site"))
+    relay = LocalCoordinator(tmp_path / "relay", 2, make_run=partial(RelayRun, upstream=upstream))
+    try:
+        hosts = [HostRound(HostTensors(model(seed=0, shapes=SHAPES), fragments=4), LocalClient(relay, h), PhaseLog(h))
+                 for h in "ab"]
+        for h in hosts:
+            h.join()
+        relay.call(relay.run.membership.join_upstream_with_model())
+        cut = hosts[0].tensors.fragments.cut(tuple(range(len(SHAPES))))
+        for r in range(5):
+            one_round(hosts, r, final=r == 4)
+            synced = [s.name for s in root.state.model.latest_sync.meta.tensors]
+            assert synced == (hosts[0].tensors.names if r == 4 else [hosts[0].tensors.names[i] for i in cut[r % 4]])
+            assert bits(relay.state.model.latest_sync.buffer).equal(bits(root.state.model.latest_sync.buffer))
+            assert hosts[0].model_hash == hosts[1].model_hash == relay.state.model.hash == root.state.model.hash
+        for h in hosts:
+            assert all(torch.equal(bits(t), bits(e)) for t, e in zip(h.tensors.live, root.state.model.tensors))
+            h.client.leave()
+            h.close()
+    finally:
+        relay.close()
+        root.close()
 
 
 STEPS_PER_EPOCH = 56  # 1797 digits in batches of 32, the last one dropped
