@@ -33,10 +33,29 @@ class Codec(ABC):
     """One codec under one run's settings: its byte counts, dtypes, message layout, no-op and error text."""
 
     name: ClassVar[str]
-    fixed_size: ClassVar[bool] = True  # every message of a run has one layout (a top-k codec would not)
+    fixed_size: ClassVar[bool] = True  # every message of a run has one layout (a top-k codec's sync does not)
+    capacity: int | None = None  # a varying codec: the capacity its messages' headers say (None: fixed size)
 
     def __init__(self, settings: Q4Settings) -> None:
         self.settings = settings
+
+    def sync_capacity(self, deltas: int) -> int | None:
+        """The capacity of a sync of ``deltas`` deltas (None: every message has one layout)."""
+        return None
+
+    def at_capacity(self, capacity: int) -> Codec:
+        """This codec for a sync message of ``capacity`` (a ValueError for a codec of fixed size, or a capacity
+        out of its range)."""
+        raise ValueError(f"codec {self.name!r} has messages of one size; its messages carry no capacity")
+
+    def codes_view(self, codes: torch.Tensor, numel: int):
+        """What the kernels take as a tensor's codes, from its bytes: the bytes themselves, unless a codec
+        structures them (the sparse codec's indices and values)."""
+        return codes
+
+    def malformed(self, codes, scales: torch.Tensor, numel: int) -> str | None:
+        """Why a received tensor's codes cannot be decoded (an index outside its chunk), or None."""
+        return None
 
     @property
     def scale_dtype(self) -> torch.dtype:
