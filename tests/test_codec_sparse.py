@@ -89,6 +89,9 @@ def test_a_delta_is_the_top_k_of_each_chunk_in_2_bits_and_the_residual_keeps_the
         slack = 1e-3 * chosen.norm() if settings.scale_dtype == "fp16" else 1e-5 * chosen.norm()
         assert (chosen - decoded[s:e][index]).norm() <= (chosen - d0).norm() + slack
     assert at == codes.index.numel()
+    kept = torch.zeros(n, dtype=torch.bfloat16)  # a host keeps its residual in bf16: x - decoded, rounded once
+    encode_delta(kernels(settings), x, torch.zeros(n), kept, *views(codec, n))
+    assert torch.equal(kept, (x - decoded).to(torch.bfloat16))
 
 
 def test_bytes_per_value_at_each_density_against_q4() -> None:

@@ -320,7 +320,7 @@ class HostTensors:
         x = k.x[:m].clone()
         mp = k.padded(m)
         codec = self.layout.codec
-        codes = torch.empty(codec.code_bytes(m), dtype=torch.uint8, device=self.device)
+        codes = codec.codes_view(torch.empty(codec.code_bytes(m), dtype=torch.uint8, device=self.device), m)
         scales = torch.empty(codec.scale_count(m), dtype=codec.scale_dtype, device=self.device)
         k.quantize(m, codes, scales)
         return relative_error(x, k.dequantize(codes, scales, mp)[:m])

@@ -232,7 +232,7 @@ class SparseKernels(Kernels):
                 d = self._encode_codes(v, sc, packed)
             codes_out.index[entry : entry + rows * e].view(rows, e).copy_(index)
             if residual_out is not None:
-                residual_out[at : at + rows * length].view(rows, length).scatter_(1, index, v - d)
+                residual_out[at : at + rows * length].view(rows, length).scatter_(1, index, (v - d).to(residual_out.dtype))
             if dequant_out is not None:
                 dequant_out[at : at + rows * length].view(rows, length).scatter_(1, index, d)
 
