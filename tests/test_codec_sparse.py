@@ -399,3 +399,54 @@ def test_a_real_run_with_sparse_keeps_hosts_bit_identical(tmp_path) -> None:
         Q4Layout.of(specs, SPARSE, capacity=82).total}
     q4 = Q4Layout.of(specs, Q4Settings())
     assert Q4Layout.of(specs, SPARSE).total - q4.data_start < 0.1 * (q4.total - q4.data_start)
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_host_encodes_a_delta_the_coordinator_takes_and_applies_its_sync_to_the_coordinators_hash(device) -> None:
+    """Through HostTensors (on a GPU: its staging areas; a sync of two deltas outgrows the delta's) and the
+    coordinator's model: the host's delta is the codec's, and the sync applied by the host reaches the
+    coordinator's bytes and hash, on every dtype."""
+    from lightning_nodeox.coordinator.model import CoordinatorModel
+    from lightning_nodeox.core.pool import WorkerPool
+    from lightning_nodeox.host.tensors import HostTensors
+
+    gen = torch.Generator().manual_seed(4)
+    named = [("w", torch.randn(3 * CHUNK + 5, generator=gen)), ("h", torch.randn(40, 30, generator=gen).half()),
+             ("b", torch.randn(70, generator=gen).bfloat16()), ("steps", torch.tensor([3, 4]))]
+    pool = WorkerPool(SPARSE, "cpu", 2)
+    host = HostTensors([(n, t.clone().to(device)) for n, t in named])
+    host.allocate(SPARSE, codec_threads=1)
+    try:
+        coordinator = CoordinatorModel(spec_of(named), [t.clone() for _, t in named], SPARSE, pool)
+        with torch.no_grad():
+            for t in host.live:
+                if t.is_floating_point():
+                    t.add_(torch.randn(t.shape, generator=gen).to(t.dtype).to(device) * 0.01)
+        reader = host.encode(host.live, Q4Meta("delta", 0, "h", coordinator.hash, samples=8), None)
+        delta = Q4Message.parse(bytes(reader.join().view()))
+        assert len(delta) == Q4Layout.of(spec_of(named), SPARSE).total and delta.meta.capacity == 41
+        cpu = [t.cpu() for t in host.live]
+        expected = sparse_delta("x", "", [c.float() - b.float() for c, b in zip(cpu, (t for _, t in named))][:3],
+                                specs=spec_of(named)[:3])
+        if device == "cpu":  # the same codes as the reference encoder (a GPU's top-k may break ties otherwise)
+            for j in range(3):
+                assert torch.equal(delta.codes(j).index, expected.codes(j).index)
+        coordinator.accumulate(delta, 8)
+        other = sparse_delta("o", "", [torch.randn(t.shape, generator=gen) * 0.01 for _, t in named[:3]],
+                             specs=spec_of(named)[:3])
+        coordinator.accumulate(other, 8)
+        assert coordinator.deltas == 2
+        closed = coordinator.close_round(0)
+        assert closed.sync.meta.capacity == 82 and len(closed.sync) > len(delta)
+        sync = Q4Message.parse(closed.sync.buffer.clone())
+        hashers = host.apply(sync, into_live=True)
+        assert host.digest(hashers) == coordinator.hash == sync.meta.model_hash
+        for t, c in zip(host.live, coordinator.tensors):
+            assert torch.equal(bits(t.cpu()) if t.is_floating_point() else t.cpu(),
+                               bits(c) if c.is_floating_point() else c)
+    finally:
+        host.close()
+        pool.close()
