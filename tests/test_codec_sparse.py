@@ -17,14 +17,20 @@ from helpers import HOSTS, MODEL, SPECS, bits, body_bytes, launch, load, model_f
 from local_transport import LocalClient, LocalCoordinator
 
 from lightning_nodeox.core import safetensors
-from lightning_nodeox.core.codec import accumulate_tensor, apply_sync, decode_tensor, encode_delta, encode_sync_and_apply
+from lightning_nodeox.core.codec import (
+    accumulate_tensor,
+    apply_sync,
+    decode_tensor,
+    encode_delta,
+    encode_sync_and_apply,
+)
 from lightning_nodeox.core.codecs import codec_for
 from lightning_nodeox.core.codecs.sparse import CHUNK, SCALE, Sparse
 from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.protocol import Reason, Refusal, Upload
 from lightning_nodeox.core.settings import Q4Settings
 from lightning_nodeox.core.specs import PayloadError, spec_of
-from lightning_nodeox.core.wire import PayloadSizeError, Q4Layout, Q4Message, Q4Meta
+from lightning_nodeox.core.wire import Q4Layout, Q4Message, Q4Meta
 
 SPARSE = Q4Settings(codec="sparse")
 SPARSE3 = Q4Settings(codec="sparse3")
@@ -210,9 +216,10 @@ def test_a_dense_step_keeps_its_top_capacity_values_a_chunk() -> None:
 # Messages: the header's capacity, and what is refused
 
 NAMED = [("w", torch.zeros(5000)), ("b", torch.zeros(3, 7)), ("steps", torch.zeros(3, dtype=torch.int64))]
+NAMED_SPECS = spec_of(NAMED)
 
 
-def sync_message(capacity: int, specs=spec_of(NAMED)) -> Q4Message:
+def sync_message(capacity: int, specs=NAMED_SPECS) -> Q4Message:
     message = Q4Message.allocate(Q4Layout.of(specs, SPARSE, capacity=capacity))
     codec = message.layout.codec
     for j, spec in enumerate(specs):
