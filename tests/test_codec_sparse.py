@@ -280,6 +280,7 @@ BAD_SYNCS = {  # name: (bytes, what the error says)
     "no capacity": (lambda: with_metadata(bytes(sync_message(82).view()), capacity=None), "says no capacity"),
     "an index beyond its chunk": (lambda: bad_index(sync_message(82), 904), "has an index outside its chunk"),
     "a negative index": (lambda: bad_index(sync_message(82), -1), "has an index outside its chunk"),
+    "an index twice in a chunk": (lambda: bad_index(sync_message(82), 0), "has an index twice in one chunk"),
     "a truncated piece": (lambda: bytes(sync_message(82).view())[:-48], "payload is truncated"),
 }
 

@@ -21,21 +21,26 @@ the rounding of ``s`` to fp16. Under plain averaging the mean of ``D`` deltas ha
 chunk (the union of their supports), so it is carried whole. Nesterov's step is dense (its momentum remembers
 earlier rounds' supports): the sync keeps the step's top ``E`` values a chunk and drops the rest (the momentum
 still holds them; no error feedback on the coordinator). A value that is zero is sent as -0.0, so a sync never
-changes the bits of a value it does not move.
+changes the bits of a value it does not move. A received message whose index lies outside its chunk, or twice in
+one chunk (a GPU would add the two in no fixed order), is refused.
 
-The no-op sync: every index 0, every code 2 (delta; ``+1 * -0.0``) or value +0.0 (sync; ``0.0 * -0.0``) and every
-scale -0.0: every value decodes to -0.0. Rounding is to nearest only.
+The no-op sync: indices 0, 1, ... in every chunk, every code 2 (delta; ``+1 * -0.0``) or value +0.0 (sync;
+``0.0 * -0.0``) and every scale -0.0: every value decodes to -0.0. Rounding is to nearest only.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from .base import Codec, Kernels
+from .blockwise import Blockwise
+
+if TYPE_CHECKING:
+    from ..settings import Q4Settings
 
 CHUNK = 4096  # values a chunk (SparseLoCo's); a tensor's last chunk may be shorter
 SCALE = 0.7  # s0 / mean|v| (q2's)
@@ -47,6 +52,15 @@ _TINY = 1e-30
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _rows(index: torch.Tensor, per_chunk: int) -> list[torch.Tensor]:
+    """A tensor's (or some chunks') indices as rows of one chunk each: the full chunks, then a shorter last one."""
+    full = index.numel() // per_chunk
+    rows = [index[: full * per_chunk].view(full, per_chunk)]
+    if index.numel() > full * per_chunk:
+        rows.append(index[full * per_chunk :].view(1, -1))
+    return rows
 
 
 @dataclass(frozen=True)
@@ -75,7 +89,7 @@ class Sparse(Codec):
     density: ClassVar[float] = 0.01
     fixed_size = False
 
-    def __init__(self, settings, capacity: int | None = None) -> None:
+    def __init__(self, settings: Q4Settings, capacity: int | None = None) -> None:
         super().__init__(settings)
         if settings.rounding != "nearest":
             raise ValueError(f"codec {self.name!r} rounds to nearest only; drop --rounding {settings.rounding}")
@@ -143,7 +157,8 @@ class Sparse(Codec):
         return SparseKernels(self, device, chunk)
 
     def fill_noop(self, codes: SparseCodes, scales: torch.Tensor) -> None:
-        codes.index.zero_()
+        for rows in _rows(codes.index, codes.per_chunk):  # indices 0, 1, ... in every chunk
+            rows.copy_(torch.arange(rows.shape[1], dtype=torch.int16, device=rows.device))
         codes.value.fill_(0.0 if codes.sync else NOOP_CODE)
         scales.fill_(-0.0)
 
@@ -156,21 +171,22 @@ class Sparse(Codec):
         return float(peak)
 
     def malformed(self, codes: SparseCodes, scales: torch.Tensor, numel: int) -> str | None:
+        """An index outside its chunk, or one twice in a chunk (which a GPU would add in no fixed order)."""
         full = numel // CHUNK
         index = codes.index
         if not index.numel():
             return None
         body, last = index[: full * codes.per_chunk], index[full * codes.per_chunk :]
-        low = int(index.min())
-        if low < 0 or (body.numel() and int(body.max()) >= CHUNK) or (last.numel() and int(last.max()) >= numel % CHUNK):
+        if int(index.min()) < 0 or (body.numel() and int(body.max()) >= CHUNK) or (
+                last.numel() and int(last.max()) >= numel % CHUNK):
             return "an index outside its chunk"
+        for rows in _rows(index, codes.per_chunk):
+            ordered = rows.sort(dim=1).values
+            if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
+                return "an index twice in one chunk"
         return None
 
-    def too_large(self, name: str, round_: int) -> str | None:
-        if self.settings.scale_dtype != "fp16":
-            return None
-        return (f"the delta of parameter {name!r} in round {round_} is too large for fp16 scales; "
-                "start the coordinator with --scale-dtype fp32, or lower the learning rate")
+    too_large = Blockwise.too_large
 
 
 class Sparse3(Sparse):
