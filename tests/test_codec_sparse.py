@@ -138,6 +138,34 @@ def test_error_feedback_carries_the_values_a_round_did_not_send(feedback: bool) 
         assert errors[400] > 0.8
 
 
+@pytest.mark.parametrize("feedback", [True, False])
+def test_a_host_keeps_a_residual_only_with_error_feedback(feedback: bool) -> None:
+    """``NodeoxStrategy(error_feedback=False)`` reaches the codec as it does every codec's: no residual kept."""
+    from lightning_nodeox.host.tensors import HostTensors
+
+    model = torch.nn.Linear(300, 20)
+    settings = Q4Settings(codec="sparse", error_feedback=feedback)
+    tensors = HostTensors([(n, p.detach()) for n, p in model.named_parameters()])
+    tensors.allocate(settings, codec_threads=1)
+    try:
+        with torch.no_grad():
+            for t in tensors.live:
+                t.add_(torch.randn(t.shape, generator=torch.Generator().manual_seed(t.numel())) * 0.01)
+        message = tensors.encode(tensors.live, Q4Meta("delta", 0, "h", "", samples=8), seed=None).join()
+        assert message.meta.codec == "sparse" and len(message) == Q4Layout.of(tensors.specs, SPARSE).total
+        if not feedback:
+            assert tensors.residual is None
+            return
+        for i, (live, base) in enumerate(zip(tensors.live, tensors.base)):
+            sent = torch.empty(live.numel())
+            decode_tensor(kernels(SPARSE), message.codes(i), message.scales(i), sent)
+            assert (sent != 0).sum() == math.ceil(0.01 * 4096) * (live.numel() // CHUNK) + math.ceil(
+                0.01 * (live.numel() % CHUNK))
+            assert torch.equal(tensors.residual[i], ((live - base).reshape(-1) - sent).to(torch.bfloat16))
+    finally:
+        tensors.close()
+
+
 @pytest.mark.parametrize("capacity", [None, 1, 82, CHUNK], ids=["delta", "sync 1", "sync 82", "sync 4096"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_noop_sync_changes_no_bit_of_any_model(capacity, dtype: torch.dtype) -> None:

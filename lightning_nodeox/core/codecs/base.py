@@ -4,6 +4,10 @@ A codec turns each tensor of a message into ``codes`` (bytes) and ``scales`` (it
 It says how many of each a tensor takes, whether every message of a run has the same size, the bytes of a sync
 that changes nothing, and why a finite delta might not fit. Its kernels work on one chunk at a time in their
 own scratch; the whole-tensor loops of :mod:`lightning_nodeox.core.codec` drive any codec's kernels alike.
+
+A codec of varying size (the sparse codec's syncs) is one instance per *capacity* (:meth:`Codec.at_capacity`: the
+header says it, the layout follows from it), and may structure a tensor's code bytes for its kernels
+(:meth:`Codec.codes_view`); the loops pass codes through untouched.
 """
 
 from __future__ import annotations
@@ -38,6 +42,11 @@ class Codec(ABC):
 
     def __init__(self, settings: Q4Settings) -> None:
         self.settings = settings
+
+    @property
+    def header_capacity(self) -> int | None:
+        """The capacity its messages' headers say (a codec of varying size; None: one of fixed size says none)."""
+        return self.capacity
 
     def sync_capacity(self, deltas: int) -> int | None:
         """The capacity of a sync of ``deltas`` deltas (None: every message has one layout)."""
