@@ -25,8 +25,8 @@ evaluated on a held-out test split (540 images). Modes:
     q4_no_ef         q4 with NodeoxStrategy(error_feedback=False): what error feedback buys
     q2               Nodeox, --codec q2 (2-bit, 0.53x q4's bytes at block size 64)
     q2_b256          q2 at --block-size 256 (0.49x q4's bytes)
-    sparse_d1        Nodeox, --codec sparse (top 1% of each chunk of 4096 values, 2-bit values: 0.044x q4's bytes)
-    sparse_d3        Nodeox, --codec sparse3 (top 3%: 0.13x q4's bytes)
+    sparse_d1        Nodeox, --codec sparse (top 1% of each chunk of 4096 values, 2-bit values: 0.035x q4's bytes)
+    sparse_d3        Nodeox, --codec sparse3 (top 3%: 0.10x q4's bytes)
     bf16             Nodeox, --codec bf16 (not run by default on digits)
     q4_average_hH, q4_nesterov_hH   q4 average / Nesterov at H local steps, H in 10, 20, 50, 100
                      (--local-steps-sweep runs these and DDP)

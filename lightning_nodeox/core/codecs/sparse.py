@@ -2,19 +2,21 @@
 
 A tensor of ``n`` values is cut into chunks of ``C = 4096`` values (the last one may be shorter: a tensor under
 4096 values is one short chunk). A **delta** sends, per chunk of ``m`` values, its ``k = ceil(density * m)`` values
-of largest magnitude (``k`` of a full chunk: 41 at density 1%, 123 at 3%), each as a uint16 index inside its chunk
-and a 2-bit code with q2's levels ``(2c - 3) * s``: the codes are those of ``s0 = 0.7 * mean|v|`` over the chunk's
-``k`` values, and ``s`` (one fp16 or fp32 scale a chunk) is the least-squares scale of those codes,
+of largest magnitude (``k`` of a full chunk: 41 at density 1%, 123 at 3%), each as a 12-bit index inside its
+chunk (two in three bytes) and a 2-bit code with q2's levels ``(2c - 3) * s``: the codes are those of ``s0 = 0.7 *
+mean|v|`` over the chunk's ``k`` values, and ``s`` (one fp16 or fp32 scale a chunk) is the least-squares scale of those codes,
 ``sum(v * l) / sum(l * l)``. Everything else decodes to -0.0 and stays in the host's error feedback (the residual
-``x - decoded``, exactly). Round trip error: the values not sent are lost to this round (kept by error feedback);
-a value sent keeps ``|v - d| <= max(s0, |v| - 3 s0)`` against the codes of ``s0`` (q2's bound; the least-squares
-``s`` makes the chunk's sent values' squared error no larger), up to the rounding of ``s`` to fp16. A delta has a
-fixed size: at density 1% ``2.25 k + 2`` bytes per 4096 values, 0.023 bytes a value (q4: 0.53; 0.044x), at 3%
-0.068 bytes a value (0.13x).
+``x - decoded``, exactly). A tensor's code bytes are its values (a sync's fp16 values first, where they stay
+aligned), then its indices, padded to 8 bytes.
+
+Round trip error: the values not sent are late, not lost (error feedback keeps them); a value sent keeps ``|v - d|
+<= max(s0, |v| - 3 s0)`` against the codes of ``s0`` (q2's bound; the least-squares ``s`` makes the chunk's sent
+values' squared error no larger), up to the rounding of ``s`` to fp16. A delta has a fixed size: at density 1% ``3 ceil(k / 2) + ceil(k / 4) + 2`` = 76 bytes per 4096 values, 0.019 bytes a value
+(q4: 0.53; 0.035x), at 3% 219 bytes, 0.053 bytes a value (0.10x).
 
 A **sync** has a capacity ``E`` (its header says it, in ``[1, C]``): the coordinator opens a round of ``D`` deltas
 with ``E = min(C, D * k)`` and sends, per chunk, the ``E`` values of largest magnitude of the sync delta (``ceil(E
-* k_m / k)`` of a last chunk whose deltas send ``k_m``, at most its length) as a uint16 index and an fp16 value
+* k_m / k)`` of a last chunk whose deltas send ``k_m``, at most its length) as a 12-bit index and an fp16 value
 ``q`` with one scale ``s = max|v|`` a chunk (fp16 or fp32): it decodes to ``float(q) * s`` (one IEEE multiply),
 a relative error of at most 2^-11 for ``|v| >= 6.1e-5 s`` (fp16's normal range) and ``2^-25 s`` below it, up to
 the rounding of ``s`` to fp16. Under plain averaging the mean of ``D`` deltas has at most ``D * k`` nonzeros a
@@ -54,32 +56,76 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _rows(index: torch.Tensor, per_chunk: int) -> list[torch.Tensor]:
-    """A tensor's (or some chunks') indices as rows of one chunk each: the full chunks, then a shorter last one."""
-    full = index.numel() // per_chunk
-    rows = [index[: full * per_chunk].view(full, per_chunk)]
-    if index.numel() > full * per_chunk:
-        rows.append(index[full * per_chunk :].view(1, -1))
-    return rows
+def index_bytes(entries: int) -> int:
+    """Bytes of the 12-bit indices of a chunk's ``entries``: two in three bytes."""
+    return 3 * _ceil_div(entries, 2)
+
+
+def _unpack(packed: torch.Tensor, entries: int) -> torch.Tensor:
+    """The indices (int64, rows x ``entries``) of rows of packed 12-bit indices: entry ``2i`` in byte ``3i`` and the
+    low nibble of byte ``3i + 1``, entry ``2i + 1`` in its high nibble and byte ``3i + 2``."""
+    t = packed.view(packed.shape[0], -1, 3).long()
+    low = t[..., 0] | (t[..., 1] & 15) << 8
+    high = t[..., 1] >> 4 | t[..., 2] << 4
+    return torch.stack((low, high), dim=2).view(packed.shape[0], -1)[:, :entries].contiguous()
+
+
+def _pack(index: torch.Tensor, out: torch.Tensor) -> None:
+    """Write rows of indices in [0, 4096) (int64) as packed 12-bit indices into ``out`` (rows of bytes)."""
+    if index.shape[1] % 2:
+        index = torch.nn.functional.pad(index, (0, 1))
+    pairs = index.view(index.shape[0], -1, 2)
+    low, high = pairs[..., 0], pairs[..., 1]
+    out.view(out.shape[0], -1, 3).copy_(torch.stack((low & 255, low >> 8 | (high & 15) << 4, high >> 4), dim=2))
 
 
 @dataclass(frozen=True)
 class SparseCodes:
-    """A tensor's sparse codes (or a run of its chunks'): ``index`` (int16, one an entry, chunk by chunk), ``value``
-    (a delta's: uint8, 2-bit codes packed four a byte, ``packed`` bytes a full chunk; a sync's: float16, one an
-    entry) and ``per_chunk``, the entries of a full chunk."""
+    """A tensor's sparse codes (or some of its consecutive chunks'): ``index`` (uint8, 12-bit indices, chunk by
+    chunk), ``value`` (a delta's: uint8, 2-bit codes four a byte; a sync's: float16, one an entry); ``per_chunk``
+    entries a full chunk, ``last`` those of a short last chunk among them (0: none), ``count`` chunks."""
 
     index: torch.Tensor
     value: torch.Tensor
     per_chunk: int
-    packed: int  # value bytes of a full chunk (a sync: per_chunk)
+    last: int
+    count: int
     sync: bool
 
+    def _width(self, entries: int) -> int:
+        """Elements of ``value`` a chunk of ``entries`` takes."""
+        return entries if self.sync else _ceil_div(entries, 4)
+
     def chunks(self, c0: int, c1: int) -> SparseCodes:
-        """The entries of chunks ``[c0, c1)`` (the last chunk of the tensor may be among them)."""
-        e, p = self.per_chunk, self.packed
-        return SparseCodes(self.index[c0 * e : min(c1 * e, self.index.numel())],
-                           self.value[c0 * p : min(c1 * p, self.value.numel())], e, p, self.sync)
+        """The codes of chunks ``[c0, c1)``."""
+        c1 = min(c1, self.count)
+        ib, vw = index_bytes(self.per_chunk), self._width(self.per_chunk)
+        return SparseCodes(self.index[c0 * ib : min(c1 * ib, self.index.numel())],
+                           self.value[c0 * vw : min(c1 * vw, self.value.numel())], self.per_chunk,
+                           self.last if c1 == self.count else 0, c1 - c0, self.sync)
+
+    def groups(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(entries a row, packed indices, values), rows of one chunk each: the full chunks, then a short last one."""
+        full = self.count - (1 if self.last else 0)
+        ib, vw = index_bytes(self.per_chunk), self._width(self.per_chunk)
+        out = []
+        if full:
+            out.append((self.per_chunk, self.index[: full * ib].view(full, ib), self.value[: full * vw].view(full, vw)))
+        if self.last:
+            out.append((self.last, self.index[full * ib :].view(1, -1), self.value[full * vw :].view(1, -1)))
+        return out
+
+    def indices(self) -> torch.Tensor:
+        """Every entry's index inside its chunk (int64, in order)."""
+        parts = [_unpack(packed, e).view(-1) for e, packed, _ in self.groups()]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=self.index.device)
+
+    def write_indices(self, flat: torch.Tensor) -> None:
+        """Set every entry's index (int64, in order, each in [0, 4096))."""
+        at = 0
+        for e, packed, _ in self.groups():
+            _pack(flat[at : at + packed.shape[0] * e].view(packed.shape[0], e), packed)
+            at += packed.shape[0] * e
 
 
 class Sparse(Codec):
@@ -127,38 +173,36 @@ class Sparse(Codec):
     def alignment(self) -> int:
         return CHUNK
 
-    def _counts(self, numel: int) -> tuple[int, int, int]:
-        """(entries, value bytes, entries of a full chunk) of a tensor of ``numel`` values."""
+    def _counts(self, numel: int) -> tuple[int, int, int, int]:
+        """(value bytes, index bytes, entries of a full chunk, entries of a short last one) of ``numel`` values."""
         full, tail = divmod(numel, CHUNK)
         e = self.chunk_entries(CHUNK)
         last = self.chunk_entries(tail) if tail else 0
-        entries = full * e + last
-        if self.sync:
-            return entries, 2 * entries, e
-        return entries, full * _ceil_div(e, 4) + _ceil_div(last, 4), e
+        value_bytes = 2 * (full * e + last) if self.sync else full * _ceil_div(e, 4) + _ceil_div(last, 4)
+        return value_bytes, full * index_bytes(e) + index_bytes(last), e, last
 
     def scale_count(self, numel: int) -> int:
         return _ceil_div(numel, CHUNK)
 
     def code_bytes(self, numel: int) -> int:
-        entries, value_bytes, _ = self._counts(numel)
-        size = 2 * entries + value_bytes
+        value_bytes, index_bytes_, _, _ = self._counts(numel)
+        size = value_bytes + index_bytes_
         return size + -size % 8  # the next tensor's scales stay aligned
 
     def codes_view(self, codes: torch.Tensor, numel: int) -> SparseCodes:
-        entries, value_bytes, e = self._counts(numel)
-        index = codes[: 2 * entries].view(torch.int16)
-        value = codes[2 * entries : 2 * entries + value_bytes]
-        if self.sync:
-            return SparseCodes(index, value.view(torch.float16), e, e, True)
-        return SparseCodes(index, value, e, _ceil_div(e, 4), False)
+        """A tensor's code bytes: its values (fp16 ones first, where they stay aligned), then its indices."""
+        value_bytes, index_bytes_, e, last = self._counts(numel)
+        value = codes[:value_bytes]
+        index = codes[value_bytes : value_bytes + index_bytes_]
+        return SparseCodes(index, value.view(torch.float16) if self.sync else value, e, last,
+                           self.scale_count(numel), self.sync)
 
     def kernels(self, device: torch.device | str = "cpu", chunk: int | None = None) -> SparseKernels:
         return SparseKernels(self, device, chunk)
 
     def fill_noop(self, codes: SparseCodes, scales: torch.Tensor) -> None:
-        for rows in _rows(codes.index, codes.per_chunk):  # indices 0, 1, ... in every chunk
-            rows.copy_(torch.arange(rows.shape[1], dtype=torch.int16, device=rows.device))
+        for e, packed, _ in codes.groups():  # indices 0, 1, ... in every chunk
+            _pack(torch.arange(e, device=packed.device).expand(packed.shape[0], e), packed)
         codes.value.fill_(0.0 if codes.sync else NOOP_CODE)
         scales.fill_(-0.0)
 
@@ -172,16 +216,13 @@ class Sparse(Codec):
 
     def malformed(self, codes: SparseCodes, scales: torch.Tensor, numel: int) -> str | None:
         """An index outside its chunk, or one twice in a chunk (which a GPU would add in no fixed order)."""
-        full = numel // CHUNK
-        index = codes.index
-        if not index.numel():
-            return None
-        body, last = index[: full * codes.per_chunk], index[full * codes.per_chunk :]
-        if int(index.min()) < 0 or (body.numel() and int(body.max()) >= CHUNK) or (
-                last.numel() and int(last.max()) >= numel % CHUNK):
-            return "an index outside its chunk"
-        for rows in _rows(index, codes.per_chunk):
-            ordered = rows.sort(dim=1).values
+        groups = codes.groups()
+        for g, (e, packed, _) in enumerate(groups):
+            index = _unpack(packed, e)
+            length = numel % CHUNK if codes.last and g == len(groups) - 1 else CHUNK
+            if index.numel() and int(index.max()) >= length:
+                return "an index outside its chunk"
+            ordered = index.sort(dim=1).values
             if bool((ordered[:, 1:] == ordered[:, :-1]).any()):
                 return "an index twice in one chunk"
         return None
@@ -212,18 +253,6 @@ class SparseKernels(Kernels):
         c0, c1 = start // CHUNK, _ceil_div(start + padded, CHUNK)
         return codes.chunks(c0, c1), scales[c0:c1]
 
-    def _groups(self, m: int, codes: SparseCodes):
-        """The chunk groups of ``m`` values: (value offset, rows, row length, entries a row, entry offset, value
-        byte offset) for the full chunks, then the short last one."""
-        full, tail = divmod(m, CHUNK)
-        out = []
-        if full:
-            out.append((0, full, CHUNK, codes.per_chunk, 0, 0))
-        if tail:
-            entries = codes.index.numel() - full * codes.per_chunk
-            out.append((full * CHUNK, 1, tail, entries, full * codes.per_chunk, full * codes.packed))
-        return out
-
     # -- encode ---------------------------------------------------------------------------------------------
     def quantize(self, m: int, codes_out: SparseCodes, scales_out: torch.Tensor, *,
                  residual_out: torch.Tensor | None = None, dequant_out: torch.Tensor | None = None,
@@ -235,22 +264,23 @@ class SparseKernels(Kernels):
             residual_out.copy_(x)
         if dequant_out is not None:
             dequant_out[:m].fill_(-0.0)
-        for at, rows, length, e, entry, byte in self._groups(m, codes_out):
+        at = 0
+        for e, packed, values in codes_out.groups():
+            rows = packed.shape[0]
+            length = min(CHUNK, m - at)
             xr = x[at : at + rows * length].view(rows, length)
             index = self.index[: rows * e].view(rows, e)
             torch.topk(xr.abs(), e, dim=1, sorted=False, out=(self.y[: rows * e].view(rows, e), index))
             v = torch.gather(xr, 1, index)
             sc = scales_out[at // CHUNK : at // CHUNK + rows]
-            if codes_out.sync:
-                d = self._encode_values(v, sc, codes_out.value[entry : entry + rows * e].view(rows, e))
-            else:
-                packed = codes_out.value[byte : byte + rows * _ceil_div(e, 4)].view(rows, -1)
-                d = self._encode_codes(v, sc, packed)
-            codes_out.index[entry : entry + rows * e].view(rows, e).copy_(index)
+            d = self._encode_values(v, sc, values) if codes_out.sync else self._encode_codes(v, sc, values)
+            _pack(index, packed)
             if residual_out is not None:
-                residual_out[at : at + rows * length].view(rows, length).scatter_(1, index, (v - d).to(residual_out.dtype))
+                residual_out[at : at + rows * length].view(rows, length).scatter_(
+                    1, index, (v - d).to(residual_out.dtype))
             if dequant_out is not None:
                 dequant_out[at : at + rows * length].view(rows, length).scatter_(1, index, d)
+            at += rows * length
 
     def _publish(self, scale: torch.Tensor, scales_out: torch.Tensor) -> torch.Tensor:
         """Write the scales; returns what a decoder reads (fp32)."""
@@ -283,25 +313,21 @@ class SparseKernels(Kernels):
         return values.float() * s[:, None]
 
     # -- decode ---------------------------------------------------------------------------------------------
-    def _decoded(self, codes: SparseCodes, scales: torch.Tensor, at: int, rows: int, e: int, entry: int,
-                 byte: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The indices (int64) and decoded values of a group of chunks."""
-        s = scales[at // CHUNK : at // CHUNK + rows].float()
-        index = self.index[: rows * e].view(rows, e)
-        index.copy_(codes.index[entry : entry + rows * e].view(rows, e))
-        if codes.sync:
-            return index, codes.value[entry : entry + rows * e].view(rows, e).float() * s[:, None]
-        packed = codes.value[byte : byte + rows * _ceil_div(e, 4)].view(rows, -1)
-        c = torch.stack([packed & 3, packed >> 2 & 3, packed >> 4 & 3, packed >> 6 & 3], dim=2).view(rows, -1)[:, :e]
-        level = c.float().mul_(2).sub_(TOP)
-        return index, level * s[:, None]
-
     def dequantize(self, codes: SparseCodes, scales: torch.Tensor, mp: int) -> torch.Tensor:
         """The decoded values of ``mp`` values (in ``self.d``): -0.0 where nothing was sent."""
         d = self.d[:mp].fill_(-0.0)
-        for at, rows, length, e, entry, byte in self._groups(mp, codes):
-            index, values = self._decoded(codes, scales, at, rows, e, entry, byte)
-            d[at : at + rows * length].view(rows, length).scatter_add_(1, index, values)
+        at = 0
+        for e, packed, values in codes.groups():
+            rows = packed.shape[0]
+            length = min(CHUNK, mp - at)
+            s = scales[at // CHUNK : at // CHUNK + rows].float()[:, None]
+            if codes.sync:
+                decoded = values.float() * s
+            else:
+                c = torch.stack([values & 3, values >> 2 & 3, values >> 4 & 3, values >> 6 & 3], dim=2)
+                decoded = c.view(rows, -1)[:, :e].float().mul_(2).sub_(TOP) * s
+            d[at : at + rows * length].view(rows, length).scatter_add_(1, _unpack(packed, e), decoded)
+            at += rows * length
         return d
 
     def accumulate(self, codes: SparseCodes, scales: torch.Tensor, m: int, acc: torch.Tensor, weight: float,
