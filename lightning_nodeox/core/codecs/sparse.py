@@ -3,16 +3,17 @@
 A tensor of ``n`` values is cut into chunks of ``C = 4096`` values (the last one may be shorter: a tensor under
 4096 values is one short chunk). A **delta** sends, per chunk of ``m`` values, its ``k = ceil(density * m)`` values
 of largest magnitude (``k`` of a full chunk: 41 at density 1%, 123 at 3%), each as a 12-bit index inside its
-chunk (two in three bytes) and a 2-bit code with q2's levels ``(2c - 3) * s``: the codes are those of ``s0 = 0.7 *
-mean|v|`` over the chunk's ``k`` values, and ``s`` (one fp16 or fp32 scale a chunk) is the least-squares scale of those codes,
-``sum(v * l) / sum(l * l)``. Everything else decodes to -0.0 and stays in the host's error feedback (the residual
-``x - decoded``, exactly). A tensor's code bytes are its values (a sync's fp16 values first, where they stay
-aligned), then its indices, padded to 8 bytes.
+chunk (two in three bytes) and a 2-bit code with q2's levels ``(2c - 3) * s``: the codes are those of
+``s0 = 0.7 * mean|v|`` over the chunk's ``k`` values, and ``s`` (one fp16 or fp32 scale a chunk) is the
+least-squares scale of those codes, ``sum(v * l) / sum(l * l)``. Everything else decodes to -0.0 and stays in the
+host's error feedback (the residual ``x - decoded``, exactly). A tensor's code bytes are its values (a sync's fp16
+values first, where they stay aligned), then its indices, padded to 8 bytes.
 
-Round trip error: the values not sent are late, not lost (error feedback keeps them); a value sent keeps ``|v - d|
-<= max(s0, |v| - 3 s0)`` against the codes of ``s0`` (q2's bound; the least-squares ``s`` makes the chunk's sent
-values' squared error no larger), up to the rounding of ``s`` to fp16. A delta has a fixed size: at density 1% ``3 ceil(k / 2) + ceil(k / 4) + 2`` = 76 bytes per 4096 values, 0.019 bytes a value
-(q4: 0.53; 0.035x), at 3% 219 bytes, 0.053 bytes a value (0.10x).
+Round trip error: the values not sent are late, not lost (error feedback keeps them); a value sent keeps
+``|v - d| <= max(s0, |v| - 3 s0)`` against the codes of ``s0`` (q2's bound; the least-squares ``s`` makes the
+chunk's sent values' squared error no larger), up to the rounding of ``s`` to fp16. A delta has a fixed size: at
+density 1% ``3 ceil(k / 2) + ceil(k / 4) + 2`` = 76 bytes per 4096 values, 0.019 bytes a value (q4: 0.53;
+0.035x), at 3% 219 bytes, 0.053 bytes a value (0.10x).
 
 A **sync** has a capacity ``E`` (its header says it, in ``[1, C]``): the coordinator opens a round of ``D`` deltas
 with ``E = min(C, D * k)`` and sends, per chunk, the ``E`` values of largest magnitude of the sync delta (``ceil(E
