@@ -100,6 +100,11 @@ def test_a_delta_is_the_top_k_of_each_chunk_in_2_bits_and_the_residual_keeps_the
     assert torch.equal(kept, (x - decoded).to(torch.bfloat16))
 
 
+def test_stochastic_rounding_is_refused_naming_the_fix() -> None:
+    with pytest.raises(ValueError, match="codec 'sparse3' rounds to nearest only: use rounding='nearest'"):
+        codec_for(Q4Settings(codec="sparse3", rounding="stochastic"))
+
+
 @pytest.mark.parametrize("entries", [1, 2, 41, 123, 4096])
 def test_indices_pack_two_in_three_bytes(entries: int) -> None:
     codec = codec_for(SPARSE).at_capacity(min(entries, CHUNK))

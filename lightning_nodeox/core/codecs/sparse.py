@@ -139,7 +139,8 @@ class Sparse(Codec):
     def __init__(self, settings: Q4Settings, capacity: int | None = None) -> None:
         super().__init__(settings)
         if settings.rounding != "nearest":
-            raise ValueError(f"codec {self.name!r} rounds to nearest only; drop --rounding {settings.rounding}")
+            raise ValueError(f"codec {self.name!r} rounds to nearest only: use rounding='nearest' (NodeoxStrategy's "
+                             "default), or another --codec")
         self.k = self.entries(CHUNK)
         if capacity is not None and not 1 <= capacity <= CHUNK:
             raise ValueError(f"a sparse sync's capacity is in [1, {CHUNK}], got {capacity}")
