@@ -1,6 +1,7 @@
 """The sparse codecs (``sparse``: 1%, ``sparse3``: 3%): the top-k round trip and its error bound, error feedback
 carrying what a round did not send, the no-op sync, the sync of a round's deltas (exact support under averaging,
-the top of a dense step under Nesterov) and its precision, malformed messages refused, and a real run."""
+the top of a dense step under Nesterov) and its precision, malformed messages refused (in process and over HTTP),
+a host's delta and sync through HostTensors, and a real run."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ import sys
 import zlib
 
 import pytest
+import requests
 import torch
-from helpers import HOSTS, MODEL, SPECS, bits, body_bytes, launch, load, model_file, read_events
+from helpers import HOSTS, MODEL, SPECS, Coordinator, bits, body_bytes, launch, load, model_file, read_events
 from local_transport import LocalClient, LocalCoordinator
 
+from lightning_nodeox.coordinator.model import CoordinatorModel
 from lightning_nodeox.core import safetensors
 from lightning_nodeox.core.codec import (
     accumulate_tensor,
@@ -27,10 +30,13 @@ from lightning_nodeox.core.codec import (
 from lightning_nodeox.core.codecs import codec_for
 from lightning_nodeox.core.codecs.sparse import CHUNK, SCALE, Sparse
 from lightning_nodeox.core.hashing import model_hash
-from lightning_nodeox.core.protocol import Reason, Refusal, Upload
+from lightning_nodeox.core.pool import WorkerPool
+from lightning_nodeox.core.protocol import CREDENTIAL_HEADER, OCTETS, Reason, Refusal, Upload
 from lightning_nodeox.core.settings import Q4Settings
 from lightning_nodeox.core.specs import PayloadError, spec_of
 from lightning_nodeox.core.wire import Q4Layout, Q4Message, Q4Meta
+from lightning_nodeox.host.client import HttpClient
+from lightning_nodeox.host.tensors import HostTensors
 
 SPARSE = Q4Settings(codec="sparse")
 SPARSE3 = Q4Settings(codec="sparse3")
@@ -160,8 +166,6 @@ def test_error_feedback_carries_the_values_a_round_did_not_send(feedback: bool) 
 @pytest.mark.parametrize("feedback", [True, False])
 def test_a_host_keeps_a_residual_only_with_error_feedback(feedback: bool) -> None:
     """``NodeoxStrategy(error_feedback=False)`` reaches the codec as it does every codec's: no residual kept."""
-    from lightning_nodeox.host.tensors import HostTensors
-
     model = torch.nn.Linear(300, 20)
     settings = Q4Settings(codec="sparse", error_feedback=feedback)
     tensors = HostTensors([(n, p.detach()) for n, p in model.named_parameters()])
@@ -469,10 +473,6 @@ def test_a_host_encodes_a_delta_the_coordinator_takes_and_applies_its_sync_to_th
     """Through HostTensors (on a GPU: its staging areas; a sync of two deltas outgrows the delta's) and the
     coordinator's model: the host's delta is the codec's, and the sync applied by the host reaches the
     coordinator's bytes and hash, on every dtype."""
-    from lightning_nodeox.coordinator.model import CoordinatorModel
-    from lightning_nodeox.core.pool import WorkerPool
-    from lightning_nodeox.host.tensors import HostTensors
-
     gen = torch.Generator().manual_seed(4)
     named = [("w", torch.randn(3 * CHUNK + 5, generator=gen)), ("h", torch.randn(40, 30, generator=gen).half()),
              ("b", torch.randn(70, generator=gen).bfloat16()), ("steps", torch.tensor([3, 4]))]
@@ -510,3 +510,31 @@ def test_a_host_encodes_a_delta_the_coordinator_takes_and_applies_its_sync_to_th
     finally:
         host.close()
         pool.close()
+
+
+@pytest.mark.slow
+def test_malformed_sparse_deltas_over_http_get_400_and_the_round_keeps_what_it_took(tmp_path) -> None:
+    """The rows of BAD_DELTAS against a real ``nodeox coordinator --codec sparse``: each a 400 with its JSON error and
+    reason; the round then publishes the model of host a's and host b's good deltas."""
+    coord = Coordinator(tmp_path / "run", 2, "--codec", "sparse")
+    try:
+        a, b = HttpClient(coord.url, host="a", retry_for=5), HttpClient(coord.url, host="b", retry_for=5)
+        tensors = [s.as_json() for s in SPECS]
+        assert a.join(tensors).provide_model
+        initial = a.put_model(memoryview(model_file()))
+        credential = b.join(tensors).credential
+        good_a = sparse_delta("a", initial, GOOD_A, samples=30)
+        assert a.post_delta(0, memoryview(bytearray(good_a.view()))) is Upload.TAKEN
+        for name, (body, text) in BAD_DELTAS.items():
+            answer = requests.post(f"{coord.url}/v1/rounds/0/delta", params={"host": "b"}, data=bytes(body(initial)),
+                                   headers={"Content-Type": OCTETS, CREDENTIAL_HEADER: credential}, timeout=30)
+            assert answer.status_code == 400 and text in answer.json()["error"], (name, answer.text)
+            assert answer.json()["reason"] == "invalid", name
+        good_b = sparse_delta("b", initial)
+        assert b.post_delta(0, memoryview(bytearray(good_b.view()))) is Upload.TAKEN
+        sync = Q4Message.parse(body_bytes(b.wait_sync(0).body))
+        after = expected_sync([t for _, t in MODEL], [(good_a, 30), (good_b, 10)], 82)
+        assert sync.meta.capacity == 82 and sync.meta.model_hash == model_hash(
+            [(n, t) for (n, _), t in zip(MODEL, after)])
+    finally:
+        coord.stop()
