@@ -25,12 +25,15 @@ evaluated on a held-out test split (540 images). Modes:
     q4_no_ef         q4 with NodeoxStrategy(error_feedback=False): what error feedback buys
     q2               Nodeox, --codec q2 (2-bit, 0.53x q4's bytes at block size 64)
     q2_b256          q2 at --block-size 256 (0.49x q4's bytes)
+    sparse_d1        Nodeox, --codec sparse (top 1% of each chunk of 4096 values, 2-bit values: 0.035x q4's bytes)
+    sparse_d3        Nodeox, --codec sparse3 (top 3%: 0.10x q4's bytes)
     q4_f4            q4 with NodeoxStrategy(fragments=4): a round every local_steps/4 steps exchanges a quarter
     bf16             Nodeox, --codec bf16 (not run by default on digits)
     q4_average_hH, q4_nesterov_hH   q4 average / Nesterov at H local steps, H in 10, 20, 50, 100
                      (--local-steps-sweep runs these and DDP)
 
-The lm workload runs ddp, fp32, bf16, q4, q4_nesterov, q4_no_ef, q2, q2_b256 and q4_f4 by default (--modes takes any).
+The lm workload runs ddp, fp32, bf16, q4, q4_nesterov, q4_no_ef, q2, q2_b256, sparse_d1, sparse_d3 and q4_f4 by
+default (--modes takes any).
 
 Every mode runs 2 hosts unless it says otherwise; the 4-host modes' differences and ratios to DDP are to DDP's 2
 ranks all the same (their own comparison is to each other: the relay goal).
@@ -114,13 +117,16 @@ MODES: dict[str, dict] = {
     "q4_f4": {"kind": "nodeox", "strategy": {"fragments": 4}},
     "q2": {"kind": "nodeox", "coordinator": ["--codec", "q2"]},
     "q2_b256": {"kind": "nodeox", "coordinator": ["--codec", "q2", "--block-size", "256"]},
+    "sparse_d1": {"kind": "nodeox", "coordinator": ["--codec", "sparse"]},
+    "sparse_d3": {"kind": "nodeox", "coordinator": ["--codec", "sparse3"]},
     "bf16": {"kind": "nodeox", "coordinator": ["--codec", "bf16"]},
     **{f"q4_{outer}_h{h}": {"kind": "nodeox", "local_steps": h, "coordinator": options}
        for outer, options in (("average", ["--outer-optimizer", "average"]), ("nesterov", DILOCO)) for h in SWEEP},
 }
 SWEEP_MODES = [m for m in MODES if MODES[m].get("local_steps")]
 DEFAULT_MODES = [m for m in MODES if m not in ("bf16", "q2_b256", *SWEEP_MODES)]
-LM_MODES = ["ddp", "fp32", "bf16", "q4", "q4_nesterov", "q4_no_ef", "q2", "q2_b256", "q4_f4"]
+LM_MODES = ["ddp", "fp32", "bf16", "q4", "q4_nesterov", "q4_no_ef", "q2", "q2_b256", "sparse_d1", "sparse_d3",
+            "q4_f4"]
 
 
 @dataclass(frozen=True)
@@ -595,7 +601,7 @@ def lm_goals(modes: dict) -> list[dict]:
     feedback measured against q4 with (what error feedback buys: met once both ran)."""
     base = modes.get("q4", {}).get("summary")
     out = []
-    for mode in ("q2", "q2_b256"):
+    for mode in ("q2", "q2_b256", "sparse_d1", "sparse_d3"):
         goal = (f"{mode}: at most 0.5x q4's bytes per host, validation loss within q4's seed spread "
                 f"(mean <= q4's mean + (max - min))")
         s = modes.get(mode, {}).get("summary")

@@ -10,8 +10,7 @@ from reference_q4 import kernels
 
 from lightning_nodeox.coordinator.model import CoordinatorModel
 from lightning_nodeox.core.codec import apply_sync
-from lightning_nodeox.core.codecs import REGISTRY, Codec, codec_for
-from lightning_nodeox.core.codecs.raw import FP32
+from lightning_nodeox.core.codecs import REGISTRY, Codec, codec_class, codec_for
 from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.pool import WorkerPool
 from lightning_nodeox.core.settings import CODECS, Q4Settings
@@ -21,6 +20,7 @@ from lightning_nodeox.host.tensors import HostTensors
 
 NOOP_BYTES = {"q4": (b"\x88", b"\x00\x80"), "q2": (b"\xaa", b"\x00\x80"), "bf16": (b"\x00\x80", b""), "fp32": (b"\x00\x00\x00\x80", b"")}
 INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+FIXED = tuple(name for name in CODECS if codec_class(name).fixed_size)  # the sparse codecs: tests/test_codec_sparse.py
 
 
 def as_ints(t: torch.Tensor) -> torch.Tensor:
@@ -52,11 +52,12 @@ def delta(specs, settings: Q4Settings, values: list[torch.Tensor]) -> Q4Message:
 
 
 def test_every_codec_is_found_by_its_name() -> None:
-    assert CODECS == ("q4", "q2", "bf16", "fp32") == tuple(REGISTRY)
+    assert CODECS == ("q4", "q2", "bf16", "fp32", "sparse", "sparse3") == tuple(REGISTRY)
+    assert FIXED == ("q4", "q2", "bf16", "fp32")
     for name in CODECS:
         codec = codec_for(Q4Settings(codec=name, block_size=32))
-        assert codec.name == name and codec.fixed_size and codec.settings.block_size == 32
-    with pytest.raises(ValueError, match=r"codec='int2' is not supported; use one of \('q4', 'q2', 'bf16', 'fp32'\)"):
+        assert codec.name == name and codec.settings.block_size == 32
+    with pytest.raises(ValueError, match=r"codec='int2' is not supported; use one of \('q4', 'q2', 'bf16', 'fp32', "):
         Q4Settings(codec="int2")
 
 
@@ -85,17 +86,16 @@ def test_only_the_blockwise_codecs_with_fp16_scales_have_a_finite_delta_they_can
         assert codec_for(settings).too_large("fc.weight", 3) is None
 
 
-def test_a_codec_of_varying_message_size_is_refused_by_the_fixed_layout(monkeypatch) -> None:
-    class TopK(FP32):
-        name = "topk"
-        fixed_size = False
+@pytest.mark.parametrize("name", FIXED)
+def test_a_codec_of_fixed_size_takes_no_capacity(name: str) -> None:
+    specs = spec_of([("t", torch.zeros(10))])
+    with pytest.raises(ValueError, match=f"codec '{name}' has messages of one size; its messages carry no capacity"):
+        Q4Layout.of(specs, Q4Settings(codec=name), capacity=8)
+    layout = Q4Layout.of(specs, Q4Settings(codec=name))
+    assert layout.capacity is None and "capacity" not in Q4Message.allocate(layout).meta.metadata("0")
 
-    monkeypatch.setitem(REGISTRY, "topk", TopK)
-    with pytest.raises(ValueError, match="codec 'topk' has messages of varying size"):
-        Q4Layout.of(spec_of([("t", torch.zeros(10))]), Q4Settings(codec="topk"))
 
-
-@pytest.mark.parametrize("name", CODECS)
+@pytest.mark.parametrize("name", FIXED)
 def test_the_noop_sync_is_minus_zero_in_every_value(name: str) -> None:
     settings = Q4Settings(codec=name)
     message = Q4Message.allocate(Q4Layout.of(spec_of([("t", torch.zeros(100))]), settings))
@@ -110,7 +110,7 @@ def test_the_noop_sync_is_minus_zero_in_every_value(name: str) -> None:
     assert torch.equal(as_ints(decoded), as_ints(torch.full((100,), -0.0)))
 
 
-@pytest.mark.parametrize("name", CODECS)
+@pytest.mark.parametrize("name", FIXED)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_noop_sync_changes_no_bit_of_any_model(name: str, dtype: torch.dtype) -> None:
     settings = Q4Settings(codec=name)

@@ -75,14 +75,15 @@ class CoordinatorModel:
         self.layout = Q4Layout.of(specs, settings)  # of the whole model: the largest delta
         self._index = {s.name: i for i, s in enumerate(specs)}
         self._positions: Recent[tuple[TensorSpec, ...], tuple[int, ...]] = Recent(CACHED_SETS)
-        self._layouts: Recent[tuple[int, ...], Q4Layout] = Recent(CACHED_SETS)
-        self._layouts.get(tuple(range(len(specs))), lambda: self.layout)
+        self._layouts: Recent[tuple, Q4Layout] = Recent(CACHED_SETS)
+        self._layouts.get((tuple(range(len(specs))), None), lambda: self.layout)
         self.acc = [torch.empty(s.coded, dtype=torch.float32) for s in specs]
         self.raw = [i for i, s in enumerate(specs) if s.raw]
         self.raw_taken = {i: torch.empty(specs[i].nbytes, dtype=torch.uint8) for i in self.raw}  # the round's choice
         self.raw_from: dict[int, str] = {}  # raw tensor -> the host its values were taken from
         self.outer = make_outer(outer, specs)
         self.weight = 0  # the round's samples
+        self.deltas = 0  # the round's deltas begun (a sparse sync's capacity follows it)
         self.weights = [0] * len(specs)  # the round's samples, per tensor
         self.moving: set[int] = set()  # the round's set so far
         self._digests: list[RowHasher | None] = [None] * len(specs)  # θ's row digests (None: not known)
@@ -103,9 +104,11 @@ class CoordinatorModel:
         the model's); kept for the sets seen last."""
         return self._positions.get(specs, lambda: positions_in(self.specs, specs, what, self._index))
 
-    def layout_of(self, indices: tuple[int, ...]) -> Q4Layout:
-        """The message layout of the tensors ``indices`` (kept for the sets seen last)."""
-        return self._layouts.get(indices, lambda: Q4Layout.of(tuple(self.specs[i] for i in indices), self.settings))
+    def layout_of(self, indices: tuple[int, ...], capacity: int | None = None) -> Q4Layout:
+        """The message layout of the tensors ``indices`` (a sync of ``capacity``, for a codec of varying size; kept
+        for the sets seen last)."""
+        return self._layouts.get((indices, capacity), lambda: Q4Layout.of(tuple(self.specs[i] for i in indices),
+                                                                           self.settings, capacity=capacity))
 
     # -- one round ------------------------------------------------------------------------------------------
     def accumulate(self, message: Q4Message, samples: int) -> None:
@@ -120,6 +123,7 @@ class CoordinatorModel:
         indices = self.positions(message.meta.tensors)
         self.moving.update(indices)
         self.weight += max(samples, 0)
+        self.deltas += 1
         return indices
 
     def accumulate_piece(self, message: Q4Message, k: int, samples: int, indices: tuple[int, ...]) -> None:
@@ -148,7 +152,7 @@ class CoordinatorModel:
 
     def end_round(self) -> None:
         """The round's accumulation is done with: its weights, set and raw choices start over."""
-        self.weight = 0
+        self.weight = self.deltas = 0
         for i in self.moving:
             self.weights[i] = 0
         self.moving = set()
@@ -167,7 +171,7 @@ class CoordinatorModel:
         round's samples and ``metrics``: its sync_dist values, reduced across hosts) is written and may be sent;
         its pieces follow (:meth:`close_piece`), each once the deltas' tensors in it are all accumulated."""
         indices = tuple(sorted(self.moving))
-        message = self._free_sync_buffer(self.layout_of(indices))
+        message = self._free_sync_buffer(self.layout_of(indices, self.layout.codec.sync_capacity(self.deltas)))
         message.write_head(Q4Meta("sync", round_, "coordinator", self.hash, samples=self.weight,
                                   metrics=metrics or {}))
         closing = SyncClosing(round_, indices, message, self.hash, list(self._digests))
@@ -208,7 +212,7 @@ class CoordinatorModel:
         if not_finite:
             for j in tensors:
                 if not self.specs[indices[j]].raw:
-                    self.layout.codec.fill_noop(message.codes(j), message.scales(j))
+                    message.layout.codec.fill_noop(message.codes(j), message.scales(j))
             for j in tensors:  # unchanged: their digests are θ's as it was
                 self._digests[indices[j]] = closing.digests[indices[j]]
             names = sorted(self.specs[i].name for i in not_finite)

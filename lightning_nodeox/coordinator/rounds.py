@@ -327,6 +327,7 @@ class Rounds:
             model = self.state.model
             if model is not None:
                 model.weight -= max(delta.samples, 0)
+                model.deltas -= 1
             asyncio.ensure_future(self.state.notify())
             return why
         delta.cut = str(why)  # text: a log record keeps its arguments (an exception would keep its frames)

@@ -12,7 +12,7 @@ from .codecs import REGISTRY
 if TYPE_CHECKING:
     import torch
 
-CODECS = tuple(REGISTRY)  # q4, q2; bf16 and fp32: unquantized, for ablations
+CODECS = tuple(REGISTRY)  # q4, q2; bf16 and fp32: unquantized, for ablations; sparse, sparse3: top-k 1% and 3%
 BLOCK_SIZES = (32, 64, 128, 256)
 SCALE_DTYPES = ("fp16", "fp32")
 ROUNDINGS = ("nearest", "stochastic")
@@ -55,7 +55,8 @@ class Q4Settings:
 
     Args:
         codec: ``"q4"``; ``"q2"`` (2-bit, about half of q4's bytes, a coarser delta); ``"bf16"`` or ``"fp32"``
-            send deltas unquantized (an ablation: what q4 costs).
+            send deltas unquantized (an ablation: what q4 costs); ``"sparse"`` and ``"sparse3"`` the top 1% or 3%
+            of each chunk of 4096 values with 2-bit values (rounding to nearest only).
         block_size: values per scale (32, 64, 128 or 256).
         scale_dtype: ``"fp16"`` (smaller payload) or ``"fp32"`` (any magnitude).
         rounding: ``"nearest"`` or ``"stochastic"`` (unbiased, noisier).

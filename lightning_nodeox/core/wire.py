@@ -109,6 +109,7 @@ class Q4Meta:
     tensors: tuple[TensorSpec, ...] = field(default=(), repr=False)
     metrics: dict[str, list] = field(default_factory=dict)  # {name: [value, reduction]} (see fit_metrics)
     piece_bytes: int = PIECE_BYTES
+    capacity: int | None = None  # a codec of varying size: entries a chunk (see the codec); None: fixed size
 
     def metadata(self, crc: str) -> dict[str, str]:
         md = {
@@ -119,6 +120,8 @@ class Q4Meta:
             "piece_bytes": str(self.piece_bytes),
             "tensors": json.dumps([s.as_json() for s in self.tensors], separators=(",", ":")),
         }
+        if self.capacity is not None:
+            md["capacity"] = str(self.capacity)
         if self.metrics:
             md["metrics"] = metrics_json(self.metrics)
         md["crc32"] = crc
@@ -211,24 +214,34 @@ class Q4Layout:
     data_start: int
     total: int
     codec: Codec = field(compare=False, repr=False)
+    capacity: int | None = None  # a sync of a codec of varying size: its capacity (None: a delta, or fixed size)
 
     @classmethod
-    def of(cls, specs: tuple[TensorSpec, ...], settings: Q4Settings, piece_bytes: int | None = None) -> Q4Layout:
+    def of(cls, specs: tuple[TensorSpec, ...], settings: Q4Settings, piece_bytes: int | None = None,
+           capacity: int | None = None) -> Q4Layout:
+        """The layout of a message of ``specs``; ``capacity``: a sync's, for a codec of varying size (the
+        codec's ``at_capacity`` says which it takes)."""
         codec = codec_for(settings)
-        if not codec.fixed_size:
-            raise ValueError(f"codec {codec.name!r} has messages of varying size; this wire format holds "
-                             "fixed-size messages only")
+        if capacity is not None:
+            codec = codec.at_capacity(capacity)
         piece_bytes = piece_bytes_default() if piece_bytes is None else check_piece_bytes(piece_bytes)
         regions, pieces, trailer = regions_for(specs, codec, piece_bytes)
         longest = Q4Meta("delta", 2**63 - 1, "h" * 64, "f" * 32, 2**63 - 1, "", True,
-                         settings.block_size, settings.scale_dtype, settings.codec, specs, piece_bytes=MAX_PIECE_BYTES)
+                         settings.block_size, settings.scale_dtype, settings.codec, specs, piece_bytes=MAX_PIECE_BYTES,
+                         capacity=_header_capacity(codec))
         parts = (regions, pieces, trailer)
         reserved = len(_header_json(longest, parts, codec, _CRC_PLACEHOLDER).encode()) + 64
         reserved += METRICS_BYTES + len(',"metrics":""')
         reserved += -reserved % 8
         data_bytes = trailer + TRAILER_BYTES
         return cls(specs, settings, tuple(regions), tuple(pieces), trailer, piece_bytes, 8 + reserved,
-                   8 + reserved + data_bytes, codec)
+                   8 + reserved + data_bytes, codec, capacity)
+
+    def codes_of(self, j: int, codes: torch.Tensor):
+        """Tensor ``j``'s codes as its codec's kernels take them, from its bytes ``codes`` (a raw tensor's: its
+        bytes)."""
+        spec = self.specs[j]
+        return codes if spec.raw else self.codec.codes_view(codes, spec.numel)
 
     def piece_of(self, j: int) -> int:
         """The piece that holds tensor ``j``."""
@@ -258,7 +271,7 @@ class Q4Message:
         buffer = torch.empty(layout.total, dtype=torch.uint8, pin_memory=pin_memory)
         meta = Q4Meta("delta", 0, "", "", block_size=layout.settings.block_size,
                       scale_dtype=layout.settings.scale_dtype, codec=layout.settings.codec, tensors=layout.specs,
-                      piece_bytes=layout.piece_bytes)
+                      piece_bytes=layout.piece_bytes, capacity=_header_capacity(layout.codec))
         return cls(buffer, layout, meta)
 
     def __len__(self) -> int:
@@ -272,13 +285,15 @@ class Q4Message:
         a, b = self.layout.regions[i].scales
         return self.data[a:b].view(self.layout.codec.scale_dtype)
 
-    def codes(self, i: int) -> torch.Tensor:
+    def codes(self, i: int):
+        """Tensor ``i``'s codes, as its codec's kernels take them (:meth:`Q4Layout.codes_of`)."""
         a, b = self.layout.regions[i].codes
-        return self.data[a:b]
+        return self.layout.codes_of(i, self.data[a:b])
 
     def raw(self, i: int) -> torch.Tensor:
         """A raw tensor's bytes (without its region's padding)."""
-        return self.codes(i)[: self.layout.specs[i].nbytes]
+        a, _ = self.layout.regions[i].codes
+        return self.data[a : a + self.layout.specs[i].nbytes]
 
     # -- writing -----------------------------------------------------------------------------------------------
     def write_header(self, meta: Q4Meta) -> None:
@@ -293,7 +308,8 @@ class Q4Message:
         """Write the header for ``meta`` (its ``model_hash`` goes in the trailer) and its own CRC."""
         layout = self.layout
         meta = replace(meta, block_size=layout.settings.block_size, scale_dtype=layout.settings.scale_dtype,
-                       codec=layout.settings.codec, tensors=layout.specs, piece_bytes=layout.piece_bytes)
+                       codec=layout.settings.codec, tensors=layout.specs, piece_bytes=layout.piece_bytes,
+                       capacity=_header_capacity(layout.codec))
         text = _header_json(meta, (layout.regions, layout.pieces, layout.trailer), layout.codec,
                             _CRC_PLACEHOLDER).encode()
         framed = safetensors.frame(text, reserve=layout.data_start - safetensors.PREFIX_BYTES)
@@ -374,6 +390,7 @@ class Q4Message:
                           tensors=specs, metrics=_parse_metrics(md.get("metrics") or "{}"), piece_bytes=piece_bytes)
             crc_text = str(md["crc32"])
             expected_crc = int(crc_text, 16)
+            capacity = int(md["capacity"]) if "capacity" in md else None
         except PayloadError:
             raise
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
@@ -391,7 +408,8 @@ class Q4Message:
         if crc != expected_crc:
             raise PayloadError(f"payload header failed its integrity check (crc32 {crc:08x}, header says "
                                f"{expected_crc:08x}): it was corrupted in transit")
-        layout = Q4Layout.of(specs, settings, piece_bytes)
+        layout = Q4Layout.of(specs, settings, piece_bytes, _sync_capacity(meta.kind, settings, capacity))
+        meta = replace(meta, capacity=capacity)
         if layout.data_start != data_start:
             raise PayloadError(f"payload header takes {data_start} bytes; {layout.data_start} expected for its tensors")
         if total is not None and total != layout.total:
@@ -420,7 +438,11 @@ class Q4Message:
             spec = self.layout.specs[j]
             if spec.raw:
                 continue
-            peak = codec.magnitude(self.codes(j), self.scales(j))
+            codes = self.codes(j)
+            problem = codec.malformed(codes, self.scales(j), spec.numel)
+            if problem:
+                raise PayloadError(f"payload tensor {spec.name!r} has {problem}: the message is malformed")
+            peak = codec.magnitude(codes, self.scales(j))
             if not math.isfinite(peak):
                 raise PayloadError(f"payload has NaN or Inf scales for tensor {spec.name!r}")
             self.max_scale = max(self.max_scale, peak)
@@ -449,6 +471,33 @@ class Q4Message:
     def weighted_scales_finite(self, samples: int) -> bool:
         """Whether ``samples`` times the largest dequantized value stays far inside fp32's range."""
         return self.max_scale * 8 * max(samples, 1) < 1e30
+
+
+def _header_capacity(codec: Codec) -> int | None:
+    """The capacity a message's header says (None: a codec of fixed size says none)."""
+    return None if codec.fixed_size else codec.header_capacity
+
+
+def _sync_capacity(kind: str, settings: Q4Settings, capacity: int | None) -> int | None:
+    """The capacity a received message's layout takes (a sync's; a delta's is the codec's own), or a PayloadError
+    for one the codec does not take."""
+    codec = codec_for(settings)
+    if codec.fixed_size:
+        if capacity is not None:
+            raise PayloadError(f"payload of codec {codec.name!r} says a capacity ({capacity}); its messages have one size")
+        return None
+    if capacity is None:
+        raise PayloadError(f"payload of codec {codec.name!r} says no capacity")
+    if kind == "delta":
+        if capacity != codec.header_capacity:
+            raise PayloadError(f"payload is a {codec.name} delta of capacity {capacity}; its codec sends "
+                               f"{codec.header_capacity} values a chunk")
+        return None
+    try:
+        codec.at_capacity(capacity)
+    except ValueError as e:
+        raise PayloadError(f"payload is malformed: {e}") from None
+    return capacity
 
 
 def _check_offsets(header: dict, specs, layout: Q4Layout) -> None:

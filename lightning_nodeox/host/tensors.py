@@ -300,7 +300,7 @@ class HostTensors:
             return message.codes(j), message.scales(j)
         region = message.layout.regions[j]
         (ca, cb), (sa, sb) = region.codes, region.scales
-        return staging[ca:cb], staging[sa:sb].view(self.layout.codec.scale_dtype)
+        return message.layout.codes_of(j, staging[ca:cb]), staging[sa:sb].view(self.layout.codec.scale_dtype)
 
     # -- encoding --------------------------------------------------------------------------------------------------
     def take_snapshot(self, restart_from_base: bool, round_: int | None = None) -> None:
@@ -351,7 +351,7 @@ class HostTensors:
         x = k.x[:m].clone()
         mp = k.padded(m)
         codec = self.layout.codec
-        codes = torch.empty(codec.code_bytes(m), dtype=torch.uint8, device=self.device)
+        codes = codec.codes_view(torch.empty(codec.code_bytes(m), dtype=torch.uint8, device=self.device), m)
         scales = torch.empty(codec.scale_count(m), dtype=codec.scale_dtype, device=self.device)
         k.quantize(m, codes, scales)
         return relative_error(x, k.dequantize(codes, scales, mp)[:m])
@@ -460,6 +460,8 @@ class HostTensors:
         sync, part, target, fresh = applying.sync, applying.part, applying.target, applying.fresh
         piece = sync.layout.pieces[k]
         if self._sync_staging is not None:
+            if self._sync_staging.numel() < sync.layout.trailer:  # a sparse sync may outgrow the delta
+                self._sync_staging = torch.empty(sync.layout.trailer, dtype=torch.uint8, device=self.device)
             a, b = piece.data
             self._sync_staging[a:b].copy_(sync.data[a:b])
         chunk = self.pool.chunk

@@ -16,6 +16,8 @@ REGISTRY: dict[str, type[Codec] | str] = {
     "q2": f"{__name__}.q2:Q2",
     "bf16": f"{__name__}.raw:BF16",
     "fp32": f"{__name__}.raw:FP32",
+    "sparse": f"{__name__}.sparse:Sparse",
+    "sparse3": f"{__name__}.sparse:Sparse3",
 }
 
 __all__ = ["REGISTRY", "Codec", "Kernels", "codec_class", "codec_for"]

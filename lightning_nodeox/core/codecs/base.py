@@ -4,6 +4,10 @@ A codec turns each tensor of a message into ``codes`` (bytes) and ``scales`` (it
 It says how many of each a tensor takes, whether every message of a run has the same size, the bytes of a sync
 that changes nothing, and why a finite delta might not fit. Its kernels work on one chunk at a time in their
 own scratch; the whole-tensor loops of :mod:`lightning_nodeox.core.codec` drive any codec's kernels alike.
+
+A codec of varying size (the sparse codec's syncs) is one instance per *capacity* (:meth:`Codec.at_capacity`: the
+header says it, the layout follows from it), and may structure a tensor's code bytes for its kernels
+(:meth:`Codec.codes_view`); the loops pass codes through untouched.
 """
 
 from __future__ import annotations
@@ -33,10 +37,34 @@ class Codec(ABC):
     """One codec under one run's settings: its byte counts, dtypes, message layout, no-op and error text."""
 
     name: ClassVar[str]
-    fixed_size: ClassVar[bool] = True  # every message of a run has one layout (a top-k codec would not)
+    fixed_size: ClassVar[bool] = True  # every message of a run has one layout (a top-k codec's sync does not)
+    capacity: int | None = None  # a varying codec: the capacity its messages' headers say (None: fixed size)
 
     def __init__(self, settings: Q4Settings) -> None:
         self.settings = settings
+
+    @property
+    def header_capacity(self) -> int | None:
+        """The capacity its messages' headers say (a codec of varying size; None: one of fixed size says none)."""
+        return self.capacity
+
+    def sync_capacity(self, deltas: int) -> int | None:
+        """The capacity of a sync of ``deltas`` deltas (None: every message has one layout)."""
+        return None
+
+    def at_capacity(self, capacity: int) -> Codec:
+        """This codec for a sync message of ``capacity`` (a ValueError for a codec of fixed size, or a capacity
+        out of its range)."""
+        raise ValueError(f"codec {self.name!r} has messages of one size; its messages carry no capacity")
+
+    def codes_view(self, codes: torch.Tensor, numel: int):
+        """What the kernels take as a tensor's codes, from its bytes: the bytes themselves, unless a codec
+        structures them (the sparse codec's indices and values)."""
+        return codes
+
+    def malformed(self, codes, scales: torch.Tensor, numel: int) -> str | None:
+        """Why a received tensor's codes cannot be decoded (an index outside its chunk), or None."""
+        return None
 
     @property
     def scale_dtype(self) -> torch.dtype:
