@@ -311,11 +311,11 @@ def flipped(data: bytearray) -> bytearray:
 
 
 BAD = {  # name: (body, what the refusal says)
-    "truncated": (lambda b: q2_delta("b", b)[:-16], "bytes but this model's q4 delta is"),
+    "truncated": (lambda b: q2_delta("b", b)[:-16], "bytes but this model's q2 delta is"),
     "one flipped byte": (lambda b: flipped(q2_delta("b", b)), "integrity check"),
     "a NaN scale": (nan_scale, "NaN or Inf scales for tensor 'fc.weight'"),
     "a q4 delta": (lambda b: q2_delta("b", b, settings=Q4Settings(block_size=128)),
-                   "bytes but this model's q4 delta is"),  # larger than any q2 delta
+                   "bytes but this model's q2 delta is"),  # larger than any q2 delta
     "a q4 delta of some tensors": (lambda b: q2_delta("b", b, GOOD_B[1:], Q4Settings(), specs=SPECS[1:]),
                                    "payload uses q4, block size 64 with fp16 scales; this run uses q2, 64 with fp16"),
     "q2 at another block size": (lambda b: q2_delta("b", b, GOOD_B[:1], Q4Settings(codec="q2", block_size=128),

@@ -207,8 +207,9 @@ class Rounds:
                           f"{state.round}{'' if late else ': fetch the model'}", round=state.round)
         if size is not None and size > model.layout.total:
             q4 = state.config.q4
-            raise Refusal(Reason.INVALID, f"delta is {size} bytes but this model's q4 delta is {model.layout.total} "
-                                          f"bytes at most (block size {q4.block_size}, {q4.scale_dtype} scales)")
+            raise Refusal(Reason.INVALID, f"delta is {size} bytes but this model's {q4.codec} delta is "
+                                          f"{model.layout.total} bytes at most (block size {q4.block_size}, "
+                                          f"{q4.scale_dtype} scales)")
         state.hosts.seen(entry)
         return model
 
@@ -243,8 +244,8 @@ class Rounds:
             message = await state.in_parser(lambda: Q4Message.read_head(head, buffer, total=buffer.numel()))
         except PayloadSizeError as e:
             q4 = state.config.q4
-            raise Refusal(Reason.INVALID, f"delta rejected: it is {buffer.numel()} bytes but this model's q4 delta is "
-                                          f"{e.expected} bytes for the tensors its header names (block size "
+            raise Refusal(Reason.INVALID, f"delta rejected: it is {buffer.numel()} bytes but this model's {q4.codec} "
+                                          f"delta is {e.expected} bytes for the tensors its header names (block size "
                                           f"{q4.block_size}, {q4.scale_dtype} scales): {e}") from None
         except PayloadError as e:
             raise Refusal(Reason.INVALID, f"delta rejected: {e}") from None
