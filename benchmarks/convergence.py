@@ -612,8 +612,7 @@ def lm_goals(modes: dict) -> list[dict]:
                 out.append({"goal": goal, "met": None, "measured": why})
             continue
         ratio = s["bytes_per_host"] / base["bytes_per_host"]
-        spread = base["val_loss_max"] - base["val_loss_min"]
-        excess = s["val_loss_mean"] - base["val_loss_mean"]
+        spread, excess = _against(s, base)
         out.append({"goal": goal, "met": ratio <= 0.5 and excess <= spread and s["hosts_identical"],
                     "measured": f"{ratio:.3f}x q4's bytes, val loss {s['val_loss_mean']:.4f} against q4's "
                                 f"{base['val_loss_mean']:.4f} ({excess:+.4f}, spread {spread:.4f} over "
@@ -623,8 +622,7 @@ def lm_goals(modes: dict) -> list[dict]:
             "seed spread")
     if s is not None and base is not None:
         ratio = s["peak_bytes"] / base["peak_bytes"]
-        spread = base["val_loss_max"] - base["val_loss_min"]
-        excess = s["val_loss_mean"] - base["val_loss_mean"]
+        spread, excess = _against(s, base)
         out.append({"goal": goal, "met": ratio <= 0.3 and excess <= spread and s["hosts_identical"],
                     "measured": f"{ratio:.3f}x q4's peak ({_bytes(s['peak_bytes'])}; the final round, every tensor: "
                                 f"{_bytes(s['final_bytes'])}), val loss {s['val_loss_mean']:.4f} against "
@@ -640,6 +638,11 @@ def lm_goals(modes: dict) -> list[dict]:
     elif "q4_no_ef" in modes:
         out.append({"goal": goal, "met": None, "measured": modes["q4_no_ef"].get("reason", "no result")})
     return out
+
+
+def _against(s: dict, base: dict) -> tuple[float, float]:
+    """The seed spread of ``base``'s validation loss (max less min), and how far ``s``'s mean lies above its mean."""
+    return base["val_loss_max"] - base["val_loss_min"], s["val_loss_mean"] - base["val_loss_mean"]
 
 
 def _bytes(n: float | None) -> str:

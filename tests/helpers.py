@@ -335,6 +335,25 @@ def launch(run_dir: Path, hosts: int, command: list[str], *coordinator_args: str
         env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {})))
 
 
+def codec_run(tmp_path: Path, codec: str) -> tuple[list[dict], list[tuple[str, torch.Tensor]], Path]:
+    """``nodeox launch --codec CODEC``: two digits hosts, host 1 without error feedback; checks that after every
+    round both hold the published model bit for bit. Returns the run's events, the model's named tensors (as the
+    hosts ended) and the hosts' out folder."""
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    result = launch(run_dir, 2, [sys.executable, str(HOSTS / "digits_host.py"), "--out", str(out),
+                                 "--error-feedback", "on,off"], "--codec", codec)
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
+    events = read_events(run_dir)
+    published = {e["round"]: e["model_hash"] for e in events if e["phase"] == "sync_prepare"}
+    assert sorted(published) == [0, 1, 2]
+    for name in ["round0", "round1", "final"]:
+        t0, m0 = load(out / f"host0_{name}.safetensors")
+        t1, m1 = load(out / f"host1_{name}.safetensors")
+        assert set(t0) == set(t1) and all(torch.equal(bits(t0[k]), bits(t1[k])) for k in t0), name
+        assert m0["model_hash"] == m1["model_hash"] == published[int(m0["round"])]
+    return events, [(k, t0[k]) for k in json.loads(m0["order"])], out
+
+
 def read_events(run_dir: Path) -> list[dict]:
     """The run's events.jsonl, one dict a line."""
     return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]

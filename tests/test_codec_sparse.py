@@ -9,13 +9,12 @@ import io
 import json
 import math
 import re
-import sys
 import zlib
 
 import pytest
 import requests
 import torch
-from helpers import HOSTS, MODEL, SPECS, Coordinator, bits, body_bytes, launch, load, model_file, read_events
+from helpers import MODEL, SPECS, Coordinator, bits, body_bytes, codec_run, model_file
 from local_transport import LocalClient, LocalCoordinator
 
 from lightning_nodeox.coordinator.model import CoordinatorModel
@@ -444,19 +443,7 @@ def test_a_real_run_with_sparse_keeps_hosts_bit_identical(tmp_path) -> None:
     """``nodeox launch --codec sparse``: two digits hosts, host 1 without error feedback; after every round both
     hold the published model bit for bit, each upload is the delta layout's size and each sync the size of a
     sync of two deltas."""
-    run_dir, out = tmp_path / "run", tmp_path / "out"
-    result = launch(run_dir, 2, [sys.executable, str(HOSTS / "digits_host.py"), "--out", str(out),
-                                 "--error-feedback", "on,off"], "--codec", "sparse")
-    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
-    events = read_events(run_dir)
-    published = {e["round"]: e["model_hash"] for e in events if e["phase"] == "sync_prepare"}
-    assert sorted(published) == [0, 1, 2]
-    for name in ["round0", "round1", "final"]:
-        t0, m0 = load(out / f"host0_{name}.safetensors")
-        t1, m1 = load(out / f"host1_{name}.safetensors")
-        assert set(t0) == set(t1) and all(torch.equal(bits(t0[k]), bits(t1[k])) for k in t0), name
-        assert m0["model_hash"] == m1["model_hash"] == published[int(m0["round"])]
-    named = [(k, t0[k]) for k in json.loads(m0["order"])]
+    events, named, _ = codec_run(tmp_path, "sparse")
     specs = spec_of(named)
     assert {e["bytes"] for e in events if e["phase"] == "upload"} == {Q4Layout.of(specs, SPARSE).total}
     assert {e["bytes"] for e in events if e["phase"] == "sync_prepare"} == {

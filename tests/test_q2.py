@@ -6,23 +6,10 @@ from __future__ import annotations
 import io
 import json
 import math
-import sys
 
 import pytest
 import torch
-from helpers import (
-    HOSTS,
-    MODEL,
-    SPECS,
-    bits,
-    body_bytes,
-    delta_message,
-    expected_after_round,
-    launch,
-    load,
-    model_file,
-    read_events,
-)
+from helpers import MODEL, SPECS, bits, body_bytes, codec_run, delta_message, expected_after_round, model_file
 from local_transport import LocalClient, LocalCoordinator
 from reference_q4 import kernels
 
@@ -353,19 +340,7 @@ def test_malformed_q2_deltas_are_refused_and_change_nothing(tmp_path) -> None:
 def test_a_real_run_with_q2_keeps_hosts_bit_identical(tmp_path) -> None:
     """``nodeox launch --codec q2``: two digits hosts, host 1 without error feedback; after every round both hold
     the published model bit for bit, each upload is the q2 layout's size, and the loss falls."""
-    run_dir, out = tmp_path / "run", tmp_path / "out"
-    result = launch(run_dir, 2, [sys.executable, str(HOSTS / "digits_host.py"), "--out", str(out),
-                                 "--error-feedback", "on,off"], "--codec", "q2")
-    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
-    events = read_events(run_dir)
-    published = {e["round"]: e["model_hash"] for e in events if e["phase"] == "sync_prepare"}
-    assert sorted(published) == [0, 1, 2]
-    for name in ["round0", "round1", "final"]:
-        t0, m0 = load(out / f"host0_{name}.safetensors")
-        t1, m1 = load(out / f"host1_{name}.safetensors")
-        assert set(t0) == set(t1) and all(torch.equal(bits(t0[k]), bits(t1[k])) for k in t0), name
-        assert m0["model_hash"] == m1["model_hash"] == published[int(m0["round"])]
-    named = [(k, t0[k]) for k in json.loads(m0["order"])]
+    events, named, out = codec_run(tmp_path, "q2")
     moving = [(k, t) for k, t in named if t.is_floating_point()]
     size = Q4Layout.of(spec_of(named), Q2).total
     assert {e["bytes"] for e in events if e["phase"] == "upload"} == {size}

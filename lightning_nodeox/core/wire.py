@@ -399,7 +399,7 @@ class Q4Message:
             raise PayloadError(f"payload metadata is out of range: kind={meta.kind!r} round={meta.round} "
                                f"samples={meta.samples}")
         pos = header_bytes.find(b'"crc32":"' + crc_text.encode() + b'"')
-        if len(crc_text) != 8 or pos < 0:
+        if pos < 0 or crc_text != f"{expected_crc:08x}":  # one spelling: "CCB5..." would pass int(..., 16)
             raise PayloadError("payload crc32 field is malformed")
         zeroed = bytearray(head)
         start = safetensors.PREFIX_BYTES + pos + len(b'"crc32":"')

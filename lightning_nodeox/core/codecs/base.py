@@ -139,10 +139,15 @@ class Kernels(ABC):
     def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, mp: int) -> torch.Tensor:
         """The dequantized values of one chunk (``mp`` values, in ``self.d``)."""
 
-    @abstractmethod
     def accumulate(self, codes: torch.Tensor, scales: torch.Tensor, m: int, acc: torch.Tensor, weight: float,
                    assign: bool = False) -> None:
-        """``acc += weight * dequantized`` (``acc = ...`` when ``assign``) for the first ``m`` values of one chunk."""
+        """``acc += weight * dequantized`` (``acc = ...`` when ``assign``) for the first ``m`` values of one chunk:
+        here the dequantized chunk added (a codec may fuse the two)."""
+        d = self.dequantize(codes, scales, m)
+        if assign:
+            torch.mul(d, weight, out=acc)
+        else:
+            acc.add_(d, alpha=weight)
 
     @abstractmethod
     def bound(self, dequantized: torch.Tensor, scales: torch.Tensor) -> float:

@@ -71,13 +71,5 @@ class RawKernels(Kernels):
     def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, mp: int) -> torch.Tensor:
         return self.d[:mp].copy_(codes.view(self.dtype))
 
-    def accumulate(self, codes: torch.Tensor, scales: torch.Tensor, m: int, acc: torch.Tensor, weight: float,
-                   assign: bool = False) -> None:
-        d = self.dequantize(codes, scales, m)
-        if assign:
-            torch.mul(d, weight, out=acc)
-        else:
-            acc.add_(d, alpha=weight)
-
     def bound(self, dequantized: torch.Tensor, scales: torch.Tensor) -> float:
         return float(dequantized.abs().max())

@@ -332,13 +332,5 @@ class SparseKernels(Kernels):
             at += rows * length
         return d
 
-    def accumulate(self, codes: SparseCodes, scales: torch.Tensor, m: int, acc: torch.Tensor, weight: float,
-                   assign: bool = False) -> None:
-        d = self.dequantize(codes, scales, m)
-        if assign:
-            torch.mul(d, weight, out=acc)
-        else:
-            acc.add_(d, alpha=weight)
-
     def bound(self, dequantized: torch.Tensor, scales: torch.Tensor) -> float:
         return float(dequantized.abs().max()) if dequantized.numel() else 0.0
