@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import shutil
+import signal
 import socket
 import time
 from dataclasses import dataclass, replace
@@ -36,6 +37,7 @@ from helpers import (
 from helpers import encoded as encoded_message
 from local_transport import BytesBody, LocalClient, LocalCoordinator
 
+from lightning_nodeox.coordinator.server import SHUTDOWN_GRACE
 from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.modelfile import model_header, read_model
 from lightning_nodeox.core.phases import PhaseLog
@@ -350,6 +352,26 @@ def held_back(coord: Coordinator, credential: str, body: bytes, *, end: str) -> 
         pass  # reset: cut
     sock.close()
     time.sleep(1.0)  # what the coordinator would do with the half it read, it has done by now
+
+
+@pytest.mark.slow
+def test_a_stop_is_not_held_up_by_an_upload_whose_body_never_comes(coordinator) -> None:
+    """SIGTERM while a host's delta request is in (its headers, not a byte of its body): the coordinator cuts it
+    within its shutdown grace (SHUTDOWN_GRACE; aiohttp's default would wait up to 60 s) and exits, saying the run
+    stopped before it completed, though the transfer's own limit is longer."""
+    coord = coordinator(1, "--transfer-timeout", "300")
+    a = HttpClient(coord.url, host="a", retry_for=5)
+    credential = a.join([s.as_json() for s in spec_of(MODEL)]).credential
+    a.put_model(memoryview(model_file()))
+    sock = raw_request(coord.url, f"POST /v1/rounds/0/delta?host=a HTTP/1.1\r\nHost: x\r\n{CREDENTIAL_HEADER}: "
+                                  f"{credential}\r\nContent-Type: {OCTETS}\r\nContent-Length: 100000\r\n\r\n")
+    try:
+        time.sleep(0.5)  # the request is being handled: the coordinator waits for its body
+        coord.proc.send_signal(signal.SIGTERM)
+        assert coord.wait(SHUTDOWN_GRACE + 25) == 1  # stopped before the run completed (not 60 s later)
+    finally:
+        sock.close()
+    assert "run stopped before the run completed, at round 0" in coord.log_path.read_text()
 
 
 @pytest.mark.parametrize("end", ["stall", "close"])

@@ -64,6 +64,7 @@ MAX_UPLOADS = 8  # delta bodies read at once (each needs a receive buffer of the
 MAX_MODEL_DOWNLOADS = 2  # full-model downloads at once (each may keep up to the model's size at a publish)
 MAX_HEADER_BYTES = 8190  # the request line and each header field (aiohttp's default, stated)
 BACKLOG = 128  # connections queued before they are accepted; also the most asyncio accepts at once, uncounted
+SHUTDOWN_GRACE = 5.0  # seconds a request in flight has to end once the coordinator is told to stop (then cut)
 
 
 class ReceiveBuffers:
@@ -612,7 +613,7 @@ async def serve(config: CoordinatorConfig, ready_file: Path | None = None, befor
             said.warning("--max-connections %d leaves fewer than %d of the %d files this process may open for the "
                          "run itself; lower it or raise the open-file limit (ulimit -Hn)", connections.limit,
                          RESERVED_FILES, open_files)
-        runner = web.AppRunner(app, access_log=None)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE)  # a held upload cannot stall a stop
         await runner.setup()
         loop = asyncio.get_running_loop()
 
