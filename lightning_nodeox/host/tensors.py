@@ -451,6 +451,9 @@ class HostTensors:
         with torch.no_grad():
             if part.indices != own:
                 self._differing(part.indices, own, into_live)
+        staging = self._sync_staging
+        if staging is not None and staging.numel() < sync.layout.trailer:  # a sparse sync outgrows the delta's
+            self._sync_staging = torch.empty(sync.layout.trailer, dtype=torch.uint8, device=self.device)
         fresh = [RowHasher(self.base[i]) for i in part.indices]  # base: target's bytes once applied, and kept
         return Applying(sync, part, target, fresh)
 
@@ -460,8 +463,6 @@ class HostTensors:
         sync, part, target, fresh = applying.sync, applying.part, applying.target, applying.fresh
         piece = sync.layout.pieces[k]
         if self._sync_staging is not None:
-            if self._sync_staging.numel() < sync.layout.trailer:  # a sparse sync may outgrow the delta
-                self._sync_staging = torch.empty(sync.layout.trailer, dtype=torch.uint8, device=self.device)
             a, b = piece.data
             self._sync_staging[a:b].copy_(sync.data[a:b])
         chunk = self.pool.chunk

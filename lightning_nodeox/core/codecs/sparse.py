@@ -41,14 +41,12 @@ import torch
 
 from .base import Codec, Kernels
 from .blockwise import Blockwise
+from .q2 import NOOP_CODE, SCALE, TOP  # a delta's values are on q2's levels
 
 if TYPE_CHECKING:
     from ..settings import Q4Settings
 
 CHUNK = 4096  # values a chunk (SparseLoCo's); a tensor's last chunk may be shorter
-SCALE = 0.7  # s0 / mean|v| (q2's)
-TOP = 3  # codes span 0..3
-NOOP_CODE = 0b10101010  # four codes 2 (+s) a byte
 FP16_MAX = 65504.0
 _TINY = 1e-30
 
