@@ -25,9 +25,9 @@ def measure(model: str, outer: str) -> dict:
     from lightning_nodeox.core.codec import encode_tensor
     from lightning_nodeox.core.codecs import codec_for
     from lightning_nodeox.core.pool import WorkerPool
-    from lightning_nodeox.core.settings import Q4Settings
+    from lightning_nodeox.core.settings import CodecSettings
     from lightning_nodeox.core.specs import spec_of
-    from lightning_nodeox.core.wire import Q4Layout, Q4Message, Q4Meta
+    from lightning_nodeox.core.wire import MessageLayout, Message, MessageMeta
 
     from common import model_shapes, rss
 
@@ -36,15 +36,15 @@ def measure(model: str, outer: str) -> dict:
     gen = torch.Generator().manual_seed(0)
     named = [(n, torch.empty(s).uniform_(-0.05, 0.05, generator=gen)) for n, s in model_shapes(model)]
     model_bytes = sum(t.numel() * 4 for _, t in named)
-    specs, settings = spec_of(named), Q4Settings()
+    specs, settings = spec_of(named), CodecSettings()
     pool = WorkerPool(settings, "cpu", 1)
     coordinator = CoordinatorModel(specs, [t for _, t in named], settings, pool, OuterSettings(outer))
     del named
-    delta = Q4Message.allocate(Q4Layout.of(specs, settings))
+    delta = Message.allocate(MessageLayout.of(specs, settings))
     k = codec_for(settings).kernels()
     for i, s in enumerate(specs):
         encode_tensor(k, torch.randn(s.numel, generator=gen) * 1e-3, delta.codes(i), delta.scales(i))
-    delta.write_header(Q4Meta("delta", 0, "h", coordinator.hash, samples=32))
+    delta.write_header(MessageMeta("delta", 0, "h", coordinator.hash, samples=32))
     closes = []
     for r in range(3):
         coordinator.accumulate(delta, 32)

@@ -15,10 +15,10 @@ import sys
 from pathlib import Path
 
 from .core import logs
-from .core.settings import Q4Settings
+from .core.settings import CodecSettings
 
 __version__ = "0.1.0"
-__all__ = ["NodeoxFabricStrategy", "NodeoxStrategy", "PhaseMonitor", "Q4Settings"]
+__all__ = ["NodeoxFabricStrategy", "NodeoxStrategy", "PhaseMonitor", "CodecSettings"]
 
 
 def _running_the_nodeox_command() -> bool:

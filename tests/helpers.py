@@ -30,16 +30,16 @@ from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.modelfile import model_header
 from lightning_nodeox.core.phases import PhaseLog
 from lightning_nodeox.core.protocol import Upload, read_fully
-from lightning_nodeox.core.settings import Q4Settings
+from lightning_nodeox.core.settings import CodecSettings
 from lightning_nodeox.core.specs import TensorSpec, spec_of
-from lightning_nodeox.core.wire import Q4Layout, Q4Message, Q4Meta
+from lightning_nodeox.core.wire import MessageLayout, Message, MessageMeta
 from lightning_nodeox.host.round import HostRound
 from lightning_nodeox.host.tensors import HostTensors
 
 REPO = Path(__file__).resolve().parents[1]
 HOSTS = Path(__file__).parent / "hosts"
 FORKED = HOSTS / "forked.py"  # runs `python SCRIPT` forked from the session's zygote (tests/zygote.py): suite time
-SETTINGS = Q4Settings()
+SETTINGS = CodecSettings()
 
 # A model as a coordinator receives it over HTTP: named tensors, one of them a buffer.
 MODEL = [("fc.weight", torch.randn(40, 30, generator=torch.Generator().manual_seed(0))),
@@ -173,9 +173,9 @@ def assert_on_the_run_model(coordinator: LocalCoordinator, *hosts: HostRound) ->
 
 # Messages and model files built by hand
 
-def encoded(values: list[torch.Tensor], specs: list[TensorSpec], settings: Q4Settings = SETTINGS) -> Q4Message:
+def encoded(values: list[torch.Tensor], specs: list[TensorSpec], settings: CodecSettings = SETTINGS) -> Message:
     """A q4 message of ``values`` (one per spec), its header not yet written."""
-    message = Q4Message.allocate(Q4Layout.of(specs, settings))
+    message = Message.allocate(MessageLayout.of(specs, settings))
     k = kernels(settings)
     for i, v in enumerate(values):
         encode_tensor(k, v.reshape(-1).float(), message.codes(i), message.scales(i))
@@ -183,10 +183,10 @@ def encoded(values: list[torch.Tensor], specs: list[TensorSpec], settings: Q4Set
 
 
 def delta_message(deltas: list[torch.Tensor], *, round_: int = 0, host: str = "h", base_hash: str = "",
-                  samples: int = 1, specs: list[TensorSpec] = SPECS, settings: Q4Settings = SETTINGS) -> Q4Message:
+                  samples: int = 1, specs: list[TensorSpec] = SPECS, settings: CodecSettings = SETTINGS) -> Message:
     """A host's q4 delta for ``round_``, as it would send it."""
     message = encoded(deltas, specs, settings)
-    message.write_header(Q4Meta("delta", round_, host, base_hash, samples=samples))
+    message.write_header(MessageMeta("delta", round_, host, base_hash, samples=samples))
     return message
 
 
@@ -206,7 +206,7 @@ def body_bytes(body) -> torch.Tensor:
     return buffer
 
 
-def expected_after_round(model: list[torch.Tensor], contributions, settings: Q4Settings = SETTINGS) -> list[torch.Tensor]:
+def expected_after_round(model: list[torch.Tensor], contributions, settings: CodecSettings = SETTINGS) -> list[torch.Tensor]:
     """What the coordinator must publish: the codec's sync of the sample-weighted mean of the dequantized deltas."""
     total = sum(n for _, n in contributions)
     specs = spec_of([(f"t{i}", t) for i, t in enumerate(model)])

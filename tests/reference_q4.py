@@ -7,10 +7,10 @@ import torch
 from lightning_nodeox.core.codec import chunk_ranges, stochastic_seed
 from lightning_nodeox.core.codecs import Kernels, codec_for
 from lightning_nodeox.core.codecs.q4 import CODE_OFFSET, LEVELS
-from lightning_nodeox.core.settings import Q4Settings
+from lightning_nodeox.core.settings import CodecSettings
 
 
-def encode_reference(x: torch.Tensor, settings: Q4Settings, *, seed: int | None = None, chunk: int = 0):
+def encode_reference(x: torch.Tensor, settings: CodecSettings, *, seed: int | None = None, chunk: int = 0):
     """(codes as uint8 packed bytes, scales) of flat ``x`` by the q4 definition.
 
     Stochastic rounding draws, like the kernels, ``uniform(-0.5, 0.5)`` from a generator seeded per chunk of
@@ -50,6 +50,6 @@ def decode_reference(packed: torch.Tensor, scales: torch.Tensor, n: int, block_s
     return values.view(-1)[:n]
 
 
-def kernels(settings: Q4Settings, chunk: int = 256) -> Kernels:
+def kernels(settings: CodecSettings, chunk: int = 256) -> Kernels:
     """The kernels of ``settings.codec`` with a small chunk, so that tests cross many chunk boundaries."""
     return codec_for(settings).kernels("cpu", chunk)

@@ -19,7 +19,7 @@ from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.modelfile import read_model
 from lightning_nodeox.core.protocol import CREDENTIAL_HEADER, OCTETS, Reason, Refusal, SyncReady, Upload
 from lightning_nodeox.core.specs import spec_of
-from lightning_nodeox.core.wire import Q4Message, Q4Meta
+from lightning_nodeox.core.wire import Message, MessageMeta
 from lightning_nodeox.host.client import HttpClient
 
 pytestmark = pytest.mark.slow  # every test here starts processes
@@ -115,9 +115,9 @@ def flipped(data: bytes) -> bytes:
 
 
 def nan_delta(run: Run) -> bytes:
-    message = Q4Message.parse(bytearray(run.delta()))
+    message = Message.parse(bytearray(run.delta()))
     message.scales(0)[3] = math.nan
-    message.write_header(Q4Meta("delta", 0, "b", run.initial_hash, samples=10))  # a valid CRC over the NaN
+    message.write_header(MessageMeta("delta", 0, "b", run.initial_hash, samples=10))  # a valid CRC over the NaN
     return bytes(message.view())
 
 
@@ -259,7 +259,7 @@ def test_after_the_bad_input_the_round_completes_with_the_good_deltas(run: Run) 
     assert run.b.post_delta(0, memoryview(run.delta(GOOD_B))) is Upload.TAKEN
     reply = run.b.wait_sync(0)
     assert isinstance(reply, SyncReady)
-    sync = Q4Message.parse(body_bytes(reply.body))
+    sync = Message.parse(body_bytes(reply.body))
     expected = expected_after_round([t for _, t in MODEL], [(GOOD_A, 30), (GOOD_B, 10)])
     assert sync.meta.model_hash == model_hash(list(zip([n for n, _ in MODEL], expected)))
     round_, served_hash, _, tensors = read_model(body_bytes(run.a.get_model()))
@@ -309,7 +309,7 @@ def test_a_round_that_would_overflow_the_fp16_model_is_refused_and_changes_nothi
                          samples=4, specs=specs)  # finite, and fine in fp16 scales; but 30000 + 50000 is not fp16
     assert a.post_delta(0, huge.view()) is Upload.TAKEN
     reply = a.wait_sync(0)
-    sync = Q4Message.parse(body_bytes(reply.body))
+    sync = Message.parse(body_bytes(reply.body))
     assert sync.meta.model_hash == sync.meta.base_hash == initial
     round_, served_hash, _, tensors = read_model(body_bytes(a.get_model()))
     assert (round_, served_hash) == (1, initial)
@@ -321,8 +321,8 @@ def test_a_round_that_would_overflow_the_fp16_model_is_refused_and_changes_nothi
     # the next round goes on from the unchanged model
     small = [torch.full((30, 20), 0.5), torch.ones(20)]
     message = delta_message(small, round_=1, host="a", base_hash=initial, samples=4, specs=specs)
-    message.write_header(Q4Meta("delta", 1, "a", initial, samples=4))
+    message.write_header(MessageMeta("delta", 1, "a", initial, samples=4))
     assert a.post_delta(1, message.view()) is Upload.TAKEN
     expected = expected_after_round([t for _, t in named], [(small, 4)])
-    assert Q4Message.parse(body_bytes(a.wait_sync(1).body)).meta.model_hash == model_hash(
+    assert Message.parse(body_bytes(a.wait_sync(1).body)).meta.model_hash == model_hash(
         list(zip(["w", "b"], expected)))

@@ -31,19 +31,19 @@ from lightning_nodeox.core.codecs.sparse import CHUNK, SCALE, Sparse
 from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.pool import WorkerPool
 from lightning_nodeox.core.protocol import CREDENTIAL_HEADER, OCTETS, Reason, Refusal, Upload
-from lightning_nodeox.core.settings import Q4Settings
+from lightning_nodeox.core.settings import CodecSettings
 from lightning_nodeox.core.specs import PayloadError, spec_of
-from lightning_nodeox.core.wire import Q4Layout, Q4Message, Q4Meta
+from lightning_nodeox.core.wire import MessageLayout, Message, MessageMeta
 from lightning_nodeox.host.client import HttpClient
 from lightning_nodeox.host.tensors import HostTensors
 
-SPARSE = Q4Settings(codec="sparse")
-SPARSE3 = Q4Settings(codec="sparse3")
+SPARSE = CodecSettings(codec="sparse")
+SPARSE3 = CodecSettings(codec="sparse3")
 SIZES = [1, 3, 10, 4095, 4096, 5000, 3 * CHUNK + 17]
 INTS = {2: torch.int16, 4: torch.int32}
 
 
-def kernels(settings: Q4Settings):
+def kernels(settings: CodecSettings):
     return codec_for(settings).kernels("cpu", 2 * CHUNK)  # a tensor of three chunks crosses a call's boundary
 
 
@@ -65,7 +65,7 @@ def is_minus_zero(t: torch.Tensor) -> torch.Tensor:
     return as_ints(t.float()) == as_ints(torch.tensor(-0.0))
 
 
-@pytest.mark.parametrize("settings", [SPARSE, SPARSE3, Q4Settings(codec="sparse", scale_dtype="fp32")],
+@pytest.mark.parametrize("settings", [SPARSE, SPARSE3, CodecSettings(codec="sparse", scale_dtype="fp32")],
                          ids=["1%", "3%", "1% fp32 scales"])
 @pytest.mark.parametrize("n", SIZES)
 def test_a_delta_is_the_top_k_of_each_chunk_in_2_bits_and_the_residual_keeps_the_rest(settings, n: int) -> None:
@@ -107,7 +107,7 @@ def test_a_delta_is_the_top_k_of_each_chunk_in_2_bits_and_the_residual_keeps_the
 
 def test_stochastic_rounding_is_refused_naming_the_fix() -> None:
     with pytest.raises(ValueError, match="codec 'sparse3' rounds to nearest only: use rounding='nearest'"):
-        codec_for(Q4Settings(codec="sparse3", rounding="stochastic"))
+        codec_for(CodecSettings(codec="sparse3", rounding="stochastic"))
 
 
 @pytest.mark.parametrize("entries", [1, 2, 41, 123, 4096])
@@ -124,7 +124,7 @@ def test_indices_pack_two_in_three_bytes(entries: int) -> None:
 
 def test_bytes_per_value_at_each_density_against_q4() -> None:
     n = 1 << 20
-    q4 = codec_for(Q4Settings())
+    q4 = codec_for(CodecSettings())
     q4_bytes = q4.code_bytes(n) + 2 * q4.scale_count(n)
     ratios = {}
     for settings in (SPARSE, SPARSE3):
@@ -166,15 +166,15 @@ def test_error_feedback_carries_the_values_a_round_did_not_send(feedback: bool) 
 def test_a_host_keeps_a_residual_only_with_error_feedback(feedback: bool) -> None:
     """``NodeoxStrategy(error_feedback=False)`` reaches the codec as it does every codec's: no residual kept."""
     model = torch.nn.Linear(300, 20)
-    settings = Q4Settings(codec="sparse", error_feedback=feedback)
+    settings = CodecSettings(codec="sparse", error_feedback=feedback)
     tensors = HostTensors([(n, p.detach()) for n, p in model.named_parameters()])
     tensors.allocate(settings, codec_threads=1)
     try:
         with torch.no_grad():
             for t in tensors.live:
                 t.add_(torch.randn(t.shape, generator=torch.Generator().manual_seed(t.numel())) * 0.01)
-        message = tensors.encode(tensors.live, Q4Meta("delta", 0, "h", "", samples=8), seed=None).join()
-        assert message.meta.codec == "sparse" and len(message) == Q4Layout.of(tensors.specs, SPARSE).total
+        message = tensors.encode(tensors.live, MessageMeta("delta", 0, "h", "", samples=8), seed=None).join()
+        assert message.meta.codec == "sparse" and len(message) == MessageLayout.of(tensors.specs, SPARSE).total
         if not feedback:
             assert tensors.residual is None
             return
@@ -208,7 +208,7 @@ def test_the_noop_sync_changes_no_bit_of_any_model(capacity, dtype: torch.dtype)
     assert codec.magnitude(codes, scales) == 0.0 and codec.malformed(codes, scales, n) is None
 
 
-def round_of(settings: Q4Settings, n: int, hosts: int, seed: int = 0):
+def round_of(settings: CodecSettings, n: int, hosts: int, seed: int = 0):
     """``hosts`` deltas of a tensor of ``n`` values, accumulated by their samples: (mean, codes of each)."""
     gen = torch.Generator().manual_seed(seed)
     codec, k = codec_for(settings), kernels(settings)
@@ -269,15 +269,15 @@ NAMED = [("w", torch.zeros(5000)), ("b", torch.zeros(3, 7)), ("steps", torch.zer
 NAMED_SPECS = spec_of(NAMED)
 
 
-def sync_message(capacity: int, specs=NAMED_SPECS) -> Q4Message:
-    message = Q4Message.allocate(Q4Layout.of(specs, SPARSE, capacity=capacity))
+def sync_message(capacity: int, specs=NAMED_SPECS) -> Message:
+    message = Message.allocate(MessageLayout.of(specs, SPARSE, capacity=capacity))
     codec = message.layout.codec
     for j, spec in enumerate(specs):
         if spec.raw:
             message.raw(j).zero_()
         else:
             codec.fill_noop(message.codes(j), message.scales(j))
-    message.write_header(Q4Meta("sync", 3, "coordinator", "0" * 32, samples=5, model_hash="a" * 32))
+    message.write_header(MessageMeta("sync", 3, "coordinator", "0" * 32, samples=5, model_hash="a" * 32))
     return message
 
 
@@ -299,8 +299,8 @@ def with_metadata(data: bytes, **changes: str | None) -> bytes:
     return bytes(framed) + data[data_start:]
 
 
-def bad_index(message: Q4Message, value: int) -> bytes:
-    message = Q4Message.parse(bytes(message.view()))
+def bad_index(message: Message, value: int) -> bytes:
+    message = Message.parse(bytes(message.view()))
     codes = message.codes(0)
     indices = codes.indices()
     indices[-1] = value  # the last chunk of "w" holds 904 values
@@ -313,13 +313,13 @@ def test_a_sync_says_its_capacity_and_its_layout_follows() -> None:
     specs = spec_of(NAMED)
     for capacity in (1, 82, CHUNK):
         message = sync_message(capacity)
-        parsed = Q4Message.parse(bytes(message.view()))
+        parsed = Message.parse(bytes(message.view()))
         assert parsed.meta.capacity == capacity == parsed.layout.capacity and parsed.meta.model_hash == "a" * 32
         w = parsed.codes(0)
         assert w.indices().numel() == min(CHUNK, capacity) + min(904, -(-capacity * 10 // 41))
-    small, large = (Q4Layout.of(specs, SPARSE, capacity=c).total for c in (41, 82))
-    delta = Q4Layout.of(specs, SPARSE)
-    assert delta.capacity is None and Q4Message.allocate(delta).meta.capacity == 41
+    small, large = (MessageLayout.of(specs, SPARSE, capacity=c).total for c in (41, 82))
+    delta = MessageLayout.of(specs, SPARSE)
+    assert delta.capacity is None and Message.allocate(delta).meta.capacity == 41
     assert delta.total < small < large
 
 
@@ -341,14 +341,14 @@ BAD_SYNCS = {  # name: (bytes, what the error says)
 def test_a_malformed_sync_is_refused_naming_why(name: str) -> None:
     make, text = BAD_SYNCS[name]
     with pytest.raises(PayloadError, match=re.escape(text)):
-        Q4Message.parse(make())
+        Message.parse(make())
 
 
 def test_a_header_whose_offsets_disagree_with_its_capacity_is_refused_as_it_streams() -> None:
     data = with_metadata(bytes(sync_message(82).view()), capacity="60")
     _, start = safetensors.split(data, "payload")
     with pytest.raises(PayloadError, match="missing or has the wrong dtype or offsets|takes .* bytes"):
-        Q4Message.read_head(data[:start])
+        Message.read_head(data[:start])
 
 
 # Deltas over the coordinator's own checks (the in-process transport)
@@ -358,14 +358,14 @@ GOOD_A = [torch.randn(t.shape, generator=_gen) * 0.01 for _, t in MODEL]
 GOOD_B = [torch.randn(t.shape, generator=_gen) * 0.01 for _, t in MODEL]
 
 
-def sparse_delta(host: str, base: str, values=GOOD_B, settings: Q4Settings = SPARSE, samples: int = 10,
-                 specs=SPECS) -> Q4Message:
-    message = Q4Message.allocate(Q4Layout.of(specs, settings))
+def sparse_delta(host: str, base: str, values=GOOD_B, settings: CodecSettings = SPARSE, samples: int = 10,
+                 specs=SPECS) -> Message:
+    message = Message.allocate(MessageLayout.of(specs, settings))
     k = kernels(settings)
     for j, v in enumerate(values):
         n = v.numel()
         encode_delta(k, v.reshape(-1).float(), torch.zeros(n), None, message.codes(j), message.scales(j))
-    message.write_header(Q4Meta("delta", 0, host, base, samples=samples))
+    message.write_header(MessageMeta("delta", 0, host, base, samples=samples))
     return message
 
 
@@ -429,9 +429,9 @@ def test_malformed_sparse_deltas_are_refused_and_the_round_keeps_what_it_took(tm
             assert c.rounds.received == {"a": 30}, name
         good_b = sparse_delta("b", initial)
         b.post_delta(0, memoryview(bytearray(good_b.view())))
-        sync = Q4Message.parse(body_bytes(b.wait_sync(0).body))
+        sync = Message.parse(body_bytes(b.wait_sync(0).body))
         assert sync.meta.codec == "sparse" and sync.meta.capacity == 82 == sync.layout.capacity
-        assert len(sync) == Q4Layout.of(SPECS, SPARSE, capacity=82).total
+        assert len(sync) == MessageLayout.of(SPECS, SPARSE, capacity=82).total
         after = expected_sync([t for _, t in MODEL], [(good_a, 30), (good_b, 10)], 82)
         assert sync.meta.model_hash == model_hash([(n, t) for (n, _), t in zip(MODEL, after)]) == c.rounds.model.hash
     finally:
@@ -445,11 +445,11 @@ def test_a_real_run_with_sparse_keeps_hosts_bit_identical(tmp_path) -> None:
     sync of two deltas."""
     events, named, _ = codec_run(tmp_path, "sparse")
     specs = spec_of(named)
-    assert {e["bytes"] for e in events if e["phase"] == "upload"} == {Q4Layout.of(specs, SPARSE).total}
+    assert {e["bytes"] for e in events if e["phase"] == "upload"} == {MessageLayout.of(specs, SPARSE).total}
     assert {e["bytes"] for e in events if e["phase"] == "sync_prepare"} == {
-        Q4Layout.of(specs, SPARSE, capacity=82).total}
-    q4 = Q4Layout.of(specs, Q4Settings())
-    assert Q4Layout.of(specs, SPARSE).total - q4.data_start < 0.1 * (q4.total - q4.data_start)
+        MessageLayout.of(specs, SPARSE, capacity=82).total}
+    q4 = MessageLayout.of(specs, CodecSettings())
+    assert MessageLayout.of(specs, SPARSE).total - q4.data_start < 0.1 * (q4.total - q4.data_start)
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))]
@@ -472,9 +472,9 @@ def test_a_host_encodes_a_delta_the_coordinator_takes_and_applies_its_sync_to_th
             for t in host.live:
                 if t.is_floating_point():
                     t.add_(torch.randn(t.shape, generator=gen).to(t.dtype).to(device) * 0.01)
-        reader = host.encode(host.live, Q4Meta("delta", 0, "h", coordinator.hash, samples=8), None)
-        delta = Q4Message.parse(bytes(reader.join().view()))
-        assert len(delta) == Q4Layout.of(spec_of(named), SPARSE).total and delta.meta.capacity == 41
+        reader = host.encode(host.live, MessageMeta("delta", 0, "h", coordinator.hash, samples=8), None)
+        delta = Message.parse(bytes(reader.join().view()))
+        assert len(delta) == MessageLayout.of(spec_of(named), SPARSE).total and delta.meta.capacity == 41
         cpu = [t.cpu() for t in host.live]
         expected = sparse_delta("x", "", [c.float() - b.float() for c, b in zip(cpu, (t for _, t in named))][:3],
                                 specs=spec_of(named)[:3])
@@ -488,7 +488,7 @@ def test_a_host_encodes_a_delta_the_coordinator_takes_and_applies_its_sync_to_th
         assert coordinator.deltas == 2
         closed = coordinator.close_round(0)
         assert closed.sync.meta.capacity == 82 and len(closed.sync) > len(delta)
-        sync = Q4Message.parse(closed.sync.buffer.clone())
+        sync = Message.parse(closed.sync.buffer.clone())
         hashers = host.apply(sync, into_live=True)
         assert host.digest(hashers) == coordinator.hash == sync.meta.model_hash
         for t, c in zip(host.live, coordinator.tensors):
@@ -519,7 +519,7 @@ def test_malformed_sparse_deltas_over_http_get_400_and_the_round_keeps_what_it_t
             assert answer.json()["reason"] == "invalid", name
         good_b = sparse_delta("b", initial)
         assert b.post_delta(0, memoryview(bytearray(good_b.view()))) is Upload.TAKEN
-        sync = Q4Message.parse(body_bytes(b.wait_sync(0).body))
+        sync = Message.parse(body_bytes(b.wait_sync(0).body))
         after = expected_sync([t for _, t in MODEL], [(good_a, 30), (good_b, 10)], 82)
         assert sync.meta.capacity == 82 and sync.meta.model_hash == model_hash(
             [(n, t) for (n, _), t in zip(MODEL, after)])

@@ -10,7 +10,7 @@ import torch
 from helpers import MODEL, SPECS, delta_message, model_file, socket_closed_port
 
 from lightning_nodeox.core.protocol import SyncReady, Unreachable, Upload, read_fully
-from lightning_nodeox.core.wire import Q4Message, Q4Meta
+from lightning_nodeox.core.wire import Message, MessageMeta
 from lightning_nodeox.host.client import HttpClient
 
 
@@ -46,7 +46,7 @@ def test_a_host_that_never_returns_does_not_hold_the_end_of_the_run(coordinator)
     h = a.put_model(memoryview(model_file()))
     b.join([s.as_json() for s in SPECS])  # ... and then b is never heard of again
     final = delta_message([torch.zeros(t.shape) for _, t in MODEL], round_=0, host="a", base_hash=h, samples=4)
-    final.write_header(Q4Meta("delta", 0, "a", h, samples=4, final=True))
+    final.write_header(MessageMeta("delta", 0, "a", h, samples=4, final=True))
     a.post_delta(0, final.view())
     reply = a.wait_sync(0)
     assert isinstance(reply, SyncReady) and reply.complete
@@ -67,7 +67,7 @@ def test_a_final_delta_completes_the_run_with_its_round_and_later_deltas_are_lat
     zeros = [torch.zeros(t.shape) for _, t in MODEL]
     for host, client, samples, final, value in (("a", a, 10, True, 1.0), ("b", b, 30, False, 3.0)):
         message = delta_message(zeros, round_=0, host=host, base_hash=h, samples=samples)
-        message.write_header(Q4Meta("delta", 0, host, h, samples=samples, final=final,
+        message.write_header(MessageMeta("delta", 0, host, h, samples=samples, final=final,
                                     metrics={"val_loss": [value, "mean"], "seen": [samples, "sum"]}))
         assert client.post_delta(0, message.view()) is Upload.TAKEN
     reply = b.wait_sync(0)
@@ -75,7 +75,7 @@ def test_a_final_delta_completes_the_run_with_its_round_and_later_deltas_are_lat
     buf = bytearray(reply.body.size)
     read_fully(reply.body, memoryview(buf))
     reply.body.close()
-    assert Q4Message.parse(buf).meta.metrics == {"val_loss": [2.5, "mean"], "seen": [40.0, "sum"]}
+    assert Message.parse(buf).meta.metrics == {"val_loss": [2.5, "mean"], "seen": [40.0, "sum"]}
     later = delta_message(zeros, round_=1, host="b", base_hash=h, samples=30)
     assert b.post_delta(1, later.view()) is Upload.LATE
 

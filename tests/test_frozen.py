@@ -26,7 +26,7 @@ from lightning_nodeox.core.pool import WorkerPool
 from lightning_nodeox.core.protocol import Upload
 from lightning_nodeox.core.recent import Recent
 from lightning_nodeox.core.specs import ModelMismatchError, spec_of
-from lightning_nodeox.core.wire import Q4Layout, Q4Message, Q4Meta
+from lightning_nodeox.core.wire import MessageLayout, Message, MessageMeta
 from lightning_nodeox.host.agreement import disagreement
 from lightning_nodeox.host.round import HostRound
 from lightning_nodeox.host.tensors import HostTensors, shared_tensors
@@ -43,22 +43,22 @@ def exchange_for(module: nn.Module) -> HostTensors:
     return tensors
 
 
-def names(message: Q4Message) -> list[str]:
+def names(message: Message) -> list[str]:
     return [s.name for s in message.meta.tensors]
 
 
 def layout_size(tensors: HostTensors, keep) -> int:
-    return Q4Layout.of(tuple(s for s in tensors.specs if keep(s.name)), SETTINGS).total
+    return MessageLayout.of(tuple(s for s in tensors.specs if keep(s.name)), SETTINGS).total
 
 
 def test_a_frozen_backbone_stays_out_of_the_delta_which_is_the_size_of_the_rest() -> None:
     module = net()
     module[0].requires_grad_(False)
     ex = exchange_for(module)
-    message = ex.encode(ex.live, Q4Meta("delta", 0, "h", "", samples=8), seed=None).join()
+    message = ex.encode(ex.live, MessageMeta("delta", 0, "h", "", samples=8), seed=None).join()
     assert names(message) == [n for n, _ in shared_tensors(module) if not n.startswith("0.")]  # BatchNorm stats move
     assert len(message) == layout_size(ex, lambda n: not n.startswith("0.")) < ex.layout.total
-    assert Q4Message.parse(message.buffer.clone()).meta.tensors == message.meta.tensors
+    assert Message.parse(message.buffer.clone()).meta.tensors == message.meta.tensors
     ex.close()
 
 
@@ -71,7 +71,7 @@ def test_the_set_follows_requires_grad_at_each_boundary_and_a_tensor_frozen_mid_
     assert ex.part.indices == head
     with torch.no_grad():
         ex.residual[0].fill_(0.25)  # a frozen tensor's residual waits for it to move again
-    ex.encode(ex.live, Q4Meta("delta", 0, "h", "", samples=8), seed=None).join()
+    ex.encode(ex.live, MessageMeta("delta", 0, "h", "", samples=8), seed=None).join()
     assert bool((ex.residual[0] == 0.25).all())
     module[0].requires_grad_(True)  # unfrozen during round 1: it moves from round 1 on
     assert ex.boundary().indices == everything
@@ -142,7 +142,7 @@ def test_two_hosts_sending_different_sets_get_each_tensors_mean_over_its_senders
     for host, samples in ((a, 8), (b, 24)):  # this arrival order: the sums round as the coordinator's
         host.tensors.boundary()
         message = host.encode(host.tensors.live, samples, False)
-        sent.append((Q4Message.parse(message.join().buffer.clone()), samples))
+        sent.append((Message.parse(message.join().buffer.clone()), samples))
         assert host.upload(message) is Upload.TAKEN
     assert len(names(sent[1][0])) == len(a.tensors.specs) - 2 and "2.weight" not in names(sent[1][0])
     for host in (a, b):
@@ -231,12 +231,12 @@ def test_the_outer_step_moves_only_the_rounds_set_and_a_delta_of_foreign_tensors
                              OuterSettings("nesterov", lr=0.7, momentum=0.9))
     v0 = model.tensors[1].clone()
     subset = (specs[0], specs[2])
-    message = Q4Message.allocate(Q4Layout.of(subset, SETTINGS))
+    message = Message.allocate(MessageLayout.of(subset, SETTINGS))
     k = kernels(SETTINGS)
     encode_tensor(k, torch.full((512,), 0.01), message.codes(0), message.scales(0))
     message.raw(1).copy_(torch.tensor(7).view(-1).view(torch.uint8))
-    message.write_header(Q4Meta("delta", 0, "h", model.hash, samples=4))
-    model.accumulate(Q4Message.parse(message.buffer.clone()), 4)
+    message.write_header(MessageMeta("delta", 0, "h", model.hash, samples=4))
+    model.accumulate(Message.parse(message.buffer.clone()), 4)
     closed = model.close_round(0)
     assert closed.sync.meta.tensors == subset and len(closed.sync) == message.layout.total
     model.publish(closed.sync)
@@ -267,9 +267,9 @@ def test_backbone_finetuning_sends_the_head_alone_until_the_backbone_unfreezes_a
                              "--unfreeze-at-epoch", "2"], timeout=180)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     module = finetune_module()
-    head = Q4Layout.of(spec_of([(n, p) for n, p in module.named_parameters() if n.startswith("head.")]),
+    head = MessageLayout.of(spec_of([(n, p) for n, p in module.named_parameters() if n.startswith("head.")]),
                        SETTINGS).total
-    whole = Q4Layout.of(spec_of(shared_tensors(module)), SETTINGS).total
+    whole = MessageLayout.of(spec_of(shared_tensors(module)), SETTINGS).total
     events = read_events(run)
     uploads = {(e["round"], e["host"]): e["bytes"] for e in events if e["phase"] == "upload"}
     assert uploads == {(r, h): head if r < 2 else whole for r in range(4) for h in "01"}  # epoch 2 = round 2

@@ -42,9 +42,9 @@ from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.modelfile import model_header, read_model
 from lightning_nodeox.core.phases import PhaseLog
 from lightning_nodeox.core.protocol import CREDENTIAL_HEADER, OCTETS, Reason, Refusal, SyncReady, Upload
-from lightning_nodeox.core.settings import Q4Settings
+from lightning_nodeox.core.settings import CodecSettings
 from lightning_nodeox.core.specs import spec_of
-from lightning_nodeox.core.wire import Q4Layout, Q4Message, Q4Meta
+from lightning_nodeox.core.wire import MessageLayout, Message, MessageMeta
 from lightning_nodeox.host.client import HttpClient
 from lightning_nodeox.host.round import HostRound
 from lightning_nodeox.host.tensors import HostTensors
@@ -59,7 +59,7 @@ BAD = [torch.randn(t.shape, generator=_gen) for _, t in MODEL]  # what a refused
 OTHER_MODEL = [(n, t + 1) for n, t in MODEL]
 
 
-def encoded(named, values, meta: Q4Meta, settings: Q4Settings = SETTINGS) -> bytes:
+def encoded(named, values, meta: MessageMeta, settings: CodecSettings = SETTINGS) -> bytes:
     """A delta of ``values`` for the model ``named``, in ``settings``' codec, with ``meta``'s header."""
     message = encoded_message(values, spec_of(named), settings)
     message.write_header(meta)
@@ -89,7 +89,7 @@ class Run:
     credentials: dict[str, str]
     initial: str
     named: list
-    settings: Q4Settings = SETTINGS
+    settings: CodecSettings = SETTINGS
 
     @property
     def url(self) -> str:
@@ -97,7 +97,7 @@ class Run:
 
     def delta(self, values, host: str, *, round_: int = 0, samples: int = 10, base: str | None = None,
               **meta) -> bytes:
-        return encoded(self.named, values, Q4Meta("delta", round_, host, base or self.initial, samples=samples,
+        return encoded(self.named, values, MessageMeta("delta", round_, host, base or self.initial, samples=samples,
                                                   **meta), self.settings)
 
     def send(self, host: str, values, samples: int, round_: int = 0) -> None:
@@ -122,14 +122,14 @@ class Run:
         """The model hash round ``round_``'s sync announces (waiting for it)."""
         reply = self.clients[host].wait_sync(round_)
         assert isinstance(reply, SyncReady)
-        return Q4Message.parse(body_bytes(reply.body)).meta.model_hash
+        return Message.parse(body_bytes(reply.body)).meta.model_hash
 
     def unchanged(self, received: list[str], round_: int = 0, model: str | None = None) -> None:
         state = self.status()
         assert (state["round"], state["received"], state["model_hash"]) == (round_, received, model or self.initial)
 
 
-def start(coordinator, hosts: str = "ab", *args: str, named=MODEL, settings: Q4Settings = SETTINGS) -> Run:
+def start(coordinator, hosts: str = "ab", *args: str, named=MODEL, settings: CodecSettings = SETTINGS) -> Run:
     coord = coordinator(len(hosts), *args)
     tensors = [s.as_json() for s in spec_of(named)]
     clients = {h: HttpClient(coord.url, host=h, retry_for=5) for h in hosts}
@@ -192,12 +192,12 @@ def test_a_second_delta_of_a_host_in_one_round_is_refused_and_the_first_one_coun
 
 def test_a_delta_in_another_codec_of_the_same_size_is_refused_and_changes_nothing(coordinator) -> None:
     named = [("w", torch.randn(8, 128, generator=_gen)), ("b", torch.randn(128, generator=_gen))]
-    other = Q4Settings(block_size=128, scale_dtype="fp32")  # 34 bytes per 64 values, as the run's own codec
-    assert Q4Layout.of(spec_of(named), other).total == Q4Layout.of(spec_of(named), SETTINGS).total
+    other = CodecSettings(block_size=128, scale_dtype="fp32")  # 34 bytes per 64 values, as the run's own codec
+    assert MessageLayout.of(spec_of(named), other).total == MessageLayout.of(spec_of(named), SETTINGS).total
     good_a, good_b, bad = ([torch.randn(t.shape, generator=_gen) * 0.01 for _, t in named] for _ in range(3))
     run = start(coordinator, "ab", named=named)
     run.send("a", good_a, 30)
-    status, body = run.post("b", encoded(named, bad, Q4Meta("delta", 0, "b", run.initial, samples=10), other))
+    status, body = run.post("b", encoded(named, bad, MessageMeta("delta", 0, "b", run.initial, samples=10), other))
     assert (status, body.get("reason")) == (400, "invalid")
     assert "payload uses q4, block size 128 with fp32 scales; this run uses q4, 64 with fp16" in body["error"]
     run.unchanged(["a"])
@@ -206,7 +206,7 @@ def test_a_delta_in_another_codec_of_the_same_size_is_refused_and_changes_nothin
 
 
 def test_a_delta_whose_scales_would_overflow_the_accumulator_is_refused_and_changes_nothing(coordinator) -> None:
-    fp32 = Q4Settings(scale_dtype="fp32")  # fp16 scales cannot get there: the check guards fp32-scale runs
+    fp32 = CodecSettings(scale_dtype="fp32")  # fp16 scales cannot get there: the check guards fp32-scale runs
     huge = [torch.full(t.shape, 1e33) for _, t in MODEL]  # finite in fp32; times 8 x 10 samples, beyond 1e30
 
     def run_of(refused_first: bool) -> str:
@@ -256,7 +256,7 @@ def test_a_delta_before_the_run_has_a_model_is_refused_and_leaves_nothing_behind
     a = HttpClient(coord.url, host="a", retry_for=5)
     credential = a.join([s.as_json() for s in spec_of(MODEL)]).credential
     initial = model_hash(MODEL)
-    delta = encoded(MODEL, BAD, Q4Meta("delta", 0, "a", initial, samples=10))
+    delta = encoded(MODEL, BAD, MessageMeta("delta", 0, "a", initial, samples=10))
     r = requests.post(f"{coord.url}/v1/rounds/0/delta", params={"host": "a"}, data=delta, timeout=30,
                       headers={"Content-Type": OCTETS, CREDENTIAL_HEADER: credential})
     status, body = refusal(r)
@@ -312,9 +312,9 @@ def test_a_model_given_back_that_is_not_the_one_the_host_said_it_holds_is_refuse
     initial = a.put_model(memoryview(model_file()))
     b.join(tensors)
     for client, values, samples in ((a, GOOD_A, 30), (b, GOOD_B, 10)):
-        message = encoded(MODEL, values, Q4Meta("delta", 0, client.host, initial, samples=samples))
+        message = encoded(MODEL, values, MessageMeta("delta", 0, client.host, initial, samples=samples))
         assert client.post_delta(0, memoryview(message)) is Upload.TAKEN
-    after = Q4Message.parse(body_bytes(a.wait_sync(0).body)).meta.model_hash
+    after = Message.parse(body_bytes(a.wait_sync(0).body)).meta.model_hash
     held = bytes(body_bytes(a.get_model()).numpy())
     saved = run_dir / "state" / "run.json"
     deadline = time.monotonic() + 30
@@ -466,9 +466,9 @@ def test_a_sync_the_restarted_coordinator_does_not_hold_is_gone_not_waited_for(c
     saved = run_dir / "state" / "run.json"
     for round_ in (0, 1):
         for client, values in ((a, GOOD_A), (b, GOOD_B)):
-            message = encoded(MODEL, values, Q4Meta("delta", round_, client.host, base, samples=10))
+            message = encoded(MODEL, values, MessageMeta("delta", round_, client.host, base, samples=10))
             assert client.post_delta(round_, memoryview(message)) is Upload.TAKEN
-        base = Q4Message.parse(body_bytes(a.wait_sync(round_).body)).meta.model_hash
+        base = Message.parse(body_bytes(a.wait_sync(round_).body)).meta.model_hash
         if round_ == 0:
             deadline = time.monotonic() + 30
             while not (saved.exists() and json.loads(saved.read_text())["round"] == 1):
@@ -528,7 +528,7 @@ def with_meta(**changes):
     """A sync rewriter: the same data under a header with ``changes`` (and a valid CRC)."""
 
     def rewrite(data: bytearray) -> bytearray:
-        message = Q4Message.parse(data)
+        message = Message.parse(data)
         message.write_header(replace(message.meta, **changes))
         return data
 

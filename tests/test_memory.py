@@ -16,13 +16,13 @@ from lightning_nodeox.coordinator.lifecycle import CoordinatorRun
 from lightning_nodeox.coordinator.runlog import RunLog
 from lightning_nodeox.coordinator.state import RunStore
 from lightning_nodeox.core.pool import WorkerPool
-from lightning_nodeox.core.wire import Q4Message
+from lightning_nodeox.core.wire import Message
 
 ROUNDS = 4
 
 
 def live_messages() -> int:
-    return sum(isinstance(o, Q4Message) for o in gc.get_objects())
+    return sum(isinstance(o, Message) for o in gc.get_objects())
 
 
 async def scenario(tmp_path, monkeypatch) -> list[int]:
@@ -32,14 +32,14 @@ async def scenario(tmp_path, monkeypatch) -> list[int]:
     run = CoordinatorRun(config, runlog, pool, RunStore(tmp_path))
     state, rounds = run.state, run.rounds
     parsed: list[tuple[int, weakref.ref]] = []
-    read_head = Q4Message.read_head
+    read_head = Message.read_head
 
     def read_and_watch(*args, **kwargs):
         message = read_head(*args, **kwargs)
         parsed.append((message.meta.round, weakref.ref(message)))
         return message
 
-    monkeypatch.setattr(Q4Message, "read_head", staticmethod(read_and_watch))
+    monkeypatch.setattr(Message, "read_head", staticmethod(read_and_watch))
     await run.load_initial_model(torch.frombuffer(bytearray(model_file()), dtype=torch.uint8))
     for host in "ab":
         await run.membership.join(host, SPECS)

@@ -13,11 +13,11 @@ from lightning_nodeox.coordinator.outer import OuterSettings
 from lightning_nodeox.core.codec import apply_sync, encode_sync_and_apply
 from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.pool import WorkerPool
-from lightning_nodeox.core.settings import Q4Settings
+from lightning_nodeox.core.settings import CodecSettings
 from lightning_nodeox.core.specs import spec_of
-from lightning_nodeox.core.wire import Q4Message
+from lightning_nodeox.core.wire import Message
 
-SETTINGS = Q4Settings()
+SETTINGS = CodecSettings()
 
 
 def fp16_model() -> list[tuple[str, torch.Tensor]]:
@@ -31,7 +31,7 @@ def make(named, pool, outer=OuterSettings()) -> CoordinatorModel:
     return CoordinatorModel(spec_of(named), [t.clone() for _, t in named], SETTINGS, pool, outer)
 
 
-def delta(specs, values: list[torch.Tensor]) -> Q4Message:
+def delta(specs, values: list[torch.Tensor]) -> Message:
     return delta_message(values, specs=specs)
 
 
@@ -60,7 +60,7 @@ def test_a_round_that_would_overflow_fp16_is_refused_and_changes_nothing(pool, o
     assert all(torch.equal(x, y) for x, y in zip(model.outer.state.values(), momentum))
     # a host applying the refused round's sync keeps its model bit for bit (-0.0 included) and its hash
     host = [t.clone() for _, t in named]
-    sync = Q4Message.parse(closed.sync.buffer.clone())
+    sync = Message.parse(closed.sync.buffer.clone())
     for i, t in enumerate(host):
         apply_sync(kernels(SETTINGS), sync.codes(i), sync.scales(i), t.view(-1), t.view(-1))
     assert all(torch.equal(x, y) for x, y in zip(bits(host), before))

@@ -13,7 +13,7 @@ from local_transport import LocalCoordinator
 from lightning_nodeox.coordinator.config import CoordinatorConfig, OuterSettings
 from lightning_nodeox.coordinator.outer import OuterOptimizer, make_outer, outer_names, register
 from lightning_nodeox.coordinator.state import RunStore, SavedRun, take_up
-from lightning_nodeox.core.settings import Q4Settings
+from lightning_nodeox.core.settings import CodecSettings
 
 
 @register
@@ -27,7 +27,7 @@ class Scaled(OuterOptimizer):
 
 
 def test_an_outer_optimizer_with_a_step_but_no_state_is_stepped(tmp_path) -> None:
-    c = LocalCoordinator(tmp_path, 2, q4=Q4Settings(codec="fp32"), outer=OuterSettings(Scaled.name, lr=0.25))
+    c = LocalCoordinator(tmp_path, 2, q4=CodecSettings(codec="fp32"), outer=OuterSettings(Scaled.name, lr=0.25))
     try:
         a, b = hosts(c, "a", "b")
         assert isinstance(c.rounds.model.outer, Scaled) and not c.rounds.model.outer.has_state
@@ -73,7 +73,7 @@ def test_every_outer_and_codec_setting_survives_a_restart(tmp_path) -> None:
     """The settings saved with a run come back whole, over the restarted command line's (tests/test_restart.py
     runs the same with real processes, tuned settings included)."""
     tuned = OuterSettings("nesterov", lr=0.5, momentum=0.8)
-    codec = Q4Settings(block_size=128, scale_dtype="fp32", rounding="stochastic", error_feedback=False, codec="bf16")
+    codec = CodecSettings(block_size=128, scale_dtype="fp32", rounding="stochastic", error_feedback=False, codec="bf16")
     for settings in (tuned, codec):
         untuned = [f.name for f in fields(settings) if getattr(settings, f.name) == f.default]
         assert not untuned, f"give {untuned} a value other than its default here"

@@ -23,7 +23,7 @@ from lightning_nodeox.core.codec import decode_tensor, encode_tensor
 from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.pool import WorkerPool
 from lightning_nodeox.core.protocol import Reason, Refusal, Unreachable, ValuesReply
-from lightning_nodeox.core.wire import Q4Message, Q4Meta
+from lightning_nodeox.core.wire import Message, MessageMeta
 from lightning_nodeox.host.tensors import HostTensors
 from lightning_nodeox.relay.config import RelayConfig
 from lightning_nodeox.relay.run import RelayRun
@@ -37,7 +37,7 @@ NAMED = [("w", torch.randn(70, 30, generator=torch.Generator().manual_seed(0))),
          ("steps", torch.tensor(3))]  # a raw tensor: taken from one host, not averaged
 
 
-def host_delta(host: str, samples: int, scale: float, steps: int, frozen_names: tuple[str, ...] = ()) -> Q4Message:
+def host_delta(host: str, samples: int, scale: float, steps: int, frozen_names: tuple[str, ...] = ()) -> Message:
     """Host ``host``'s delta of ``samples`` samples: every float value moved by ``scale`` times a pattern; the
     tensors ``frozen_names`` are frozen parameters there (not sent)."""
     tensors = frozen([(n, t.clone()) for n, t in NAMED], frozen_names)
@@ -46,7 +46,7 @@ def host_delta(host: str, samples: int, scale: float, steps: int, frozen_names: 
         for t in tensors.live[:2]:
             t.add_(torch.linspace(-1, 1, t.numel()).view(t.shape) * scale)
         tensors.live[2].fill_(steps)
-    return tensors.encode(tensors.live, Q4Meta("delta", 0, host, tensors.base_hash(), samples=samples), None).join()
+    return tensors.encode(tensors.live, MessageMeta("delta", 0, host, tensors.base_hash(), samples=samples), None).join()
 
 
 def test_a_relays_delta_is_its_sites_weighted_mean_requantized_with_its_own_residual() -> None:
@@ -54,12 +54,12 @@ def test_a_relays_delta_is_its_sites_weighted_mean_requantized_with_its_own_resi
     model = CoordinatorModel(tuple(HostTensors(NAMED).specs), [t.clone() for _, t in NAMED], SETTINGS, pool)
     deltas = {"b": (host_delta("b", 24, 0.03, steps=9), 24), "a": (host_delta("a", 8, 0.01, steps=5), 8)}
     for message, samples in deltas.values():
-        model.accumulate(Q4Message.parse(message.buffer.clone()), samples)
+        model.accumulate(Message.parse(message.buffer.clone()), samples)
     acc = [a.clone() for a in model.acc]
     tensors = RelayTensors(model)
     tensors.allocate(SETTINGS, 1)
     tensors.take_round()
-    sent = tensors.encode(tensors.live, Q4Meta("delta", 0, "site", model.hash, samples=model.weight), None).join()
+    sent = tensors.encode(tensors.live, MessageMeta("delta", 0, "site", model.hash, samples=model.weight), None).join()
 
     assert sent.meta.samples == 32 and [s.name for s in sent.meta.tensors] == ["w", "b", "steps"]
     assert int(sent.raw(2).clone().view(torch.int64)) == 5  # host "a" sorts first: its raw values, as a coordinator's
@@ -113,7 +113,7 @@ def test_each_tensor_of_a_relays_delta_is_the_mean_over_the_hosts_that_sent_it_a
             {"a": (host_delta("a", 8, 0.02, 5), 8), "b": (host_delta("b", 24, 0.01, 9, ("w",)), 24)},
             {"a": (host_delta("a", 8, 0.02, 5, ("w",)), 8), "c": (host_delta("c", 0, 0.05, 1), 0)})):
         for message, samples in deltas.values():
-            model.accumulate(Q4Message.parse(message.buffer.clone()), samples)
+            model.accumulate(Message.parse(message.buffer.clone()), samples)
         expected = {}
         for j, name in enumerate(("w", "b")):  # each tensor's mean over the deltas (with samples) that carried it
             carried = [(m, s) for m, s in deltas.values() if s and name in [t.name for t in m.meta.tensors]]
@@ -128,7 +128,7 @@ def test_each_tensor_of_a_relays_delta_is_the_mean_over_the_hosts_that_sent_it_a
                 torch.testing.assert_close(model.acc[j] * (1 / model.weights[j]), expected[name], rtol=1e-6,
                                            atol=1e-7)
         tensors.take_round()
-        message = tensors.encode(tensors.live, Q4Meta("delta", round_, "siteA", model.hash, samples=model.weight),
+        message = tensors.encode(tensors.live, MessageMeta("delta", round_, "siteA", model.hash, samples=model.weight),
                                  None).join()
         sent.append(([t.name for t in message.meta.tensors], message.meta.samples))
         if round_ == 0:  # no residual yet: q4 of each tensor's own mean

@@ -16,14 +16,14 @@ from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.modelfile import read_model
 from lightning_nodeox.core.protocol import CREDENTIAL_HEADER, SyncReady, Upload
 from lightning_nodeox.core.specs import spec_of
-from lightning_nodeox.core.wire import Q4Message
+from lightning_nodeox.core.wire import Message
 from lightning_nodeox.host.client import HttpClient
 from lightning_nodeox.host.heartbeat import Heartbeat
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
 
-def delta(named, deltas, *, round_: int, host: str, base_hash: str) -> Q4Message:
+def delta(named, deltas, *, round_: int, host: str, base_hash: str) -> Message:
     return delta_message(deltas, round_=round_, host=host, base_hash=base_hash, samples=8, specs=spec_of(named))
 
 
@@ -95,7 +95,7 @@ def test_a_stalled_model_download_does_not_delay_the_round(coordinator) -> None:
     sent = time.monotonic()
     reply = a.wait_sync(0)
     assert isinstance(reply, SyncReady)
-    new_hash = Q4Message.parse(body_bytes(reply.body)).meta.model_hash  # streamed as the round closes
+    new_hash = Message.parse(body_bytes(reply.body)).meta.model_hash  # streamed as the round closes
     assert time.monotonic() - sent < 5, "the round waited for the download"
     assert new_hash != initial
 

@@ -34,7 +34,7 @@ from lightning_nodeox.core.modelfile import read_model
 from lightning_nodeox.core.protocol import CREDENTIAL_HEADER, SyncReady, Upload
 from lightning_nodeox.core.specs import PayloadError, spec_of
 from lightning_nodeox.core.streaming import MessageReader
-from lightning_nodeox.core.wire import Q4Message
+from lightning_nodeox.core.wire import Message
 from lightning_nodeox.core.phases import PhaseLog
 from lightning_nodeox.host.client import HttpClient
 from lightning_nodeox.host.round import HostRound
@@ -64,7 +64,7 @@ def test_a_message_of_small_pieces_checks_each_piece_alone(small_pieces) -> None
     assert [(p.first, p.stop) for p in pieces] == [(0, 2), (2, 4), (4, 6)]  # 544 bytes a tensor: two a piece
     data = bytearray(message.view())
     data[message.layout.data_start + pieces[1].data[0] + 3] ^= 0x01
-    corrupted = Q4Message.read_head(bytes(data[: message.layout.data_start]),
+    corrupted = Message.read_head(bytes(data[: message.layout.data_start]),
                                     torch.frombuffer(data, dtype=torch.uint8), total=len(data))
     corrupted.check_piece(0)  # the others pass on their own
     corrupted.check_piece(2)
@@ -133,7 +133,7 @@ def test_a_bad_piece_and_a_delta_that_stops_half_way_keep_what_was_taken(coordin
 
     reply = clients["a"].wait_sync(0)
     assert isinstance(reply, SyncReady)
-    sync = Q4Message.parse(body_bytes(reply.body))
+    sync = Message.parse(body_bytes(reply.body))
     model = [t for _, t in NAMED]
     everyone = expected_after_round(model, [(deltas_of(1), 24), (deltas_of(2), 16), (deltas_of(0), 8)])
     a_only = expected_after_round(model, [(deltas_of(0), 8)])
@@ -151,7 +151,7 @@ def test_a_bad_piece_and_a_delta_that_stops_half_way_keep_what_was_taken(coordin
         assert clients[h].post_delta(1, d.view()) is Upload.TAKEN
     after = [x for x in expected]
     final = expected_after_round(after, [(deltas_of(10), 4), (deltas_of(11), 4), (deltas_of(12), 4)])
-    assert Q4Message.parse(body_bytes(clients["c"].wait_sync(1).body)).meta.model_hash == model_hash(
+    assert Message.parse(body_bytes(clients["c"].wait_sync(1).body)).meta.model_hash == model_hash(
         [(n, t) for (n, _), t in zip(NAMED, final)])
 
 
@@ -225,6 +225,6 @@ def test_nothing_of_a_cut_delta_outlives_its_round(local_coordinator, tiny_piece
         assert a.synchronize().contributed and b.synchronize().contributed
         assert_on_the_run_model(c, a, b)
         gc.collect()
-        counts.append(sum(isinstance(o, Q4Message) for o in gc.get_objects()))
+        counts.append(sum(isinstance(o, Message) for o in gc.get_objects()))
     # as many messages alive after a cut round as after a whole one (from round 1 on: both syncs exist)
     assert counts[1] == counts[2] == counts[3], counts

@@ -21,7 +21,7 @@ from lightning_nodeox.coordinator.config import CoordinatorConfig
 from lightning_nodeox.coordinator.server import bound_url
 from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.protocol import SyncReady, TlsMismatch, Unreachable, Upload
-from lightning_nodeox.core.wire import Q4Message
+from lightning_nodeox.core.wire import Message
 from lightning_nodeox.host.client import HttpClient
 
 TENSORS = [s.as_json() for s in SPECS]
@@ -61,7 +61,7 @@ def test_a_round_over_tls_with_the_ca_file_or_the_requests_convention(coordinato
     assert isinstance(reply, SyncReady)
     expected = expected_after_round([t for _, t in MODEL], [(deltas[0], 8), (deltas[1], 8)])
     expected_hash = model_hash(list(zip([n for n, _ in MODEL], expected)))
-    assert Q4Message.parse(body_bytes(reply.body)).meta.model_hash == expected_hash
+    assert Message.parse(body_bytes(reply.body)).meta.model_hash == expected_hash
     assert requests.get(f"{coord.url}/v1/status", verify=str(cert), timeout=10).json()["model_hash"] == expected_hash
 
 
@@ -137,9 +137,9 @@ HTTPS_HOST = '''
 import os, sys, torch
 from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.modelfile import model_header
-from lightning_nodeox.core.settings import Q4Settings
+from lightning_nodeox.core.settings import CodecSettings
 from lightning_nodeox.core.specs import spec_of
-from lightning_nodeox.core.wire import Q4Layout, Q4Message, Q4Meta
+from lightning_nodeox.core.wire import MessageLayout, Message, MessageMeta
 from lightning_nodeox.host.client import HttpClient
 
 url, ca = os.environ["NODEOX_COORDINATOR_URL"], os.environ["NODEOX_CA_FILE"]
@@ -151,10 +151,10 @@ reply = client.join([s.as_json() for s in specs])
 digest = model_hash(named)
 if reply.provide_model:
     client.put_model(memoryview(model_header(specs, 0, digest) + named[0][1].numpy().tobytes()))
-final = Q4Message.allocate(Q4Layout.of(specs, Q4Settings()))
+final = Message.allocate(MessageLayout.of(specs, CodecSettings()))
 final.buffer.fill_(0x88)
 final.scales(0).fill_(0.0)
-final.write_header(Q4Meta("delta", 0, client.host, digest, samples=0, final=True))
+final.write_header(MessageMeta("delta", 0, client.host, digest, samples=0, final=True))
 client.post_delta(0, final.view())
 print("sync complete:", client.wait_sync(0).complete)
 client.leave()

@@ -12,23 +12,23 @@ from hypothesis import strategies as st
 from safetensors.torch import load as safetensors_load
 
 from lightning_nodeox.core.modelfile import model_header, read_model
-from lightning_nodeox.core.settings import Q4Settings
+from lightning_nodeox.core.settings import CodecSettings
 from lightning_nodeox.core.specs import PayloadError, TensorSpec, check_same_model, spec_of
-from lightning_nodeox.core.wire import Q4Message, Q4Meta, fit_metrics
+from lightning_nodeox.core.wire import Message, MessageMeta, fit_metrics
 
 NAMED = [("layer.weight", torch.randn(33, 7)), ("layer.bias", torch.randn(33)), ("bn.running_var", torch.rand(5))]
 
 
-def make_message(named=NAMED, settings: Q4Settings = Q4Settings(), **meta) -> Q4Message:
+def make_message(named=NAMED, settings: CodecSettings = CodecSettings(), **meta) -> Message:
     message = encoded([t for _, t in named], spec_of(named), settings)
     fields = dict(kind="delta", round=3, host="7", base_hash="ab" * 16, samples=96) | meta
-    message.write_header(Q4Meta(**fields))
+    message.write_header(MessageMeta(**fields))
     return message
 
 
 def test_round_trip_and_metadata() -> None:
     message = make_message()
-    parsed = Q4Message.parse(bytes(message.view()))
+    parsed = Message.parse(bytes(message.view()))
     assert (parsed.meta.kind, parsed.meta.round, parsed.meta.host, parsed.meta.samples) == ("delta", 3, "7", 96)
     assert parsed.meta.base_hash == "ab" * 16
     assert parsed.meta.tensors == spec_of(NAMED)
@@ -48,9 +48,9 @@ def test_readable_by_safetensors() -> None:
 def test_header_rewrite_keeps_layout() -> None:
     message = make_message()
     size = len(message)
-    message.write_header(Q4Meta("delta", 10**15, "x" * 64, "cd" * 16, samples=10**12, final=True))
+    message.write_header(MessageMeta("delta", 10**15, "x" * 64, "cd" * 16, samples=10**12, final=True))
     assert len(message) == size
-    assert Q4Message.parse(bytes(message.view())).meta.final
+    assert Message.parse(bytes(message.view())).meta.final
 
 
 def corrupt(data: bytes, fn) -> bytes:
@@ -86,20 +86,20 @@ def test_bad_payloads_raise_payload_error(case: str, pattern: str) -> None:
         "trailing": lambda: data + b"\0" * 8,
     }[case]()
     with pytest.raises(PayloadError, match=pattern):
-        Q4Message.parse(bad)
+        Message.parse(bad)
 
 
 def test_nan_scale_is_refused_even_with_a_valid_crc() -> None:
-    message = make_message(settings=Q4Settings(scale_dtype="fp32"))
+    message = make_message(settings=CodecSettings(scale_dtype="fp32"))
     message.scales(1)[0] = float("nan")
     message.write_header(message.meta)  # a sender that computed a correct CRC over a NaN scale
     with pytest.raises(PayloadError, match="NaN or Inf scales for tensor 'layer.bias'"):
-        Q4Message.parse(bytes(message.view()))
+        Message.parse(bytes(message.view()))
 
 
 def test_wrong_shape_is_named() -> None:
     other = [("layer.weight", torch.randn(33, 8)), *NAMED[1:]]
-    parsed = Q4Message.parse(bytes(make_message(other).view()))
+    parsed = Message.parse(bytes(make_message(other).view()))
     with pytest.raises(PayloadError, match=r"'layer.weight' float32 \[33, 8\] does not match the model's"):
         check_same_model(spec_of(NAMED), parsed.meta.tensors, "delta")
 
@@ -108,7 +108,7 @@ def test_wrong_shape_is_named() -> None:
 @given(st.binary(max_size=4096))
 def test_random_bytes_only_ever_raise_payload_error(data: bytes) -> None:
     with pytest.raises(PayloadError):
-        Q4Message.parse(data)
+        Message.parse(data)
 
 
 def test_the_crc32_has_one_spelling() -> None:
@@ -121,11 +121,11 @@ def test_the_crc32_has_one_spelling() -> None:
         if letters:
             break
     assert letters
-    Q4Message.parse(data)
+    Message.parse(data)
     for k in letters:
         changed = data[: at + k] + chr(data[at + k]).upper().encode() + data[at + k + 1 :]
         with pytest.raises(PayloadError, match="crc32 field is malformed"):
-            Q4Message.parse(changed)
+            Message.parse(changed)
 
 
 @settings(max_examples=200, deadline=None)
@@ -137,7 +137,7 @@ def test_any_single_byte_change_is_detected(position: int, value: int) -> None:
         return
     changed = data[:position] + bytes([value]) + data[position + 1 :]
     try:
-        Q4Message.parse(changed)
+        Message.parse(changed)
     except PayloadError:
         return
     # only the header's padding (spaces after the JSON) may change without consequence
@@ -169,8 +169,8 @@ def test_metrics_travel_in_the_header_without_changing_the_layout() -> None:
     metrics = {"val_loss": [0.25, "mean"], "count": [3.0, "sum"]}
     message = make_message(metrics=metrics)
     assert len(message) == len(plain)
-    assert Q4Message.parse(bytes(message.view())).meta.metrics == metrics
-    assert Q4Message.parse(bytes(plain.view())).meta.metrics == {}
+    assert Message.parse(bytes(message.view())).meta.metrics == metrics
+    assert Message.parse(bytes(plain.view())).meta.metrics == {}
 
 
 def test_metrics_that_do_not_fit_are_named_and_the_rest_still_travels() -> None:
@@ -178,7 +178,7 @@ def test_metrics_that_do_not_fit_are_named_and_the_rest_still_travels() -> None:
     kept, dropped = fit_metrics(metrics)
     assert 40 < len(kept) < 200 and dropped == list(metrics)[len(kept):]
     message = make_message(metrics=kept)
-    assert Q4Message.parse(bytes(message.view())).meta.metrics == kept
+    assert Message.parse(bytes(message.view())).meta.metrics == kept
     with pytest.raises(ValueError, match="fit_metrics"):
         make_message(metrics=metrics)
 
@@ -187,4 +187,4 @@ def test_malformed_metrics_are_refused() -> None:
     message = make_message(metrics={"a": [1.0, "mean"]})
     bad = bytes(message.view()).replace(b'[1.0,\\"mean\\"]', b'\\"one point\\"  ')
     with pytest.raises(PayloadError, match="metrics must be"):
-        Q4Message.parse(bad)
+        Message.parse(bad)

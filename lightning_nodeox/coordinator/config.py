@@ -6,7 +6,7 @@ import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..core.settings import Q4Settings
+from ..core.settings import CodecSettings
 from .outer import OuterSettings
 
 DEFAULT_PORT = 8470
@@ -81,7 +81,7 @@ class CoordinatorConfig:
     elastic: bool = False
     tls_cert: Path | None = None
     tls_key: Path | None = None
-    q4: Q4Settings = field(default_factory=Q4Settings)
+    q4: CodecSettings = field(default_factory=CodecSettings)
     initial_model: Path | None = None
     threads: int | None = None
     rss_interval: float = 2.0

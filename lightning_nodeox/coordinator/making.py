@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from ..core.wire import Q4Message
+from ..core.wire import Message
 
 
 class SyncBroken(Exception):
@@ -20,7 +20,7 @@ class SyncBroken(Exception):
 class SyncInMaking:
     """Round ``round_``'s sync while its pieces are made; ``complete``: the run completes with it."""
 
-    def __init__(self, round_: int, sync: Q4Message, complete: bool) -> None:
+    def __init__(self, round_: int, sync: Message, complete: bool) -> None:
         self.round = round_
         self.sync = sync
         self.complete = complete

@@ -27,9 +27,9 @@ from ..core.hashing import RowHasher, combine
 from ..core.modelfile import model_header
 from ..core.pool import WorkerPool
 from ..core.recent import Recent
-from ..core.settings import Q4Settings
+from ..core.settings import CodecSettings
 from ..core.specs import TensorSpec, positions_in
-from ..core.wire import Q4Layout, Q4Message, Q4Meta
+from ..core.wire import MessageLayout, Message, MessageMeta
 from .outer import OuterSettings, make_outer
 
 
@@ -38,7 +38,7 @@ class ClosedRound:
     """A round's sync; ``not_finite`` names the tensors that would have become NaN or Inf (their pieces were
     refused: the sync changes nothing there)."""
 
-    sync: Q4Message
+    sync: Message
     not_finite: list[str] = field(default_factory=list)
 
 
@@ -48,7 +48,7 @@ class SyncClosing:
 
     round: int
     indices: tuple[int, ...]  # the round's set: the model's index of each tensor the sync carries
-    sync: Q4Message
+    sync: Message
     base_hash: str
     digests: list  # θ's row digests before the round (a refused piece keeps its tensors')
     not_finite: list[str] = field(default_factory=list)  # tensors of refused pieces
@@ -66,16 +66,16 @@ CACHED_SETS = 8  # message layouts kept, one per set of tensors
 class CoordinatorModel:
     """θ (in the hosts' dtypes), the fp32 accumulator of weighted deltas, and double-buffered sync messages."""
 
-    def __init__(self, specs: tuple[TensorSpec, ...], tensors: list[torch.Tensor], settings: Q4Settings,
+    def __init__(self, specs: tuple[TensorSpec, ...], tensors: list[torch.Tensor], settings: CodecSettings,
                  pool: WorkerPool, outer: OuterSettings = OuterSettings()) -> None:
         self.specs = specs
         self.tensors = [t.detach().contiguous() for t in tensors]  # views of the received file, kept alive here
         self.settings = settings
         self.pool = pool
-        self.layout = Q4Layout.of(specs, settings)  # of the whole model: the largest delta
+        self.layout = MessageLayout.of(specs, settings)  # of the whole model: the largest delta
         self._index = {s.name: i for i, s in enumerate(specs)}
         self._positions: Recent[tuple[TensorSpec, ...], tuple[int, ...]] = Recent(CACHED_SETS)
-        self._layouts: Recent[tuple, Q4Layout] = Recent(CACHED_SETS)
+        self._layouts: Recent[tuple, MessageLayout] = Recent(CACHED_SETS)
         self._layouts.get((tuple(range(len(specs))), None), lambda: self.layout)
         self.acc = [torch.empty(s.coded, dtype=torch.float32) for s in specs]
         self.raw = [i for i, s in enumerate(specs) if s.raw]
@@ -88,8 +88,8 @@ class CoordinatorModel:
         self.moving: set[int] = set()  # the round's set so far
         self._digests: list[RowHasher | None] = [None] * len(specs)  # θ's row digests (None: not known)
         self.hash = self._hash_all()
-        self.latest_sync: Q4Message | None = None
-        self._spare_sync: Q4Message | None = None
+        self.latest_sync: Message | None = None
+        self._spare_sync: Message | None = None
         self._readers: dict[int, int] = {}
 
     def named(self) -> list[tuple[str, torch.Tensor]]:
@@ -104,20 +104,20 @@ class CoordinatorModel:
         the model's); kept for the sets seen last."""
         return self._positions.get(specs, lambda: positions_in(self.specs, specs, what, self._index))
 
-    def layout_of(self, indices: tuple[int, ...], capacity: int | None = None) -> Q4Layout:
+    def layout_of(self, indices: tuple[int, ...], capacity: int | None = None) -> MessageLayout:
         """The message layout of the tensors ``indices`` (a sync of ``capacity``, for a codec of varying size; kept
         for the sets seen last)."""
-        return self._layouts.get((indices, capacity), lambda: Q4Layout.of(tuple(self.specs[i] for i in indices),
+        return self._layouts.get((indices, capacity), lambda: MessageLayout.of(tuple(self.specs[i] for i in indices),
                                                                            self.settings, capacity=capacity))
 
     # -- one round ------------------------------------------------------------------------------------------
-    def accumulate(self, message: Q4Message, samples: int) -> None:
+    def accumulate(self, message: Message, samples: int) -> None:
         """A whole delta at once: :meth:`begin_delta`, then :meth:`accumulate_piece` for each of its pieces."""
         indices = self.begin_delta(message, samples)
         for k in range(len(message.layout.pieces)):
             self.accumulate_piece(message, k, samples, indices)
 
-    def begin_delta(self, message: Q4Message, samples: int) -> tuple[int, ...]:
+    def begin_delta(self, message: Message, samples: int) -> tuple[int, ...]:
         """A delta's header is in: its tensors join the round's set (also with no samples), its samples the
         round's; returns the model's index of each tensor it carries."""
         indices = self.positions(message.meta.tensors)
@@ -126,7 +126,7 @@ class CoordinatorModel:
         self.deltas += 1
         return indices
 
-    def accumulate_piece(self, message: Q4Message, k: int, samples: int, indices: tuple[int, ...]) -> None:
+    def accumulate_piece(self, message: Message, k: int, samples: int, indices: tuple[int, ...]) -> None:
         """Add ``samples * delta`` to the accumulator of each tensor of the delta's piece ``k`` (a tensor's first
         delta of the round overwrites it), which then counts ``samples`` more in its mean."""
         if samples <= 0:
@@ -172,7 +172,7 @@ class CoordinatorModel:
         its pieces follow (:meth:`close_piece`), each once the deltas' tensors in it are all accumulated."""
         indices = tuple(sorted(self.moving))
         message = self._free_sync_buffer(self.layout_of(indices, self.layout.codec.sync_capacity(self.deltas)))
-        message.write_head(Q4Meta("sync", round_, "coordinator", self.hash, samples=self.weight,
+        message.write_head(MessageMeta("sync", round_, "coordinator", self.hash, samples=self.weight,
                                   metrics=metrics or {}))
         closing = SyncClosing(round_, indices, message, self.hash, list(self._digests))
         self._digests = [None if i in self.moving else d for i, d in enumerate(self._digests)]
@@ -239,7 +239,7 @@ class CoordinatorModel:
         self.end_round()
         return ClosedRound(closing.sync, closing.not_finite)
 
-    def _raw_sync(self, message: Q4Message, indices: tuple[int, ...], tensors: range, taken: bool) -> None:
+    def _raw_sync(self, message: Message, indices: tuple[int, ...], tensors: range, taken: bool) -> None:
         """The sync's raw tensors of ``tensors``: the values taken this round (``taken``, where a delta with
         samples carried them), else θ's own (a no-op)."""
         for j in tensors:
@@ -247,7 +247,7 @@ class CoordinatorModel:
             if self.specs[i].raw:
                 message.raw(j).copy_(self.raw_taken[i] if taken and i in self.raw_from else _bytes(self.tensors[i]))
 
-    def _apply(self, message: Q4Message, indices: tuple[int, ...], tensors: range, inverse: dict[int, float],
+    def _apply(self, message: Message, indices: tuple[int, ...], tensors: range, inverse: dict[int, float],
                committing: dict[int, bool]) -> None:
         """θ += the dequantized sync (and the outer step's state update), θ's raw tensors := the sync's, for the
         sync's ``tensors``; their row digests are filled (where the chunks allow, while applying)."""
@@ -280,12 +280,12 @@ class CoordinatorModel:
         self.pool.run([t for i in missing for t in self._digests[i].tasks()])
         return combine(self.named(), self._digests)
 
-    def publish(self, message: Q4Message) -> None:
+    def publish(self, message: Message) -> None:
         """Make ``message`` the latest sync and its resulting model hash the model's (on the event loop)."""
         self._spare_sync, self.latest_sync = self.latest_sync, message
         self.hash = message.meta.model_hash
 
-    def adopt_sync(self, message: Q4Message) -> None:
+    def adopt_sync(self, message: Message) -> None:
         """A sync read back from the run's saved state becomes the latest (never reused as a buffer)."""
         self.latest_sync = message
 
@@ -298,17 +298,17 @@ class CoordinatorModel:
             self.outer.state[name].view(-1).copy_(t.reshape(-1))
 
     # -- sync buffers: reused, unless a slow download still reads one ------------------------------------------
-    def _free_sync_buffer(self, layout: Q4Layout | None = None) -> Q4Message:
+    def _free_sync_buffer(self, layout: MessageLayout | None = None) -> Message:
         """The buffer for the next sync of ``layout`` (default: the whole model's): never the published one, nor
         one a download still reads, nor one of another layout (another set, or a sync read back from saved
         state)."""
         layout = self.layout if layout is None else layout
         spare = self._spare_sync
         if spare is None or spare.layout is not layout or self._readers.get(id(spare), 0):
-            self._spare_sync = Q4Message.allocate(layout)
+            self._spare_sync = Message.allocate(layout)
         return self._spare_sync
 
-    def reading(self, message: Q4Message, delta: int) -> None:
+    def reading(self, message: Message, delta: int) -> None:
         """Count downloads in flight of ``message`` (+1 when one starts, -1 when it ends)."""
         key = id(message)
         self._readers[key] = self._readers.get(key, 0) + delta

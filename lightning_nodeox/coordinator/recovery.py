@@ -39,7 +39,7 @@ from ..core.logs import Named
 from ..core.phases import COORDINATOR, PERSIST, PhaseRecord
 from ..core.protocol import Reason, Refusal
 from ..core.specs import PayloadError, TensorSpec, check_same_model
-from ..core.wire import Q4Message
+from ..core.wire import Message
 from .hosts import HostState
 from .model import CoordinatorModel
 from .runlog import Trouble
@@ -54,10 +54,10 @@ class Resumed:
     """A run read back from its saved state, until its model is back (from a snapshot or a host)."""
 
     saved: SavedRun
-    sync: Q4Message | None
+    sync: Message | None
     outer: dict[str, torch.Tensor]
     since: float  # time.time() when resumed
-    published: Q4Message | None = None  # the sync of the saved round, left by a save cut short: it was published
+    published: Message | None = None  # the sync of the saved round, left by a save cut short: it was published
     unable: set[str] = field(default_factory=set)  # hosts that joined again holding no model they can give back
 
 
@@ -168,7 +168,7 @@ class Recovery:
         return promise
 
     @property
-    def saved_sync(self) -> Q4Message | None:
+    def saved_sync(self) -> Message | None:
         """A resumed run's last sync, served while its model is not back yet."""
         return None if self.resumed is None else self.resumed.sync
 

@@ -40,7 +40,7 @@ from ..core.phases import AGGREGATE, COORDINATOR, RECEIVE, SYNC_PREPARE, PhaseRe
 from ..core.protocol import Reason, Refusal
 from ..core.specs import PayloadError
 from ..core import safetensors
-from ..core.wire import PayloadSizeError, Q4Message, fit_metrics
+from ..core.wire import PayloadSizeError, Message, fit_metrics
 from .hosts import HostState
 from .intake import MAX_SAMPLES
 from .metrics import reduce_metrics
@@ -51,7 +51,7 @@ from .runstate import RunState
 
 log = logging.getLogger(__name__)
 
-BeforePublish = Callable[[RunState, int, Q4Message], Awaitable[None]]
+BeforePublish = Callable[[RunState, int, Message], Awaitable[None]]
 
 
 @dataclass
@@ -59,7 +59,7 @@ class Published:
     """What a round's close publishes: its sync (None: none to pass on, hosts fetch the model), whether the run
     completed with it, and the round that opens next."""
 
-    sync: Q4Message | None
+    sync: Message | None
     complete: bool
     next_round: int
 
@@ -119,7 +119,7 @@ class DeltaIntake:
     """One host's delta of the open round while its pieces arrive (:meth:`Rounds.begin_delta`)."""
 
     host: str
-    message: Q4Message
+    message: Message
     indices: tuple[int, ...]  # the model's index of each tensor it carries
     samples: int
     start: float
@@ -241,7 +241,7 @@ class Rounds:
         await self.wait_open(round_)
         model = self.check_upload(host, round_, buffer.numel())
         try:
-            message = await state.in_parser(lambda: Q4Message.read_head(head, buffer, total=buffer.numel()))
+            message = await state.in_parser(lambda: Message.read_head(head, buffer, total=buffer.numel()))
         except PayloadSizeError as e:
             q4 = state.config.q4
             raise Refusal(Reason.INVALID, f"delta rejected: it is {buffer.numel()} bytes but this model's {q4.codec} "
@@ -517,7 +517,7 @@ class Rounds:
         return self.state.complete and self.state.published_round == round_
 
     async def wait_sync(self, round_: int, wait: float, host: str | None = None, training: bool = False,
-                        sending: bool = False) -> Q4Message | SyncInMaking | None:
+                        sending: bool = False) -> Message | SyncInMaking | None:
         """Round ``round_``'s sync once its close has begun (while it is made: a :class:`SyncInMaking`) or once
         published; None if not within ``wait`` seconds or if the run completed before that round closed
         (``state.complete`` tells which). ``training``: the host trains on meanwhile (:meth:`trains_on`);

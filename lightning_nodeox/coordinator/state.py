@@ -41,9 +41,9 @@ import torch
 from ..core.hashing import model_hash
 from ..core.logs import Named
 from ..core.modelfile import check_model_file, model_header, read_model
-from ..core.settings import Q4Settings
+from ..core.settings import CodecSettings
 from ..core.specs import PayloadError, TensorSpec, specs_from_json
-from ..core.wire import Q4Message
+from ..core.wire import Message
 from .config import CoordinatorConfig, OuterSettings
 from .hosts import HostState
 from .runlog import EVENTS_FILE, TB_DIR
@@ -67,7 +67,7 @@ class SavedRun:
     model_hash: str
     complete: bool
     hosts: dict[str, dict]  # host id -> {"state": HostState value, "credential": its credential}
-    q4: Q4Settings  # saved whole, as outer (a dict of its fields in run.json)
+    q4: CodecSettings  # saved whole, as outer (a dict of its fields in run.json)
     outer: OuterSettings  # saved whole (a dict of its fields in run.json)
     files: dict[str, str] = field(default_factory=dict)  # "sync", "outer", "model" -> file name in state/
     snapshot_round: int | None = None  # the round whose starting model "model" holds
@@ -93,7 +93,7 @@ class SavedRun:
         if d.get("format") != FORMAT or int(d.get("version", -1)) != VERSION:
             raise ValueError(f"not a {FORMAT} version {VERSION} file")
         return cls(round=int(d["round"]), model_hash=str(d["model_hash"]), complete=bool(d["complete"]),
-                   hosts={str(k): dict(v) for k, v in d["hosts"].items()}, q4=Q4Settings(**d["q4"]),
+                   hosts={str(k): dict(v) for k, v in d["hosts"].items()}, q4=CodecSettings(**d["q4"]),
                    outer=OuterSettings(**d["outer"]),
                    files={str(k): str(v) for k, v in d.get("files", {}).items()},
                    snapshot_round=d.get("snapshot_round"), snapshot_hash=d.get("snapshot_hash"),
@@ -165,7 +165,7 @@ class RunStore:
             path = self.dir / name
             try:
                 if kind == "sync":
-                    Q4Message.parse(self._read(name))
+                    Message.parse(self._read(name))
                     continue
                 check_model_file(path)
                 if kind == "outer" and saved.outer_crc is not None:
@@ -182,7 +182,7 @@ class RunStore:
                 raise ValueError(f"{path} is missing or damaged ({e}); start with --fresh to begin a new run (the "
                                  "old records are moved aside)") from None
 
-    def save(self, saved: SavedRun, *, sync: Q4Message | None, outer: dict[str, torch.Tensor],
+    def save(self, saved: SavedRun, *, sync: Message | None, outer: dict[str, torch.Tensor],
              model_chunks: list[memoryview] | None) -> int:
         """Write one round's state (the files, then ``run.json``); returns the bytes written. ``saved.files``
         and its snapshot are taken from :attr:`last` and updated; ``model_chunks`` (a snapshot) is optional, an
@@ -229,11 +229,11 @@ class RunStore:
         self.last = saved
         return size
 
-    def interrupted_sync(self, saved: SavedRun) -> Q4Message | None:
+    def interrupted_sync(self, saved: SavedRun) -> Message | None:
         """The sync a save cut short left beside ``saved``: round ``saved.round``'s, whole and from its model (so
         that round was published), or None."""
         try:
-            message = Q4Message.parse(self._read(f"sync-{saved.round + 1}.q4"))
+            message = Message.parse(self._read(f"sync-{saved.round + 1}.q4"))
         except (PayloadError, OSError, RuntimeError):
             return None
         meta = message.meta
@@ -248,9 +248,9 @@ class RunStore:
             return None
         return {s.name: t for s, t in zip(specs, tensors)} if (r, h) == (round_, model_hash) else None
 
-    def read_sync(self, saved: SavedRun) -> Q4Message | None:
+    def read_sync(self, saved: SavedRun) -> Message | None:
         name = saved.files.get("sync")
-        return None if name is None else Q4Message.parse(self._read(name))
+        return None if name is None else Message.parse(self._read(name))
 
     def read_tensors(self, saved: SavedRun, kind: str) -> tuple[tuple[TensorSpec, ...], list[torch.Tensor]] | None:
         """The specs and tensors of the saved ``"outer"`` state or ``"model"`` snapshot (None if not saved)."""

@@ -16,7 +16,7 @@ import torch
 
 from .codecs import codec_for
 from .codecs.base import CPU_CHUNK_SINGLE_THREADED, CUDA_CHUNK, Kernels
-from .settings import Q4Settings
+from .settings import CodecSettings
 
 TASK_ELEMENTS = 1 << 20  # work unit handed to one worker
 Task = Callable[[Kernels], None]
@@ -31,7 +31,7 @@ def _single_threaded_worker() -> None:
 class WorkerPool:
     """``threads`` workers (CPU) or the caller's stream (GPU), each with its own kernels for ``settings``."""
 
-    def __init__(self, settings: Q4Settings, device: torch.device | str = "cpu", threads: int = 1) -> None:
+    def __init__(self, settings: CodecSettings, device: torch.device | str = "cpu", threads: int = 1) -> None:
         self.settings = settings
         self.codec = codec_for(settings)
         self.device = torch.device(device)

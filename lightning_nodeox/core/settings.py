@@ -50,7 +50,7 @@ def check_url(url: str, what: str) -> None:
 
 
 @dataclass(frozen=True)
-class Q4Settings:
+class CodecSettings:
     """How deltas are quantized.
 
     Args:

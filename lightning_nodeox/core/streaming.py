@@ -11,14 +11,14 @@ import threading
 import time
 from collections.abc import Callable
 
-from .wire import Q4Message
+from .wire import Message
 
 
 class MessageReader:
     """Reads ``message`` (its header written) up to what its sender has sealed so far; ``read`` waits for more,
     and raises the sender's error if it failed (the upload is then cut: its receiver keeps what it checked)."""
 
-    def __init__(self, message: Q4Message, *, timeout: float = 600.0) -> None:
+    def __init__(self, message: Message, *, timeout: float = 600.0) -> None:
         self.message = message
         self._view = message.view()
         self._ready = message.layout.data_start  # bytes readable: the header, then each sealed piece
@@ -31,7 +31,7 @@ class MessageReader:
         self.record: object | None = None  # what its maker times it with (a host: its encode phase)
 
     @classmethod
-    def whole(cls, message: Q4Message) -> MessageReader:
+    def whole(cls, message: Message) -> MessageReader:
         """A reader of a message made already."""
         reader = cls(message)
         reader.finished()
@@ -98,7 +98,7 @@ class MessageReader:
         self._thread = threading.Thread(target=run, name="nodeox-encode", daemon=True)
         self._thread.start()
 
-    def join(self) -> Q4Message:
+    def join(self) -> Message:
         """The message once made; raises the sender's error if it failed."""
         if self._thread is not None:
             self._thread.join()

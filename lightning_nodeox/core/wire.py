@@ -43,7 +43,7 @@ import torch
 from . import safetensors
 from .codecs import codec_for
 from .codecs.base import Codec
-from .settings import Q4Settings
+from .settings import CodecSettings
 from .specs import PayloadError, TensorSpec, specs_from_json
 
 FORMAT = "nodeox-q4"
@@ -93,7 +93,7 @@ def _parse_metrics(text: str) -> dict[str, list]:
 
 
 @dataclass(frozen=True)
-class Q4Meta:
+class MessageMeta:
     """What a q4 message says about itself."""
 
     kind: str  # "delta" (host to coordinator) or "sync" (coordinator to hosts)
@@ -186,7 +186,7 @@ def regions_for(specs: tuple[TensorSpec, ...], codec: Codec,
     return regions, pieces, pos
 
 
-def _header_json(meta: Q4Meta, layout_parts: tuple, codec: Codec, crc: str) -> str:
+def _header_json(meta: MessageMeta, layout_parts: tuple, codec: Codec, crc: str) -> str:
     regions, pieces, trailer = layout_parts
     scale_name = _DTYPE_NAMES[codec.scale_dtype]
     header: dict = {"__metadata__": meta.metadata(crc)}
@@ -201,12 +201,12 @@ def _header_json(meta: Q4Meta, layout_parts: tuple, codec: Codec, crc: str) -> s
 
 
 @dataclass(frozen=True)
-class Q4Layout:
+class MessageLayout:
     """Where everything sits in a message of some of a model's tensors (those that move: see docs/design.md);
     the messages of one set of tensors (and piece size) all have the same layout."""
 
     specs: tuple[TensorSpec, ...]
-    settings: Q4Settings
+    settings: CodecSettings
     regions: tuple[Region, ...]
     pieces: tuple[Piece, ...]
     trailer: int  # where the trailer starts, in the data section
@@ -217,8 +217,8 @@ class Q4Layout:
     capacity: int | None = None  # a sync of a codec of varying size: its capacity (None: a delta, or fixed size)
 
     @classmethod
-    def of(cls, specs: tuple[TensorSpec, ...], settings: Q4Settings, piece_bytes: int | None = None,
-           capacity: int | None = None) -> Q4Layout:
+    def of(cls, specs: tuple[TensorSpec, ...], settings: CodecSettings, piece_bytes: int | None = None,
+           capacity: int | None = None) -> MessageLayout:
         """The layout of a message of ``specs``; ``capacity``: a sync's, for a codec of varying size (the
         codec's ``at_capacity`` says which it takes)."""
         codec = codec_for(settings)
@@ -226,7 +226,7 @@ class Q4Layout:
             codec = codec.at_capacity(capacity)
         piece_bytes = piece_bytes_default() if piece_bytes is None else check_piece_bytes(piece_bytes)
         regions, pieces, trailer = regions_for(specs, codec, piece_bytes)
-        longest = Q4Meta("delta", 2**63 - 1, "h" * 64, "f" * 32, 2**63 - 1, "", True,
+        longest = MessageMeta("delta", 2**63 - 1, "h" * 64, "f" * 32, 2**63 - 1, "", True,
                          settings.block_size, settings.scale_dtype, settings.codec, specs, piece_bytes=MAX_PIECE_BYTES,
                          capacity=_header_capacity(codec))
         parts = (regions, pieces, trailer)
@@ -251,7 +251,7 @@ class Q4Layout:
         raise IndexError(j)
 
 
-class Q4Message:
+class Message:
     """One q4 message in a CPU byte buffer, with views on each tensor's scales and codes.
 
     A sender allocates it once per model and rewrites it every round: all at once (``write_header`` last), or
@@ -260,16 +260,16 @@ class Q4Message:
     :meth:`check_piece` per piece and :meth:`read_trailer`).
     """
 
-    def __init__(self, buffer: torch.Tensor, layout: Q4Layout, meta: Q4Meta) -> None:
+    def __init__(self, buffer: torch.Tensor, layout: MessageLayout, meta: MessageMeta) -> None:
         self.buffer = buffer
         self.layout = layout
         self.meta = meta
         self.max_scale = 0.0  # the largest scale of the pieces checked so far
 
     @classmethod
-    def allocate(cls, layout: Q4Layout, *, pin_memory: bool = False) -> Q4Message:
+    def allocate(cls, layout: MessageLayout, *, pin_memory: bool = False) -> Message:
         buffer = torch.empty(layout.total, dtype=torch.uint8, pin_memory=pin_memory)
-        meta = Q4Meta("delta", 0, "", "", block_size=layout.settings.block_size,
+        meta = MessageMeta("delta", 0, "", "", block_size=layout.settings.block_size,
                       scale_dtype=layout.settings.scale_dtype, codec=layout.settings.codec, tensors=layout.specs,
                       piece_bytes=layout.piece_bytes, capacity=_header_capacity(layout.codec))
         return cls(buffer, layout, meta)
@@ -286,7 +286,7 @@ class Q4Message:
         return self.data[a:b].view(self.layout.codec.scale_dtype)
 
     def codes(self, i: int):
-        """Tensor ``i``'s codes, as its codec's kernels take them (:meth:`Q4Layout.codes_of`)."""
+        """Tensor ``i``'s codes, as its codec's kernels take them (:meth:`MessageLayout.codes_of`)."""
         a, b = self.layout.regions[i].codes
         return self.layout.codes_of(i, self.data[a:b])
 
@@ -296,7 +296,7 @@ class Q4Message:
         return self.data[a : a + self.layout.specs[i].nbytes]
 
     # -- writing -----------------------------------------------------------------------------------------------
-    def write_header(self, meta: Q4Meta) -> None:
+    def write_header(self, meta: MessageMeta) -> None:
         """Complete a message whose data is in place: the header for ``meta``, every piece's CRC, the trailer
         with ``meta.model_hash``."""
         self.write_head(meta)
@@ -304,7 +304,7 @@ class Q4Message:
             self.seal(k)
         self.write_trailer(meta.model_hash)
 
-    def write_head(self, meta: Q4Meta) -> None:
+    def write_head(self, meta: MessageMeta) -> None:
         """Write the header for ``meta`` (its ``model_hash`` goes in the trailer) and its own CRC."""
         layout = self.layout
         meta = replace(meta, block_size=layout.settings.block_size, scale_dtype=layout.settings.scale_dtype,
@@ -347,7 +347,7 @@ class Q4Message:
 
     # -- reading -----------------------------------------------------------------------------------------------
     @classmethod
-    def parse(cls, data: torch.Tensor | bytes | bytearray | memoryview) -> Q4Message:
+    def parse(cls, data: torch.Tensor | bytes | bytearray | memoryview) -> Message:
         """Validate a whole received message (structure, version, CRCs, scales) and return views on it."""
         buffer = data if isinstance(data, torch.Tensor) else _as_tensor(data)
         raw = buffer.numpy()
@@ -359,7 +359,7 @@ class Q4Message:
         return message
 
     @classmethod
-    def read_head(cls, head: bytes, buffer: torch.Tensor | None = None, *, total: int | None = None) -> Q4Message:
+    def read_head(cls, head: bytes, buffer: torch.Tensor | None = None, *, total: int | None = None) -> Message:
         """A message whose header ``head`` (its first ``data_start`` bytes, length prefix included) is valid,
         in ``buffer`` (whose first bytes become ``head``; None: allocated for it). ``total``: the message's size,
         when the receiver knows it (refused unless the header's tensors take exactly that)."""
@@ -380,11 +380,11 @@ class Q4Message:
             raise PayloadError(f"payload uses q4 format version {version}; this build reads version {VERSION}. "
                                "Run the same lightning-nodeox version on every host and the coordinator.")
         try:
-            settings = Q4Settings(block_size=int(md["block_size"]), scale_dtype=md["scale_dtype"],
+            settings = CodecSettings(block_size=int(md["block_size"]), scale_dtype=md["scale_dtype"],
                                   codec=md.get("codec", "q4"))
             specs = specs_from_json(json.loads(md["tensors"]))
             piece_bytes = check_piece_bytes(int(md["piece_bytes"]))
-            meta = Q4Meta(kind=md["kind"], round=int(md["round"]), host=str(md["host"]),
+            meta = MessageMeta(kind=md["kind"], round=int(md["round"]), host=str(md["host"]),
                           base_hash=str(md["base_hash"]), samples=int(md["samples"]), final=md["final"] == "1",
                           block_size=settings.block_size, scale_dtype=settings.scale_dtype, codec=settings.codec,
                           tensors=specs, metrics=_parse_metrics(md.get("metrics") or "{}"), piece_bytes=piece_bytes)
@@ -408,7 +408,7 @@ class Q4Message:
         if crc != expected_crc:
             raise PayloadError(f"payload header failed its integrity check (crc32 {crc:08x}, header says "
                                f"{expected_crc:08x}): it was corrupted in transit")
-        layout = Q4Layout.of(specs, settings, piece_bytes, _sync_capacity(meta.kind, settings, capacity))
+        layout = MessageLayout.of(specs, settings, piece_bytes, _sync_capacity(meta.kind, settings, capacity))
         meta = replace(meta, capacity=capacity)
         if layout.data_start != data_start:
             raise PayloadError(f"payload header takes {data_start} bytes; {layout.data_start} expected for its tensors")
@@ -478,7 +478,7 @@ def _header_capacity(codec: Codec) -> int | None:
     return None if codec.fixed_size else codec.header_capacity
 
 
-def _sync_capacity(kind: str, settings: Q4Settings, capacity: int | None) -> int | None:
+def _sync_capacity(kind: str, settings: CodecSettings, capacity: int | None) -> int | None:
     """The capacity a received message's layout takes (a sync's; a delta's is the codec's own), or a PayloadError
     for one the codec does not take."""
     codec = codec_for(settings)
@@ -500,7 +500,7 @@ def _sync_capacity(kind: str, settings: Q4Settings, capacity: int | None) -> int
     return capacity
 
 
-def _check_offsets(header: dict, specs, layout: Q4Layout) -> None:
+def _check_offsets(header: dict, specs, layout: MessageLayout) -> None:
     codec = layout.codec
     scale_name = _DTYPE_NAMES[codec.scale_dtype]
     entries = 2 * len(specs) + len(layout.pieces) + 1

@@ -36,11 +36,11 @@ from ..core.logs import Named
 from ..core.phases import PhaseLog, PhaseRecord
 from ..core.protocol import (Reason, Refusal, RunComplete, SyncGone, SyncReady, TransferBroken, Upload,
                              ValuesReply, read_fully)
-from ..core.settings import Q4Settings
+from ..core.settings import CodecSettings
 from ..core.specs import ModelMismatchError, PayloadError
 from ..core.streaming import MessageReader
 from ..core.transport import HostClient
-from ..core.wire import Q4Message, Q4Meta
+from ..core.wire import Message, MessageMeta
 from .ending import run_completed
 from .tensors import HostTensors
 
@@ -84,7 +84,7 @@ class HostRound:
         self.round = 0
         self.model_hash = ""
         self.complete = False
-        self._sent: Q4Message | None = None  # the last delta uploaded (resent if the coordinator lost it)
+        self._sent: Message | None = None  # the last delta uploaded (resent if the coordinator lost it)
         self._final = False  # this host has sent (or is sending) its final delta
         self.trains_on = False  # training goes on while the round overlapped is open (set by the training side)
         self._applying = None  # the sync being applied, across retries of its download
@@ -101,7 +101,7 @@ class HostRound:
         reply = self._join_reply(None)
         if reply.complete:
             raise run_completed(self.client.url, reply.round - 1, reply.model_hash)
-        settings = Q4Settings(block_size=reply.block_size, scale_dtype=reply.scale_dtype, codec=reply.codec,
+        settings = CodecSettings(block_size=reply.block_size, scale_dtype=reply.scale_dtype, codec=reply.codec,
                               rounding=self.rounding, error_feedback=self.error_feedback)
         self.tensors.allocate(settings, self.codec_threads)
         self.round = reply.round
@@ -270,13 +270,13 @@ class HostRound:
         error = tensors.estimate_error(source) if samples > 0 else None
         seed = None if self.rounding == "nearest" else hash((self._seed, self.round)) & (2**62 - 1)
         start = time.time()
-        reader = tensors.encode(source, Q4Meta("delta", self.round, self.host, self.model_hash, samples=samples,
+        reader = tensors.encode(source, MessageMeta("delta", self.round, self.host, self.model_hash, samples=samples,
                                                final=final, metrics=metrics or {}), seed)
         reader.record = PhaseRecord(self.round, self.phases.host, P.ENCODE, start, start, len(reader),
                                     {"samples": samples, "q4_rel_error": error})
         return reader
 
-    def _encoded(self, reader: MessageReader) -> Q4Message:
+    def _encoded(self, reader: MessageReader) -> Message:
         """Wait until ``reader``'s message is made (raising the encoder's error) and record its encode phase."""
         try:
             reader.join()
@@ -314,7 +314,7 @@ class HostRound:
         fragment: the tensors the others send."""
         self.tensors.take_part(self.round)
         with self.phases.timed(self.round, P.UPLOAD, empty=True) as rec:
-            reader = self.tensors.encode(self.tensors.base, Q4Meta("delta", self.round, self.host, self.model_hash,
+            reader = self.tensors.encode(self.tensors.base, MessageMeta("delta", self.round, self.host, self.model_hash,
                                                                    samples=0, final=final), None)
             rec.bytes = len(reader)
             self._sent = reader.message
@@ -407,7 +407,7 @@ class HostRound:
         self.fetch_model(into)
         return None
 
-    def _receive(self, body, round_: int, into: Into) -> Q4Message | None:
+    def _receive(self, body, round_: int, into: Into) -> Message | None:
         """Read round ``round_``'s sync from ``body``, applying each piece as soon as it is in and checked; the
         sync once whole, or None when it is not this host's to apply (another base or round)."""
         tensors = self.tensors
@@ -420,7 +420,7 @@ class HostRound:
                 read_fully(body, view[:prefix])
                 head_end = prefix + safetensors.header_length(bytes(view[:prefix]), body.size, "sync")
                 read_fully(body, view[prefix:head_end])
-                sync = Q4Message.read_head(bytes(view[:head_end]), buffer, total=body.size)
+                sync = Message.read_head(bytes(view[:head_end]), buffer, total=body.size)
                 tensors.sync_part(sync)  # its tensors are this model's
                 if sync.meta.base_hash != self.model_hash or sync.meta.round != round_:
                     return None
@@ -449,7 +449,7 @@ class HostRound:
                                          extra={"seconds": round(sum(e - s for s, e in applied), 6)}))
         return sync
 
-    def _verified(self, sync: Q4Message, into: Into) -> RoundResult:
+    def _verified(self, sync: Message, into: Into) -> RoundResult:
         """The applied sync's model hash, checked against the coordinator's (a mismatch: the model is fetched)."""
         round_ = sync.meta.round
         with self.phases.timed(round_, P.VERIFY):

@@ -37,10 +37,10 @@ from ..core.modelfile import ModelFileReader, model_header, read_model_into
 from ..core.pool import WorkerPool
 from ..core.protocol import ByteStream, read_fully
 from ..core.recent import Recent
-from ..core.settings import Q4Settings
+from ..core.settings import CodecSettings
 from ..core.specs import positions_in, spec_of
 from ..core.streaming import MessageReader
-from ..core.wire import Q4Layout, Q4Message, Q4Meta
+from ..core.wire import MessageLayout, Message, MessageMeta
 from .fragments import Fragments
 from .moving import MovingSet, SetNotice
 
@@ -54,7 +54,7 @@ CACHED_SETS = 4  # message layouts kept, one per set of tensors (a set that chan
 class Applying:
     """A sync being applied piece by piece (:meth:`HostTensors.apply_begin`)."""
 
-    sync: Q4Message
+    sync: Message
     part: Part
     target: list[torch.Tensor]
     fresh: list[RowHasher]
@@ -90,8 +90,8 @@ class Part:
     """Some of a host's tensors (indices, ascending), as one message carries them: the codec's values per
     position, the positions of raw tensors, and (a delta's set) the reused message."""
 
-    def __init__(self, indices: tuple[int, ...], specs, layout: Q4Layout | None = None,
-                 message: Q4Message | None = None) -> None:
+    def __init__(self, indices: tuple[int, ...], specs, layout: MessageLayout | None = None,
+                 message: Message | None = None) -> None:
         self.indices = indices
         self.coded = [specs[i].coded for i in indices]
         self.raw = [j for j, i in enumerate(indices) if specs[i].raw]
@@ -125,9 +125,9 @@ class HostTensors:
         self._moves: tuple[int, ...] = ()  # the tensors that move, as of the last boundary
         self.notice = SetNotice(self.names)
         self._index = {n: i for i, n in enumerate(self.names)}
-        self.settings: Q4Settings | None = None
+        self.settings: CodecSettings | None = None
         self.pool: WorkerPool | None = None
-        self.layout: Q4Layout | None = None  # of the whole model
+        self.layout: MessageLayout | None = None  # of the whole model
         self.part: Part | None = None  # the tensors this host's delta carries (set at each round boundary)
         self._cached = CACHED_SETS + fragments  # each fragment's set, and the final round's whole one
         self._parts: Recent[tuple[int, ...], Part] = Recent(self._cached)  # by this host's indices
@@ -153,12 +153,12 @@ class HostTensors:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.live)
 
-    def allocate(self, settings: Q4Settings, codec_threads: int) -> None:
+    def allocate(self, settings: CodecSettings, codec_threads: int) -> None:
         """Buffers for the run's codec; ``base`` starts as a copy of the live model."""
         cuda = self.device.type == "cuda"
         self.settings = settings
         self.pool = WorkerPool(settings, self.device, codec_threads)
-        self.layout = Q4Layout.of(self.specs, settings)
+        self.layout = MessageLayout.of(self.specs, settings)
         self._parts = Recent(self._cached)
         self.boundary()
         self._sync_buffer = torch.empty(self.part.layout.total, dtype=torch.uint8, pin_memory=cuda)
@@ -220,14 +220,14 @@ class HostTensors:
                         self.names[written[0]])
 
     def _delta_part(self, indices: tuple[int, ...]) -> Part:
-        layout = Q4Layout.of(tuple(self.specs[i] for i in indices), self.settings)
+        layout = MessageLayout.of(tuple(self.specs[i] for i in indices), self.settings)
         if self.fragments.count == 1 and (self.part is not None or len(indices) < len(self.specs)):
             log.info("nodeox: this host's delta now carries %d of the model's %d tensors (%.3g MB a round)%s",
                      len(indices), len(self.specs), layout.total / 1e6,
                      "" if len(indices) == len(self.specs) else ": frozen parameters do not travel")
-        return Part(indices, self.specs, layout, Q4Message.allocate(layout, pin_memory=self.device.type == "cuda"))
+        return Part(indices, self.specs, layout, Message.allocate(layout, pin_memory=self.device.type == "cuda"))
 
-    def sync_part(self, sync: Q4Message) -> Part:
+    def sync_part(self, sync: Message) -> Part:
         """The tensors a sync carries, as this host's indices; a PayloadError when they are not this model's."""
         specs = sync.meta.tensors
         return self._sync_parts.get(specs, lambda: Part(positions_in(self.specs, specs, "sync", self._index),
@@ -291,7 +291,7 @@ class HostTensors:
                 t.copy_(b)
 
     # -- tensors on the codec's device -------------------------------------------------------------------------
-    def _region(self, message: Q4Message, j: int,
+    def _region(self, message: Message, j: int,
                 staging: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Where the codec reads and writes the codes and scales of the message's tensor ``j``: the message, or
         device staging (the delta's, or ``staging``: the sync's, which is applied while the delta is encoded)."""
@@ -356,7 +356,7 @@ class HostTensors:
         k.quantize(m, codes, scales)
         return relative_error(x, k.dequantize(codes, scales, mp)[:m])
 
-    def encode(self, source: list[torch.Tensor], meta: Q4Meta, seed: int | None) -> MessageReader:
+    def encode(self, source: list[torch.Tensor], meta: MessageMeta, seed: int | None) -> MessageReader:
         """q4 of (source - base + residual) of the tensors that move (:attr:`part`) into their delta message, piece
         by piece on a thread of its own: the returned reader gives each piece once it is sealed (an upload sends
         it while the next is encoded; :meth:`MessageReader.join` waits for the whole). The residual keeps what q4
@@ -393,7 +393,7 @@ class HostTensors:
         reader.produce(make, message.write_trailer)
         return reader
 
-    def _check_finite(self, message: Q4Message, tensors: range, source: list[torch.Tensor], meta: Q4Meta) -> None:
+    def _check_finite(self, message: Message, tensors: range, source: list[torch.Tensor], meta: MessageMeta) -> None:
         codec = self.layout.codec
         for j in tensors:
             i = self.part.indices[j]
@@ -426,14 +426,14 @@ class HostTensors:
             body.close()
         return buffer
 
-    def apply(self, sync: Q4Message, into_live: bool) -> list[RowHasher]:
+    def apply(self, sync: Message, into_live: bool) -> list[RowHasher]:
         """A whole sync at once: :meth:`apply_begin`, :meth:`apply_piece` for each piece, :meth:`apply_end`."""
         applying = self.apply_begin(sync, into_live)
         for k in range(len(sync.layout.pieces)):
             self.apply_piece(applying, k)
         return self.apply_end(applying)
 
-    def apply_begin(self, sync: Q4Message, into_live: bool) -> Applying:
+    def apply_begin(self, sync: Message, into_live: bool) -> Applying:
         """Start applying θ_{r+1} = θ_r + dequantized sync, into ``base`` and (``into_live``) the live model, for
         the tensors the sync carries (the round's set), piece by piece as they arrive (:meth:`apply_piece`). A
         tensor this host sent that the round did not take goes back to θ_r (its local work is dropped, as the sync

@@ -25,7 +25,7 @@ from ..coordinator.making import SyncInMaking
 from ..coordinator.rounds import Published, Rounds
 from ..core.phases import COORDINATOR, SYNC_PREPARE, PhaseRecord
 from ..core.streaming import MessageReader
-from ..core.wire import Q4Message
+from ..core.wire import Message
 from ..host.round import Into
 from .upstream import Upstream
 
@@ -92,11 +92,11 @@ class PassDown:
         self.rounds, self.round, self.hr, self.loop = rounds, round_, hr, loop
         self.making: SyncInMaking | None = None
 
-    def begin(self, sync: Q4Message) -> None:
+    def begin(self, sync: Message) -> None:
         if sync.meta.round == self.round:  # (another round's: not the site's to take)
             self.loop.call_soon_threadsafe(self._begin, sync, self.hr.complete)
 
-    def _begin(self, sync: Q4Message, complete: bool) -> None:
+    def _begin(self, sync: Message, complete: bool) -> None:
         if self.making is not None:
             return  # asked again after a download broke off: the same sync, already passing
         self.making = self.rounds.making = SyncInMaking(self.round, sync, complete)

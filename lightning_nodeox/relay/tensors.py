@@ -29,7 +29,7 @@ from ..core.codec import encode_mean
 from ..core.logs import Named
 from ..core.protocol import ByteStream, read_fully
 from ..core.streaming import MessageReader
-from ..core.wire import Q4Message, Q4Meta
+from ..core.wire import Message, MessageMeta
 from ..host.tensors import HostTensors
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class RelayTensors(HostTensors):
         self._partial: tuple[str, ...] = ()  # the tensors last said to be sent by only some of the site's hosts
         self.moving = RoundSet(len(model.specs))
         self._site_round = False  # the next encode is the site's mean
-        self.last_sync: Q4Message | None = None  # the last sync applied (the relay passes it on once verified)
+        self.last_sync: Message | None = None  # the last sync applied (the relay passes it on once verified)
         self.before_change: Callable[[], None] = lambda: None  # called before θ changes (on the upstream thread)
         self.passing: SyncPassing | None = None  # passes a sync on to the site's hosts as it is applied
 
@@ -92,7 +92,7 @@ class RelayTensors(HostTensors):
     def estimate_error(self, source: list[torch.Tensor]) -> float | None:
         return None  # the site's mean is not at hand as one tensor; its hosts report their own errors
 
-    def encode(self, source: list[torch.Tensor], meta: Q4Meta, seed: int | None) -> MessageReader:
+    def encode(self, source: list[torch.Tensor], meta: MessageMeta, seed: int | None) -> MessageReader:
         """The site's mean after :meth:`take_round`, piece by piece on a thread of its own as a host's delta (then
         the model's round ends); any other delta (an empty one, ``samples=0``) as a host encodes it."""
         if not self._site_round:
@@ -134,7 +134,7 @@ class RelayTensors(HostTensors):
         never overwrites one that a slow host may still be downloading."""
         return torch.empty(size, dtype=torch.uint8)
 
-    def apply_begin(self, sync: Q4Message, into_live: bool):
+    def apply_begin(self, sync: Message, into_live: bool):
         self.before_change()  # downloads of θ from the relay's hosts keep what they have not sent
         self.last_sync = sync  # what the relay publishes, once whole and its hash verified
         applying = super().apply_begin(sync, into_live)
@@ -171,7 +171,7 @@ class SyncPassing(Protocol):
     """Where a relay passes the upstream's sync on to its hosts while it is applied (called on the upstream
     thread, in order): its header is in, piece ``k`` is checked and applied, the whole is in."""
 
-    def begin(self, sync: Q4Message) -> None: ...
+    def begin(self, sync: Message) -> None: ...
 
     def sealed(self, k: int) -> None: ...
 

@@ -28,7 +28,7 @@ from ..core.logs import Named
 from ..core.modelfile import ModelFileReader, model_header
 from ..core.phases import PhaseLog, PhaseRecord
 from ..core.protocol import JoinReply
-from ..core.settings import Q4Settings
+from ..core.settings import CodecSettings
 from ..core.specs import TensorSpec
 from ..core.transport import HostClient
 from ..host.client import HttpClient
@@ -146,10 +146,10 @@ class Upstream:
         self._kept = credential
 
     # -- blocking calls (on the upstream thread) ----------------------------------------------------------------
-    def settings(self) -> Q4Settings:
+    def settings(self) -> CodecSettings:
         """The upstream run's codec, which the relay's hosts must use too (its sync passes down unchanged)."""
         status = self.client.status()  # an HttpClient's: the relay's serve() makes one
-        return Q4Settings(codec=status["codec"], block_size=int(status["block_size"]),
+        return CodecSettings(codec=status["codec"], block_size=int(status["block_size"]),
                           scale_dtype=status["scale_dtype"])
 
     def join(self, specs: tuple[TensorSpec, ...]) -> JoinReply:
@@ -170,7 +170,7 @@ class Upstream:
         """Upload the site's model (the upstream asked this relay to provide it); returns the upstream's hash."""
         return self.client.put_model(ModelFileReader(model_header(model.specs, round_, model.hash), model.tensors))
 
-    def attach(self, model: CoordinatorModel, settings: Q4Settings, round_: int, threads: int,
+    def attach(self, model: CoordinatorModel, settings: CodecSettings, round_: int, threads: int,
                before_change: Callable[[], None]) -> HostRound:
         """From now on the relay's θ (``model``'s tensors) is its upstream host's, at ``round_``;
         ``before_change()`` runs (on this thread) before anything upstream changes θ."""

@@ -13,7 +13,7 @@ from pathlib import Path
 from ..coordinator.config import DEFAULT_PORT, CoordinatorConfig, OuterSettings
 from ..coordinator.outer import outer_names
 from ..core import logs
-from ..core.settings import BLOCK_SIZES, CODECS, ENV_CA_FILE, SCALE_DTYPES, Q4Settings
+from ..core.settings import BLOCK_SIZES, CODECS, ENV_CA_FILE, SCALE_DTYPES, CodecSettings
 from ..relay.config import RelayConfig
 
 LAUNCH_BIND = "127.0.0.1:0"  # launch's coordinator serves this machine's hosts only, on a free port
@@ -66,7 +66,7 @@ def _serving_options(p: argparse.ArgumentParser, *, bind: str) -> None:
 
 def _coordinator_options(p: argparse.ArgumentParser, *, bind: str) -> None:
     """The coordinator's flags (``nodeox coordinator`` and ``nodeox launch`` alike), defaults from its settings."""
-    q4, outer = _defaults(Q4Settings), _defaults(OuterSettings)
+    q4, outer = _defaults(CodecSettings), _defaults(OuterSettings)
     _serving_options(p, bind=bind)
     p.add_argument("--block-size", type=int, default=q4["block_size"], choices=BLOCK_SIZES,
                    help="values per scale of q4 and q2 (default %(default)s)")
@@ -127,8 +127,8 @@ def _config(args: argparse.Namespace) -> CoordinatorConfig:
             hosts=args.hosts, run_dir=args.run_dir, bind=args.bind, min_hosts=args.min_hosts,
             round_timeout=args.round_timeout, token=_read_token(args.token_file), insecure=args.insecure,
             elastic=args.elastic, tls_cert=args.tls_cert, tls_key=args.tls_key,
-            q4=Q4Settings(block_size=args.block_size, scale_dtype=args.scale_dtype, codec=args.codec)
-            if "codec" in args else Q4Settings(),  # a relay has no codec flags: it takes its upstream's
+            q4=CodecSettings(block_size=args.block_size, scale_dtype=args.scale_dtype, codec=args.codec)
+            if "codec" in args else CodecSettings(),  # a relay has no codec flags: it takes its upstream's
             initial_model=getattr(args, "initial_model", None), threads=args.threads, rss_interval=args.rss_interval,
             exit_when_done=not getattr(args, "keep_running", False), lease=args.lease,
             no_hosts_timeout=args.no_hosts_timeout,

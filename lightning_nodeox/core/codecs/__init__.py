@@ -8,7 +8,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..settings import Q4Settings
+    from ..settings import CodecSettings
     from .base import Codec, Kernels
 
 REGISTRY: dict[str, type[Codec] | str] = {
@@ -32,7 +32,7 @@ def codec_class(name: str) -> type[Codec]:
     return kind
 
 
-def codec_for(settings: Q4Settings) -> Codec:
+def codec_for(settings: CodecSettings) -> Codec:
     """The codec ``settings.codec`` names, under those settings."""
     return codec_class(settings.codec)(settings)
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 if TYPE_CHECKING:
-    from ..settings import Q4Settings
+    from ..settings import CodecSettings
 
 ATEN_GRAIN = 32768  # ATen runs an op of at most this many elements on one thread
 CPU_CHUNK_SINGLE_THREADED = 131072
@@ -40,7 +40,7 @@ class Codec(ABC):
     fixed_size: ClassVar[bool] = True  # every message of a run has one layout (a top-k codec's sync does not)
     capacity: int | None = None  # a varying codec: the capacity its messages' headers say (None: fixed size)
 
-    def __init__(self, settings: Q4Settings) -> None:
+    def __init__(self, settings: CodecSettings) -> None:
         self.settings = settings
 
     @property

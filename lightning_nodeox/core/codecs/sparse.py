@@ -44,7 +44,7 @@ from .blockwise import Blockwise
 from .q2 import NOOP_CODE, SCALE, TOP  # a delta's values are on q2's levels
 
 if TYPE_CHECKING:
-    from ..settings import Q4Settings
+    from ..settings import CodecSettings
 
 CHUNK = 4096  # values a chunk (SparseLoCo's); a tensor's last chunk may be shorter
 FP16_MAX = 65504.0
@@ -134,7 +134,7 @@ class Sparse(Codec):
     density: ClassVar[float] = 0.01
     fixed_size = False
 
-    def __init__(self, settings: Q4Settings, capacity: int | None = None) -> None:
+    def __init__(self, settings: CodecSettings, capacity: int | None = None) -> None:
         super().__init__(settings)
         if settings.rounding != "nearest":
             raise ValueError(f"codec {self.name!r} rounds to nearest only: use rounding='nearest' (NodeoxStrategy's "
