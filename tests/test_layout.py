@@ -18,10 +18,10 @@ TRANSPORTS = {"host/client.py", "coordinator/server.py"}
 FORBIDDEN_ROOMS = {"host": {"coordinator", "relay", "tools"}, "coordinator": {"host", "relay", "tools"},
                    "core": {"host", "coordinator", "relay", "tools"}, "relay": {"tools"}}
 ROOMS = ("coordinator", "host", "core", "relay", "tools")
-# what a coordinator transport may import of the coordinator: the run's lifecycle (which hands it the run's
-# parts), its settings and the limits of what is taken from the network (bodies, connections); never the round's
-# logic itself; the sync it streams while it is made, and the status page's files
-TRANSPORT_MAY_IMPORT = {"lifecycle", "config", "intake", "connections", "making", "statuspage"}
+# what a coordinator transport may import of the coordinator: its service (every operation of the protocol), its
+# settings and the limits of what is taken from the network (bodies, connections), and the status page's files;
+# never the round's logic itself
+TRANSPORT_MAY_IMPORT = {"service", "config", "intake", "connections", "statuspage"}
 
 
 def modules() -> list[Path]:
@@ -134,25 +134,26 @@ def test_no_room_imports_itself_in_a_circle(room_name: str) -> None:
     assert cycle is None, f"{room_name}/ imports in a circle: {' -> '.join(cycle)}"
 
 
-def coordinator_imports(path: Path, root: Path = PACKAGE) -> set[str]:
-    """The coordinator modules (last names) that ``path`` imports."""
+def coordinator_imports(path: Path, root: Path = PACKAGE, package: Path = PACKAGE) -> set[str]:
+    """The coordinator modules (last names) that ``path`` imports (``root``: the folder its relative imports are
+    resolved in; ``package``: the package whose coordinator/ is looked at)."""
     prefix = "lightning_nodeox.coordinator."
-    modules = {p.stem for p in (root / "coordinator").glob("*.py")} if (root / "coordinator").exists() else set()
+    modules = {p.stem for p in (package / "coordinator").glob("*.py")}
+    assert modules, f"no coordinator modules under {package}"
     return {n[len(prefix):].split(".")[0] for n in imported(path, root) if n.startswith(prefix)} & modules
 
 
-def test_the_server_imports_no_round_logic_beyond_the_lifecycle() -> None:
+def test_the_server_imports_nothing_of_the_coordinator_but_its_service() -> None:
     imports = coordinator_imports(PACKAGE / "coordinator" / "server.py")
-    assert "lifecycle" in imports
+    assert "service" in imports
     assert imports <= TRANSPORT_MAY_IMPORT, f"server.py imports {sorted(imports - TRANSPORT_MAY_IMPORT)}"
 
 
-def test_the_in_process_transport_runs_the_same_lifecycle() -> None:
+def test_the_in_process_transport_calls_the_same_service() -> None:
     tests = Path(__file__).resolve().parent
     imports = coordinator_imports(tests / "local_transport.py", root=tests)
-    names = imported(tests / "local_transport.py", root=tests)
-    assert "lightning_nodeox.coordinator.lifecycle.CoordinatorRun" in names
-    assert imports <= TRANSPORT_MAY_IMPORT | {"runlog"}, f"local_transport.py imports {sorted(imports)}"
+    assert "service" in imports
+    assert imports <= TRANSPORT_MAY_IMPORT, f"local_transport.py imports {sorted(imports - TRANSPORT_MAY_IMPORT)}"
 
 
 def test_the_layout_checks_see_a_circle_and_a_server_reaching_past_the_lifecycle(tmp_path: Path) -> None:
@@ -161,11 +162,15 @@ def test_the_layout_checks_see_a_circle_and_a_server_reaching_past_the_lifecycle
     (root / "coordinator" / "a.py").write_text("from .b import B\n")
     (root / "coordinator" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                                                 "    from .a import A\n")
-    (root / "coordinator" / "server.py").write_text("from . import lifecycle\nfrom .rounds import Rounds\n")
-    for name in ("lifecycle", "rounds"):
+    (root / "coordinator" / "server.py").write_text("from . import service\nfrom .rounds import Rounds\n")
+    for name in ("service", "rounds"):
         (root / "coordinator" / f"{name}.py").write_text("")
     assert find_cycle(imports_within(root / "coordinator", root)) == ["a", "b", "a"]
-    assert coordinator_imports(root / "coordinator" / "server.py", root) - TRANSPORT_MAY_IMPORT == {"rounds"}
+    assert coordinator_imports(root / "coordinator" / "server.py", root, root) - TRANSPORT_MAY_IMPORT == {"rounds"}
+    local = tmp_path / "local_transport.py"  # a test transport, outside the package, reaching past the service
+    local.write_text("from lightning_nodeox.coordinator.service import embed\n"
+                     "from lightning_nodeox.coordinator.rounds import Rounds\n")
+    assert coordinator_imports(local, tmp_path) - TRANSPORT_MAY_IMPORT == {"rounds"}
 
 
 @pytest.mark.slow

@@ -188,7 +188,6 @@ def _restarted(hosts_: list, again) -> None:
     """Point the hosts' in-process clients at ``again``, a coordinator started anew (it knows none of them)."""
     for h in hosts_:
         h.client.coordinator = again
-        h.client.state, h.client.rounds, h.client.membership = again.state, again.rounds, again.membership
 
 
 def test_after_a_coordinator_restart_a_values_post_joins_again_and_every_host_gets_the_values_of_both(

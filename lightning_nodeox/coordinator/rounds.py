@@ -39,7 +39,6 @@ from ..core.logs import Named
 from ..core.phases import AGGREGATE, COORDINATOR, RECEIVE, SYNC_PREPARE, PhaseRecord
 from ..core.protocol import Reason, Refusal
 from ..core.specs import PayloadError
-from ..core import safetensors
 from ..core.wire import PayloadSizeError, Message, fit_metrics
 from .hosts import HostState
 from .intake import MAX_SAMPLES
@@ -212,24 +211,6 @@ class Rounds:
                                           f"{q4.scale_dtype} scales)")
         state.hosts.seen(entry)
         return model
-
-    async def accept_delta(self, host: str, round_: int, buffer: torch.Tensor, received_at: float,
-                           training: bool = False) -> dict:
-        """A whole received delta (an in-process transport's): :meth:`begin_delta`, each piece, :meth:`end_delta`."""
-        state = self.state
-        head_end = await state.in_parser(_head_end, buffer)
-        delta = await self.begin_delta(host, round_, bytes(buffer[:head_end].numpy()), buffer, received_at,
-                                       training)
-        try:
-            pieces = len(delta.message.layout.pieces)
-            for k in range(pieces - 1):
-                await self.take_piece(delta, k)
-            await self.end_delta(delta)  # the trailer is checked before the last piece is taken
-            if pieces:
-                await self.take_piece(delta, pieces - 1)
-        except Refusal as e:
-            raise self.cut_delta(delta, e) from None
-        return {"accepted": True, "round": round_}
 
     async def begin_delta(self, host: str, round_: int, head: bytes, buffer: torch.Tensor, received_at: float,
                           training: bool = False) -> DeltaIntake:
@@ -567,10 +548,3 @@ class Rounds:
             hosts.seen(entry)  # a dropped host that fetches a sync is back: the next round waits for it again
         return sync
 
-
-def _head_end(buffer: torch.Tensor) -> int:
-    """Where a whole message's header ends (its data starts)."""
-    try:
-        return safetensors.split(buffer.numpy(), "payload")[1]
-    except PayloadError as e:
-        raise Refusal(Reason.INVALID, f"delta rejected: {e}") from None
