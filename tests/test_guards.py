@@ -249,7 +249,7 @@ def test_the_round_itself_refuses_a_delta_of_a_host_that_left_whatever_the_trans
         assert refused.value.reason is Reason.FORBIDDEN and "host b left the run" in str(refused.value)
 
         async def the_round_checks() -> None:
-            c.rounds.check_upload("b", 0, len(body))
+            c.rounds.deltas.check_upload("b", 0, len(body))
 
         with pytest.raises(Refusal) as refused:
             c.call(the_round_checks())

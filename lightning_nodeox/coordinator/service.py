@@ -29,7 +29,8 @@ from . import intake, lifecycle
 from .config import CoordinatorConfig
 from .lifecycle import CoordinatorRun
 from .making import SyncBroken, SyncInMaking
-from .rounds import BeforePublish, DeltaIntake
+from .deltas import Delta
+from .rounds import BeforePublish
 from .uploads import ReceiveBuffers, Uploads
 
 log = logging.getLogger(__name__)
@@ -151,14 +152,14 @@ class CoordinatorService:
         scales) and handed to the accumulator while the next one is still on the way. A buffer is taken only for
         a host the round expects with no upload of its own in flight (else ``BUSY``); at most ``MAX_UPLOADS`` bodies
         are read at once (the others wait their turn, unread). ``training``: the host trains on meanwhile."""
-        rounds = self._run.rounds
+        deltas = self._run.rounds.deltas
         start = time.time()
-        await rounds.wait_open(round_)  # (a host back from the round closing, whose sync it took as it streamed)
-        rounds.check_upload(host, round_, body.size)
+        await deltas.wait_open(round_)  # (a host back from the round closing, whose sync it took as it streamed)
+        deltas.check_upload(host, round_, body.size)
         self.uploads.claim(host)
         try:
             async with self.uploads.reading:
-                model = rounds.check_upload(host, round_, body.size)  # the round may have moved meanwhile
+                model = deltas.check_upload(host, round_, body.size)  # the round may have moved meanwhile
                 buf = self._buffers.get(body.size or model.layout.total)  # a delta of the tensors that moved
                 try:
                     await self._within(self._receive_pieces(host, round_, body, buf, start, training), len(buf),
@@ -172,8 +173,8 @@ class CoordinatorService:
     async def _receive_pieces(self, host: str, round_: int, body: Body, buf: torch.Tensor, start: float,
                               training: bool) -> None:
         """The delta's header, then each piece into ``buf``, each handed on as soon as it is in; an upload that
-        breaks off, or a bad piece, cuts the delta there (:meth:`Rounds.cut_delta`)."""
-        rounds, view = self._run.rounds, memoryview(buf.numpy())
+        breaks off, or a bad piece, cuts the delta there (:meth:`RoundDeltas.cut_delta`)."""
+        deltas, view = self._run.rounds.deltas, memoryview(buf.numpy())
         prefix = safetensors.PREFIX_BYTES
         await body.read_into(view[:prefix])
         try:
@@ -181,38 +182,38 @@ class CoordinatorService:
         except PayloadError as e:
             raise Refusal(Reason.INVALID, f"delta rejected: {e}") from None
         await body.read_into(view[prefix:head_end])
-        delta = await rounds.begin_delta(host, round_, bytes(view[:head_end]), buf, start, training)
+        delta = await deltas.begin_delta(host, round_, bytes(view[:head_end]), buf, start, training)
         try:
             await self._take_pieces(delta, body, view, head_end)
         except asyncio.CancelledError:  # too slow: the connection is cut
-            rounds.cut_delta(delta, Refusal(Reason.TOO_SLOW, "the upload was too slow"))
+            deltas.cut_delta(delta, Refusal(Reason.TOO_SLOW, "the upload was too slow"))
             raise
         except Refusal as e:  # a bad piece
-            cut = rounds.cut_delta(delta, e)
+            cut = deltas.cut_delta(delta, e)
             if cut is e:
                 raise
             raise cut from None
         except Exception as e:  # the connection broke
-            rounds.cut_delta(delta, e)
+            deltas.cut_delta(delta, e)
             raise
 
-    async def _take_pieces(self, delta: DeltaIntake, body: Body, view: memoryview, at: int) -> None:
-        rounds = self._run.rounds
+    async def _take_pieces(self, delta: Delta, body: Body, view: memoryview, at: int) -> None:
+        deltas = self._run.rounds.deltas
         message = delta.message
         last = len(message.layout.pieces) - 1
         for k in range(last + 1):
             end = message.wire_end(k) if k < last else len(view)  # the last piece with the trailer
             await body.read_into(view[at:end])
             if k == last:
-                await rounds.end_delta(delta)  # the trailer is checked before the last piece is taken
-            await rounds.take_piece(delta, k)
+                await deltas.end_delta(delta)  # the trailer is checked before the last piece is taken
+            await deltas.take_piece(delta, k)
             at = end
         if last < 0:
             await body.read_into(view[at:])
-            await rounds.end_delta(delta)
+            await deltas.end_delta(delta)
 
     async def _recycle_after_accumulating(self, buf: torch.Tensor) -> None:
-        await self._run.rounds.accumulated()
+        await self._run.rounds.deltas.accumulated()
         self._buffers.put(buf)
 
     async def send_sync(self, host: str, round_: int, wait: float, sink: Sink, *, training: bool = False,
