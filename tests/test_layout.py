@@ -138,7 +138,8 @@ def coordinator_imports(path: Path, root: Path = PACKAGE, package: Path = PACKAG
     """The coordinator modules (last names) that ``path`` imports (``root``: the folder its relative imports are
     resolved in; ``package``: the package whose coordinator/ is looked at)."""
     prefix = "lightning_nodeox.coordinator."
-    modules = {p.stem for p in (package / "coordinator").glob("*.py")}
+    folder = package / "coordinator"
+    modules = {p.stem for p in folder.glob("*.py")} | {p.parent.name for p in folder.glob("*/__init__.py")}
     assert modules, f"no coordinator modules under {package}"
     return {n[len(prefix):].split(".")[0] for n in imported(path, root) if n.startswith(prefix)} & modules
 
@@ -147,6 +148,15 @@ def test_the_server_imports_nothing_of_the_coordinator_but_its_service() -> None
     imports = coordinator_imports(PACKAGE / "coordinator" / "server.py")
     assert "service" in imports
     assert imports <= TRANSPORT_MAY_IMPORT, f"server.py imports {sorted(imports - TRANSPORT_MAY_IMPORT)}"
+
+
+RELAY_MAY_IMPORT = {"service", "config", "server"}  # the coordinator's face, its settings, the HTTP it serves over
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "relay").glob("*.py")), ids=lambda p: p.name)
+def test_a_relay_imports_nothing_of_the_coordinator_but_its_service(path: Path) -> None:
+    imports = coordinator_imports(path)
+    assert imports <= RELAY_MAY_IMPORT, f"relay/{path.name} imports coordinator {sorted(imports - RELAY_MAY_IMPORT)}"
 
 
 def test_the_in_process_transport_calls_the_same_service() -> None:
@@ -171,6 +181,12 @@ def test_the_layout_checks_see_a_circle_and_a_server_reaching_past_the_lifecycle
     local.write_text("from lightning_nodeox.coordinator.service import embed\n"
                      "from lightning_nodeox.coordinator.rounds import Rounds\n")
     assert coordinator_imports(local, tmp_path) - TRANSPORT_MAY_IMPORT == {"rounds"}
+    (root / "coordinator" / "service").mkdir()
+    (root / "coordinator" / "service" / "__init__.py").write_text("")
+    (root / "relay").mkdir()
+    (root / "relay" / "close.py").write_text("from ..coordinator.service import SiteControl\n"
+                                             "from ..coordinator.rounds import Rounds\n")
+    assert coordinator_imports(root / "relay" / "close.py", root, root) - RELAY_MAY_IMPORT == {"rounds"}
 
 
 @pytest.mark.slow
