@@ -30,7 +30,7 @@ from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.modelfile import model_header
 from lightning_nodeox.core.phases import PhaseLog
 from lightning_nodeox.core.protocol import Upload, read_fully
-from lightning_nodeox.core.settings import CodecSettings
+from lightning_nodeox.core.codecs.settings import CodecSettings, Q4Settings
 from lightning_nodeox.core.specs import TensorSpec, spec_of
 from lightning_nodeox.core.wire import MessageLayout, Message, MessageMeta
 from lightning_nodeox.host.round import HostRound
@@ -39,7 +39,7 @@ from lightning_nodeox.host.tensors import HostTensors
 REPO = Path(__file__).resolve().parents[1]
 HOSTS = Path(__file__).parent / "hosts"
 FORKED = HOSTS / "forked.py"  # runs `python SCRIPT` forked from the session's zygote (tests/zygote.py): suite time
-SETTINGS = CodecSettings()
+SETTINGS = Q4Settings()
 
 # A model as a coordinator receives it over HTTP: named tensors, one of them a buffer.
 MODEL = [("fc.weight", torch.randn(40, 30, generator=torch.Generator().manual_seed(0))),

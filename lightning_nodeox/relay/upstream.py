@@ -28,7 +28,7 @@ from ..core.logs import Named
 from ..core.modelfile import ModelFileReader, model_header
 from ..core.phases import PhaseLog, PhaseRecord
 from ..core.protocol import JoinReply
-from ..core.settings import CodecSettings
+from ..core.codecs.settings import CodecSettings, settings_from_json
 from ..core.specs import TensorSpec
 from ..core.transport import HostClient
 from ..host.client import HttpClient
@@ -149,8 +149,7 @@ class Upstream:
     def settings(self) -> CodecSettings:
         """The upstream run's codec, which the relay's hosts must use too (its sync passes down unchanged)."""
         status = self.client.status()  # an HttpClient's: the relay's serve() makes one
-        return CodecSettings(codec=status["codec"], block_size=int(status["block_size"]),
-                          scale_dtype=status["scale_dtype"])
+        return settings_from_json(status["codec"])
 
     def join(self, specs: tuple[TensorSpec, ...]) -> JoinReply:
         """Join upstream with the site's model's tensors (waiting while another host provides the model)."""
