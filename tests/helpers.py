@@ -335,13 +335,13 @@ def launch(run_dir: Path, hosts: int, command: list[str], *coordinator_args: str
         env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {})))
 
 
-def codec_run(tmp_path: Path, codec: str) -> tuple[list[dict], list[tuple[str, torch.Tensor]], Path]:
-    """``nodeox launch --codec CODEC``: two digits hosts, host 1 without error feedback; checks that after every
+def codec_run(tmp_path: Path, *codec_flags: str) -> tuple[list[dict], list[tuple[str, torch.Tensor]], Path]:
+    """``nodeox launch CODEC_FLAGS`` (``--codec CODEC`` and its settings): two digits hosts, host 1 without error feedback; checks that after every
     round both hold the published model bit for bit. Returns the run's events, the model's named tensors (as the
     hosts ended) and the hosts' out folder."""
     run_dir, out = tmp_path / "run", tmp_path / "out"
     result = launch(run_dir, 2, [sys.executable, str(HOSTS / "digits_host.py"), "--out", str(out),
-                                 "--error-feedback", "on,off"], "--codec", codec)
+                                 "--error-feedback", "on,off"], *codec_flags)
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
     events = read_events(run_dir)
     published = {e["round"]: e["model_hash"] for e in events if e["phase"] == "sync_prepare"}

@@ -442,7 +442,7 @@ def test_a_real_run_with_sparse_keeps_hosts_bit_identical(tmp_path) -> None:
     """``nodeox launch --codec sparse``: two digits hosts, host 1 without error feedback; after every round both
     hold the published model bit for bit, each upload is the delta layout's size and each sync the size of a
     sync of two deltas."""
-    events, named, _ = codec_run(tmp_path, "sparse")
+    events, named, _ = codec_run(tmp_path, "--codec", "sparse")
     specs = spec_of(named)
     assert {e["bytes"] for e in events if e["phase"] == "upload"} == {MessageLayout.of(specs, SPARSE).total}
     assert {e["bytes"] for e in events if e["phase"] == "sync_prepare"} == {

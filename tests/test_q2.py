@@ -340,7 +340,7 @@ def test_malformed_q2_deltas_are_refused_and_change_nothing(tmp_path) -> None:
 def test_a_real_run_with_q2_keeps_hosts_bit_identical(tmp_path) -> None:
     """``nodeox launch --codec q2``: two digits hosts, host 1 without error feedback; after every round both hold
     the published model bit for bit, each upload is the q2 layout's size, and the loss falls."""
-    events, named, out = codec_run(tmp_path, "q2")
+    events, named, out = codec_run(tmp_path, "--codec", "q2")
     moving = [(k, t) for k, t in named if t.is_floating_point()]
     size = MessageLayout.of(spec_of(named), Q2).total
     assert {e["bytes"] for e in events if e["phase"] == "upload"} == {size}
