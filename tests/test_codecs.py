@@ -14,7 +14,7 @@ from lightning_nodeox.core.codecs import REGISTRY, Codec, codec_class, codec_for
 from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.pool import WorkerPool
 from lightning_nodeox.core.codecs.settings import (CODEC_NAMES, BF16Settings, CodecSettings, FP32Settings,
-                                                    Q2Settings, Q4Settings, SparseSettings, knob_names, settings_for)
+                                                    Q2Settings, Q4Settings, SparseSettings, setting_names, settings_for)
 from lightning_nodeox.core.specs import spec_of
 from lightning_nodeox.core.wire import MessageLayout, Message
 from lightning_nodeox.host.tensors import HostTensors
@@ -56,7 +56,7 @@ def test_every_codec_is_found_by_its_name() -> None:
     assert tuple(REGISTRY) == ("q4", "q2", "bf16", "fp32", "sparse") and CODEC_NAMES == (*REGISTRY, "sparse3")
     assert FIXED == ("q4", "q2", "bf16", "fp32")
     for name in REGISTRY:
-        knobs = {"block_size": 32} if "block_size" in knob_names(name) else {}
+        knobs = {"block_size": 32} if "block_size" in setting_names(name) else {}
         codec = codec_for(settings_for(name, **knobs))
         assert codec.name == name and codec.settings == settings_for(name, **knobs)
     assert codec_for(Q2Settings(block_size=32)).settings.block_size == 32

@@ -25,17 +25,17 @@ def _defaults(cls) -> dict[str, object]:
     return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
 
 
-def _codec_knobs() -> dict[str, tuple[Field, list[str]]]:
+def _setting_flags() -> dict[str, tuple[Field, list[str]]]:
     """Every codec setting (a flag each): its field (of the first codec that has it) and the codecs that take it."""
-    knobs: dict[str, tuple[Field, list[str]]] = {}
+    flags: dict[str, tuple[Field, list[str]]] = {}
     for cls in REGISTRY.values():
         for f in fields(cls):
-            knobs.setdefault(f.name, (f, []))[1].append(cls.name)
-    return knobs
+            flags.setdefault(f.name, (f, []))[1].append(cls.name)
+    return flags
 
 
-CODEC_KNOBS = _codec_knobs()
-_KNOB_TYPES = {"int": int, "float": float, "str": str}  # a settings field's annotation (text), as argparse's type
+SETTING_FLAGS = _setting_flags()
+_FLAG_TYPES = {"int": int, "float": float, "str": str}  # a settings field's annotation (text), as argparse's type
 
 
 def _codec_options(p: argparse.ArgumentParser) -> None:
@@ -47,14 +47,14 @@ def _codec_options(p: argparse.ArgumentParser) -> None:
                    "values (1%%: 0.035x q4's bytes); "
                    + "; ".join(f"{alias}: {base} at " + ", ".join(f"{k} {v}" for k, v in preset.items())
                                for alias, (base, preset) in ALIASES.items()))
-    for name, (f, codecs) in CODEC_KNOBS.items():
-        p.add_argument("--" + name.replace("_", "-"), type=_KNOB_TYPES[f.type], help=f"{f.metadata['help']}; "
+    for name, (f, codecs) in SETTING_FLAGS.items():
+        p.add_argument("--" + name.replace("_", "-"), type=_FLAG_TYPES[f.type], help=f"{f.metadata['help']}; "
                        f"codecs {', '.join(codecs)} (default {f.default})".replace("%", "%%"))
 
 
 def _codec_settings(args: argparse.Namespace) -> CodecSettings:
     """The settings of ``--codec`` with the codec flags given (a ValueError naming the fix for one it lacks)."""
-    given = {name: getattr(args, name) for name in CODEC_KNOBS if getattr(args, name) is not None}
+    given = {name: getattr(args, name) for name in SETTING_FLAGS if getattr(args, name) is not None}
     return settings_for(args.codec, **given)
 
 

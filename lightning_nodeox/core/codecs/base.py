@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 ATEN_GRAIN = 32768  # ATen runs an op of at most this many elements on one thread
 CPU_CHUNK_SINGLE_THREADED = 131072
 CUDA_CHUNK = 1 << 24
-SCALE_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}  # a settings' scale_dtype, as torch's
+TORCH_SCALE_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}  # a settings' scale_dtype, as torch's
 
 
 def default_chunk(device: torch.device, alignment: int) -> int:
@@ -71,7 +71,7 @@ class Codec(ABC):
     @property
     def scale_dtype(self) -> torch.dtype:
         """The dtype of its scales (the settings' ``scale_dtype``)."""
-        return SCALE_DTYPES[self.settings.scale_dtype]
+        return TORCH_SCALE_DTYPES[self.settings.scale_dtype]
 
     def check_rounding(self, rounding: str) -> None:
         """A ValueError naming the fix where this codec cannot round as a host asks (``"stochastic"``)."""

@@ -132,7 +132,7 @@ ALIASES: dict[str, tuple[str, dict[str, Any]]] = {  # older names: a codec at se
 CODEC_NAMES = (*REGISTRY, *ALIASES)
 
 
-def knob_names(name: str) -> tuple[str, ...]:
+def setting_names(name: str) -> tuple[str, ...]:
     """The settings codec ``name`` takes."""
     return tuple(f.name for f in fields(REGISTRY[name]))
 
@@ -149,7 +149,7 @@ def settings_for(name: str, **knobs: Any) -> CodecSettings:
         name, knobs = base, {**preset, **knobs}
     if name not in REGISTRY:
         raise ValueError(f"codec={name!r} is not supported; use one of {CODEC_NAMES}")
-    taken = knob_names(name)
+    taken = setting_names(name)
     foreign = sorted(set(knobs) - set(taken))
     if foreign:
         takes = f"it takes {', '.join(taken)}" if taken else "it takes none"
@@ -174,4 +174,4 @@ def settings_from_old_keys(d: dict[str, Any]) -> CodecSettings:
     if base not in REGISTRY:
         raise ValueError(f"codec={name!r} is not supported; use one of {CODEC_NAMES}")
     kinds = {"block_size": int, "scale_dtype": str}  # the knobs settings had then
-    return settings_for(name, **{k: kind(d[k]) for k, kind in kinds.items() if k in d and k in knob_names(base)})
+    return settings_for(name, **{k: kind(d[k]) for k, kind in kinds.items() if k in d and k in setting_names(base)})
