@@ -336,9 +336,9 @@ def launch(run_dir: Path, hosts: int, command: list[str], *coordinator_args: str
 
 
 def codec_run(tmp_path: Path, *codec_flags: str) -> tuple[list[dict], list[tuple[str, torch.Tensor]], Path]:
-    """``nodeox launch CODEC_FLAGS`` (``--codec CODEC`` and its settings): two digits hosts, host 1 without error feedback; checks that after every
-    round both hold the published model bit for bit. Returns the run's events, the model's named tensors (as the
-    hosts ended) and the hosts' out folder."""
+    """``nodeox launch CODEC_FLAGS`` (``--codec CODEC`` and its settings): two digits hosts, host 1 without error
+    feedback; checks that after every round both hold the published model bit for bit. Returns the run's events,
+    the model's named tensors (as the hosts ended) and the hosts' out folder."""
     run_dir, out = tmp_path / "run", tmp_path / "out"
     result = launch(run_dir, 2, [sys.executable, str(HOSTS / "digits_host.py"), "--out", str(out),
                                  "--error-feedback", "on,off"], *codec_flags)

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SPECS, codec_run, delta_message
+from helpers import SPECS, codec_run, delta_message, model
 from local_transport import LocalCoordinator
 
 from lightning_nodeox.coordinator.config import OuterSettings
 from lightning_nodeox.coordinator.state import SavedRun, RunStore
 from lightning_nodeox.core.codecs import codec_for
 from lightning_nodeox.core.codecs.settings import (REGISTRY, BF16Settings, FP32Settings, Q2Settings, Q4Settings,
-                                                    SparseSettings, settings_for)
+                                                    SparseSettings, settings_for, settings_from_old_keys)
 from lightning_nodeox.core.protocol import JoinReply
 from lightning_nodeox.core.specs import spec_of
 from lightning_nodeox.core.wire import Message, MessageLayout
@@ -148,7 +148,7 @@ def test_a_run_saved_before_settings_travelled_whole_resumes(tmp_path) -> None:
     again = LocalCoordinator(tmp_path, 2, store=True, long_poll=0.2)
     try:
         assert again.config.q4 == Q2Settings(block_size=128) == again.store.last.codec
-        specs = spec_of([(n, torch.zeros(s)) for n, s in {"w": (50, 40), "b": (50,), "norm.running_mean": (50,)}.items()])
+        specs = spec_of(model())  # the saved run's hosts' model (tests/helpers.py)
         assert again.call(again.membership.join("a", specs, saved["hosts"]["a"]["credential"])).retry
         reply = again.call(again.membership.join("b", specs, saved["hosts"]["b"]["credential"]))
         assert (reply.retry, reply.model_hash, reply.codec, again.state.round) == (
@@ -159,6 +159,19 @@ def test_a_run_saved_before_settings_travelled_whole_resumes(tmp_path) -> None:
     finally:
         again.close()
     assert json.loads((tmp_path / "state" / "run.json").read_text())["codec"] == Q2Settings(block_size=128).to_json()
+
+
+def test_the_loose_keys_of_older_files_read_as_the_codecs_own_settings() -> None:
+    """A version-2 header's metadata (text values) and an older run.json's ``q4`` (with the host knobs beside)."""
+    host_knobs = {"rounding": "stochastic", "error_feedback": False}
+    assert settings_from_old_keys({"codec": "q2", "block_size": "128", "scale_dtype": "fp32"}) == Q2Settings(
+        block_size=128, scale_dtype="fp32")
+    assert settings_from_old_keys({"block_size": 64, "scale_dtype": "fp16", **host_knobs}) == Q4Settings()
+    assert settings_from_old_keys({"codec": "sparse3", "block_size": 64, "scale_dtype": "fp32", **host_knobs}) == (
+        SparseSettings(density=0.03, scale_dtype="fp32"))
+    assert settings_from_old_keys({"codec": "bf16", "block_size": 64, "scale_dtype": "fp16"}) == BF16Settings()
+    with pytest.raises(ValueError, match="codec='q3' is not supported"):
+        settings_from_old_keys({"codec": "q3"})
 
 
 def sparse_code_bytes(numel: int, density: float) -> int:

@@ -21,7 +21,7 @@ from lightning_nodeox.host.tensors import HostTensors
 
 NOOP_BYTES = {"q4": (b"\x88", b"\x00\x80"), "q2": (b"\xaa", b"\x00\x80"), "bf16": (b"\x00\x80", b""), "fp32": (b"\x00\x00\x00\x80", b"")}
 INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
-FIXED = tuple(name for name in REGISTRY if codec_class(name).fixed_size)  # the sparse codecs: tests/test_codec_sparse.py
+FIXED = tuple(name for name in REGISTRY if codec_class(name).fixed_size)  # sparse: tests/test_codec_sparse.py
 
 
 def as_ints(t: torch.Tensor) -> torch.Tensor:

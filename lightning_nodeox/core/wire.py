@@ -374,7 +374,8 @@ class Message:
         except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, RecursionError) as e:
             raise PayloadError(f"payload header is not valid nodeox-q4 JSON: {e}") from None
         if not OLDEST_VERSION <= version <= VERSION:
-            raise PayloadError(f"payload uses q4 format version {version}; this build reads version {VERSION}. "
+            raise PayloadError(f"payload uses q4 format version {version}; this build reads versions {OLDEST_VERSION} "
+                               f"to {VERSION}. "
                                "Run the same lightning-nodeox version on every host and the coordinator.")
         try:
             settings = (settings_from_json(json.loads(md["codec"])) if version == VERSION
@@ -383,7 +384,8 @@ class Message:
             piece_bytes = check_piece_bytes(int(md["piece_bytes"]))
             meta = MessageMeta(kind=md["kind"], round=int(md["round"]), host=str(md["host"]),
                           base_hash=str(md["base_hash"]), samples=int(md["samples"]), final=md["final"] == "1",
-                          codec=settings, tensors=specs, metrics=_parse_metrics(md.get("metrics") or "{}"), piece_bytes=piece_bytes)
+                          codec=settings, tensors=specs, metrics=_parse_metrics(md.get("metrics") or "{}"),
+                          piece_bytes=piece_bytes)
             crc_text = str(md["crc32"])
             expected_crc = int(crc_text, 16)
             capacity = int(md["capacity"]) if "capacity" in md else None

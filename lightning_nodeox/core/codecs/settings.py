@@ -62,7 +62,7 @@ class BlockwiseSettings(CodecSettings):
     scale_dtype: str = _scale_dtype_field()
 
     def __post_init__(self) -> None:
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size not in BLOCK_SIZES:
+        if type(self.block_size) is not int or self.block_size not in BLOCK_SIZES:  # 64.0 and True are not sizes
             raise ValueError(f"block_size={self.block_size} is not supported; use one of {BLOCK_SIZES}")
         _check_scale_dtype(self.scale_dtype)
 
@@ -95,13 +95,13 @@ class SparseSettings(CodecSettings):
 
     name = "sparse"
     implementation = f"{__package__}.sparse:Sparse"
-    density: float = field(default=0.01, metadata={
-        "help": f"share of each chunk of 4096 values a sparse delta sends, in [{DENSITY_RANGE[0]}, {DENSITY_RANGE[1]}]"})
+    density: float = field(default=0.01, metadata={"help": "share of each chunk of 4096 values a sparse delta "
+                                                           f"sends, in [{DENSITY_RANGE[0]}, {DENSITY_RANGE[1]}]"})
     scale_dtype: str = _scale_dtype_field()
 
     def __post_init__(self) -> None:
         low, high = DENSITY_RANGE
-        if isinstance(self.density, bool) or not isinstance(self.density, (int, float)) or not low <= self.density <= high:
+        if type(self.density) not in (int, float) or not low <= self.density <= high:
             raise ValueError(f"density={self.density!r} is outside [{low}, {high}]: use a share of each chunk in that "
                              "range (0.01 sends 1%)")
         object.__setattr__(self, "density", float(self.density))
