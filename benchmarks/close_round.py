@@ -19,7 +19,7 @@ from lightning_nodeox.coordinator.model import CoordinatorModel
 from lightning_nodeox.core.codec import encode_sync_and_apply
 from lightning_nodeox.core.hashing import RowHasher, combine
 from lightning_nodeox.core.pool import WorkerPool
-from lightning_nodeox.core.settings import CodecSettings
+from lightning_nodeox.core.codecs.settings import Q4Settings
 from lightning_nodeox.core.specs import spec_of
 
 
@@ -49,7 +49,7 @@ def main() -> None:
     torch.set_num_threads(1)
     n = int(args.numel)
     dtype = getattr(torch, args.dtype)
-    settings = CodecSettings()
+    settings = Q4Settings()
     pool = WorkerPool(settings, "cpu", args.threads)
     named = [("w", (torch.randn(n) * 0.1).to(dtype))]
     model = CoordinatorModel(spec_of(named), [t for _, t in named], settings, pool)

@@ -23,7 +23,8 @@ from lightning_nodeox.core.codec import accumulate_tensor, decode_tensor, encode
 from lightning_nodeox.core.codecs.blockwise import block_count
 from lightning_nodeox.core.codecs.q4 import code_bytes
 from lightning_nodeox.core.pool import WorkerPool
-from lightning_nodeox.core.settings import BLOCK_SIZES, ROUNDINGS, CodecSettings
+from lightning_nodeox.core.codecs.settings import BLOCK_SIZES, Q4Settings
+from lightning_nodeox.core.settings import ROUNDINGS
 from lightning_nodeox.core.cpu import granted_cpus
 from lightning_nodeox.core.hashing import model_hash
 
@@ -55,7 +56,7 @@ def run_tasks(pool: WorkerPool, numel: int, fn) -> None:
 
 
 def size_figures(n: int, repeats: int) -> dict:
-    settings = CodecSettings()
+    settings = Q4Settings()
     pool = WorkerPool(settings, "cpu", threads=1)
     current = torch.empty(n).uniform_(-1, 1)
     base = torch.empty(n).uniform_(-1, 1)
@@ -94,7 +95,7 @@ def contention_figures(n: int, repeats: int) -> dict:
     """Encode with the threads a CPU host would use, quiet and with every core kept busy by other processes."""
     threads = granted_cpus()
     torch.set_num_threads(threads)  # as in a host process: the codec must not depend on it
-    pool = WorkerPool(CodecSettings(), "cpu", threads=threads)
+    pool = WorkerPool(Q4Settings(), "cpu", threads=threads)
     current, base = torch.empty(n).uniform_(-1, 1), torch.empty(n).uniform_(-1, 1)
     residual = torch.zeros(n, dtype=torch.bfloat16)
     codes = torch.empty(code_bytes(n, 64), dtype=torch.uint8)
@@ -121,7 +122,7 @@ def error_figures(n: int = 1 << 22) -> dict:
     out, figures = torch.empty(n), {}
     for rounding in ROUNDINGS:
         for bs in BLOCK_SIZES:
-            settings = CodecSettings(block_size=bs, rounding=rounding)
+            settings = Q4Settings(block_size=bs)
             pool = WorkerPool(settings, "cpu", 1)
             codes = torch.empty(code_bytes(n, bs), dtype=torch.uint8)
             scales = torch.empty(block_count(n, bs), dtype=torch.float16)

@@ -26,7 +26,7 @@ evaluated on a held-out test split (540 images). Modes:
     q2               Nodeox, --codec q2 (2-bit, 0.53x q4's bytes at block size 64)
     q2_b256          q2 at --block-size 256 (0.49x q4's bytes)
     sparse_d1        Nodeox, --codec sparse (top 1% of each chunk of 4096 values, 2-bit values: 0.035x q4's bytes)
-    sparse_d3        Nodeox, --codec sparse3 (top 3%: 0.10x q4's bytes)
+    sparse_d3        Nodeox, --codec sparse --density 0.03 (top 3%: 0.10x q4's bytes)
     q4_f4            q4 with NodeoxStrategy(fragments=4): a round every local_steps/4 steps exchanges a quarter
     bf16             Nodeox, --codec bf16 (not run by default on digits)
     q4_average_hH, q4_nesterov_hH   q4 average / Nesterov at H local steps, H in 10, 20, 50, 100
@@ -118,7 +118,7 @@ MODES: dict[str, dict] = {
     "q2": {"kind": "nodeox", "coordinator": ["--codec", "q2"]},
     "q2_b256": {"kind": "nodeox", "coordinator": ["--codec", "q2", "--block-size", "256"]},
     "sparse_d1": {"kind": "nodeox", "coordinator": ["--codec", "sparse"]},
-    "sparse_d3": {"kind": "nodeox", "coordinator": ["--codec", "sparse3"]},
+    "sparse_d3": {"kind": "nodeox", "coordinator": ["--codec", "sparse", "--density", "0.03"]},
     "bf16": {"kind": "nodeox", "coordinator": ["--codec", "bf16"]},
     **{f"q4_{outer}_h{h}": {"kind": "nodeox", "local_steps": h, "coordinator": options}
        for outer, options in (("average", ["--outer-optimizer", "average"]), ("nesterov", DILOCO)) for h in SWEEP},

@@ -25,7 +25,7 @@ def measure(model: str, outer: str) -> dict:
     from lightning_nodeox.core.codec import encode_tensor
     from lightning_nodeox.core.codecs import codec_for
     from lightning_nodeox.core.pool import WorkerPool
-    from lightning_nodeox.core.settings import CodecSettings
+    from lightning_nodeox.core.codecs.settings import Q4Settings
     from lightning_nodeox.core.specs import spec_of
     from lightning_nodeox.core.wire import MessageLayout, Message, MessageMeta
 
@@ -36,7 +36,7 @@ def measure(model: str, outer: str) -> dict:
     gen = torch.Generator().manual_seed(0)
     named = [(n, torch.empty(s).uniform_(-0.05, 0.05, generator=gen)) for n, s in model_shapes(model)]
     model_bytes = sum(t.numel() * 4 for _, t in named)
-    specs, settings = spec_of(named), CodecSettings()
+    specs, settings = spec_of(named), Q4Settings()
     pool = WorkerPool(settings, "cpu", 1)
     coordinator = CoordinatorModel(specs, [t for _, t in named], settings, pool, OuterSettings(outer))
     del named

@@ -38,7 +38,7 @@ def timed(fn, repeats: int) -> float:
 def rank_main(rank: int, port: int, model: str, repeats: int, queue) -> None:
     from common import model_shapes
 
-    from lightning_nodeox.core.settings import CodecSettings
+    from lightning_nodeox.core.codecs.settings import Q4Settings
     from lightning_nodeox.core.specs import spec_of
     from lightning_nodeox.core.wire import MessageLayout
     from lightning_nodeox.host.ranks import HostRanks
@@ -51,7 +51,7 @@ def rank_main(rank: int, port: int, model: str, repeats: int, queue) -> None:
     tensors = [t for _, t in named]
     ranks = HostRanks(tensors, per_step=True)
     result = RoundResult(7, "0123456789abcdef0123456789abcdef", False, True)
-    sync = torch.zeros(MessageLayout.of(spec_of(named), CodecSettings()).total, dtype=torch.uint8)
+    sync = torch.zeros(MessageLayout.of(spec_of(named), Q4Settings()).total, dtype=torch.uint8)
     out = {
         "model_bytes": sum(t.numel() * 4 for t in tensors),
         "sync_bytes": sync.numel(),

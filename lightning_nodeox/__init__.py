@@ -15,10 +15,11 @@ import sys
 from pathlib import Path
 
 from .core import logs
-from .core.settings import CodecSettings
+from .core.codecs.settings import BF16Settings, CodecSettings, FP32Settings, Q2Settings, Q4Settings, SparseSettings
 
 __version__ = "0.1.0"
-__all__ = ["NodeoxFabricStrategy", "NodeoxStrategy", "PhaseMonitor", "CodecSettings"]
+__all__ = ["NodeoxFabricStrategy", "NodeoxStrategy", "PhaseMonitor", "CodecSettings", "Q4Settings", "Q2Settings",
+           "SparseSettings", "BF16Settings", "FP32Settings"]
 
 
 def _running_the_nodeox_command() -> bool:

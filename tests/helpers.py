@@ -30,7 +30,7 @@ from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.modelfile import model_header
 from lightning_nodeox.core.phases import PhaseLog
 from lightning_nodeox.core.protocol import Upload, read_fully
-from lightning_nodeox.core.settings import CodecSettings
+from lightning_nodeox.core.codecs.settings import CodecSettings, Q4Settings
 from lightning_nodeox.core.specs import TensorSpec, spec_of
 from lightning_nodeox.core.wire import MessageLayout, Message, MessageMeta
 from lightning_nodeox.host.round import HostRound
@@ -39,7 +39,7 @@ from lightning_nodeox.host.tensors import HostTensors
 REPO = Path(__file__).resolve().parents[1]
 HOSTS = Path(__file__).parent / "hosts"
 FORKED = HOSTS / "forked.py"  # runs `python SCRIPT` forked from the session's zygote (tests/zygote.py): suite time
-SETTINGS = CodecSettings()
+SETTINGS = Q4Settings()
 
 # A model as a coordinator receives it over HTTP: named tensors, one of them a buffer.
 MODEL = [("fc.weight", torch.randn(40, 30, generator=torch.Generator().manual_seed(0))),
@@ -335,13 +335,13 @@ def launch(run_dir: Path, hosts: int, command: list[str], *coordinator_args: str
         env=dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {})))
 
 
-def codec_run(tmp_path: Path, codec: str) -> tuple[list[dict], list[tuple[str, torch.Tensor]], Path]:
-    """``nodeox launch --codec CODEC``: two digits hosts, host 1 without error feedback; checks that after every
-    round both hold the published model bit for bit. Returns the run's events, the model's named tensors (as the
-    hosts ended) and the hosts' out folder."""
+def codec_run(tmp_path: Path, *codec_flags: str) -> tuple[list[dict], list[tuple[str, torch.Tensor]], Path]:
+    """``nodeox launch CODEC_FLAGS`` (``--codec CODEC`` and its settings): two digits hosts, host 1 without error
+    feedback; checks that after every round both hold the published model bit for bit. Returns the run's events,
+    the model's named tensors (as the hosts ended) and the hosts' out folder."""
     run_dir, out = tmp_path / "run", tmp_path / "out"
     result = launch(run_dir, 2, [sys.executable, str(HOSTS / "digits_host.py"), "--out", str(out),
-                                 "--error-feedback", "on,off"], "--codec", codec)
+                                 "--error-feedback", "on,off"], *codec_flags)
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-5000:]
     events = read_events(run_dir)
     published = {e["round"]: e["model_hash"] for e in events if e["phase"] == "sync_prepare"}

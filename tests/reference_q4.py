@@ -7,7 +7,7 @@ import torch
 from lightning_nodeox.core.codec import chunk_ranges, stochastic_seed
 from lightning_nodeox.core.codecs import Kernels, codec_for
 from lightning_nodeox.core.codecs.q4 import CODE_OFFSET, LEVELS
-from lightning_nodeox.core.settings import CodecSettings
+from lightning_nodeox.core.codecs.settings import CodecSettings
 
 
 def encode_reference(x: torch.Tensor, settings: CodecSettings, *, seed: int | None = None, chunk: int = 0):
@@ -27,7 +27,7 @@ def encode_reference(x: torch.Tensor, settings: CodecSettings, *, seed: int | No
         scale = scale.to(torch.float16).float()
     inv = 1.0 / scale.clamp_min(1e-30)
     y = blocks * inv[:, None]
-    if settings.rounding == "stochastic" and seed is not None:
+    if seed is not None:  # stochastic rounding
         noise = torch.empty(nb * bs)
         for s, e in chunk_ranges(n, chunk):
             mp = -(-(e - s) // bs) * bs
@@ -40,7 +40,7 @@ def encode_reference(x: torch.Tensor, settings: CodecSettings, *, seed: int | No
         y = y.clamp(-LEVELS, LEVELS)
     q = torch.round(y).to(torch.int64).view(-1) + CODE_OFFSET
     packed = (q[0::2] | (q[1::2] << 4)).to(torch.uint8)
-    return packed, scale.to(settings.torch_scale_dtype)
+    return packed, scale.to(codec_for(settings).scale_dtype)
 
 
 def decode_reference(packed: torch.Tensor, scales: torch.Tensor, n: int, block_size: int) -> torch.Tensor:
@@ -51,5 +51,5 @@ def decode_reference(packed: torch.Tensor, scales: torch.Tensor, n: int, block_s
 
 
 def kernels(settings: CodecSettings, chunk: int = 256) -> Kernels:
-    """The kernels of ``settings.codec`` with a small chunk, so that tests cross many chunk boundaries."""
+    """The kernels of the codec of ``settings`` with a small chunk, so that tests cross many chunk boundaries."""
     return codec_for(settings).kernels("cpu", chunk)

@@ -23,7 +23,7 @@ from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.modelfile import model_header, read_model
 from lightning_nodeox.core.phases import PhaseLog
 from lightning_nodeox.core.pool import WorkerPool
-from lightning_nodeox.core.settings import CodecSettings
+from lightning_nodeox.core.codecs.settings import Q4Settings
 from lightning_nodeox.core.specs import spec_of
 from lightning_nodeox.host.agreement import FinalHash, suspects
 from lightning_nodeox.host.round import HostRound
@@ -93,9 +93,9 @@ def test_raw_tensors_have_no_outer_state_and_survive_the_model_file() -> None:
     named = model()
     specs = spec_of(named)
     assert [s.raw for s in specs] == [False, True, True, False]
-    pool = WorkerPool(CodecSettings(), "cpu", 1)
+    pool = WorkerPool(Q4Settings(), "cpu", 1)
     try:
-        nesterov = CoordinatorModel(specs, [t.clone() for _, t in named], CodecSettings(), pool,
+        nesterov = CoordinatorModel(specs, [t.clone() for _, t in named], Q4Settings(), pool,
                                     OuterSettings("nesterov"))
         assert sorted(nesterov.outer.state) == ["momentum/b", "momentum/w"]
     finally:
@@ -202,7 +202,7 @@ def test_batchnorm_counters_are_equal_on_every_host_after_uneven_steps_and_hashe
 
 def test_overlap_folds_the_runs_raw_values_into_the_live_model() -> None:
     tensors = HostTensors(model())
-    tensors.allocate(CodecSettings(), 1)
+    tensors.allocate(Q4Settings(), 1)
     try:
         live = dict(tensors.named())
         tensors.take_snapshot(restart_from_base=False)  # the round's boundary: its exchange goes on meanwhile

@@ -11,9 +11,9 @@ from helpers import assert_on_the_run_model, both, deltas, exchange, hosts, trai
 from local_transport import LocalCoordinator
 
 from lightning_nodeox.coordinator.config import OuterSettings
-from lightning_nodeox.core.settings import CodecSettings
+from lightning_nodeox.core.codecs.settings import FP32Settings
 
-FP32 = CodecSettings(codec="fp32")
+FP32 = FP32Settings()
 
 
 def test_nesterov_outer_step_matches_the_reference_for_two_rounds(tmp_path) -> None:

@@ -19,7 +19,8 @@ from lightning_nodeox.core.codecs import codec_for
 from lightning_nodeox.core.codecs.blockwise import block_count
 from lightning_nodeox.core.codecs.q4 import code_bytes
 from lightning_nodeox.core.pool import WorkerPool
-from lightning_nodeox.core.settings import BLOCK_SIZES, CodecSettings
+from lightning_nodeox.core.codecs.settings import BLOCK_SIZES, CodecSettings, Q4Settings
+from lightning_nodeox.core.settings import check_rounding
 
 SIZES = [0, 1, 2, 31, 63, 64, 65, 255, 256, 257, 1000, 4099]
 
@@ -27,21 +28,20 @@ SIZES = [0, 1, 2, 31, 63, 64, 65, 255, 256, 257, 1000, 4099]
 def encode(x: torch.Tensor, settings: CodecSettings, chunk: int = 256, seed: int | None = None):
     k = kernels(settings, chunk)
     codes = torch.empty(code_bytes(x.numel(), settings.block_size), dtype=torch.uint8)
-    scales = torch.empty(block_count(x.numel(), settings.block_size), dtype=settings.torch_scale_dtype)
+    scales = torch.empty(block_count(x.numel(), settings.block_size), dtype=codec_for(settings).scale_dtype)
     encode_tensor(k, x, codes, scales, seed=seed)
     return k, codes, scales
 
 
 @pytest.mark.parametrize("n", SIZES)
-@pytest.mark.parametrize("settings", [
-    CodecSettings(), CodecSettings(block_size=32, scale_dtype="fp32"), CodecSettings(block_size=256),
-    CodecSettings(rounding="stochastic"), CodecSettings(block_size=128, scale_dtype="fp32", rounding="stochastic"),
+@pytest.mark.parametrize(("settings", "seed"), [
+    (Q4Settings(), None), (Q4Settings(block_size=32, scale_dtype="fp32"), None), (Q4Settings(block_size=256), None),
+    (Q4Settings(), 7), (Q4Settings(block_size=128, scale_dtype="fp32"), 7),  # a seed: stochastic rounding
 ])
-def test_kernels_match_reference(n: int, settings: CodecSettings) -> None:
+def test_kernels_match_reference(n: int, settings: CodecSettings, seed: int | None) -> None:
     x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3
     if n >= 128:
         x[64:128] = 0  # an all-zero block
-    seed = 7 if settings.rounding == "stochastic" else None
     k, codes, scales = encode(x, settings, seed=seed)
     ref_codes, ref_scales = encode_reference(x, settings, seed=seed, chunk=k.chunk)
     assert torch.equal(codes, ref_codes)
@@ -53,7 +53,7 @@ def test_kernels_match_reference(n: int, settings: CodecSettings) -> None:
 
 def test_chunking_does_not_change_codes() -> None:
     x = torch.randn(10_000)
-    settings = CodecSettings(block_size=32)
+    settings = Q4Settings(block_size=32)
     _, a, sa = encode(x, settings, chunk=64)
     _, b, sb = encode(x, settings, chunk=4096)
     assert torch.equal(a, b) and torch.equal(sa, sb)
@@ -64,7 +64,7 @@ def test_gaussian_error_zeros_and_size(block_size: int) -> None:
     n = 1 << 18
     x = torch.randn(n, generator=torch.Generator().manual_seed(0))
     x[1000:3000] = 0
-    settings = CodecSettings(block_size=block_size)
+    settings = Q4Settings(block_size=block_size)
     k, codes, scales = encode(x, settings, chunk=1 << 14)
     out = torch.empty(n)
     decode_tensor(k, codes, scales, out)
@@ -81,14 +81,14 @@ def test_gaussian_error_zeros_and_size(block_size: int) -> None:
 def test_stochastic_rounding_is_unbiased() -> None:
     x = torch.full((64 * 512,), 0.3)
     x[::64] = 7.0  # each block's absmax: scale 1.0, so 0.3 sits between codes 0 and 1
-    settings = CodecSettings(rounding="stochastic")
-    k, codes, scales = encode(x, settings, seed=3)
+    settings = Q4Settings()
+    k, codes, scales = encode(x, settings, seed=3)  # a seed: stochastic rounding
     out = torch.empty_like(x)
     decode_tensor(k, codes, scales, out)
     mask = torch.ones_like(x, dtype=torch.bool)
     mask[::64] = False
     assert abs(out[mask].mean().item() - 0.3) < 0.01
-    _, nearest_codes, nearest_scales = encode(x, CodecSettings())
+    _, nearest_codes, nearest_scales = encode(x, Q4Settings())
     decode_tensor(k, nearest_codes, nearest_scales, out)
     assert out[mask].mean().item() == 0.0
 
@@ -97,7 +97,7 @@ def test_stochastic_rounding_is_unbiased() -> None:
 def test_error_feedback_bounds_accumulated_error(feedback: bool) -> None:
     """Over 50 rounds of Gaussian deltas, the sum of what was sent tracks the sum of the true deltas."""
     n, rounds = 1 << 15, 50
-    settings = CodecSettings(error_feedback=feedback)
+    settings = Q4Settings()
     k = kernels(settings, 4096)
     gen = torch.Generator().manual_seed(1)
     base = torch.zeros(n)
@@ -124,7 +124,7 @@ def test_error_feedback_bounds_accumulated_error(feedback: bool) -> None:
 
 def test_residual_is_what_quantization_left() -> None:
     n = 5000
-    settings = CodecSettings()
+    settings = Q4Settings()
     k = kernels(settings)
     current, base = torch.randn(n), torch.randn(n)
     residual = torch.zeros(n, dtype=torch.bfloat16)
@@ -141,7 +141,7 @@ def test_residual_is_what_quantization_left() -> None:
 def test_coordinator_and_host_reach_identical_bytes(dtype: torch.dtype) -> None:
     """The coordinator applies its dequantized sync while quantizing; a host decodes and applies it: same bytes."""
     n = 3001
-    settings = CodecSettings()
+    settings = Q4Settings()
     model = (torch.randn(n) * 2).to(dtype)
     host_live, host_base = model.clone(), model.clone()
     acc = torch.zeros(n)
@@ -167,7 +167,7 @@ def test_coordinator_and_host_reach_identical_bytes(dtype: torch.dtype) -> None:
 
 def test_pool_runs_tasks_in_parallel_with_the_same_result() -> None:
     n = 300_000
-    settings = CodecSettings()
+    settings = Q4Settings()
     x, base = torch.randn(n), torch.zeros(n)
     outputs = []
     for threads in (1, 2):
@@ -183,17 +183,17 @@ def test_pool_runs_tasks_in_parallel_with_the_same_result() -> None:
 
 def test_settings_reject_bad_values() -> None:
     with pytest.raises(ValueError, match="block_size=48"):
-        CodecSettings(block_size=48)
+        Q4Settings(block_size=48)
     with pytest.raises(ValueError, match="scale_dtype"):
-        CodecSettings(scale_dtype="bf16")
+        Q4Settings(scale_dtype="bf16")
     with pytest.raises(ValueError, match="rounding"):
-        CodecSettings(rounding="up")
+        check_rounding("up")  # a host's setting (NodeoxStrategy(rounding=...))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: encoding on the training device")
 def test_cuda_kernels_match_cpu() -> None:
     n = 1_000_003
-    settings = CodecSettings()
+    settings = Q4Settings()
     x = torch.randn(n)
     _, cpu_codes, cpu_scales = encode(x, settings, chunk=1 << 16)
     k = Q4Kernels_cuda = kernels_on("cuda", settings)

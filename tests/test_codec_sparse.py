@@ -31,14 +31,14 @@ from lightning_nodeox.core.codecs.sparse import CHUNK, SCALE, Sparse
 from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.pool import WorkerPool
 from lightning_nodeox.core.protocol import CREDENTIAL_HEADER, OCTETS, Reason, Refusal, Upload
-from lightning_nodeox.core.settings import CodecSettings
+from lightning_nodeox.core.codecs.settings import CodecSettings, Q4Settings, SparseSettings
 from lightning_nodeox.core.specs import PayloadError, spec_of
 from lightning_nodeox.core.wire import MessageLayout, Message, MessageMeta
 from lightning_nodeox.host.client import HttpClient
 from lightning_nodeox.host.tensors import HostTensors
 
-SPARSE = CodecSettings(codec="sparse")
-SPARSE3 = CodecSettings(codec="sparse3")
+SPARSE = SparseSettings()
+SPARSE3 = SparseSettings(density=0.03)
 SIZES = [1, 3, 10, 4095, 4096, 5000, 3 * CHUNK + 17]
 INTS = {2: torch.int16, 4: torch.int32}
 
@@ -65,7 +65,7 @@ def is_minus_zero(t: torch.Tensor) -> torch.Tensor:
     return as_ints(t.float()) == as_ints(torch.tensor(-0.0))
 
 
-@pytest.mark.parametrize("settings", [SPARSE, SPARSE3, CodecSettings(codec="sparse", scale_dtype="fp32")],
+@pytest.mark.parametrize("settings", [SPARSE, SPARSE3, SparseSettings(scale_dtype="fp32")],
                          ids=["1%", "3%", "1% fp32 scales"])
 @pytest.mark.parametrize("n", SIZES)
 def test_a_delta_is_the_top_k_of_each_chunk_in_2_bits_and_the_residual_keeps_the_rest(settings, n: int) -> None:
@@ -106,8 +106,8 @@ def test_a_delta_is_the_top_k_of_each_chunk_in_2_bits_and_the_residual_keeps_the
 
 
 def test_stochastic_rounding_is_refused_naming_the_fix() -> None:
-    with pytest.raises(ValueError, match="codec 'sparse3' rounds to nearest only: use rounding='nearest'"):
-        codec_for(CodecSettings(codec="sparse3", rounding="stochastic"))
+    with pytest.raises(ValueError, match="codec 'sparse' rounds to nearest only: use rounding='nearest'"):
+        codec_for(SPARSE3).check_rounding("stochastic")
 
 
 @pytest.mark.parametrize("entries", [1, 2, 41, 123, 4096])
@@ -124,17 +124,17 @@ def test_indices_pack_two_in_three_bytes(entries: int) -> None:
 
 def test_bytes_per_value_at_each_density_against_q4() -> None:
     n = 1 << 20
-    q4 = codec_for(CodecSettings())
+    q4 = codec_for(Q4Settings())
     q4_bytes = q4.code_bytes(n) + 2 * q4.scale_count(n)
     ratios = {}
     for settings in (SPARSE, SPARSE3):
         codec = codec_for(settings)
-        ratios[settings.codec] = (codec.code_bytes(n) + 2 * codec.scale_count(n)) / q4_bytes
+        ratios[settings.density] = (codec.code_bytes(n) + 2 * codec.scale_count(n)) / q4_bytes
     assert codec_for(SPARSE).k == 41 and codec_for(SPARSE3).k == 123
     # a full chunk: 41 indices of 12 bits (21 pairs of 3 bytes), 41 codes of 2 bits (11 bytes), one fp16 scale
-    assert (256 * (3 * 21 + 11 + 2)) / q4_bytes == pytest.approx(ratios["sparse"], rel=1e-3)
-    assert (256 * (3 * 62 + 31 + 2)) / q4_bytes == pytest.approx(ratios["sparse3"], rel=1e-3)
-    assert 0.034 < ratios["sparse"] < 0.036 and 0.10 < ratios["sparse3"] < 0.101
+    assert (256 * (3 * 21 + 11 + 2)) / q4_bytes == pytest.approx(ratios[0.01], rel=1e-3)
+    assert (256 * (3 * 62 + 31 + 2)) / q4_bytes == pytest.approx(ratios[0.03], rel=1e-3)
+    assert 0.034 < ratios[0.01] < 0.036 and 0.10 < ratios[0.03] < 0.101
 
 
 @pytest.mark.parametrize("feedback", [True, False])
@@ -166,15 +166,14 @@ def test_error_feedback_carries_the_values_a_round_did_not_send(feedback: bool) 
 def test_a_host_keeps_a_residual_only_with_error_feedback(feedback: bool) -> None:
     """``NodeoxStrategy(error_feedback=False)`` reaches the codec as it does every codec's: no residual kept."""
     model = torch.nn.Linear(300, 20)
-    settings = CodecSettings(codec="sparse", error_feedback=feedback)
     tensors = HostTensors([(n, p.detach()) for n, p in model.named_parameters()])
-    tensors.allocate(settings, codec_threads=1)
+    tensors.allocate(SPARSE, codec_threads=1, error_feedback=feedback)
     try:
         with torch.no_grad():
             for t in tensors.live:
                 t.add_(torch.randn(t.shape, generator=torch.Generator().manual_seed(t.numel())) * 0.01)
         message = tensors.encode(tensors.live, MessageMeta("delta", 0, "h", "", samples=8), seed=None).join()
-        assert message.meta.codec == "sparse" and len(message) == MessageLayout.of(tensors.specs, SPARSE).total
+        assert message.meta.codec == SPARSE and len(message) == MessageLayout.of(tensors.specs, SPARSE).total
         if not feedback:
             assert tensors.residual is None
             return
@@ -406,7 +405,7 @@ BAD_DELTAS = {  # name: (body, what the refusal says)
     "another capacity": (lambda b: bytearray(with_metadata(bytes(sparse_delta("b", b).view()), capacity="42")),
                          "payload is a sparse delta of capacity 42; its codec sends 41 values a chunk"),
     "a sparse3 delta": (lambda b: bytearray(sparse_delta("b", b, GOOD_B[1:], SPARSE3, specs=SPECS[1:]).view()),
-                        "payload uses sparse3, block size 64 with fp16 scales; this run uses sparse,"),
+                        "payload uses sparse (density 0.03, scale_dtype fp16); this run uses sparse (density 0.01,"),
 }
 
 
@@ -430,7 +429,7 @@ def test_malformed_sparse_deltas_are_refused_and_the_round_keeps_what_it_took(tm
         good_b = sparse_delta("b", initial)
         b.post_delta(0, memoryview(bytearray(good_b.view())))
         sync = Message.parse(body_bytes(b.wait_sync(0).body))
-        assert sync.meta.codec == "sparse" and sync.meta.capacity == 82 == sync.layout.capacity
+        assert sync.meta.codec == SPARSE and sync.meta.capacity == 82 == sync.layout.capacity
         assert len(sync) == MessageLayout.of(SPECS, SPARSE, capacity=82).total
         after = expected_sync([t for _, t in MODEL], [(good_a, 30), (good_b, 10)], 82)
         assert sync.meta.model_hash == model_hash([(n, t) for (n, _), t in zip(MODEL, after)]) == c.rounds.model.hash
@@ -443,12 +442,12 @@ def test_a_real_run_with_sparse_keeps_hosts_bit_identical(tmp_path) -> None:
     """``nodeox launch --codec sparse``: two digits hosts, host 1 without error feedback; after every round both
     hold the published model bit for bit, each upload is the delta layout's size and each sync the size of a
     sync of two deltas."""
-    events, named, _ = codec_run(tmp_path, "sparse")
+    events, named, _ = codec_run(tmp_path, "--codec", "sparse")
     specs = spec_of(named)
     assert {e["bytes"] for e in events if e["phase"] == "upload"} == {MessageLayout.of(specs, SPARSE).total}
     assert {e["bytes"] for e in events if e["phase"] == "sync_prepare"} == {
         MessageLayout.of(specs, SPARSE, capacity=82).total}
-    q4 = MessageLayout.of(specs, CodecSettings())
+    q4 = MessageLayout.of(specs, Q4Settings())
     assert MessageLayout.of(specs, SPARSE).total - q4.data_start < 0.1 * (q4.total - q4.data_start)
 
 

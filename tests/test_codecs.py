@@ -13,14 +13,15 @@ from lightning_nodeox.core.codec import apply_sync
 from lightning_nodeox.core.codecs import REGISTRY, Codec, codec_class, codec_for
 from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.pool import WorkerPool
-from lightning_nodeox.core.settings import CODECS, CodecSettings
+from lightning_nodeox.core.codecs.settings import (CODEC_NAMES, BF16Settings, CodecSettings, FP32Settings,
+                                                    Q2Settings, Q4Settings, SparseSettings, setting_names, settings_for)
 from lightning_nodeox.core.specs import spec_of
 from lightning_nodeox.core.wire import MessageLayout, Message
 from lightning_nodeox.host.tensors import HostTensors
 
 NOOP_BYTES = {"q4": (b"\x88", b"\x00\x80"), "q2": (b"\xaa", b"\x00\x80"), "bf16": (b"\x00\x80", b""), "fp32": (b"\x00\x00\x00\x80", b"")}
 INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
-FIXED = tuple(name for name in CODECS if codec_class(name).fixed_size)  # the sparse codecs: tests/test_codec_sparse.py
+FIXED = tuple(name for name in REGISTRY if codec_class(name).fixed_size)  # sparse: tests/test_codec_sparse.py
 
 
 def as_ints(t: torch.Tensor) -> torch.Tensor:
@@ -52,13 +53,16 @@ def delta(specs, settings: CodecSettings, values: list[torch.Tensor]) -> Message
 
 
 def test_every_codec_is_found_by_its_name() -> None:
-    assert CODECS == ("q4", "q2", "bf16", "fp32", "sparse", "sparse3") == tuple(REGISTRY)
+    assert tuple(REGISTRY) == ("q4", "q2", "bf16", "fp32", "sparse") and CODEC_NAMES == (*REGISTRY, "sparse3")
     assert FIXED == ("q4", "q2", "bf16", "fp32")
-    for name in CODECS:
-        codec = codec_for(CodecSettings(codec=name, block_size=32))
-        assert codec.name == name and codec.settings.block_size == 32
+    for name in REGISTRY:
+        knobs = {"block_size": 32} if "block_size" in setting_names(name) else {}
+        codec = codec_for(settings_for(name, **knobs))
+        assert codec.name == name and codec.settings == settings_for(name, **knobs)
+    assert codec_for(Q2Settings(block_size=32)).settings.block_size == 32
+    assert settings_for("sparse3") == SparseSettings(density=0.03) and codec_for(settings_for("sparse3")).k == 123
     with pytest.raises(ValueError, match=r"codec='int2' is not supported; use one of \('q4', 'q2', 'bf16', 'fp32', "):
-        CodecSettings(codec="int2")
+        settings_for("int2")
 
 
 @pytest.mark.parametrize(("name", "scale_dtype", "scales", "codes", "alignment"), [
@@ -66,10 +70,11 @@ def test_every_codec_is_found_by_its_name() -> None:
     ("bf16", "fp16", 0, 200, 1), ("fp32", "fp16", 0, 400, 1),
 ])
 def test_each_codec_owns_its_byte_counts(name, scale_dtype, scales, codes, alignment) -> None:
-    codec = codec_for(CodecSettings(codec=name, scale_dtype=scale_dtype))
+    settings = settings_for(name, **({"scale_dtype": scale_dtype} if scales else {}))  # the raw codecs have no scales
+    codec = codec_for(settings)
     assert (codec.scale_count(100), codec.code_bytes(100), codec.alignment) == (scales, codes, alignment)
     assert codec.scale_dtype == {"fp16": torch.float16, "fp32": torch.float32}[scale_dtype]
-    layout = MessageLayout.of(spec_of([("t", torch.zeros(100))]), CodecSettings(codec=name, scale_dtype=scale_dtype))
+    layout = MessageLayout.of(spec_of([("t", torch.zeros(100))]), settings)
     region = layout.regions[0]
     assert region.scales[1] - region.scales[0] == scales * codec.scale_dtype.itemsize
     assert region.codes[1] - region.codes[0] == codes
@@ -77,12 +82,12 @@ def test_each_codec_owns_its_byte_counts(name, scale_dtype, scales, codes, align
 
 
 def test_only_the_blockwise_codecs_with_fp16_scales_have_a_finite_delta_they_cannot_hold() -> None:
-    text = codec_for(CodecSettings()).too_large("fc.weight", 3)
-    assert codec_for(CodecSettings(codec="q2")).too_large("fc.weight", 3) == text
+    text = codec_for(Q4Settings()).too_large("fc.weight", 3)
+    assert codec_for(Q2Settings()).too_large("fc.weight", 3) == text
     assert text == ("the delta of parameter 'fc.weight' in round 3 is too large for fp16 scales; "
                     "start the coordinator with --scale-dtype fp32, or lower the learning rate")
-    for settings in (CodecSettings(scale_dtype="fp32"), CodecSettings(codec="q2", scale_dtype="fp32"), CodecSettings(codec="bf16"),
-                     CodecSettings(codec="fp32")):
+    for settings in (Q4Settings(scale_dtype="fp32"), Q2Settings(scale_dtype="fp32"), BF16Settings(),
+                     FP32Settings()):
         assert codec_for(settings).too_large("fc.weight", 3) is None
 
 
@@ -90,14 +95,14 @@ def test_only_the_blockwise_codecs_with_fp16_scales_have_a_finite_delta_they_can
 def test_a_codec_of_fixed_size_takes_no_capacity(name: str) -> None:
     specs = spec_of([("t", torch.zeros(10))])
     with pytest.raises(ValueError, match=f"codec '{name}' has messages of one size; its messages carry no capacity"):
-        MessageLayout.of(specs, CodecSettings(codec=name), capacity=8)
-    layout = MessageLayout.of(specs, CodecSettings(codec=name))
+        MessageLayout.of(specs, settings_for(name), capacity=8)
+    layout = MessageLayout.of(specs, settings_for(name))
     assert layout.capacity is None and "capacity" not in Message.allocate(layout).meta.metadata("0")
 
 
 @pytest.mark.parametrize("name", FIXED)
 def test_the_noop_sync_is_minus_zero_in_every_value(name: str) -> None:
-    settings = CodecSettings(codec=name)
+    settings = settings_for(name)
     message = Message.allocate(MessageLayout.of(spec_of([("t", torch.zeros(100))]), settings))
     message.data.fill_(0x11)
     codec: Codec = message.layout.codec
@@ -113,7 +118,7 @@ def test_the_noop_sync_is_minus_zero_in_every_value(name: str) -> None:
 @pytest.mark.parametrize("name", FIXED)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_noop_sync_changes_no_bit_of_any_model(name: str, dtype: torch.dtype) -> None:
-    settings = CodecSettings(codec=name)
+    settings = settings_for(name)
     codec = codec_for(settings)
     values = awkward(dtype, 1000)
     codes = torch.empty(codec.code_bytes(1000), dtype=torch.uint8)
@@ -124,11 +129,11 @@ def test_the_noop_sync_changes_no_bit_of_any_model(name: str, dtype: torch.dtype
     assert torch.equal(as_ints(target), as_ints(values)) and torch.equal(as_ints(base), as_ints(values))
 
 
-@pytest.mark.parametrize("name", CODECS)
+@pytest.mark.parametrize("name", CODEC_NAMES)
 def test_a_refused_round_leaves_every_hosts_bits_unchanged(name: str) -> None:
     """The coordinator refuses a round whose result overflows fp16; its sync, applied by a host as any sync is,
     changes no bit of the host's model (signed zeros and subnormals included), so the hash still matches."""
-    settings = CodecSettings(codec=name)
+    settings = settings_for(name)
     named = model()
     pool = WorkerPool(settings, "cpu", 2)
     try:

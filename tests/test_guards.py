@@ -42,7 +42,7 @@ from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.modelfile import model_header, read_model
 from lightning_nodeox.core.phases import PhaseLog
 from lightning_nodeox.core.protocol import CREDENTIAL_HEADER, OCTETS, Reason, Refusal, SyncReady, Upload
-from lightning_nodeox.core.settings import CodecSettings
+from lightning_nodeox.core.codecs.settings import CodecSettings, Q4Settings
 from lightning_nodeox.core.specs import spec_of
 from lightning_nodeox.core.wire import MessageLayout, Message, MessageMeta
 from lightning_nodeox.host.client import HttpClient
@@ -192,21 +192,22 @@ def test_a_second_delta_of_a_host_in_one_round_is_refused_and_the_first_one_coun
 
 def test_a_delta_in_another_codec_of_the_same_size_is_refused_and_changes_nothing(coordinator) -> None:
     named = [("w", torch.randn(8, 128, generator=_gen)), ("b", torch.randn(128, generator=_gen))]
-    other = CodecSettings(block_size=128, scale_dtype="fp32")  # 34 bytes per 64 values, as the run's own codec
+    other = Q4Settings(block_size=128, scale_dtype="fp32")  # 34 bytes per 64 values, as the run's own codec
     assert MessageLayout.of(spec_of(named), other).total == MessageLayout.of(spec_of(named), SETTINGS).total
     good_a, good_b, bad = ([torch.randn(t.shape, generator=_gen) * 0.01 for _, t in named] for _ in range(3))
     run = start(coordinator, "ab", named=named)
     run.send("a", good_a, 30)
     status, body = run.post("b", encoded(named, bad, MessageMeta("delta", 0, "b", run.initial, samples=10), other))
     assert (status, body.get("reason")) == (400, "invalid")
-    assert "payload uses q4, block size 128 with fp32 scales; this run uses q4, 64 with fp16" in body["error"]
+    assert ("payload uses q4 (block_size 128, scale_dtype fp32); this run uses q4 (block_size 64, scale_dtype fp16)"
+            in body["error"])
     run.unchanged(["a"])
     run.send("b", good_b, 10)
     assert run.published("b") == hash_after(named, [(good_a, 30), (good_b, 10)])
 
 
 def test_a_delta_whose_scales_would_overflow_the_accumulator_is_refused_and_changes_nothing(coordinator) -> None:
-    fp32 = CodecSettings(scale_dtype="fp32")  # fp16 scales cannot get there: the check guards fp32-scale runs
+    fp32 = Q4Settings(scale_dtype="fp32")  # fp16 scales cannot get there: the check guards fp32-scale runs
     huge = [torch.full(t.shape, 1e33) for _, t in MODEL]  # finite in fp32; times 8 x 10 samples, beyond 1e30
 
     def run_of(refused_first: bool) -> str:

@@ -6,7 +6,7 @@ import torch
 
 from lightning_nodeox.core.hashing import ROW_WORDS, model_hash
 from lightning_nodeox.core.pool import WorkerPool
-from lightning_nodeox.core.settings import CodecSettings
+from lightning_nodeox.core.codecs.settings import Q4Settings
 
 
 def named(*tensors):
@@ -47,7 +47,7 @@ def test_swapping_elements_changes_the_hash() -> None:
 
 def test_parallel_pool_gives_the_same_hash() -> None:
     tensors = named(torch.randn(ROW_WORDS * 40 + 5), torch.randn(3))
-    pool = WorkerPool(CodecSettings(), "cpu", threads=2)
+    pool = WorkerPool(Q4Settings(), "cpu", threads=2)
     try:
         assert model_hash(tensors, pool) == model_hash(tensors)
     finally:
@@ -61,7 +61,7 @@ def test_hash_digested_while_applying_equals_the_plain_hash() -> None:
     from lightning_nodeox.core.codecs.q4 import code_bytes
     from lightning_nodeox.core.hashing import RowHasher, combine
 
-    settings = CodecSettings()
+    settings = Q4Settings()
     pool = WorkerPool(settings, "cpu", threads=2)
     try:
         named = named_ = [("w", torch.randn(ROW_WORDS * 9 + 5)), ("b", torch.randn(1001).to(torch.bfloat16))]

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from lightning_nodeox.core.codec import NonFiniteDeltaError
-from lightning_nodeox.core.settings import CodecSettings
+from lightning_nodeox.core.codecs.settings import CodecSettings, Q4Settings
 from lightning_nodeox.core.wire import MessageMeta
 from lightning_nodeox.host.tensors import HostTensors, shared_tensors
 
 
-def exchange_for(model: torch.nn.Module, settings: CodecSettings = CodecSettings()) -> HostTensors:
+def exchange_for(model: torch.nn.Module, settings: CodecSettings = Q4Settings()) -> HostTensors:
     tensors = HostTensors(shared_tensors(model))
     tensors.allocate(settings, codec_threads=1)
     return tensors
@@ -39,7 +39,7 @@ def test_delta_beyond_fp16_scales_names_the_fix() -> None:
     with pytest.raises(NonFiniteDeltaError, match=r"'weight' .* too large for fp16 scales; .*--scale-dtype fp32"):
         encode(ex, 8)
     ex.close()
-    fp32 = exchange_for(model := torch.nn.Linear(4, 3), CodecSettings(scale_dtype="fp32"))
+    fp32 = exchange_for(model := torch.nn.Linear(4, 3), Q4Settings(scale_dtype="fp32"))
     with torch.no_grad():
         model.weight[0, 0] += 1e6
     message = encode(fp32, 8)
@@ -75,7 +75,7 @@ def test_the_sync_buffer_grows_to_the_largest_sync_and_a_smaller_one_reuses_it()
     backbone, head = torch.nn.Linear(64, 64), torch.nn.Linear(64, 2)
     backbone.requires_grad_(False)  # frozen at join: the first buffer is a head's sync
     tensors = HostTensors.of_module(torch.nn.Sequential(backbone, head))
-    tensors.allocate(CodecSettings(), codec_threads=1)
+    tensors.allocate(Q4Settings(), codec_threads=1)
     head_size = tensors.part.layout.total
     assert head_size < tensors.layout.total
     total = tensors.layout.total

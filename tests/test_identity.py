@@ -16,7 +16,7 @@ from lightning_nodeox.coordinator.lifecycle import CoordinatorRun
 from lightning_nodeox.coordinator.runlog import RunLog
 from lightning_nodeox.core.pool import WorkerPool
 from lightning_nodeox.core.protocol import Reason, Refusal
-from lightning_nodeox.core.settings import CodecSettings
+from lightning_nodeox.core.codecs.settings import Q4Settings
 from lightning_nodeox.host.client import HttpClient
 from lightning_nodeox.host.settings import Connection, ConnectionSettings
 
@@ -65,7 +65,7 @@ def test_a_second_process_with_a_live_id_is_refused_and_a_restarted_one_gets_bac
 def test_joins_beyond_hosts_need_elastic(tmp_path, elastic) -> None:
     async def joins() -> list:
         config = CoordinatorConfig(hosts=1, run_dir=tmp_path, elastic=elastic, long_poll=0.05)
-        pool = WorkerPool(CodecSettings(), "cpu", 1)
+        pool = WorkerPool(Q4Settings(), "cpu", 1)
         runlog = RunLog(tmp_path)
         run = CoordinatorRun(config, runlog, pool)
         try:

@@ -13,11 +13,11 @@ from lightning_nodeox.coordinator.outer import OuterSettings
 from lightning_nodeox.core.codec import apply_sync, encode_sync_and_apply
 from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.pool import WorkerPool
-from lightning_nodeox.core.settings import CodecSettings
+from lightning_nodeox.core.codecs.settings import Q4Settings
 from lightning_nodeox.core.specs import spec_of
 from lightning_nodeox.core.wire import Message
 
-SETTINGS = CodecSettings()
+SETTINGS = Q4Settings()
 
 
 def fp16_model() -> list[tuple[str, torch.Tensor]]:

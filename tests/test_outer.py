@@ -13,7 +13,7 @@ from local_transport import LocalCoordinator
 from lightning_nodeox.coordinator.config import CoordinatorConfig, OuterSettings
 from lightning_nodeox.coordinator.outer import OuterOptimizer, make_outer, outer_names, register
 from lightning_nodeox.coordinator.state import RunStore, SavedRun, take_up
-from lightning_nodeox.core.settings import CodecSettings
+from lightning_nodeox.core.codecs.settings import REGISTRY, FP32Settings, Q2Settings, SparseSettings
 
 
 @register
@@ -27,7 +27,7 @@ class Scaled(OuterOptimizer):
 
 
 def test_an_outer_optimizer_with_a_step_but_no_state_is_stepped(tmp_path) -> None:
-    c = LocalCoordinator(tmp_path, 2, q4=CodecSettings(codec="fp32"), outer=OuterSettings(Scaled.name, lr=0.25))
+    c = LocalCoordinator(tmp_path, 2, q4=FP32Settings(), outer=OuterSettings(Scaled.name, lr=0.25))
     try:
         a, b = hosts(c, "a", "b")
         assert isinstance(c.rounds.model.outer, Scaled) and not c.rounds.model.outer.has_state
@@ -73,12 +73,14 @@ def test_every_outer_and_codec_setting_survives_a_restart(tmp_path) -> None:
     """The settings saved with a run come back whole, over the restarted command line's (tests/test_restart.py
     runs the same with real processes, tuned settings included)."""
     tuned = OuterSettings("nesterov", lr=0.5, momentum=0.8)
-    codec = CodecSettings(block_size=128, scale_dtype="fp32", rounding="stochastic", error_feedback=False, codec="bf16")
-    for settings in (tuned, codec):
+    codecs = (Q2Settings(block_size=128, scale_dtype="fp32"), SparseSettings(density=0.02, scale_dtype="fp32"))
+    for settings in (tuned, *codecs):
         untuned = [f.name for f in fields(settings) if getattr(settings, f.name) == f.default]
         assert not untuned, f"give {untuned} a value other than its default here"
-    saved = SavedRun(round=3, model_hash="0" * 128, complete=False, hosts={}, q4=codec, outer=tuned)
-    RunStore(tmp_path).save(saved, sync=None, outer={}, model_chunks=None)
-    assert (RunStore(tmp_path).load().outer, RunStore(tmp_path).load().q4) == (tuned, codec)
-    config, resumed = take_up(CoordinatorConfig(hosts=2, run_dir=tmp_path))  # the defaults: average, q4
-    assert config.outer == resumed.outer == tuned and config.q4 == resumed.q4 == codec
+    assert {s.name for s in codecs} | {"q4", "bf16", "fp32"} == set(REGISTRY)  # every codec with settings
+    for codec in codecs:
+        saved = SavedRun(round=3, model_hash="0" * 128, complete=False, hosts={}, codec=codec, outer=tuned)
+        RunStore(tmp_path).save(saved, sync=None, outer={}, model_chunks=None)
+        assert (RunStore(tmp_path).load().outer, RunStore(tmp_path).load().codec) == (tuned, codec)
+        config, resumed = take_up(CoordinatorConfig(hosts=2, run_dir=tmp_path))  # the defaults: average, q4
+        assert config.outer == resumed.outer == tuned and config.q4 == resumed.codec == codec

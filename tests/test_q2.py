@@ -28,12 +28,12 @@ from lightning_nodeox.core.codecs import codec_for
 from lightning_nodeox.core.codecs.q2 import SCALE, code_bytes
 from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.protocol import Reason, Refusal, Upload
-from lightning_nodeox.core.settings import CodecSettings
+from lightning_nodeox.core.codecs.settings import CodecSettings, Q2Settings, Q4Settings
 from lightning_nodeox.core.specs import spec_of
 from lightning_nodeox.core.wire import MessageLayout, Message, MessageMeta
 from lightning_nodeox.host.tensors import HostTensors
 
-Q2 = CodecSettings(codec="q2")
+Q2 = Q2Settings()
 SIZES = [0, 1, 2, 31, 63, 64, 65, 255, 256, 257, 1000, 4099]
 
 
@@ -56,7 +56,7 @@ def reference(x: torch.Tensor, settings: CodecSettings, *, seed: int | None = No
     padded[:n] = x.float()
     blocks = padded.view(nb, bs)
     scale = mean_scales(x, bs)
-    stochastic = settings.rounding == "stochastic" and seed is not None
+    stochastic = seed is not None
     if stochastic and settings.scale_dtype == "fp16":
         scale = scale.half().float()
     t = blocks * (0.5 / scale.clamp_min(1e-30))[:, None] + 1.5
@@ -78,7 +78,7 @@ def reference(x: torch.Tensor, settings: CodecSettings, *, seed: int | None = No
         scale = num / den
     c = c.view(-1)
     packed = (c[0::4] | c[1::4] << 2 | c[2::4] << 4 | c[3::4] << 6).to(torch.uint8)
-    return packed, scale.to(settings.torch_scale_dtype)
+    return packed, scale.to(codec_for(settings).scale_dtype)
 
 
 def decoded_reference(packed: torch.Tensor, scales: torch.Tensor, n: int, block_size: int) -> torch.Tensor:
@@ -106,16 +106,14 @@ def round_trip(x: torch.Tensor, settings: CodecSettings = Q2, **kw) -> tuple[tor
 
 
 @pytest.mark.parametrize("n", SIZES)
-@pytest.mark.parametrize("settings", [
-    Q2, CodecSettings(codec="q2", block_size=32, scale_dtype="fp32"), CodecSettings(codec="q2", block_size=256),
-    CodecSettings(codec="q2", rounding="stochastic"),
-    CodecSettings(codec="q2", block_size=128, scale_dtype="fp32", rounding="stochastic"),
+@pytest.mark.parametrize(("settings", "seed"), [
+    (Q2, None), (Q2Settings(block_size=32, scale_dtype="fp32"), None), (Q2Settings(block_size=256), None),
+    (Q2, 7), (Q2Settings(block_size=128, scale_dtype="fp32"), 7),  # a seed: stochastic rounding
 ])
-def test_kernels_match_the_definition(n: int, settings: CodecSettings) -> None:
+def test_kernels_match_the_definition(n: int, settings: CodecSettings, seed: int | None) -> None:
     x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3
     if n >= 512:
         x[256:512] = 0  # an all-zero block at every block size
-    seed = 7 if settings.rounding == "stochastic" else None
     k, codes, scales = encode(x, settings, seed=seed)
     ref_codes, ref_scales = reference(x, settings, seed=seed, chunk=k.chunk)
     assert torch.equal(codes, ref_codes) and torch.equal(scales, ref_scales)
@@ -128,8 +126,8 @@ def test_kernels_match_the_definition(n: int, settings: CodecSettings) -> None:
 
 def test_chunking_does_not_change_codes() -> None:
     x = torch.randn(10_000)
-    _, a, sa = encode(x, CodecSettings(codec="q2", block_size=32), chunk=64)
-    _, b, sb = encode(x, CodecSettings(codec="q2", block_size=32), chunk=4096)
+    _, a, sa = encode(x, Q2Settings(block_size=32), chunk=64)
+    _, b, sb = encode(x, Q2Settings(block_size=32), chunk=4096)
     assert torch.equal(a, b) and torch.equal(sa, sb)
 
 
@@ -145,7 +143,7 @@ def test_nearest_rounding_keeps_the_error_bound_of_the_docstring() -> None:
     n = 64 * 400 + 21  # a partial last block
     x = outliers(n)
     for scale_dtype, slack in (("fp32", 1e-6), ("fp16", 2e-3)):
-        settings = CodecSettings(codec="q2", scale_dtype=scale_dtype)
+        settings = Q2Settings(scale_dtype=scale_dtype)
         _, codes, scales = encode(x, settings)
         levels = decoded_reference(codes, torch.ones(scales.numel()), n, 64)
         d = decoded_reference(codes, scales, n, 64)
@@ -164,8 +162,8 @@ def test_stochastic_rounding_keeps_the_error_bound_of_the_docstring() -> None:
     """``|x - d| <= max(2s, |x| - 3s)`` per value, with s = s0 (nothing refit)."""
     n = 64 * 400 + 21
     x = outliers(n)
-    settings = CodecSettings(codec="q2", scale_dtype="fp32", rounding="stochastic")
-    d, s = round_trip(x, settings, seed=5)
+    settings = Q2Settings(scale_dtype="fp32")
+    d, s = round_trip(x, settings, seed=5)  # a seed: stochastic rounding
     assert torch.equal(s, mean_scales(x, 64).repeat_interleave(64)[:n])
     assert bool((x - d).abs().le(torch.maximum(2 * s, x.abs() - 3 * s) * (1 + 1e-6)).all())
     assert bool(((x - d).abs() > 1.5 * s).any())
@@ -175,11 +173,11 @@ def test_stochastic_rounding_keeps_the_error_bound_of_the_docstring() -> None:
 def test_gaussian_error_and_size_against_q4(block_size: int) -> None:
     n = 1 << 18
     x = torch.randn(n, generator=torch.Generator().manual_seed(0))
-    q2, q4 = CodecSettings(codec="q2", block_size=block_size), CodecSettings(block_size=block_size)
+    q2, q4 = Q2Settings(block_size=block_size), Q4Settings(block_size=block_size)
     error = relative_error(x, round_trip(x, q2)[0])
     q4_error = relative_error(x, round_trip(x, q4)[0])
     assert 0.33 < error < 0.36 and 0.10 < q4_error < 0.12
-    layouts = [MessageLayout.of(spec_of([("t", x)]), s) for s in (q2, q4, CodecSettings())]
+    layouts = [MessageLayout.of(spec_of([("t", x)]), s) for s in (q2, q4, Q4Settings())]
     data = [layout.regions[-1].codes[1] for layout in layouts]  # the tensor data (one piece: its CRC and the trailer after)
     assert code_bytes(n, block_size) == n // 4
     assert data[0] == n // 4 + 2 * n // block_size  # four codes a byte, one fp16 scale a block
@@ -191,7 +189,7 @@ def test_gaussian_error_and_size_against_q4(block_size: int) -> None:
 def test_stochastic_rounding_is_unbiased() -> None:
     x = torch.full((64 * 512,), 0.3)
     x[::64] = 10.0  # each block's mean: about 0.45, s about 0.31; 0.3 sits between -s and s
-    out, s = round_trip(x, CodecSettings(codec="q2", rounding="stochastic"), seed=3)
+    out, s = round_trip(x, Q2, seed=3)  # a seed: stochastic rounding
     mask = torch.ones_like(x, dtype=torch.bool)
     mask[::64] = False
     assert abs(out[mask].mean().item() - 0.3) < 0.01
@@ -231,13 +229,13 @@ def test_error_feedback_bounds_accumulated_error(feedback: bool) -> None:
 def test_a_host_keeps_a_residual_only_with_error_feedback(feedback: bool) -> None:
     model = torch.nn.Linear(30, 20)
     tensors = HostTensors([(n, p.detach()) for n, p in model.named_parameters()])
-    tensors.allocate(CodecSettings(codec="q2", error_feedback=feedback), codec_threads=1)
+    tensors.allocate(Q2, codec_threads=1, error_feedback=feedback)
     try:
         with torch.no_grad():
             for t in tensors.live:
                 t.add_(torch.randn(t.shape, generator=torch.Generator().manual_seed(t.numel())) * 0.01)
         message = tensors.encode(tensors.live, MessageMeta("delta", 0, "h", "", samples=8), seed=None).join()
-        assert message.meta.codec == "q2" and len(message) == MessageLayout.of(tensors.specs, Q2).total
+        assert message.meta.codec == Q2 and len(message) == MessageLayout.of(tensors.specs, Q2).total
         if feedback:
             k = kernels(Q2)
             for i, (live, base) in enumerate(zip(tensors.live, tensors.base)):
@@ -301,13 +299,15 @@ BAD = {  # name: (body, what the refusal says)
     "truncated": (lambda b: q2_delta("b", b)[:-16], "bytes but this model's q2 delta is"),
     "one flipped byte": (lambda b: flipped(q2_delta("b", b)), "integrity check"),
     "a NaN scale": (nan_scale, "NaN or Inf scales for tensor 'fc.weight'"),
-    "a q4 delta": (lambda b: q2_delta("b", b, settings=CodecSettings(block_size=128)),
+    "a q4 delta": (lambda b: q2_delta("b", b, settings=Q4Settings(block_size=128)),
                    "bytes but this model's q2 delta is"),  # larger than any q2 delta
-    "a q4 delta of some tensors": (lambda b: q2_delta("b", b, GOOD_B[1:], CodecSettings(), specs=SPECS[1:]),
-                                   "payload uses q4, block size 64 with fp16 scales; this run uses q2, 64 with fp16"),
-    "q2 at another block size": (lambda b: q2_delta("b", b, GOOD_B[:1], CodecSettings(codec="q2", block_size=128),
+    "a q4 delta of some tensors": (lambda b: q2_delta("b", b, GOOD_B[1:], Q4Settings(), specs=SPECS[1:]),
+                                   "payload uses q4 (block_size 64, scale_dtype fp16); "
+                                   "this run uses q2 (block_size 64, scale_dtype fp16)"),
+    "q2 at another block size": (lambda b: q2_delta("b", b, GOOD_B[:1], Q2Settings(block_size=128),
                                                     specs=SPECS[:1]),
-                                 "payload uses q2, block size 128 with fp16 scales; this run uses q2, 64 with fp16"),
+                                 "payload uses q2 (block_size 128, scale_dtype fp16); "
+                                 "this run uses q2 (block_size 64, scale_dtype fp16)"),
 }
 
 
@@ -330,7 +330,7 @@ def test_malformed_q2_deltas_are_refused_and_change_nothing(tmp_path) -> None:
         b.post_delta(0, memoryview(q2_delta("b", initial)))
         sync = Message.parse(body_bytes(b.wait_sync(0).body))
         after = expected_after_round([t for _, t in MODEL], [(GOOD_A, 30), (GOOD_B, 10)], Q2)
-        assert sync.meta.codec == "q2"
+        assert sync.meta.codec == Q2
         assert sync.meta.model_hash == model_hash([(n, t) for (n, _), t in zip(MODEL, after)]) == c.rounds.model.hash
     finally:
         c.close()
@@ -340,11 +340,11 @@ def test_malformed_q2_deltas_are_refused_and_change_nothing(tmp_path) -> None:
 def test_a_real_run_with_q2_keeps_hosts_bit_identical(tmp_path) -> None:
     """``nodeox launch --codec q2``: two digits hosts, host 1 without error feedback; after every round both hold
     the published model bit for bit, each upload is the q2 layout's size, and the loss falls."""
-    events, named, out = codec_run(tmp_path, "q2")
+    events, named, out = codec_run(tmp_path, "--codec", "q2")
     moving = [(k, t) for k, t in named if t.is_floating_point()]
     size = MessageLayout.of(spec_of(named), Q2).total
     assert {e["bytes"] for e in events if e["phase"] == "upload"} == {size}
-    q2_data, q4_data = (layout.total - layout.data_start for layout in (MessageLayout.of(spec_of(named), s) for s in (Q2, CodecSettings())))
+    q2_data, q4_data = (layout.total - layout.data_start for layout in (MessageLayout.of(spec_of(named), s) for s in (Q2, Q4Settings())))
     assert q2_data < 0.56 * q4_data and moving
     for host in (0, 1):
         losses = json.loads((out / f"host{host}_losses.json").read_text())

@@ -14,7 +14,7 @@ from helpers import model, train_on_model
 from restarts import AVERAGE, NESTEROV, ROUNDS, TUNED, run
 
 from lightning_nodeox.core.phases import PhaseLog
-from lightning_nodeox.core.settings import CodecSettings
+from lightning_nodeox.core.codecs.settings import Q4Settings
 from lightning_nodeox.core.specs import spec_of
 from lightning_nodeox.core.wire import MessageLayout
 from lightning_nodeox.host.client import HttpClient
@@ -87,8 +87,8 @@ def test_a_restarted_coordinator_ends_on_the_model_of_an_uninterrupted_run(coord
     moving = [(n, t) for n, t in model(0) if n not in still]
     cut = Fragments(fragments, [s.nbytes for s in spec_of(moving)]).cut(tuple(range(len(moving))))
     assert len(cut) == fragments
-    sizes = [MessageLayout.of(spec_of([moving[i] for i in cut[r % fragments]]), CodecSettings()).total
-             for r in range(ROUNDS - 1)] + [MessageLayout.of(spec_of(moving), CodecSettings()).total]
+    sizes = [MessageLayout.of(spec_of([moving[i] for i in cut[r % fragments]]), Q4Settings()).total
+             for r in range(ROUNDS - 1)] + [MessageLayout.of(spec_of(moving), Q4Settings()).total]
     for phase in ("receive", "sync_prepare"):  # (a delta resent after the restart is received twice)
         assert {(e["round"], e["bytes"]) for e in events if e["phase"] == phase} == set(enumerate(sizes)), phase
 

@@ -137,7 +137,7 @@ HTTPS_HOST = '''
 import os, sys, torch
 from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.modelfile import model_header
-from lightning_nodeox.core.settings import CodecSettings
+from lightning_nodeox.core.codecs.settings import Q4Settings
 from lightning_nodeox.core.specs import spec_of
 from lightning_nodeox.core.wire import MessageLayout, Message, MessageMeta
 from lightning_nodeox.host.client import HttpClient
@@ -151,7 +151,7 @@ reply = client.join([s.as_json() for s in specs])
 digest = model_hash(named)
 if reply.provide_model:
     client.put_model(memoryview(model_header(specs, 0, digest) + named[0][1].numpy().tobytes()))
-final = Message.allocate(MessageLayout.of(specs, CodecSettings()))
+final = Message.allocate(MessageLayout.of(specs, Q4Settings()))
 final.buffer.fill_(0x88)
 final.scales(0).fill_(0.0)
 final.write_header(MessageMeta("delta", 0, client.host, digest, samples=0, final=True))

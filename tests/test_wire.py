@@ -12,14 +12,14 @@ from hypothesis import strategies as st
 from safetensors.torch import load as safetensors_load
 
 from lightning_nodeox.core.modelfile import model_header, read_model
-from lightning_nodeox.core.settings import CodecSettings
+from lightning_nodeox.core.codecs.settings import CodecSettings, Q4Settings
 from lightning_nodeox.core.specs import PayloadError, TensorSpec, check_same_model, spec_of
-from lightning_nodeox.core.wire import Message, MessageMeta, fit_metrics
+from lightning_nodeox.core.wire import VERSION, Message, MessageMeta, fit_metrics
 
 NAMED = [("layer.weight", torch.randn(33, 7)), ("layer.bias", torch.randn(33)), ("bn.running_var", torch.rand(5))]
 
 
-def make_message(named=NAMED, settings: CodecSettings = CodecSettings(), **meta) -> Message:
+def make_message(named=NAMED, settings: CodecSettings = Q4Settings(), **meta) -> Message:
     message = encoded([t for _, t in named], spec_of(named), settings)
     fields = dict(kind="delta", round=3, host="7", base_hash="ab" * 16, samples=96) | meta
     message.write_header(MessageMeta(**fields))
@@ -81,7 +81,7 @@ def test_bad_payloads_raise_payload_error(case: str, pattern: str) -> None:
         "empty": lambda: b"",
         "bit_flip_data": lambda: corrupt(data, lambda b: b.__setitem__(len(b) - 5, b[len(b) - 5] ^ 0x10)),
         "bit_flip_header": lambda: corrupt(data, lambda b: b.__setitem__(20, b[20] ^ 0x01)),
-        "wrong_version": lambda: rewrite_metadata(data, b'"version":"2"', b'"version":"9"'),
+        "wrong_version": lambda: rewrite_metadata(data, f'"version":"{VERSION}"'.encode(), b'"version":"9"'),
         "huge_header_length": lambda: struct.pack("<Q", 2**40) + data[8:],
         "trailing": lambda: data + b"\0" * 8,
     }[case]()
@@ -90,7 +90,7 @@ def test_bad_payloads_raise_payload_error(case: str, pattern: str) -> None:
 
 
 def test_nan_scale_is_refused_even_with_a_valid_crc() -> None:
-    message = make_message(settings=CodecSettings(scale_dtype="fp32"))
+    message = make_message(settings=Q4Settings(scale_dtype="fp32"))
     message.scales(1)[0] = float("nan")
     message.write_header(message.meta)  # a sender that computed a correct CRC over a NaN scale
     with pytest.raises(PayloadError, match="NaN or Inf scales for tensor 'layer.bias'"):

@@ -19,7 +19,7 @@ from ..core.logs import Named
 from ..core.phases import COORDINATOR, RECEIVE, PhaseRecord
 from ..core.protocol import Reason, Refusal
 from ..core.specs import PayloadError
-from ..core.wire import Message, PayloadSizeError
+from ..core.wire import Message, PayloadSizeError, check_codec
 from .hosts import HostState
 from .intake import MAX_SAMPLES
 from .model import CoordinatorModel
@@ -126,9 +126,8 @@ class RoundDeltas:
                           f"{state.round}{'' if late else ': fetch the model'}", round=state.round)
         if size is not None and size > model.layout.total:
             q4 = state.config.q4
-            raise Refusal(Reason.INVALID, f"delta is {size} bytes but this model's {q4.codec} delta is "
-                                          f"{model.layout.total} bytes at most (block size {q4.block_size}, "
-                                          f"{q4.scale_dtype} scales)")
+            raise Refusal(Reason.INVALID, f"delta is {size} bytes but this model's {q4.name} delta is "
+                                          f"{model.layout.total} bytes at most ({q4})")
         state.hosts.seen(entry)
         return model
 
@@ -145,9 +144,9 @@ class RoundDeltas:
             message = await state.in_parser(lambda: Message.read_head(head, buffer, total=buffer.numel()))
         except PayloadSizeError as e:
             q4 = state.config.q4
-            raise Refusal(Reason.INVALID, f"delta rejected: it is {buffer.numel()} bytes but this model's {q4.codec} "
-                                          f"delta is {e.expected} bytes for the tensors its header names (block size "
-                                          f"{q4.block_size}, {q4.scale_dtype} scales): {e}") from None
+            raise Refusal(Reason.INVALID, f"delta rejected: it is {buffer.numel()} bytes but this model's {q4.name} "
+                                          f"delta is {e.expected} bytes for the tensors its header names ({q4}): "
+                                          f"{e}") from None
         except PayloadError as e:
             raise Refusal(Reason.INVALID, f"delta rejected: {e}") from None
         meta = message.meta
@@ -156,10 +155,7 @@ class RoundDeltas:
             if meta.kind != "delta" or meta.round != round_ or meta.host != host:
                 raise PayloadError(f"payload says kind={meta.kind} round={meta.round} host={meta.host}, "
                                    f"but was sent as round {round_}'s delta of host {host}")
-            q4 = state.config.q4
-            if (meta.codec, meta.block_size, meta.scale_dtype) != (q4.codec, q4.block_size, q4.scale_dtype):
-                raise PayloadError(f"payload uses {meta.codec}, block size {meta.block_size} with {meta.scale_dtype} "
-                                   f"scales; this run uses {q4.codec}, {q4.block_size} with {q4.scale_dtype}")
+            check_codec(meta.codec, state.config.q4)
             model.positions(meta.tensors)  # the model's tensors, in its order (those that moved on the host)
         except PayloadError as e:
             raise Refusal(Reason.INVALID, f"delta rejected: {e}") from None

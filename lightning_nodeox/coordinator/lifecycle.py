@@ -154,8 +154,7 @@ class CoordinatorRun:
             "model_hash": None if state.model is None else state.model.hash,
             "hosts": {h.id: h.state.value for h in state.hosts.values()},
             "received": sorted(self.rounds.received), "peak_rss_bytes": state.peak_rss, "lease": self.config.lease,
-            "downloads": len(self.rounds.downloads), "codec": q4.codec,
-            "block_size": q4.block_size, "scale_dtype": q4.scale_dtype,
+            "downloads": len(self.rounds.downloads), "codec": q4.to_json(),
             **({} if self.site is None else self.site.status()),
         }
 

@@ -108,8 +108,7 @@ class Membership:
 
     def _reply(self, **fields) -> JoinReply:
         q4 = self.state.config.q4
-        return JoinReply(round=self.state.round, block_size=q4.block_size, scale_dtype=q4.scale_dtype,
-                         codec=q4.codec, **fields)
+        return JoinReply(round=self.state.round, codec=q4, **fields)
 
     def _check_admission(self, host: str, credential: str) -> None:
         config = self.state.config

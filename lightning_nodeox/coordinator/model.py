@@ -27,7 +27,7 @@ from ..core.hashing import RowHasher, combine
 from ..core.modelfile import model_header
 from ..core.pool import WorkerPool
 from ..core.recent import Recent
-from ..core.settings import CodecSettings
+from ..core.codecs.settings import CodecSettings
 from ..core.specs import TensorSpec, positions_in
 from ..core.wire import MessageLayout, Message, MessageMeta
 from .outer import OuterSettings, make_outer

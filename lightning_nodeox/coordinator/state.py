@@ -41,7 +41,7 @@ import torch
 from ..core.hashing import model_hash
 from ..core.logs import Named
 from ..core.modelfile import check_model_file, model_header, read_model
-from ..core.settings import CodecSettings
+from ..core.codecs.settings import CodecSettings, settings_from_json, settings_from_old_keys
 from ..core.specs import PayloadError, TensorSpec, specs_from_json
 from ..core.wire import Message
 from .config import CoordinatorConfig, OuterSettings
@@ -67,7 +67,7 @@ class SavedRun:
     model_hash: str
     complete: bool
     hosts: dict[str, dict]  # host id -> {"state": HostState value, "credential": its credential}
-    q4: CodecSettings  # saved whole, as outer (a dict of its fields in run.json)
+    codec: CodecSettings  # saved whole (CodecSettings.to_json; files written before that: loose keys under "q4")
     outer: OuterSettings  # saved whole (a dict of its fields in run.json)
     files: dict[str, str] = field(default_factory=dict)  # "sync", "outer", "model" -> file name in state/
     snapshot_round: int | None = None  # the round whose starting model "model" holds
@@ -86,14 +86,16 @@ class SavedRun:
         return None
 
     def to_json(self) -> dict:
-        return {"format": FORMAT, "version": VERSION, "saved_at": time.time(), **asdict(self)}
+        return {"format": FORMAT, "version": VERSION, "saved_at": time.time(), **asdict(self),
+                "codec": self.codec.to_json()}
 
     @classmethod
     def from_json(cls, d: dict) -> SavedRun:
         if d.get("format") != FORMAT or int(d.get("version", -1)) != VERSION:
             raise ValueError(f"not a {FORMAT} version {VERSION} file")
         return cls(round=int(d["round"]), model_hash=str(d["model_hash"]), complete=bool(d["complete"]),
-                   hosts={str(k): dict(v) for k, v in d["hosts"].items()}, q4=CodecSettings(**d["q4"]),
+                   hosts={str(k): dict(v) for k, v in d["hosts"].items()},
+                   codec=settings_from_json(d["codec"]) if "codec" in d else settings_from_old_keys(d["q4"]),
                    outer=OuterSettings(**d["outer"]),
                    files={str(k): str(v) for k, v in d.get("files", {}).items()},
                    snapshot_round=d.get("snapshot_round"), snapshot_hash=d.get("snapshot_hash"),
@@ -294,10 +296,10 @@ def take_up(config: CoordinatorConfig) -> tuple[CoordinatorConfig, SavedRun | No
     saved = None if config.fresh else store.load()
     if saved is not None and not saved.complete:
         store.check(saved)
-        q4, outer = saved.q4, saved.outer
+        q4, outer = saved.codec, saved.outer
         if (q4, outer) != (config.q4, config.outer):
-            said.warning("the resumed run keeps its codec (%s, block size %d, %s scales) and outer optimizer (%s); "
-                         "start with --fresh to change them", q4.codec, q4.block_size, q4.scale_dtype, outer)
+            said.warning("the resumed run keeps its codec (%s) and outer optimizer (%s); "
+                         "start with --fresh to change them", q4, outer)
         if config.initial_model is not None:
             said.warning("--initial-model is ignored: the run in %s is resumed", config.run_dir)
         return replace(config, q4=q4, outer=outer), saved

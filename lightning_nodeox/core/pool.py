@@ -16,7 +16,7 @@ import torch
 
 from .codecs import codec_for
 from .codecs.base import CPU_CHUNK_SINGLE_THREADED, CUDA_CHUNK, Kernels
-from .settings import CodecSettings
+from .codecs.settings import CodecSettings
 
 TASK_ELEMENTS = 1 << 20  # work unit handed to one worker
 Task = Callable[[Kernels], None]

@@ -32,6 +32,8 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
+from .codecs.settings import CodecSettings, settings_from_json
+
 API = "/v1"
 HEALTH = f"{API}/health"
 STATUS = f"{API}/status"
@@ -120,21 +122,18 @@ class JoinReply:
 
     round: int
     model_hash: str | None
-    block_size: int
-    scale_dtype: str
-    codec: str = "q4"
+    codec: CodecSettings
     provide_model: bool = False
     retry: bool = False
     complete: bool = False
     credential: str = ""
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "codec": self.codec.to_json()}
 
     @classmethod
     def from_json(cls, d: dict) -> JoinReply:
-        return cls(round=int(d["round"]), model_hash=d.get("model_hash"), block_size=int(d["block_size"]),
-                   scale_dtype=str(d["scale_dtype"]), codec=str(d.get("codec", "q4")),
+        return cls(round=int(d["round"]), model_hash=d.get("model_hash"), codec=settings_from_json(d["codec"]),
                    provide_model=bool(d.get("provide_model")), retry=bool(d.get("retry")),
                    complete=bool(d.get("complete")), credential=str(d.get("credential") or ""))
 

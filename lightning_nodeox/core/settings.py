@@ -1,20 +1,11 @@
-"""What both sides agree on, free of heavy imports: the codec's settings, the ``NODEOX_*`` environment names that
-``nodeox launch`` sets for hosts, and the checks of values that hosts and the coordinator both take."""
+"""What both sides agree on, free of heavy imports: the ``NODEOX_*`` environment names that ``nodeox launch`` sets
+for hosts, and the checks of values that hosts and the coordinator both take. (A codec's settings are its own:
+:mod:`lightning_nodeox.core.codecs.settings`.)"""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from .codecs import REGISTRY
-
-if TYPE_CHECKING:
-    import torch
-
-CODECS = tuple(REGISTRY)  # q4, q2; bf16 and fp32: unquantized, for ablations; sparse, sparse3: top-k 1% and 3%
-BLOCK_SIZES = (32, 64, 128, 256)
-SCALE_DTYPES = ("fp16", "fp32")
 ROUNDINGS = ("nearest", "stochastic")
 
 ENV_URL = "NODEOX_COORDINATOR_URL"
@@ -47,39 +38,3 @@ def check_url(url: str, what: str) -> None:
     """A URL a host can reach, or a ValueError saying how to write one."""
     if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1]) == 0:
         raise ValueError(f"{what} {url!r} must look like http://HOST:8470 (or https://)")
-
-
-@dataclass(frozen=True)
-class CodecSettings:
-    """How deltas are quantized.
-
-    Args:
-        codec: ``"q4"``; ``"q2"`` (2-bit, about half of q4's bytes, a coarser delta); ``"bf16"`` or ``"fp32"``
-            send deltas unquantized (an ablation: what q4 costs); ``"sparse"`` and ``"sparse3"`` the top 1% or 3%
-            of each chunk of 4096 values with 2-bit values (rounding to nearest only).
-        block_size: values per scale (32, 64, 128 or 256).
-        scale_dtype: ``"fp16"`` (smaller payload) or ``"fp32"`` (any magnitude).
-        rounding: ``"nearest"`` or ``"stochastic"`` (unbiased, noisier).
-        error_feedback: carry each round's quantization residual into the next round.
-    """
-
-    block_size: int = 64
-    scale_dtype: str = "fp16"
-    rounding: str = "nearest"
-    error_feedback: bool = True
-    codec: str = "q4"
-
-    def __post_init__(self) -> None:
-        if self.codec not in REGISTRY:
-            raise ValueError(f"codec={self.codec!r} is not supported; use one of {tuple(REGISTRY)}")
-        if self.block_size not in BLOCK_SIZES:
-            raise ValueError(f"block_size={self.block_size} is not supported; use one of {BLOCK_SIZES}")
-        if self.scale_dtype not in SCALE_DTYPES:
-            raise ValueError(f"scale_dtype={self.scale_dtype!r} is not supported; use 'fp16' or 'fp32'")
-        check_rounding(self.rounding)
-
-    @property
-    def torch_scale_dtype(self) -> torch.dtype:
-        import torch  # here, so that the ``nodeox`` command checks its flags without importing torch
-
-        return {"fp16": torch.float16, "fp32": torch.float32}[self.scale_dtype]

@@ -2,7 +2,8 @@
 
 Layout (readable by ``safetensors.safe_open``): 8-byte little-endian header length, a JSON header padded
 with spaces to a fixed reserved size, then for each tensor it carries ``NAME/scales`` (F16 or F32) followed by
-``NAME/codes`` (U8, packed q4). ``__metadata__`` holds the format, version, codec settings, kind, round,
+``NAME/codes`` (U8, packed q4). ``__metadata__`` holds the format, version, the codec's settings (``codec``: the
+JSON of :meth:`~.codecs.settings.CodecSettings.to_json`, its name and every setting), kind, round,
 host, base-model hash, sample count, tensor specs, ``piece_bytes`` and ``crc32``, the CRC of the header itself
 (with its ``crc32`` digits read as zeros): everything a receiver needs before the first tensor arrives.
 
@@ -43,11 +44,12 @@ import torch
 from . import safetensors
 from .codecs import codec_for
 from .codecs.base import Codec
-from .settings import CodecSettings
+from .codecs.settings import CodecSettings, Q4Settings, settings_from_json, settings_from_old_keys
 from .specs import PayloadError, TensorSpec, specs_from_json
 
 FORMAT = "nodeox-q4"
-VERSION = 2
+VERSION = 3  # 3: the codec's settings whole, as one JSON value
+OLDEST_VERSION = 2  # still read (a run saved before version 3 resumes): loose codec keys, another header size
 PIECE_BYTES = 2 << 20  # a piece's size (about): NODEOX_PIECE_BYTES overrides it, for a sender
 MIN_PIECE_BYTES, MAX_PIECE_BYTES = 1 << 10, 1 << 30
 CRC_BYTES = 8
@@ -103,9 +105,7 @@ class MessageMeta:
     samples: int = 0
     model_hash: str = ""  # sync: hash of the model after applying it
     final: bool = False  # delta: the host's last round
-    block_size: int = 64
-    scale_dtype: str = "fp16"
-    codec: str = "q4"
+    codec: CodecSettings = Q4Settings()  # the codec's settings (a layout's, when it writes the header)
     tensors: tuple[TensorSpec, ...] = field(default=(), repr=False)
     metrics: dict[str, list] = field(default_factory=dict)  # {name: [value, reduction]} (see fit_metrics)
     piece_bytes: int = PIECE_BYTES
@@ -116,7 +116,7 @@ class MessageMeta:
             "format": FORMAT, "version": str(VERSION), "kind": self.kind, "round": str(self.round),
             "host": self.host, "base_hash": self.base_hash,
             "samples": str(self.samples), "final": "1" if self.final else "0",
-            "block_size": str(self.block_size), "scale_dtype": self.scale_dtype, "codec": self.codec,
+            "codec": json.dumps(self.codec.to_json(), separators=(",", ":")),
             "piece_bytes": str(self.piece_bytes),
             "tensors": json.dumps([s.as_json() for s in self.tensors], separators=(",", ":")),
         }
@@ -226,9 +226,8 @@ class MessageLayout:
             codec = codec.at_capacity(capacity)
         piece_bytes = piece_bytes_default() if piece_bytes is None else check_piece_bytes(piece_bytes)
         regions, pieces, trailer = regions_for(specs, codec, piece_bytes)
-        longest = MessageMeta("delta", 2**63 - 1, "h" * 64, "f" * 32, 2**63 - 1, "", True,
-                         settings.block_size, settings.scale_dtype, settings.codec, specs, piece_bytes=MAX_PIECE_BYTES,
-                         capacity=_header_capacity(codec))
+        longest = MessageMeta("delta", 2**63 - 1, "h" * 64, "f" * 32, 2**63 - 1, "", True, settings, specs,
+                              piece_bytes=MAX_PIECE_BYTES, capacity=_header_capacity(codec))
         parts = (regions, pieces, trailer)
         reserved = len(_header_json(longest, parts, codec, _CRC_PLACEHOLDER).encode()) + 64
         reserved += METRICS_BYTES + len(',"metrics":""')
@@ -269,9 +268,8 @@ class Message:
     @classmethod
     def allocate(cls, layout: MessageLayout, *, pin_memory: bool = False) -> Message:
         buffer = torch.empty(layout.total, dtype=torch.uint8, pin_memory=pin_memory)
-        meta = MessageMeta("delta", 0, "", "", block_size=layout.settings.block_size,
-                      scale_dtype=layout.settings.scale_dtype, codec=layout.settings.codec, tensors=layout.specs,
-                      piece_bytes=layout.piece_bytes, capacity=_header_capacity(layout.codec))
+        meta = MessageMeta("delta", 0, "", "", codec=layout.settings, tensors=layout.specs,
+                           piece_bytes=layout.piece_bytes, capacity=_header_capacity(layout.codec))
         return cls(buffer, layout, meta)
 
     def __len__(self) -> int:
@@ -307,8 +305,7 @@ class Message:
     def write_head(self, meta: MessageMeta) -> None:
         """Write the header for ``meta`` (its ``model_hash`` goes in the trailer) and its own CRC."""
         layout = self.layout
-        meta = replace(meta, block_size=layout.settings.block_size, scale_dtype=layout.settings.scale_dtype,
-                       codec=layout.settings.codec, tensors=layout.specs, piece_bytes=layout.piece_bytes,
+        meta = replace(meta, codec=layout.settings, tensors=layout.specs, piece_bytes=layout.piece_bytes,
                        capacity=_header_capacity(layout.codec))
         text = _header_json(meta, (layout.regions, layout.pieces, layout.trailer), layout.codec,
                             _CRC_PLACEHOLDER).encode()
@@ -376,18 +373,19 @@ class Message:
             raise
         except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, RecursionError) as e:
             raise PayloadError(f"payload header is not valid nodeox-q4 JSON: {e}") from None
-        if version != VERSION:
-            raise PayloadError(f"payload uses q4 format version {version}; this build reads version {VERSION}. "
+        if not OLDEST_VERSION <= version <= VERSION:
+            raise PayloadError(f"payload uses q4 format version {version}; this build reads versions {OLDEST_VERSION} "
+                               f"to {VERSION}. "
                                "Run the same lightning-nodeox version on every host and the coordinator.")
         try:
-            settings = CodecSettings(block_size=int(md["block_size"]), scale_dtype=md["scale_dtype"],
-                                  codec=md.get("codec", "q4"))
+            settings = (settings_from_json(json.loads(md["codec"])) if version == VERSION
+                        else settings_from_old_keys(md))
             specs = specs_from_json(json.loads(md["tensors"]))
             piece_bytes = check_piece_bytes(int(md["piece_bytes"]))
             meta = MessageMeta(kind=md["kind"], round=int(md["round"]), host=str(md["host"]),
                           base_hash=str(md["base_hash"]), samples=int(md["samples"]), final=md["final"] == "1",
-                          block_size=settings.block_size, scale_dtype=settings.scale_dtype, codec=settings.codec,
-                          tensors=specs, metrics=_parse_metrics(md.get("metrics") or "{}"), piece_bytes=piece_bytes)
+                          codec=settings, tensors=specs, metrics=_parse_metrics(md.get("metrics") or "{}"),
+                          piece_bytes=piece_bytes)
             crc_text = str(md["crc32"])
             expected_crc = int(crc_text, 16)
             capacity = int(md["capacity"]) if "capacity" in md else None
@@ -409,6 +407,8 @@ class Message:
             raise PayloadError(f"payload header failed its integrity check (crc32 {crc:08x}, header says "
                                f"{expected_crc:08x}): it was corrupted in transit")
         layout = MessageLayout.of(specs, settings, piece_bytes, _sync_capacity(meta.kind, settings, capacity))
+        if version != VERSION:  # an older header, of another size before the same data section
+            layout = replace(layout, data_start=data_start, total=data_start + layout.total - layout.data_start)
         meta = replace(meta, capacity=capacity)
         if layout.data_start != data_start:
             raise PayloadError(f"payload header takes {data_start} bytes; {layout.data_start} expected for its tensors")
@@ -471,6 +471,12 @@ class Message:
     def weighted_scales_finite(self, samples: int) -> bool:
         """Whether ``samples`` times the largest dequantized value stays far inside fp32's range."""
         return self.max_scale * 8 * max(samples, 1) < 1e30
+
+
+def check_codec(theirs: CodecSettings, run: CodecSettings) -> None:
+    """A PayloadError unless a message's codec settings (``theirs``) are the run's."""
+    if theirs != run:
+        raise PayloadError(f"payload uses {theirs}; this run uses {run}")
 
 
 def _header_capacity(codec: Codec) -> int | None:

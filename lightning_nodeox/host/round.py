@@ -36,7 +36,7 @@ from ..core.logs import Named
 from ..core.phases import PhaseLog, PhaseRecord
 from ..core.protocol import (Reason, Refusal, RunComplete, SyncGone, SyncReady, TransferBroken, Upload,
                              ValuesReply, read_fully)
-from ..core.settings import CodecSettings
+from ..core.codecs import codec_for
 from ..core.specs import ModelMismatchError, PayloadError
 from ..core.streaming import MessageReader
 from ..core.transport import HostClient
@@ -101,9 +101,8 @@ class HostRound:
         reply = self._join_reply(None)
         if reply.complete:
             raise run_completed(self.client.url, reply.round - 1, reply.model_hash)
-        settings = CodecSettings(block_size=reply.block_size, scale_dtype=reply.scale_dtype, codec=reply.codec,
-                              rounding=self.rounding, error_feedback=self.error_feedback)
-        self.tensors.allocate(settings, self.codec_threads)
+        codec_for(reply.codec).check_rounding(self.rounding)
+        self.tensors.allocate(reply.codec, self.codec_threads, error_feedback=self.error_feedback)
         self.round = reply.round
         ours = self.tensors.base_hash()  # base is a copy of the live model here
         if reply.provide_model:

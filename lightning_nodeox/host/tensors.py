@@ -37,7 +37,7 @@ from ..core.modelfile import ModelFileReader, model_header, read_model_into
 from ..core.pool import WorkerPool
 from ..core.protocol import ByteStream, read_fully
 from ..core.recent import Recent
-from ..core.settings import CodecSettings
+from ..core.codecs.settings import CodecSettings
 from ..core.specs import positions_in, spec_of
 from ..core.streaming import MessageReader
 from ..core.wire import MessageLayout, Message, MessageMeta
@@ -153,8 +153,9 @@ class HostTensors:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.live)
 
-    def allocate(self, settings: CodecSettings, codec_threads: int) -> None:
-        """Buffers for the run's codec; ``base`` starts as a copy of the live model."""
+    def allocate(self, settings: CodecSettings, codec_threads: int, *, error_feedback: bool = True) -> None:
+        """Buffers for the run's codec; ``base`` starts as a copy of the live model; ``error_feedback``: keep each
+        round's quantization residual for the next."""
         cuda = self.device.type == "cuda"
         self.settings = settings
         self.pool = WorkerPool(settings, self.device, codec_threads)
@@ -181,7 +182,7 @@ class HostTensors:
             log.info("nodeox: integer and boolean tensors, equal on every host from each round on (the values of "
                      "the host with the first id among those the round took): %s", ", ".join(self.raw_names))
         self.residual = ([torch.zeros(n, dtype=RESIDUAL_DTYPE, device=self.device) for n in self._coded]
-                         if settings.error_feedback else None)
+                         if error_feedback else None)
 
     def _new_base(self) -> list[torch.Tensor]:
         """θ_r's tensors at :meth:`allocate`: a copy of the live model."""

@@ -101,6 +101,6 @@ async def serve(config: CoordinatorConfig, relay: RelayConfig, ready_file: Path 
         upstream.close()
         return 2
     config = dataclasses.replace(config, q4=q4, name=relay.name)  # its coordinator side's lines name it too
-    print(f"{relay.name}: upstream {relay.upstream} ({q4.codec}, block size {q4.block_size})",
+    print(f"{relay.name}: upstream {relay.upstream} ({q4})",
           flush=True)
     return await server.serve(config, ready_file, site=Site(upstream))

@@ -29,7 +29,7 @@ from ..core.logs import Named
 from ..core.modelfile import ModelFileReader, model_header
 from ..core.phases import PhaseLog, PhaseRecord
 from ..core.protocol import JoinReply
-from ..core.settings import CodecSettings
+from ..core.codecs.settings import CodecSettings, settings_from_json
 from ..core.specs import TensorSpec
 from ..core.transport import HostClient
 from ..host.heartbeat import Heartbeat
@@ -143,9 +143,7 @@ class Upstream:
     # -- blocking calls (on the upstream thread) ----------------------------------------------------------------
     def settings(self) -> CodecSettings:
         """The upstream run's codec, which the relay's hosts must use too (its sync passes down unchanged)."""
-        status = self.client.status()
-        return CodecSettings(codec=status["codec"], block_size=int(status["block_size"]),
-                          scale_dtype=status["scale_dtype"])
+        return settings_from_json(self.client.status()["codec"])
 
     def join(self, specs: tuple[TensorSpec, ...]) -> JoinReply:
         """Join upstream with the site's model's tensors (waiting while another host provides the model)."""

@@ -7,13 +7,14 @@ import asyncio
 import logging
 import os
 import sys
-from dataclasses import MISSING, fields, replace
+from dataclasses import MISSING, Field, fields, replace
 from pathlib import Path
 
 from ..coordinator.config import DEFAULT_PORT, CoordinatorConfig, OuterSettings
 from ..coordinator.outer import outer_names
 from ..core import logs
-from ..core.settings import BLOCK_SIZES, CODECS, ENV_CA_FILE, SCALE_DTYPES, CodecSettings
+from ..core.codecs.settings import ALIASES, CODEC_NAMES, REGISTRY, CodecSettings, Q4Settings, settings_for
+from ..core.settings import ENV_CA_FILE
 from ..relay.config import RelayConfig
 
 LAUNCH_BIND = "127.0.0.1:0"  # launch's coordinator serves this machine's hosts only, on a free port
@@ -22,6 +23,39 @@ LAUNCH_BIND = "127.0.0.1:0"  # launch's coordinator serves this machine's hosts 
 def _defaults(cls) -> dict[str, object]:
     """The defaults of a settings dataclass's fields: the one place each is written."""
     return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
+
+
+def _setting_flags() -> dict[str, tuple[Field, list[str]]]:
+    """Every codec setting (a flag each): its field (of the first codec that has it) and the codecs that take it."""
+    flags: dict[str, tuple[Field, list[str]]] = {}
+    for cls in REGISTRY.values():
+        for f in fields(cls):
+            flags.setdefault(f.name, (f, []))[1].append(cls.name)
+    return flags
+
+
+SETTING_FLAGS = _setting_flags()
+_FLAG_TYPES = {"int": int, "float": float, "str": str}  # a settings field's annotation (text), as argparse's type
+
+
+def _codec_options(p: argparse.ArgumentParser) -> None:
+    """``--codec`` and a flag for each setting of any codec (``--block-size``, ``--density``, ...): given to a codec
+    without it, :func:`_codec_settings` refuses it."""
+    p.add_argument("--codec", default=Q4Settings.name, choices=CODEC_NAMES,
+                   help="q4 (default); q2: 2-bit, about half of q4's bytes; bf16 or fp32 send deltas unquantized, "
+                   "to measure what q4 costs; sparse: the top --density of each chunk of 4096 values with 2-bit "
+                   "values (1%%: 0.035x q4's bytes); "
+                   + "; ".join(f"{alias}: {base} at " + ", ".join(f"{k} {v}" for k, v in preset.items())
+                               for alias, (base, preset) in ALIASES.items()))
+    for name, (f, codecs) in SETTING_FLAGS.items():
+        p.add_argument("--" + name.replace("_", "-"), type=_FLAG_TYPES[f.type], help=f"{f.metadata['help']}; "
+                       f"codecs {', '.join(codecs)} (default {f.default})".replace("%", "%%"))
+
+
+def _codec_settings(args: argparse.Namespace) -> CodecSettings:
+    """The settings of ``--codec`` with the codec flags given (a ValueError naming the fix for one it lacks)."""
+    given = {name: getattr(args, name) for name in SETTING_FLAGS if getattr(args, name) is not None}
+    return settings_for(args.codec, **given)
 
 
 def _serving_options(p: argparse.ArgumentParser, *, bind: str) -> None:
@@ -66,16 +100,9 @@ def _serving_options(p: argparse.ArgumentParser, *, bind: str) -> None:
 
 def _coordinator_options(p: argparse.ArgumentParser, *, bind: str) -> None:
     """The coordinator's flags (``nodeox coordinator`` and ``nodeox launch`` alike), defaults from its settings."""
-    q4, outer = _defaults(CodecSettings), _defaults(OuterSettings)
+    outer = _defaults(OuterSettings)
     _serving_options(p, bind=bind)
-    p.add_argument("--block-size", type=int, default=q4["block_size"], choices=BLOCK_SIZES,
-                   help="values per scale of q4 and q2 (default %(default)s)")
-    p.add_argument("--scale-dtype", default=q4["scale_dtype"], choices=SCALE_DTYPES,
-                   help="scale type of q4 and q2 (default %(default)s)")
-    p.add_argument("--codec", default=q4["codec"], choices=CODECS,
-                   help="q4 (default); q2: 2-bit, about half of q4's bytes; bf16 or fp32 send deltas unquantized, "
-                   "to measure what q4 costs; sparse (sparse3): the top 1%% (3%%) of each chunk of 4096 values with "
-                   "2-bit values, 0.035x (0.10x) q4's bytes")
+    _codec_options(p)
     p.add_argument("--outer-optimizer", default=outer["name"], choices=outer_names(),
                    help="how the mean delta becomes the sync: plain averaging, or DiLoCo's Nesterov momentum "
                    "(default %(default)s)")
@@ -127,8 +154,7 @@ def _config(args: argparse.Namespace) -> CoordinatorConfig:
             hosts=args.hosts, run_dir=args.run_dir, bind=args.bind, min_hosts=args.min_hosts,
             round_timeout=args.round_timeout, token=_read_token(args.token_file), insecure=args.insecure,
             elastic=args.elastic, tls_cert=args.tls_cert, tls_key=args.tls_key,
-            q4=CodecSettings(block_size=args.block_size, scale_dtype=args.scale_dtype, codec=args.codec)
-            if "codec" in args else CodecSettings(),  # a relay has no codec flags: it takes its upstream's
+            q4=_codec_settings(args) if "codec" in args else Q4Settings(),  # a relay takes its upstream's codec
             initial_model=getattr(args, "initial_model", None), threads=args.threads, rss_interval=args.rss_interval,
             exit_when_done=not getattr(args, "keep_running", False), lease=args.lease,
             no_hosts_timeout=args.no_hosts_timeout,

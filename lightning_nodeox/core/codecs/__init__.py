@@ -1,40 +1,34 @@
-"""The codecs by name. A new codec is a module here with its :class:`~.base.Codec` and kernels, named in
-:data:`REGISTRY` by module (imported on first use, so that the ``nodeox`` command checks its flags without importing
-torch; this module imports nothing heavy)."""
+"""The codecs. Each codec's settings, and the registry of codec names, are in :mod:`.settings` (free of heavy
+imports); its :class:`~.base.Codec` and kernels are a module here, which its settings class names and which is
+imported on first use (so that the ``nodeox`` command checks its flags without importing torch)."""
 
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING
 
+from .settings import REGISTRY, CodecSettings
+
 if TYPE_CHECKING:
-    from ..settings import CodecSettings
     from .base import Codec, Kernels
 
-REGISTRY: dict[str, type[Codec] | str] = {
-    "q4": f"{__name__}.q4:Q4",
-    "q2": f"{__name__}.q2:Q2",
-    "bf16": f"{__name__}.raw:BF16",
-    "fp32": f"{__name__}.raw:FP32",
-    "sparse": f"{__name__}.sparse:Sparse",
-    "sparse3": f"{__name__}.sparse:Sparse3",
-}
+__all__ = ["REGISTRY", "Codec", "CodecSettings", "Kernels", "codec_class", "codec_for"]
 
-__all__ = ["REGISTRY", "Codec", "Kernels", "codec_class", "codec_for"]
+_IMPLEMENTATIONS: dict[str, type[Codec]] = {}
 
 
 def codec_class(name: str) -> type[Codec]:
-    """The codec registered as ``name`` (one of the package is imported here, the first time)."""
-    kind = REGISTRY[name]
-    if isinstance(kind, str):
-        module, _, attr = kind.partition(":")
-        kind = REGISTRY[name] = getattr(importlib.import_module(module), attr)
+    """The codec registered as ``name`` (its module is imported here, the first time)."""
+    kind = _IMPLEMENTATIONS.get(name)
+    if kind is None:
+        module, _, attr = REGISTRY[name].implementation.partition(":")
+        kind = _IMPLEMENTATIONS[name] = getattr(importlib.import_module(module), attr)
     return kind
 
 
 def codec_for(settings: CodecSettings) -> Codec:
-    """The codec ``settings.codec`` names, under those settings."""
-    return codec_class(settings.codec)(settings)
+    """The codec of ``settings``, under those settings."""
+    return codec_class(settings.name)(settings)
 
 
 def __getattr__(name: str):

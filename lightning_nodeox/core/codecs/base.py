@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 if TYPE_CHECKING:
-    from ..settings import CodecSettings
+    from .settings import CodecSettings
 
 ATEN_GRAIN = 32768  # ATen runs an op of at most this many elements on one thread
 CPU_CHUNK_SINGLE_THREADED = 131072
 CUDA_CHUNK = 1 << 24
+TORCH_SCALE_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}  # a settings' scale_dtype, as torch's
 
 
 def default_chunk(device: torch.device, alignment: int) -> int:
@@ -37,6 +38,7 @@ class Codec(ABC):
     """One codec under one run's settings: its byte counts, dtypes, message layout, no-op and error text."""
 
     name: ClassVar[str]
+    stochastic_rounding: ClassVar[bool] = True  # whether its kernels round stochastically when given a seed
     fixed_size: ClassVar[bool] = True  # every message of a run has one layout (a top-k codec's sync does not)
     capacity: int | None = None  # a varying codec: the capacity its messages' headers say (None: fixed size)
 
@@ -68,7 +70,14 @@ class Codec(ABC):
 
     @property
     def scale_dtype(self) -> torch.dtype:
-        return self.settings.torch_scale_dtype
+        """The dtype of its scales (the settings' ``scale_dtype``)."""
+        return TORCH_SCALE_DTYPES[self.settings.scale_dtype]
+
+    def check_rounding(self, rounding: str) -> None:
+        """A ValueError naming the fix where this codec cannot round as a host asks (``"stochastic"``)."""
+        if rounding == "stochastic" and not self.stochastic_rounding:
+            raise ValueError(f"codec {self.name!r} rounds to nearest only: use rounding='nearest' (NodeoxStrategy's "
+                             "default), or another --codec")
 
     @property
     def alignment(self) -> int:
@@ -118,6 +127,7 @@ class Kernels(ABC):
         self.x = torch.empty(self.chunk, device=self.device)
         self.y = torch.empty(self.chunk, device=self.device)
         self.d = torch.empty(self.chunk, device=self.device)
+        self._generator: torch.Generator | None = None
 
     @abstractmethod
     def padded(self, m: int) -> int:
@@ -127,13 +137,19 @@ class Kernels(ABC):
     def blocks(self, codes: torch.Tensor, scales: torch.Tensor, start: int, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The codes and scales of the ``padded`` values from flat value ``start`` (a block boundary)."""
 
+    def generator(self) -> torch.Generator:
+        """The random generator of stochastic rounding (made at its first use)."""
+        if self._generator is None:
+            self._generator = torch.Generator(device=self.device)
+        return self._generator
+
     @abstractmethod
     def quantize(self, m: int, codes_out: torch.Tensor, scales_out: torch.Tensor, *,
                  residual_out: torch.Tensor | None = None, dequant_out: torch.Tensor | None = None,
                  seed: int | None = None) -> None:
         """Encode ``self.x[:m]`` into ``codes_out`` and ``scales_out``; ``residual_out`` (m values) receives
         ``x - dequantized``, ``dequant_out`` (padded length) the dequantized values, exactly as a decoder
-        computes them."""
+        computes them. A ``seed`` asks for stochastic rounding (None: to nearest)."""
 
     @abstractmethod
     def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, mp: int) -> torch.Tensor:

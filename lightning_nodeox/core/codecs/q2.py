@@ -73,7 +73,6 @@ class Q2Kernels(BlockwiseKernels):
         self.scale = torch.empty(nb, device=dev)
         self.inv = torch.empty(nb, device=dev)
         self.magic = torch.tensor(_ROUND_MAGIC, device=dev)
-        self.generator = torch.Generator(device=dev) if self.settings.rounding == "stochastic" else None
 
     # -- encode ---------------------------------------------------------------------------------------------
     def quantize(
@@ -104,7 +103,7 @@ class Q2Kernels(BlockwiseKernels):
         torch.mul(total, SCALE / bs, out=scale)
         if mp != m:  # the last block's mean is over its own values
             torch.mul(total[-1:], SCALE / (m - (nb - 1) * bs), out=scale[-1:])
-        stochastic = self.generator is not None and seed is not None
+        stochastic = seed is not None
         if stochastic:
             self._publish(scale, scales_out)
         inv = torch.reciprocal(torch.clamp_min(scale, _TINY, out=self.inv[:nb]), out=self.inv[:nb]).mul_(0.5)
@@ -112,7 +111,7 @@ class Q2Kernels(BlockwiseKernels):
         y.add_(HALF)
         if stochastic:
             noise = self.d[:mp]
-            noise.uniform_(-0.5, 0.5, generator=self.generator.manual_seed(seed))
+            noise.uniform_(-0.5, 0.5, generator=self.generator().manual_seed(seed))
             y.add_(noise)
         y.clamp_(0, TOP)
         y.add_(self.magic)

@@ -55,7 +55,6 @@ class Q4Kernels(BlockwiseKernels):
         self.scale = torch.empty(nb, device=dev)
         self.inv = torch.empty(nb, device=dev)
         self.magic = torch.tensor(_ROUND_MAGIC, device=dev)
-        self.generator = torch.Generator(device=dev) if self.settings.rounding == "stochastic" else None
 
     # -- encode ---------------------------------------------------------------------------------------------
     def quantize(
@@ -91,9 +90,9 @@ class Q4Kernels(BlockwiseKernels):
             scales_out.copy_(scale)
         inv = torch.reciprocal(torch.clamp_min(scale, _TINY, out=self.inv[:nb]), out=self.inv[:nb])
         torch.mul(xb, inv[:, None], out=yb)
-        if self.generator is not None and seed is not None:
+        if seed is not None:
             noise = self.d[:mp]
-            noise.uniform_(-0.5, 0.5, generator=self.generator.manual_seed(seed))
+            noise.uniform_(-0.5, 0.5, generator=self.generator().manual_seed(seed))
             y.add_(noise)
             y.clamp_(-LEVELS, LEVELS)
         elif self.settings.scale_dtype == "fp16":

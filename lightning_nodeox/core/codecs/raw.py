@@ -16,6 +16,11 @@ class Raw(Codec):
 
     dtype: ClassVar[torch.dtype]
 
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        """fp16: it has no scales (its headers' empty scale entries say F16)."""
+        return torch.float16
+
     def scale_count(self, numel: int) -> int:
         return 0
 

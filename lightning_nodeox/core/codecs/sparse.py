@@ -2,7 +2,9 @@
 
 A tensor of ``n`` values is cut into chunks of ``C = 4096`` values (the last one may be shorter: a tensor under
 4096 values is one short chunk). A **delta** sends, per chunk of ``m`` values, its ``k = ceil(density * m)`` values
-of largest magnitude (``k`` of a full chunk: 41 at density 1%, 123 at 3%), each as a 12-bit index inside its
+of largest magnitude (:class:`~.settings.SparseSettings`: density in [0.001, 0.25]; ``k`` of a full chunk: 5 at
+0.1%, 41 at 1% (``--codec sparse``'s default), 123 at 3% (the alias ``sparse3``), 1024 at 25%; any ``k`` up to
+``C`` fits the format, and above 1/4 q4 sends fewer bytes), each as a 12-bit index inside its
 chunk (two in three bytes) and a 2-bit code with q2's levels ``(2c - 3) * s``: the codes are those of
 ``s0 = 0.7 * mean|v|`` over the chunk's ``k`` values, and ``s`` (one fp16 or fp32 scale a chunk) is the
 least-squares scale of those codes, ``sum(v * l) / sum(l * l)``. Everything else decodes to -0.0 and stays in the
@@ -35,7 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -44,7 +46,7 @@ from .blockwise import Blockwise
 from .q2 import NOOP_CODE, SCALE, TOP  # a delta's values are on q2's levels
 
 if TYPE_CHECKING:
-    from ..settings import CodecSettings
+    from .settings import SparseSettings
 
 CHUNK = 4096  # values a chunk (SparseLoCo's); a tensor's last chunk may be shorter
 FP16_MAX = 65504.0
@@ -131,14 +133,13 @@ class Sparse(Codec):
     """Top-k of each chunk with 2-bit values (a delta) and a sync of ``capacity`` fp16 values a chunk."""
 
     name = "sparse"
-    density: ClassVar[float] = 0.01
+    stochastic_rounding = False
     fixed_size = False
+    settings: SparseSettings
 
-    def __init__(self, settings: CodecSettings, capacity: int | None = None) -> None:
+    def __init__(self, settings: SparseSettings, capacity: int | None = None) -> None:
         super().__init__(settings)
-        if settings.rounding != "nearest":
-            raise ValueError(f"codec {self.name!r} rounds to nearest only: use rounding='nearest' (NodeoxStrategy's "
-                             "default), or another --codec")
+        self.density = settings.density
         self.k = self.entries(CHUNK)
         if capacity is not None and not 1 <= capacity <= CHUNK:
             raise ValueError(f"a sparse sync's capacity is in [1, {CHUNK}], got {capacity}")
@@ -228,13 +229,6 @@ class Sparse(Codec):
         return None
 
     too_large = Blockwise.too_large
-
-
-class Sparse3(Sparse):
-    """The sparse codec at density 3%."""
-
-    name = "sparse3"
-    density = 0.03
 
 
 class SparseKernels(Kernels):
