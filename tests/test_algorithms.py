@@ -17,7 +17,7 @@ FP32 = FP32Settings()
 
 
 def test_nesterov_outer_step_matches_the_reference_for_two_rounds(tmp_path) -> None:
-    c = LocalCoordinator(tmp_path, 2, q4=FP32, outer=OuterSettings("nesterov", lr=0.7, momentum=0.9))
+    c = LocalCoordinator(tmp_path, 2, codec=FP32, outer=OuterSettings("nesterov", lr=0.7, momentum=0.9))
     try:
         a, b = hosts(c, "a", "b")
         theta = [t.clone() for t in a.tensors.live]
@@ -54,7 +54,7 @@ def test_nesterov_with_q4_keeps_hosts_and_coordinator_bit_identical(tmp_path) ->
 
 
 def test_hosts_with_different_step_counts_give_the_sample_weighted_mean(tmp_path) -> None:
-    c = LocalCoordinator(tmp_path, 2, q4=FP32)
+    c = LocalCoordinator(tmp_path, 2, codec=FP32)
     try:
         a, b = hosts(c, "a", "b")
         theta = [t.clone() for t in a.tensors.live]

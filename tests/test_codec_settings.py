@@ -96,12 +96,12 @@ def config_of(*argv: str):
 
 
 def test_the_command_line_takes_a_codecs_own_flags() -> None:
-    assert config_of().q4 == Q4Settings()
-    assert config_of("--codec", "sparse", "--density", "0.02").q4 == SparseSettings(density=0.02)
-    assert config_of("--codec", "q2", "--block-size", "256").q4 == Q2Settings(block_size=256)
-    assert config_of("--codec", "sparse3", "--scale-dtype", "fp32").q4 == SparseSettings(density=0.03,
+    assert config_of().codec == Q4Settings()
+    assert config_of("--codec", "sparse", "--density", "0.02").codec == SparseSettings(density=0.02)
+    assert config_of("--codec", "q2", "--block-size", "256").codec == Q2Settings(block_size=256)
+    assert config_of("--codec", "sparse3", "--scale-dtype", "fp32").codec == SparseSettings(density=0.03,
                                                                                            scale_dtype="fp32")
-    assert config_of("--codec", "bf16").q4 == BF16Settings()
+    assert config_of("--codec", "bf16").codec == BF16Settings()
 
 
 @pytest.mark.parametrize(("command", "flags", "says"), [
@@ -147,13 +147,13 @@ def test_a_run_saved_before_settings_travelled_whole_resumes(tmp_path) -> None:
     assert "codec" not in saved and saved["q4"]["codec"] == "q2"  # the older form
     again = LocalCoordinator(tmp_path, 2, store=True, long_poll=0.2)
     try:
-        assert again.config.q4 == Q2Settings(block_size=128) == again.store.last.codec
+        assert again.config.codec == Q2Settings(block_size=128) == again.run.recovery.store.last.codec
         specs = spec_of(model())  # the saved run's hosts' model (tests/helpers.py)
         assert again.call(again.membership.join("a", specs, saved["hosts"]["a"]["credential"])).retry
         reply = again.call(again.membership.join("b", specs, saved["hosts"]["b"]["credential"]))
         assert (reply.retry, reply.model_hash, reply.codec, again.state.round) == (
             False, saved["model_hash"], Q2Settings(block_size=128), 1)
-        sync = again.store.read_sync(again.store.last)
+        sync = again.run.recovery.store.read_sync(again.run.recovery.store.last)
         assert (sync.meta.codec, sync.meta.model_hash) == (Q2Settings(block_size=128), saved["model_hash"])
         assert sync.layout.data_start != MessageLayout.of(sync.layout.specs, sync.meta.codec).data_start
     finally:

@@ -412,7 +412,7 @@ BAD_DELTAS = {  # name: (body, what the refusal says)
 def test_malformed_sparse_deltas_are_refused_and_the_round_keeps_what_it_took(tmp_path) -> None:
     """Host a's delta, then every bad one of host b (each refused, naming why), then b's good delta: the published
     sync has the capacity of two deltas and the model is exactly the one computed here."""
-    c = LocalCoordinator(tmp_path, 2, q4=SPARSE)
+    c = LocalCoordinator(tmp_path, 2, codec=SPARSE)
     try:
         a, b = LocalClient(c, "a"), LocalClient(c, "b")
         tensors = [s.as_json() for s in SPECS]

@@ -29,7 +29,7 @@ def live_messages() -> int:
 
 async def scenario(tmp_path, monkeypatch) -> list[int]:
     config = CoordinatorConfig(hosts=2, run_dir=tmp_path, threads=1)
-    pool = WorkerPool(config.q4, "cpu", 1)
+    pool = WorkerPool(config.codec, "cpu", 1)
     runlog = RunLog(tmp_path)
     run = CoordinatorRun(config, runlog, pool, RunStore(tmp_path))
     state, service = run.state, CoordinatorService(run)

@@ -27,7 +27,7 @@ class Scaled(OuterOptimizer):
 
 
 def test_an_outer_optimizer_with_a_step_but_no_state_is_stepped(tmp_path) -> None:
-    c = LocalCoordinator(tmp_path, 2, q4=FP32Settings(), outer=OuterSettings(Scaled.name, lr=0.25))
+    c = LocalCoordinator(tmp_path, 2, codec=FP32Settings(), outer=OuterSettings(Scaled.name, lr=0.25))
     try:
         a, b = hosts(c, "a", "b")
         assert isinstance(c.rounds.model.outer, Scaled) and not c.rounds.model.outer.has_state
@@ -83,4 +83,4 @@ def test_every_outer_and_codec_setting_survives_a_restart(tmp_path) -> None:
         RunStore(tmp_path).save(saved, sync=None, outer={}, model_chunks=None)
         assert (RunStore(tmp_path).load().outer, RunStore(tmp_path).load().codec) == (tuned, codec)
         config, resumed = take_up(CoordinatorConfig(hosts=2, run_dir=tmp_path))  # the defaults: average, q4
-        assert config.outer == resumed.outer == tuned and config.q4 == resumed.codec == codec
+        assert config.outer == resumed.outer == tuned and config.codec == resumed.codec == codec

@@ -314,7 +314,7 @@ BAD = {  # name: (body, what the refusal says)
 def test_malformed_q2_deltas_are_refused_and_change_nothing(tmp_path) -> None:
     """Host a's delta, then every bad one of host b (each refused, naming why), then b's good delta: the published
     model is exactly the one computed here from a's and b's q2 deltas."""
-    c = LocalCoordinator(tmp_path, 2, q4=Q2)
+    c = LocalCoordinator(tmp_path, 2, codec=Q2)
     try:
         a, b = LocalClient(c, "a"), LocalClient(c, "b")
         tensors = [s.as_json() for s in spec_of(MODEL)]

@@ -60,7 +60,7 @@ class CoordinatorConfig:
         elastic: admit more than ``hosts`` distinct host ids (by default a join beyond them is refused).
         tls_cert: PEM certificate (chain) to serve HTTPS with; needs ``tls_key``.
         tls_key: PEM private key of ``tls_cert``.
-        q4: the run's codec settings (a codec's own class, e.g. ``Q2Settings(block_size=256)``; hosts follow it).
+        codec: the run's codec settings (a codec's own class, e.g. ``Q2Settings(block_size=256)``; hosts follow it).
         initial_model: a safetensors file to start from (None: the first host to join provides the model).
         threads: codec threads (None: the CPU quota granted to this process).
         rss_interval: seconds between memory samples.
@@ -81,7 +81,7 @@ class CoordinatorConfig:
     elastic: bool = False
     tls_cert: Path | None = None
     tls_key: Path | None = None
-    q4: CodecSettings = Q4Settings()
+    codec: CodecSettings = Q4Settings()
     initial_model: Path | None = None
     threads: int | None = None
     rss_interval: float = 2.0

@@ -125,9 +125,9 @@ class RoundDeltas:
                           f"round {round_} is {'closing' if closing else 'not open'}; the coordinator is at round "
                           f"{state.round}{'' if late else ': fetch the model'}", round=state.round)
         if size is not None and size > model.layout.total:
-            q4 = state.config.q4
-            raise Refusal(Reason.INVALID, f"delta is {size} bytes but this model's {q4.name} delta is "
-                                          f"{model.layout.total} bytes at most ({q4})")
+            codec = state.config.codec
+            raise Refusal(Reason.INVALID, f"delta is {size} bytes but this model's {codec.name} delta is "
+                                          f"{model.layout.total} bytes at most ({codec})")
         state.hosts.seen(entry)
         return model
 
@@ -143,9 +143,9 @@ class RoundDeltas:
         try:
             message = await state.in_parser(lambda: Message.read_head(head, buffer, total=buffer.numel()))
         except PayloadSizeError as e:
-            q4 = state.config.q4
-            raise Refusal(Reason.INVALID, f"delta rejected: it is {buffer.numel()} bytes but this model's {q4.name} "
-                                          f"delta is {e.expected} bytes for the tensors its header names ({q4}): "
+            codec = state.config.codec
+            raise Refusal(Reason.INVALID, f"delta rejected: it is {buffer.numel()} bytes but this model's {codec.name} "
+                                          f"delta is {e.expected} bytes for the tensors its header names ({codec}): "
                                           f"{e}") from None
         except PayloadError as e:
             raise Refusal(Reason.INVALID, f"delta rejected: {e}") from None
@@ -155,7 +155,7 @@ class RoundDeltas:
             if meta.kind != "delta" or meta.round != round_ or meta.host != host:
                 raise PayloadError(f"payload says kind={meta.kind} round={meta.round} host={meta.host}, "
                                    f"but was sent as round {round_}'s delta of host {host}")
-            check_codec(meta.codec, state.config.q4)
+            check_codec(meta.codec, state.config.codec)
             model.positions(meta.tensors)  # the model's tensors, in its order (those that moved on the host)
         except PayloadError as e:
             raise Refusal(Reason.INVALID, f"delta rejected: {e}") from None

@@ -148,13 +148,13 @@ class CoordinatorRun:
 
     def status(self) -> dict:
         """The run at a glance (what ``GET /v1/status`` shows)."""
-        state, q4 = self.state, self.config.q4
+        state = self.state
         return {
             "round": state.round, "published_round": state.published_round, "complete": state.complete,
             "model_hash": None if state.model is None else state.model.hash,
             "hosts": {h.id: h.state.value for h in state.hosts.values()},
             "received": sorted(self.rounds.received), "peak_rss_bytes": state.peak_rss, "lease": self.config.lease,
-            "downloads": len(self.rounds.downloads), "codec": q4.to_json(),
+            "downloads": len(self.rounds.downloads), "codec": self.config.codec.to_json(),
             **({} if self.site is None else self.site.status()),
         }
 
@@ -206,7 +206,7 @@ async def open_run(config: CoordinatorConfig, *, keep_state: bool = True, before
             lock.release()
             raise
         store = RunStore(run_dir)
-    pool = WorkerPool(config.q4, "cpu", choose_threads(config.threads, purpose="coordinator codec"))
+    pool = WorkerPool(config.codec, "cpu", choose_threads(config.threads, purpose="coordinator codec"))
     runlog = RunLog(run_dir, config.name)
     coordinator = CoordinatorRun(config, runlog, pool, store, before_publish, site=site, controls=controls)
     opened = Opened(coordinator, pool, runlog, lock)

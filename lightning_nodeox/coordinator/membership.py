@@ -107,8 +107,7 @@ class Membership:
             await self.recovery.model_arrived(model, "--initial-model")
 
     def _reply(self, **fields) -> JoinReply:
-        q4 = self.state.config.q4
-        return JoinReply(round=self.state.round, codec=q4, **fields)
+        return JoinReply(round=self.state.round, codec=self.state.config.codec, **fields)
 
     def _check_admission(self, host: str, credential: str) -> None:
         config = self.state.config

@@ -240,7 +240,7 @@ class Recovery:
             return
         saved = SavedRun(round=state.round, model_hash=model.hash, complete=state.complete,
                          hosts=state.hosts.saved(),
-                         codec=config.q4, outer=config.outer, specs=[s.as_json() for s in model.specs], stopped=stopped)
+                         codec=config.codec, outer=config.outer, specs=[s.as_json() for s in model.specs], stopped=stopped)
         last = store.last
         snapshot_round = None if last is None else last.snapshot_round
         due = snapshot or snapshot_round is None or snapshot_round < state.round - state.round % config.snapshot_every

@@ -64,7 +64,7 @@ class RunState:
         """The run's model over ``tensors``, with the run's codec and outer optimizer (built on the work thread):
         the one place the coordinator builds one."""
         config = self.config
-        return await self.in_worker(CoordinatorModel, specs, tensors, config.q4, self.pool, config.outer)
+        return await self.in_worker(CoordinatorModel, specs, tensors, config.codec, self.pool, config.outer)
 
     def close(self) -> None:
         self._parse.shutdown(wait=True)

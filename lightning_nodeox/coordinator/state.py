@@ -296,13 +296,13 @@ def take_up(config: CoordinatorConfig) -> tuple[CoordinatorConfig, SavedRun | No
     saved = None if config.fresh else store.load()
     if saved is not None and not saved.complete:
         store.check(saved)
-        q4, outer = saved.codec, saved.outer
-        if (q4, outer) != (config.q4, config.outer):
+        codec, outer = saved.codec, saved.outer
+        if (codec, outer) != (config.codec, config.outer):
             said.warning("the resumed run keeps its codec (%s) and outer optimizer (%s); "
-                         "start with --fresh to change them", q4, outer)
+                         "start with --fresh to change them", codec, outer)
         if config.initial_model is not None:
             said.warning("--initial-model is ignored: the run in %s is resumed", config.run_dir)
-        return replace(config, q4=q4, outer=outer), saved
+        return replace(config, codec=codec, outer=outer), saved
     moved = store.archive()
     if moved is not None:
         why = "--fresh" if config.fresh else ("it held a finished run" if saved is not None else

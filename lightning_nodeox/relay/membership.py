@@ -95,7 +95,7 @@ class SiteModel:
         def before_change() -> None:  # on the upstream thread: the loop holds θ (downloads keep their copies)
             asyncio.run_coroutine_threadsafe(self.control.hold_theta(), loop).result()
 
-        hr = await upstream.call(upstream.attach, model, self.control.config.q4, round_, self.control.codec_threads,
+        hr = await upstream.call(upstream.attach, model, self.control.config.codec, round_, self.control.codec_threads,
                                  before_change)
         if ready:
             upstream.ready.set()

@@ -95,12 +95,12 @@ async def serve(config: CoordinatorConfig, relay: RelayConfig, ready_file: Path 
     upstream's codec (asked of it first)."""
     upstream = Upstream(relay, upstream_client(relay), credential_file=Path(config.run_dir) / CREDENTIAL_FILE)
     try:
-        q4 = await upstream.call(upstream.settings)
+        codec = await upstream.call(upstream.settings)
     except Exception as e:  # noqa: BLE001 - unreachable, refused: say so and stop
         print(f"{relay.name}: cannot reach the upstream {relay.upstream}: {e}", flush=True)
         upstream.close()
         return 2
-    config = dataclasses.replace(config, q4=q4, name=relay.name)  # its coordinator side's lines name it too
-    print(f"{relay.name}: upstream {relay.upstream} ({q4})",
+    config = dataclasses.replace(config, codec=codec, name=relay.name)  # its coordinator side's lines name it too
+    print(f"{relay.name}: upstream {relay.upstream} ({codec})",
           flush=True)
     return await server.serve(config, ready_file, site=Site(upstream))

@@ -154,7 +154,7 @@ def _config(args: argparse.Namespace) -> CoordinatorConfig:
             hosts=args.hosts, run_dir=args.run_dir, bind=args.bind, min_hosts=args.min_hosts,
             round_timeout=args.round_timeout, token=_read_token(args.token_file), insecure=args.insecure,
             elastic=args.elastic, tls_cert=args.tls_cert, tls_key=args.tls_key,
-            q4=_codec_settings(args) if "codec" in args else Q4Settings(),  # a relay takes its upstream's codec
+            codec=_codec_settings(args) if "codec" in args else Q4Settings(),  # a relay takes its upstream's codec
             initial_model=getattr(args, "initial_model", None), threads=args.threads, rss_interval=args.rss_interval,
             exit_when_done=not getattr(args, "keep_running", False), lease=args.lease,
             no_hosts_timeout=args.no_hosts_timeout,
