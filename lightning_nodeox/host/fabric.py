@@ -55,7 +55,7 @@ from typing_extensions import override
 
 from . import machine
 from .devices import ONE_DEVICE
-from .round import RoundResult
+from .standing import RoundResult
 from .session import HostSession, SessionReadings
 from .signals import exit_code_for
 from .strategy import NodeoxStrategy

@@ -23,7 +23,8 @@ from .client import HttpClient
 from .ending import completed_at, note_completed, run_not_completed
 from .heartbeat import Heartbeat
 from .progress import RoundProgress
-from .round import HostRound, RoundResult
+from .round import HostRound
+from .standing import RoundResult
 from .settings import Connection, HostSettings
 from .signals import SigtermHandler
 from .telemetry import TelemetryShipper

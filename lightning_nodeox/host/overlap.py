@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from ..core import phases as P
 from .link import RunLink
 from .ranks import HostRanks, OneRank
-from .round import RoundResult
+from .standing import RoundResult
 from .settings import Overlap
 
 

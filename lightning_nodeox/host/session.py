@@ -28,7 +28,7 @@ from .link import RunLink, http_client
 from .metrics import SharedMetrics
 from .overlap import InFlight
 from .ranks import HostRanks, OneRank
-from .round import RoundResult
+from .standing import RoundResult
 from .settings import Connection, ConnectionSettings, HostSettings, Overlap
 from .signals import SigtermHandler
 from .tensors import HostTensors, shared_tensors

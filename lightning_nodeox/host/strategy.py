@@ -39,7 +39,7 @@ from . import machine
 from .agreement import suspects
 from .devices import OneDevice, SeveralDevices, devices_of
 from .metric_states import MetricStates
-from .round import RoundResult
+from .standing import RoundResult
 from .session import HostSession, SessionReadings
 from .settings import Connection
 from .signals import exit_code_for
