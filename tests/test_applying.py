@@ -4,6 +4,8 @@ values, raw tensors take the sync's, and the rows the apply could not digest are
 from __future__ import annotations
 
 import torch
+from helpers import encoded
+from reference_q4 import kernels
 
 from lightning_nodeox.core.codec import decode_tensor, encode_tensor
 from lightning_nodeox.core.hashing import RowHasher
@@ -14,8 +16,6 @@ from lightning_nodeox.core.wire import Message, MessageLayout
 from lightning_nodeox.host.applying import Applying, PieceApply
 from lightning_nodeox.host.parts import Part
 from lightning_nodeox.host.staging import Staging
-from helpers import encoded
-from reference_q4 import kernels
 
 SETTINGS = CodecSettings()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference_q4 import kernels
 
 from lightning_nodeox.core.codec import NonFiniteDeltaError, decode_tensor
 from lightning_nodeox.core.pool import WorkerPool
@@ -14,7 +15,6 @@ from lightning_nodeox.core.wire import MessageLayout, MessageMeta
 from lightning_nodeox.host.encoding import DeltaEncoder
 from lightning_nodeox.host.parts import Parts
 from lightning_nodeox.host.staging import Staging
-from reference_q4 import kernels
 
 SETTINGS = CodecSettings()
 
