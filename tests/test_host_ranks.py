@@ -141,7 +141,7 @@ def _rank(rank: int, port: int, queue) -> None:
     gen = torch.Generator().manual_seed(rank)  # each rank starts on its own values
     tensors = [torch.randn(512, 64, generator=gen), torch.randn(4, 64, generator=gen), torch.randn(64, generator=gen)]
     ranks = HostRanks(tensors, per_step=False)
-    writes = iter([None, (1, 2), (2,)])  # rank 0's: joined (all), a round's head and buffer, a buffer
+    writes = iter([(0, 1, 2), (1, 2), (2,)])  # rank 0's: joined (all), a round's head and buffer, a buffer
     ranks.changed = lambda: next(writes)
     received = []
     real = dist.broadcast
