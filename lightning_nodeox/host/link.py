@@ -24,9 +24,9 @@ from .ending import completed_at, note_completed, run_not_completed
 from .heartbeat import Heartbeat
 from .progress import RoundProgress
 from .round import HostRound
-from .standing import RoundResult
 from .settings import Connection, HostSettings
 from .signals import SigtermHandler
+from .standing import RoundResult
 from .telemetry import TelemetryShipper
 from .tensors import HostTensors
 from .worker import ExchangeWorker

@@ -39,10 +39,10 @@ from . import machine
 from .agreement import suspects
 from .devices import OneDevice, SeveralDevices, devices_of
 from .metric_states import MetricStates
-from .standing import RoundResult
 from .session import HostSession, SessionReadings
 from .settings import Connection
 from .signals import exit_code_for
+from .standing import RoundResult
 from .stopping import ends_after_this_batch, steps_taken
 
 

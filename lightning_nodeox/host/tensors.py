@@ -1,5 +1,12 @@
 """A host's tensors for the exchange: the live model, the shared model θ_r (``base``), the error-feedback
-residual, the snapshot a round sends while training goes on, and the reusable message buffers.
+residual, and the tensor work of a round, one part per idea, composed by :class:`HostTensors`:
+- which tensors travel: the delta's set and each sync's (:mod:`~lightning_nodeox.host.parts`);
+- the message buffers and device staging (:mod:`~lightning_nodeox.host.staging`), the delta's encode
+  (:mod:`~lightning_nodeox.host.encoding`) and the sync's piecewise apply (:mod:`~lightning_nodeox.host.applying`);
+- base's row digests and the model hash (:mod:`~lightning_nodeox.host.digests`);
+- overlap's snapshot and fold (:mod:`~lightning_nodeox.host.snapshot`);
+- the live tensors each call writes (:mod:`~lightning_nodeox.host.changes`): on a host of several devices rank 0's
+  other ranks take those alone (:mod:`~lightning_nodeox.host.ranks`), so a frozen backbone stays put there too.
 
 Everything here is tensor work on the training device; none of it knows about rounds, retries or the
 transport (that is :mod:`lightning_nodeox.host.round`).
@@ -9,13 +16,7 @@ their values as they are and a sync the values every host takes (one host's, cho
 are equal on every host after each round and covered by the model hash; no codec or residual touches them.
 
 Frozen parameters do not travel: a round's delta carries the tensors that moved (:mod:`~lightning_nodeox.host.moving`),
-and a sync the round's set; each set has its own message layout, cached, so a fixed set allocates nothing per round.
-The model hash of a sync's result digests only the tensors the sync changed; the others' row digests are kept
-from the round that last changed them (they are ``base``'s, which nothing else writes).
-
-The live tensors each call writes are recorded (:meth:`HostTensors.take_changed`): on a host of several devices
-rank 0's other ranks take those alone (:mod:`~lightning_nodeox.host.ranks`), so a frozen backbone stays put there
-too.
+and a sync the round's set.
 
 Memory beyond the model: the base (1x the exchanged tensors), the residual (bf16, 0.5x), two q4 messages
 (about 0.14x each, of the tensors that move), on a GPU two device staging areas of one message (a delta's and a
