@@ -36,9 +36,6 @@ class HostRound:
     def __init__(self, tensors: HostTensors, client: HostClient, phases: PhaseLog, *, rounding: str = "nearest",
                  error_feedback: bool = True, codec_threads: int = 1, name: str = "nodeox") -> None:
         self.standing = Standing(tensors, client, phases, Named(log, name))
-        self.tensors = tensors
-        self.client = client
-        self.phases = phases
         self.joining = Joining(self.standing, rounding=rounding, error_feedback=error_feedback,
                                codec_threads=codec_threads)
         self.uploads = Uploads(self.standing, self.joining, rounding=rounding)
@@ -48,6 +45,18 @@ class HostRound:
     @property
     def host(self) -> str:
         return self.standing.host
+
+    @property
+    def tensors(self) -> HostTensors:
+        return self.standing.tensors
+
+    @property
+    def client(self) -> HostClient:
+        return self.standing.client
+
+    @property
+    def phases(self) -> PhaseLog:
+        return self.standing.phases
 
     @property
     def round(self) -> int:
