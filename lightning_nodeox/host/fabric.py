@@ -55,9 +55,9 @@ from typing_extensions import override
 
 from . import machine
 from .devices import ONE_DEVICE
+from .round import RoundResult
 from .session import HostSession, SessionReadings
 from .signals import exit_code_for
-from .standing import RoundResult
 from .strategy import NodeoxStrategy
 
 log = logging.getLogger(__name__)
