@@ -1,10 +1,12 @@
 """The host's rooms on their own: the overlap mode, the round timing, the refusals that are outcomes, and a
-NodeoxStrategy whose exchange goes through a client it was given (the in-process transport), and a fetched model
-that goes where the caller says."""
+NodeoxStrategy whose exchange goes through a client it was given (the in-process transport), a fetched model
+that goes where the caller says, and no class or function of host/ too long to read in one sitting."""
 
 from __future__ import annotations
 
+import ast
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -151,3 +153,29 @@ def test_a_round_budget_is_kept_on_a_monotonic_clock_whatever_the_wall_clock_doe
     timing.begin()
     steady[0] = 529.9
     assert not timing.due()
+
+
+HOST = Path(__file__).resolve().parents[1] / "lightning_nodeox" / "host"
+LONGEST_CLASS, LONGEST_FUNCTION = 300, 60  # lines, from its first line (decorators aside) to its last
+
+
+def too_long(source: str) -> list[str]:
+    """The classes and functions of ``source`` longer than their limit, as ``kind name lines``."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        limit = {ast.ClassDef: LONGEST_CLASS, ast.FunctionDef: LONGEST_FUNCTION,
+                 ast.AsyncFunctionDef: LONGEST_FUNCTION}.get(type(node))
+        if limit is not None and node.end_lineno - node.lineno + 1 > limit:
+            out.append(f"{type(node).__name__} {node.name} {node.end_lineno - node.lineno + 1}")
+    return out
+
+
+@pytest.mark.parametrize("path", sorted(HOST.glob("*.py")), ids=lambda p: p.name)
+def test_no_class_of_the_host_holds_more_than_300_lines_nor_a_function_more_than_60(path: Path) -> None:
+    assert too_long(path.read_text()) == [], f"host/{path.name}: split it along its ideas"
+
+
+def test_the_length_check_sees_a_long_class_and_a_long_function() -> None:
+    body = "\n".join(f"        x{i} = {i}" for i in range(60))
+    probe = f"class Big:\n    def long(self):\n{body}\n" + "\n".join(f"    y{i} = {i}" for i in range(240))
+    assert too_long(probe) == ["ClassDef Big 302", "FunctionDef long 61"]

@@ -23,9 +23,10 @@ from .client import HttpClient
 from .ending import completed_at, note_completed, run_not_completed
 from .heartbeat import Heartbeat
 from .progress import RoundProgress
-from .round import HostRound, RoundResult
+from .round import HostRound
 from .settings import Connection, HostSettings
 from .signals import SigtermHandler
+from .standing import RoundResult
 from .telemetry import TelemetryShipper
 from .tensors import HostTensors
 from .worker import ExchangeWorker

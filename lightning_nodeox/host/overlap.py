@@ -18,8 +18,8 @@ from concurrent.futures import Future
 from ..core import phases as P
 from .link import RunLink
 from .ranks import HostRanks, OneRank
-from .round import RoundResult
 from .settings import Overlap
+from .standing import RoundResult
 
 
 class InFlight:

@@ -52,7 +52,7 @@ class OneRank:
     def lead(self, work: Callable[[], T], *, model: bool = True) -> T:
         return work()
 
-    changed: Callable[[], tuple[int, ...] | None] | None = None  # unused: nothing to send
+    changed: Callable[[], tuple[int, ...]] | None = None  # unused: nothing to send
 
     def close(self) -> None:
         pass
@@ -70,8 +70,8 @@ class HostRanks:
         self.rank = dist.get_rank()
         self.size = dist.get_world_size()
         self.leader = self.rank == 0
-        # rank 0: the indices of the tensors written since it was last called (None: all); set once joined
-        self.changed: Callable[[], tuple[int, ...] | None] = lambda: None
+        # rank 0: the indices of the tensors written since it was last called; set once joined (till then: all)
+        self.changed: Callable[[], tuple[int, ...]] = lambda: tuple(range(len(self.tensors)))
         self._control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
 
     def decide(self, *flags: bool) -> tuple[bool, ...]:
@@ -105,7 +105,7 @@ class HostRanks:
             if kind == "failed":
                 raise RuntimeError(f"rank 0 of this host stopped ({value}); rank {self.rank} stops with it")
         if model:
-            for i in range(len(self.tensors)) if changed is None else changed:
+            for i in changed:
                 dist.broadcast(self.tensors[i], src=0)
         return value
 

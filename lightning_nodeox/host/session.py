@@ -28,9 +28,9 @@ from .link import RunLink, http_client
 from .metrics import SharedMetrics
 from .overlap import InFlight
 from .ranks import HostRanks, OneRank
-from .round import RoundResult
 from .settings import Connection, ConnectionSettings, HostSettings, Overlap
 from .signals import SigtermHandler
+from .standing import RoundResult
 from .tensors import HostTensors, shared_tensors
 from .timing import RoundTiming
 

@@ -39,10 +39,10 @@ from .agreement import suspects
 from .devices import OneDevice, SeveralDevices, devices_of
 from .lightning_private import value_being_reduced
 from .metric_states import MetricStates
-from .round import RoundResult
 from .session import HostSession, SessionReadings
 from .settings import Connection
 from .signals import exit_code_for
+from .standing import RoundResult
 from .stopping import ends_after_this_batch, steps_taken
 
 

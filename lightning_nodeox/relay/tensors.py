@@ -60,7 +60,7 @@ class RelayTensors(HostTensors):
         self.model = model
         self.log = Named(log, name)
         self._partial: tuple[str, ...] = ()  # the tensors last said to be sent by only some of the site's hosts
-        self.moving = RoundSet(len(model.specs))
+        self.parts.moving = RoundSet(len(model.specs))
         self._site_round = False  # the next encode is the site's mean
         self.last_sync: Message | None = None  # the last sync applied (the relay passes it on once verified)
         self.before_change: Callable[[], None] = lambda: None  # called before θ changes (on the upstream thread)
@@ -121,7 +121,7 @@ class RelayTensors(HostTensors):
                         i = part.indices[j]
                         taken = model.raw_taken[i] if i in model.raw_from else self.live[i].view(-1).view(torch.uint8)
                         message.raw(j).copy_(taken)
-            self._check_finite(message, tensors, self.live, meta)
+            self.encoder.check_finite(part, message, tensors, self.live, meta)
             message.seal(q)
 
         message.write_head(meta)

@@ -1,0 +1,74 @@
+"""Joining the run and keeping this host's model the run's (host/joining.py): agreeing on the starting model,
+joining again when a call is refused as NOT_JOINED or NO_MODEL, fetching the model."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from helpers import assert_on_the_run_model, join, model, train
+from local_transport import LocalClient
+
+from lightning_nodeox.core import phases as P
+from lightning_nodeox.core.hashing import model_hash
+from lightning_nodeox.core.logs import Named
+from lightning_nodeox.core.phases import PhaseLog
+from lightning_nodeox.core.protocol import Reason, Refusal
+from lightning_nodeox.host.joining import REJOIN_TRIES, Joining
+from lightning_nodeox.host.standing import Into, Standing
+from lightning_nodeox.host.tensors import HostTensors
+
+
+def joining(c, host: str, seed: int) -> Joining:
+    standing = Standing(HostTensors(model(seed=seed)), LocalClient(c, host), PhaseLog(host),
+                        Named(logging.getLogger(__name__), "nodeox"))
+    return Joining(standing, rounding="nearest", error_feedback=True, codec_threads=1)
+
+
+def test_the_first_host_provides_the_model_an_equal_one_keeps_its_own_and_another_fetches_it(local_coordinator,
+                                                                                             keep_records) -> None:
+    c = local_coordinator(3)
+    first, same, other = joining(c, "a", 0), joining(c, "b", 0), joining(c, "c", 1)
+    for j in (first, same, other):
+        j.join()
+    phases = {j.standing.host: [r.phase for r in j.standing.phases.records] for j in (first, same, other)}
+    assert phases == {"a": [P.PROVIDE_MODEL], "b": [], "c": [P.FALLBACK_FETCH]}
+    for j in (first, same, other):
+        s = j.standing
+        assert s.model_hash == c.rounds.model.hash == model_hash(s.tensors.named()) and s.round == 0
+
+
+def test_a_call_refused_as_not_joined_joins_again_and_is_made_once_more(local_coordinator) -> None:
+    c = local_coordinator(1)
+    j = joining(c, "a", 0)
+    j.join()
+    calls = []
+
+    def refused_once() -> int:
+        calls.append(1)
+        if len(calls) == 1:
+            raise Refusal(Reason.NOT_JOINED, "who?")
+        return 5
+
+    assert j.call(refused_once, into=Into.LIVE) == 5 and len(calls) == 2
+    with pytest.raises(Refusal):  # refused every time: given up after REJOIN_TRIES
+        j.call(lambda: (_ for _ in ()).throw(Refusal(Reason.NO_MODEL, "none")), into=Into.LIVE)
+    with pytest.raises(Refusal) as refused:  # any other refusal is raised at once
+        j.call(lambda: (calls.append(1), (_ for _ in ()).throw(Refusal(Reason.LATE, "late")))[1], into=Into.LIVE)
+    assert refused.value.reason is Reason.LATE and len(calls) == 3 and REJOIN_TRIES == 3
+
+
+def test_a_model_fetched_into_base_leaves_the_live_model_alone_until_fetched_into_it(local_coordinator,
+                                                                                  keep_records) -> None:
+    c = local_coordinator(2)
+    a, b = join(c, "a", "b")
+    train(b, 0)
+    training = [t.clone() for t in b.tensors.live]
+    with torch.no_grad():
+        b.tensors.base[0].add_(1.0)
+    b.joining.fetch_model(Into.BASE)
+    assert all(torch.equal(t, x) for t, x in zip(b.tensors.live, training))
+    assert model_hash(b.tensors.named(b.tensors.base)) == b.model_hash == c.rounds.model.hash
+    b.joining.fetch_model(Into.LIVE)
+    assert_on_the_run_model(c, a, b)
