@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .codecs import REGISTRY
+from .codecs.registry import REGISTRY
 
 if TYPE_CHECKING:
     import torch

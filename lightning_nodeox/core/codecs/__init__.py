@@ -1,24 +1,17 @@
 """The codecs by name. A new codec is a module here with its :class:`~.base.Codec` and kernels, named in
-:data:`REGISTRY` by module (imported on first use, so that the ``nodeox`` command checks its flags without importing
-torch; this module imports nothing heavy)."""
+:data:`~.registry.REGISTRY` by module (imported on first use, so that the ``nodeox`` command checks its flags without
+importing torch; this module imports nothing heavy)."""
 
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING
 
+from .registry import REGISTRY
+
 if TYPE_CHECKING:
     from ..settings import CodecSettings
     from .base import Codec, Kernels
-
-REGISTRY: dict[str, type[Codec] | str] = {
-    "q4": f"{__name__}.q4:Q4",
-    "q2": f"{__name__}.q2:Q2",
-    "bf16": f"{__name__}.raw:BF16",
-    "fp32": f"{__name__}.raw:FP32",
-    "sparse": f"{__name__}.sparse:Sparse",
-    "sparse3": f"{__name__}.sparse:Sparse3",
-}
 
 __all__ = ["REGISTRY", "Codec", "Kernels", "codec_class", "codec_for"]
 
