@@ -132,20 +132,8 @@ def _build(records: list[dict]) -> dict:
         hosts = sorted({h for phase in seconds[rnd].values() for h in phase}, key=_host_key)
         host_phases = {ph: {"per_host": dict(seconds[rnd][ph]), **span(list(seconds[rnd][ph].values()))}
                        for ph in HOST_COLUMNS if seconds[rnd].get(ph)}
-        agg = first.get((rnd, P.COORDINATOR, P.AGGREGATE))
-        to_sync = {}
-        if agg is not None:
-            for h in hosts:
-                dl = first.get((rnd, h, P.DOWNLOAD))
-                if dl is not None:
-                    to_sync[h] = dl["start"] - agg["end"]
-        wait_share = {}
-        for h in hosts:  # the share of the round (train start to next train start) the trainer did not train
-            train = first.get((rnd, h, P.TRAIN))
-            following = first.get((rnd + 1, h, P.TRAIN))
-            end = following["start"] if following is not None else last_end.get((rnd, h))
-            if train is not None and end is not None and end > train["start"]:
-                wait_share[h] = max(0.0, 1.0 - (train["end"] - train["start"]) / (end - train["start"]))
+        to_sync = _aggregation_to_sync(first, rnd, hosts)
+        wait_share = _wait_share(first, last_end, rnd, hosts)
         close = first.get((rnd, P.COORDINATOR, P.SYNC_PREPARE))
         after = [] if close is None else rss[bisect.bisect_left(rss_starts, close["end"]):]
         rounds.append({
@@ -159,6 +147,32 @@ def _build(records: list[dict]) -> dict:
             "coordinator_rss_after_bytes": after[0]["rss_bytes"] if after else None,
         })
     return {"rounds": rounds, "summary": summarize(records, rounds, rss)}
+
+
+def _aggregation_to_sync(first: dict, rnd: int, hosts: list[str]) -> dict[str, float]:
+    """Each host's seconds from the end of round ``rnd``'s aggregation to the start of its download of the sync
+    (``first``: (round, host, phase) -> earliest record)."""
+    agg = first.get((rnd, P.COORDINATOR, P.AGGREGATE))
+    to_sync = {}
+    if agg is not None:
+        for h in hosts:
+            dl = first.get((rnd, h, P.DOWNLOAD))
+            if dl is not None:
+                to_sync[h] = dl["start"] - agg["end"]
+    return to_sync
+
+
+def _wait_share(first: dict, last_end: dict[tuple[int, str], float], rnd: int, hosts: list[str]) -> dict[str, float]:
+    """Each host's share of round ``rnd`` (its train start to its next train start, or to the end of its last
+    phase of the round) its trainer did not train."""
+    wait_share = {}
+    for h in hosts:
+        train = first.get((rnd, h, P.TRAIN))
+        following = first.get((rnd + 1, h, P.TRAIN))
+        end = following["start"] if following is not None else last_end.get((rnd, h))
+        if train is not None and end is not None and end > train["start"]:
+            wait_share[h] = max(0.0, 1.0 - (train["end"] - train["start"]) / (end - train["start"]))
+    return wait_share
 
 
 def summarize(records: list[dict], rounds: list[dict], rss: list[dict]) -> dict:
