@@ -39,21 +39,19 @@ def package_modules(repo: Path) -> list[Path]:
 
 def package_folders(repo: Path) -> list[str]:
     """Every folder of the package that is a package itself, relative to the package ("" for its own)."""
-    return sorted(p.parent.relative_to(repo / PACKAGE).as_posix().strip(".") for p in
-                  (repo / PACKAGE).rglob("__init__.py"))
+    folders = (p.parent.relative_to(repo / PACKAGE) for p in (repo / PACKAGE).rglob("__init__.py"))
+    return sorted("" if folder == Path() else folder.as_posix() for folder in folders)
 
 
 def module_name(path: Path, repo: Path) -> str:
-    """The dotted name ``path`` is imported as (a package's ``__init__.py`` by the package's name; a file outside
-    the package, such as tests/local_transport.py, by its stem: tests/ is on ``sys.path``, not a package)."""
+    """The dotted name a module of the package is imported as (a package's ``__init__.py`` by the package's)."""
     parts = path.relative_to(repo).with_suffix("").parts
-    if parts[0] != PACKAGE:
-        return parts[-1]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def package_of(path: Path, repo: Path) -> str:
-    """The package ``path``'s relative imports start from ("" for a top-level module)."""
+    """The package ``path``'s relative imports start from: "" for a file outside the package, such as
+    tests/local_transport.py, a top-level module (tests/ is on ``sys.path``, not a package)."""
     parts = path.relative_to(repo).parent.parts
     return ".".join(parts) if parts and parts[0] == PACKAGE else ""
 
@@ -280,10 +278,11 @@ def target_chain(target: ast.expr) -> list[str]:
 
 
 def assignment_targets(node: ast.AST) -> list[ast.expr]:
-    """The targets an assignment writes, tuples and lists unpacked."""
+    """The targets an assignment writes, tuples and lists unpacked (an annotation without a value writes
+    nothing)."""
     if isinstance(node, ast.Assign):
         targets = list(node.targets)
-    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+    elif isinstance(node, ast.AugAssign) or isinstance(node, ast.AnnAssign) and node.value is not None:
         targets = [node.target]
     else:
         return []
@@ -307,6 +306,14 @@ def state_readers(repo: Path) -> list[Path]:
     return out
 
 
+def owner(chain: list[str]) -> list[str]:
+    """The names of the object whose attribute a target's chain writes (for an item, the object holding the
+    container): ``rounds.stable`` -> [rounds]; ``state.hosts[h]`` -> [state]; ``hosts[h]`` -> []."""
+    while chain and chain[-1] == "[]":
+        chain = chain[:-1]
+    return chain[:-1]
+
+
 def coordinator_state_written_outside(repo: Path) -> list[str]:
     """An assignment outside coordinator/ (in ``STATE_READERS``) to an attribute of an object reached through
     one of ``COORDINATOR_PARTS``, or to an item of such an attribute (``rounds.stable = True``,
@@ -321,14 +328,6 @@ def coordinator_state_written_outside(repo: Path) -> list[str]:
                     written = ".".join(chain).replace(".[]", "[]").replace(".()", "()")
                     out.append(f"{relative(path, repo)}:{node.lineno} writes {written}")
     return out
-
-
-def owner(chain: list[str]) -> list[str]:
-    """The names of the object whose attribute a target's chain writes (for an item, the object holding the
-    container): ``rounds.stable`` -> [rounds]; ``state.hosts[h]`` -> [state]; ``hosts[h]`` -> []."""
-    while chain and chain[-1] == "[]":
-        chain = chain[:-1]
-    return chain[:-1]
 
 
 def attributes_set_in_coordinator(repo: Path) -> set[str]:
