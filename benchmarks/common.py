@@ -1,6 +1,6 @@
 """What the benchmarks share: starting and stopping their processes, a coordinator's URL once it listens, a
 run's events, a timm model's shapes and this process's memory. (CPU shares: `nodeox launch`'s own
-`lightning_nodeox.tools.launch.cpu_shares`.)
+`lightning_nodeox.tools.environments.cpu_shares`.)
 
 A benchmark imports the package and this module (``python benchmarks/x.py`` puts benchmarks/ on the path),
 never another benchmark; it runs another benchmark's file as a process where it needs one.

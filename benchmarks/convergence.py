@@ -75,7 +75,7 @@ from pathlib import Path
 
 from common import REPO, process_env, read_events, spawn, stop, tail, wait_all
 
-from lightning_nodeox.tools.launch import cpu_shares
+from lightning_nodeox.tools.environments import cpu_shares
 
 HOSTS = 2
 STEPS = 600

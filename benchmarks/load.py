@@ -35,7 +35,7 @@ from pathlib import Path
 
 from common import coordinator_command, read_events, relay_command, spawn, stop, tail, wait_ready
 
-from lightning_nodeox.tools.launch import spread
+from lightning_nodeox.tools.topology import spread
 
 SHAPES = [("w1", (256, 256)), ("w2", (128, 256)), ("b1", (256,)), ("b2", (128,)), ("scale", (1312,))]  # 100k
 PLACEMENTS = ("flat", "relays")

@@ -1,28 +1,74 @@
-"""An in-process transport: the real coordinator run (``CoordinatorRun``, started, ticked and ended by its own
-lifecycle) on an event loop of its own, and a client that calls it directly. It is the second client/server pair
-the protocol allows (the first is HTTP), so tests can drive each recovery rule of a host's round without a
-network, and break things on purpose."""
+"""An in-process transport: the real coordinator run, served in this process on an event loop of its own
+(:func:`~lightning_nodeox.coordinator.service.embed`), and a client that calls its service directly. It is the
+second transport the coordinator's service allows (the first is HTTP) and runs what HTTP runs (the same checks, the
+same piece loop), so tests can drive each recovery rule of a host's round without a network, and break things on
+purpose."""
 
 from __future__ import annotations
 
 import asyncio
 import io
 import threading
-import time
 from pathlib import Path
 
-import torch
-
 from lightning_nodeox.coordinator.config import CoordinatorConfig
-from lightning_nodeox.coordinator.lifecycle import CoordinatorRun
-from lightning_nodeox.coordinator.making import SyncInMaking
-from lightning_nodeox.coordinator.runlog import RunLog
-from lightning_nodeox.coordinator.state import RunStore, SavedRun, take_up
-from lightning_nodeox.core.pool import WorkerPool
-from lightning_nodeox.core.protocol import JoinReply, RunComplete, SyncReady, SyncReply, Upload, ValuesReply
+from lightning_nodeox.coordinator.service import CoordinatorService, Embedded, embed
+from lightning_nodeox.core.protocol import JoinReply, Reason, Refusal, RunComplete, SyncReady, SyncReply, Upload, ValuesReply
 from lightning_nodeox.core.specs import specs_from_json
 from lightning_nodeox.core.transport import delta_outcome, sync_outcome
 from lightning_nodeox.host.clock import ClockOffset
+
+
+class MemoryBody:
+    """A body held in memory, as the service reads it (:class:`~lightning_nodeox.coordinator.service.Body`)."""
+
+    def __init__(self, data: bytes | bytearray | memoryview) -> None:
+        self._data = memoryview(data)
+        self.size: int | None = len(self._data)
+        self._at = 0
+
+    async def read_into(self, view: memoryview) -> None:
+        end = self._at + len(view)
+        if end > len(self._data):
+            raise Refusal(Reason.INVALID, f"body is truncated: it ended {end - len(self._data)} bytes early")
+        view[:] = self._data[self._at : end]
+        self._at = end
+
+    async def read(self) -> bytes:
+        rest, self._at = bytes(self._data[self._at :]), len(self._data)
+        return rest
+
+    def cut(self) -> None:
+        pass
+
+
+class MemorySink:
+    """A payload sent into memory, as the service writes it (:class:`~lightning_nodeox.coordinator.service.Sink`)."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.complete = False
+        self.ended = False
+
+    async def begin(self, size: int, complete: bool) -> None:
+        self.complete = complete
+
+    async def write(self, view: memoryview) -> None:
+        self.data += view
+
+    async def end(self) -> None:
+        self.ended = True
+
+    def cut(self) -> None:
+        pass
+
+
+def read_all(body) -> bytearray:
+    """Everything a host's message or model reader gives."""
+    data = bytearray()
+    while chunk := body.read(1 << 20):
+        data += bytes(chunk)
+    return data
 
 
 class BytesBody:
@@ -40,69 +86,61 @@ class BytesBody:
 
 
 class LocalCoordinator:
-    """A ``CoordinatorRun`` on a background event loop; ``tick()`` is one pass of its periodic work (the server's
-    ticker runs it four times a second). ``store``: its state is saved in ``run_dir`` (and a saved run there is
-    resumed); else nothing is saved. ``crash()`` ends it as kill -9 would: no shutdown save. ``make_run``: the
-    kind of run (default ``CoordinatorRun``)."""
+    """A coordinator's run served in this process (:func:`~lightning_nodeox.coordinator.service.embed`) on a
+    background event loop; ``tick()`` is one pass of its periodic work (the server's ticker runs it four times a
+    second). ``store``: its state is saved in ``run_dir`` (and a saved run there is resumed); else nothing is saved.
+    ``crash()`` ends it as kill -9 would: no shutdown save. ``make_run``: the kind of run (default the
+    coordinator's). ``run``, ``state``, ``rounds``, ``membership``: its insides, for tests to look at; the clients
+    call only :attr:`service`."""
 
-    def __init__(self, run_dir: Path, hosts: int = 2, *, store: bool = False, make_run=CoordinatorRun, **config) -> None:
+    def __init__(self, run_dir: Path, hosts: int = 2, *, store: bool = False, make_run=None, **config) -> None:
         self.config = CoordinatorConfig(hosts=hosts, run_dir=run_dir, bind="127.0.0.1:0", threads=1, **config)
-        self.store = RunStore(run_dir) if store else None
-        saved = None
-        if self.store is not None:
-            self.config, saved = take_up(self.config)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.pool = WorkerPool(self.config.q4, "cpu", 1)
-        self.runlog = RunLog(run_dir)
-        self.make_run = make_run  # a CoordinatorRun, or another kind of run (a site relay's)
-        self.run: CoordinatorRun = self.call(self._start(saved))
+        self.embedded: Embedded = self.call(embed(self.config, keep_state=store, make_run=make_run))
+        self.service: CoordinatorService = self.embedded.service
+        self.run = self.embedded.run
+        self.config = self.run.config  # as taken up: a resumed run's settings
         self.state, self.rounds, self.membership = self.run.state, self.run.rounds, self.run.membership
-
-    async def _start(self, saved: SavedRun | None) -> CoordinatorRun:
-        run = self.make_run(self.config, self.runlog, self.pool, self.store)
-        await run.start(saved)
-        return run
 
     def call(self, coroutine, timeout: float = 30.0):
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
 
     def tick(self) -> None:
-        self.call(self.run.tick())
+        self.call(self.embedded.tick())
 
     def close(self) -> None:
-        self.call(self.run.save_at_shutdown())
-        self._stop()
+        self._stop(save=True)
 
     def crash(self) -> None:
         """Stop at once, without the shutdown's save (a save in flight finishes: its thread is joined)."""
-        self._stop()
+        self._stop(save=False)
 
-    def _stop(self) -> None:
-        self.run.close()
-        self.pool.close()
-        self.runlog.close()
+    def _stop(self, *, save: bool) -> None:
+        self.call(self.embedded.stop(save=save))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
 
 
 class LocalClient:
     """The protocol's calls for host ``host`` (a :class:`~lightning_nodeox.core.transport.HostClient`), straight
-    into ``LocalCoordinator.run``.
+    into ``LocalCoordinator.service``: the same operations, checks and piece loop the HTTP server runs.
 
-    ``break_next_sync``: the next sync download ends half-way. ``drop_sync_of``: the sync of that round is
-    never applied by this host (as if lost), so its next delta is computed against a stale model."""
+    ``break_next_sync``: the next sync download ends half-way."""
 
     url = "local://coordinator"
 
     def __init__(self, coordinator: LocalCoordinator, host: str) -> None:
-        self.coordinator = coordinator
-        self.state, self.rounds, self.membership = coordinator.state, coordinator.rounds, coordinator.membership
+        self.coordinator = coordinator  # another one: the host's coordinator restarted
         self.host = host
         self.break_next_sync = False
         self.credential = ""
         self.clock = ClockOffset()  # one process, one clock: offset 0
+
+    @property
+    def service(self) -> CoordinatorService:
+        return self.coordinator.service
 
     @property
     def joined(self) -> bool:
@@ -111,33 +149,30 @@ class LocalClient:
     def cancel(self) -> None:
         pass
 
+    def _call(self, coroutine):
+        return self.coordinator.call(coroutine)
+
+    def _me(self, *, left_ok: bool = False) -> str:
+        return self.service.authenticate(self.host, self.credential, left_ok=left_ok)
+
     def join(self, tensors: list, *, model_hash: str | None = None, round_: int | None = None) -> JoinReply:
-        reply = self.coordinator.call(self.membership.join(self.host, specs_from_json(tensors), self.credential,
-                                                       model_hash, round_))
+        reply = self._call(self.service.join(self.host, specs_from_json(tensors), self.credential, model_hash, round_))
         self.credential = reply.credential or self.credential
         return reply
 
     def put_model(self, body) -> str:
-        data = bytearray()
-        while chunk := body.read(1 << 20):
-            data += bytes(chunk)
-        tensor = torch.frombuffer(data, dtype=torch.uint8)
-        return self.coordinator.call(self.membership.put_model(self.host, tensor))["model_hash"]
+        return self._call(self.service.receive_model(self._me(), MemoryBody(read_all(body))))["model_hash"]
 
     def post_delta(self, round_: int, body, *, training: bool = False) -> Upload:
         if hasattr(body, "read"):  # a message streamed as it is encoded
             body.rewind()
-            data = bytearray()
-            while chunk := body.read(1 << 20):
-                data += bytes(chunk)
-            body = data
-        buffer = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+            body = read_all(body)
 
-        async def post() -> None:
-            self.rounds.check_upload(self.host, round_, buffer.numel())
-            await self.rounds.accept_delta(self.host, round_, buffer, time.time(), training)
+        def post():
+            return self._call(self.service.receive_delta(self._me(), round_, MemoryBody(bytes(body)),
+                                                         training=training))
 
-        return delta_outcome(lambda: self.coordinator.call(post()), self.host, round_)
+        return delta_outcome(post, self.host, round_)
 
     def wait_sync(self, round_: int, poll: float = 5.0, *, training=None) -> SyncReply:
         while True:
@@ -150,37 +185,29 @@ class LocalClient:
         return sync_outcome(lambda: self._sync_reply(round_, poll, training, sending))
 
     def _sync_reply(self, round_: int, poll: float, training: bool = False, sending: bool = False) -> SyncReply | None:
-        found = self.coordinator.call(self.rounds.wait_sync(round_, poll, self.host, training, sending))
-        if found is not None:
-            if isinstance(found, SyncInMaking):  # streamed as its pieces are made: taken whole here
-                async def whole() -> bytes:
-                    return b"".join([bytes(part) async for part in found.parts()])
-
-                complete, data = found.complete, self.coordinator.call(whole())
-            else:
-                complete, data = self.rounds.is_last(round_), bytes(found.view())
+        sink = MemorySink()
+        if self._call(self.service.send_sync(self._me(), round_, poll, sink, training=training, sending=sending)):
+            data = bytes(sink.data)
             broken, self.break_next_sync = self.break_next_sync, False
-            return SyncReady(round_, BytesBody(data, len(data) // 2 if broken else None), complete)
-        return RunComplete() if self.state.complete else None
+            return SyncReady(round_, BytesBody(data, len(data) // 2 if broken else None), sink.complete)
+        return RunComplete() if self.service.complete else None
 
     def exchange_values(self, key: str, payload: object, poll: float = 1.0) -> ValuesReply:
         while True:
-            reply = self.coordinator.call(self.coordinator.run.values.exchange(self.host, key, payload, poll))
+            reply = self._call(self.service.exchange_values(self._me(), key, payload, poll))
             if reply is not None:
                 return reply
 
     def get_model(self) -> BytesBody:
-        async def chunks() -> bytes:
-            model = self.state.require_model()
-            return b"".join(bytes(v) for v in model.model_chunks(self.state.round))
-
-        return BytesBody(self.coordinator.call(chunks()))
+        sink = MemorySink()
+        self._call(self.service.send_model(self._me(), sink))
+        return BytesBody(bytes(sink.data))
 
     def post_events(self, records: list[dict], *, retry_for: float = 0.0) -> None:
         pass
 
     def heartbeat(self) -> float:
-        return float(self.coordinator.call(self.membership.heartbeat(self.host))["lease"])
+        return float(self._call(self.service.heartbeat(self._me()))["lease"])
 
     def leave(self) -> None:
-        self.coordinator.call(self.membership.leave(self.host))
+        self._call(self.service.leave(self._me(left_ok=True)))

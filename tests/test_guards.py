@@ -236,7 +236,8 @@ def test_a_delta_of_a_host_that_left_is_refused_and_changes_nothing(coordinator)
 
 
 def test_the_round_itself_refuses_a_delta_of_a_host_that_left_whatever_the_transport(tmp_path) -> None:
-    """Over HTTP the credential check refuses first (above); the round's own check holds for any transport."""
+    """Every transport's call is refused by the credential check first (above); the round's own check holds
+    beneath it."""
     c = LocalCoordinator(tmp_path, 2)
     try:
         a, b = join(c, "a", "b")
@@ -245,6 +246,13 @@ def test_the_round_itself_refuses_a_delta_of_a_host_that_left_whatever_the_trans
         b.client.leave()
         with pytest.raises(Refusal) as refused:
             b.client.post_delta(0, body.view())
+        assert refused.value.reason is Reason.FORBIDDEN and "host b left the run" in str(refused.value)
+
+        async def the_round_checks() -> None:
+            c.rounds.deltas.check_upload("b", 0, len(body))
+
+        with pytest.raises(Refusal) as refused:
+            c.call(the_round_checks())
         assert refused.value.reason is Reason.NOT_JOINED and "host b is not in the run (it left)" in str(refused.value)
         assert (c.state.round, c.rounds.received, c.state.hosts["b"].state.value) == (0, {}, "left")
     finally:

@@ -14,7 +14,8 @@ from helpers import DIGITS, launch, published, read_events, received
 from helpers import assert_identical as assert_hosts_identical
 
 from lightning_nodeox.tools.console import Console
-from lightning_nodeox.tools.launch import _exit_status, spread
+from lightning_nodeox.tools.supervision import exit_status
+from lightning_nodeox.tools.topology import spread
 
 
 def streamed(data: bytes) -> list[str]:
@@ -36,9 +37,9 @@ def test_blank_lines_and_broken_utf8_pass_through() -> None:
 
 
 def test_exit_status_names_the_signal() -> None:
-    assert _exit_status(143) == "exit status 143 (SIGTERM)"
-    assert _exit_status(-9) == "exit status -9 (SIGKILL)"
-    assert _exit_status(1) == "exit status 1"
+    assert exit_status(143) == "exit status 143 (SIGTERM)"
+    assert exit_status(-9) == "exit status -9 (SIGKILL)"
+    assert exit_status(1) == "exit status 1"
 
 
 def test_launch_forwards_coordinator_options_as_given_and_shares_their_defaults(monkeypatch, tmp_path) -> None:

@@ -10,19 +10,17 @@ and each check is seen to catch its violation planted in a copy of the repositor
 - Circles: no modules import each other in a circle, neither within any package folder (``core/codecs/`` and
   ``coordinator/outer/`` included) nor across the whole package; imports inside functions and under
   ``if TYPE_CHECKING:`` count.
-- The coordinator's transports, today: ``coordinator/server.py`` imports of the coordinator only the lifecycle,
-  config, intake, connections, making and statuspage; ``tests/local_transport.py`` runs ``CoordinatorRun`` and
-  imports the same and runlog and state.
-- The coordinator's transports, as intended (expected to fail until the coordinator's service lands, issue 26):
-  ``coordinator/server.py``, ``tests/local_transport.py`` and every ``relay/`` module import of the coordinator
-  only ``service`` and ``config``; the server also its limits (intake, connections, statuspage), a relay also
-  the server (with which it serves its hosts).
-- The coordinator's state (expected to fail until the service lands): no module of ``relay/``, ``host/``,
-  ``tools/`` nor ``tests/local_transport.py`` assigns an attribute or an item of an object reached through a name
+- The coordinator's transports reach it through its service: ``coordinator/server.py`` imports of the
+  coordinator only ``service``, ``config`` and its limits (intake, connections, statuspage);
+  ``tests/local_transport.py`` only ``service`` and ``config``; every ``relay/`` module only ``service``,
+  ``config`` and the server (with which it serves its hosts): the relay's part is expected to fail until the
+  lead's branch moves it (issue 26).
+- The coordinator's state (expected to fail until the lead's branch, issue 26): no module of ``relay/``,
+  ``host/``, ``tools/`` nor ``tests/local_transport.py`` assigns an attribute of an object reached through a name
   the coordinator holds its parts under (``layout_rules.COORDINATOR_PARTS``: ``rounds.stable = True``,
-  ``state.round = 3``, ``model.hash = h``).
-- Sizes (expected to fail until the classes being split are): no class of the package over 300 lines, no function
-  over 60.
+  ``state.round = 3``, ``model.hash = h``), nor an item of such an attribute.
+- Sizes (expected to fail until HostRound and HostTensors are split, issue 26): no class of the package over 300
+  lines, no function over 60.
 - The ``nodeox`` command checks its flags without importing torch or Lightning (slow)."""
 
 from __future__ import annotations
@@ -38,23 +36,19 @@ import pytest
 
 from layout_rules import (COORDINATOR_PARTS, LOCAL_TRANSPORT, PACKAGE, attributes_set_in_coordinator,
                           circle_in_folder, circle_in_the_package, coordinator_imports,
-                          coordinator_state_written_outside, http_outside_the_transports, imported, import_graph,
+                          coordinator_state_written_outside, http_outside_the_transports, import_graph,
                           lightning_in_a_relay, oversized, package_folders, rooms_importing_what_they_may_not,
                           transports_reaching_past)
 
 REPO = Path(__file__).resolve().parents[1]
 SERVER = f"{PACKAGE}/coordinator/server.py"
-# what a coordinator transport imports of the coordinator today: the run's lifecycle (which hands it the run's
-# parts), its settings and the limits of what is taken from the network (bodies, connections); never the round's
-# logic itself; the sync it streams while it is made, and the status page's files
-TRANSPORT_MAY_IMPORT = {"lifecycle", "config", "intake", "connections", "making", "statuspage"}
-TODAY = {SERVER: TRANSPORT_MAY_IMPORT,
-         # the in-process transport also writes the run's log and takes up its saved run, as `nodeox coordinator`
-         LOCAL_TRANSPORT: TRANSPORT_MAY_IMPORT | {"runlog", "state"}}
-# as intended (issue 26): one service module is all a transport reaches of the coordinator
+RELAY = f"{PACKAGE}/relay"
+# what a transport may import of the coordinator: its service (every operation of the protocol) and its settings;
+# the server also the limits of what it takes from the network (bodies, connections) and the status page's
+# files, a relay the server it serves its hosts with; never the round's logic itself
 THROUGH_THE_SERVICE = {SERVER: {"service", "config", "intake", "connections", "statuspage"},
                        LOCAL_TRANSPORT: {"service", "config"},
-                       f"{PACKAGE}/relay": {"service", "config", "server"}}
+                       RELAY: {"service", "config", "server"}}
 UNTIL_THE_SERVICE = pytest.mark.xfail(strict=True, reason="issue 26: the coordinator service lands with the lead's "
                                                           "branch")
 
@@ -159,26 +153,24 @@ def test_a_circle_across_folders_is_caught(tmp_path: Path) -> None:
         f"{PACKAGE} imports in a circle: {a} -> {b} -> {a}"]
 
 
-def test_the_server_imports_no_round_logic_beyond_the_lifecycle() -> None:
-    assert "lifecycle" in coordinator_imports(REPO / SERVER, REPO)
-    assert transports_reaching_past(REPO, {SERVER: TODAY[SERVER]}) == []
+def test_the_server_imports_nothing_of_the_coordinator_but_its_service() -> None:
+    assert "service" in coordinator_imports(REPO / SERVER, REPO)
+    assert transports_reaching_past(REPO, {SERVER: THROUGH_THE_SERVICE[SERVER]}) == []
 
 
-def test_the_in_process_transport_runs_the_same_lifecycle() -> None:
+def test_the_in_process_transport_calls_the_same_service() -> None:
     imports = coordinator_imports(REPO / LOCAL_TRANSPORT, REPO)
-    assert {"lifecycle", "config"} <= imports  # read as the top-level module it is: not silently empty
-    assert "lightning_nodeox.coordinator.lifecycle.CoordinatorRun" in imported(REPO / LOCAL_TRANSPORT, REPO)
-    assert transports_reaching_past(REPO, {LOCAL_TRANSPORT: TODAY[LOCAL_TRANSPORT]}) == []
+    assert {"service", "config"} <= imports  # read as the top-level module it is: not silently empty
+    assert transports_reaching_past(REPO, {LOCAL_TRANSPORT: THROUGH_THE_SERVICE[LOCAL_TRANSPORT]}) == []
 
 
 @UNTIL_THE_SERVICE
-def test_the_transports_reach_the_coordinator_only_through_its_service() -> None:
-    assert transports_reaching_past(REPO, THROUGH_THE_SERVICE) == []
+def test_every_relay_module_reaches_the_coordinator_only_through_its_service() -> None:
+    assert transports_reaching_past(REPO, {RELAY: THROUGH_THE_SERVICE[RELAY]}) == []
 
 
-@pytest.mark.parametrize("rule", [TODAY, THROUGH_THE_SERVICE], ids=["today", "through_the_service"])
-def test_a_transport_reaching_past_what_it_may_is_caught(tmp_path: Path, rule: dict[str, set[str]]) -> None:
-    found = planted(tmp_path, partial(transports_reaching_past, may_import=rule), {
+def test_a_transport_reaching_past_the_service_is_caught(tmp_path: Path) -> None:
+    found = planted(tmp_path, partial(transports_reaching_past, may_import=THROUGH_THE_SERVICE), {
         SERVER: "from .rounds import Rounds\n",
         LOCAL_TRANSPORT: "from lightning_nodeox.coordinator.membership import Membership\n"})
     assert found == [f"{SERVER} imports coordinator/rounds", f"{LOCAL_TRANSPORT} imports coordinator/membership"]
@@ -226,7 +218,7 @@ def test_a_write_to_the_coordinators_state_is_caught(tmp_path: Path) -> None:
         f"{LOCAL_TRANSPORT}:{n} writes run.state.complete"]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 26: Rounds, HostRound, HostTensors and launch are being split")
+@pytest.mark.xfail(strict=True, reason="issue 26: HostRound and HostTensors are being split")
 def test_no_class_or_function_is_too_long_to_read_in_one_sitting() -> None:
     assert oversized(REPO) == []
 

@@ -10,9 +10,11 @@ import weakref
 
 import torch
 from helpers import MODEL, SPECS, delta_message, model_file
+from local_transport import MemoryBody
 
 from lightning_nodeox.coordinator.config import CoordinatorConfig
 from lightning_nodeox.coordinator.lifecycle import CoordinatorRun
+from lightning_nodeox.coordinator.service import CoordinatorService
 from lightning_nodeox.coordinator.runlog import RunLog
 from lightning_nodeox.coordinator.state import RunStore
 from lightning_nodeox.core.pool import WorkerPool
@@ -30,7 +32,7 @@ async def scenario(tmp_path, monkeypatch) -> list[int]:
     pool = WorkerPool(config.q4, "cpu", 1)
     runlog = RunLog(tmp_path)
     run = CoordinatorRun(config, runlog, pool, RunStore(tmp_path))
-    state, rounds = run.state, run.rounds
+    state, service = run.state, CoordinatorService(run)
     parsed: list[tuple[int, weakref.ref]] = []
     read_head = Message.read_head
 
@@ -42,7 +44,8 @@ async def scenario(tmp_path, monkeypatch) -> list[int]:
     monkeypatch.setattr(Message, "read_head", staticmethod(read_and_watch))
     await run.load_initial_model(torch.frombuffer(bytearray(model_file()), dtype=torch.uint8))
     for host in "ab":
-        await run.membership.join(host, SPECS)
+        credential = (await service.join(host, SPECS)).credential
+        assert service.authenticate(host, credential) == host
     buffers: list[tuple[int, weakref.ref]] = []
     counts = []
     gen = torch.Generator().manual_seed(0)
@@ -50,11 +53,11 @@ async def scenario(tmp_path, monkeypatch) -> list[int]:
         for host in "ab":
             deltas = [torch.randn(t.shape, generator=gen) * 0.01 for _, t in MODEL]
             message = delta_message(deltas, round_=r, host=host, base_hash=state.model.hash, samples=8)
-            buf = torch.frombuffer(bytearray(message.view()), dtype=torch.uint8)
+            body = MemoryBody(bytearray(message.view()))
             del message
-            await rounds.accept_delta(host, r, buf, time.time())
-            buffers.append((r, weakref.ref(buf)))
-            del buf
+            await service.receive_delta(host, r, body)
+            buffers.append((r, weakref.ref(body)))
+            del body
         deadline = time.monotonic() + 30
         while state.round != r + 1:  # the round closes on its own once both deltas are accumulated
             assert time.monotonic() < deadline

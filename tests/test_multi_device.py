@@ -18,7 +18,7 @@ from helpers import HOSTS, REPO, forked, launch, load, logs_of, read_events, run
 from lightning.pytorch import Trainer
 
 from lightning_nodeox import NodeoxStrategy
-from lightning_nodeox.tools.launch import gpu_sets
+from lightning_nodeox.tools.environments import gpu_sets
 
 BATCH, LOCAL_STEPS, MAX_STEPS = 32, 4, 12
 

@@ -109,7 +109,7 @@ def test_every_round_after_the_first_closes_once_the_live_hosts_have_sent_whatev
         opened.append(c.state.round_opened)
         train(a, r), train(b, r)
         assert upload(a) is Upload.TAKEN and upload(b) is Upload.TAKEN
-        c.call(c.rounds.accumulated())
+        c.call(c.rounds.deltas.accumulated())
         c.call(c.rounds.maybe_close())
         c.call(c.rounds.wait_stable())  # a close started by the last delta's accumulation has published
         if r == 0:

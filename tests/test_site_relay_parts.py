@@ -14,7 +14,7 @@ from functools import partial
 import pytest
 import torch
 from helpers import SETTINGS, bits, exchange, frozen, hosts, read_events, socket_closed_port, train, wait_for
-from local_transport import LocalClient, LocalCoordinator
+from local_transport import LocalClient, LocalCoordinator, MemoryBody
 from reference_q4 import kernels
 
 from lightning_nodeox.coordinator.intake import of_sender, parse_records
@@ -89,11 +89,8 @@ class EventsClient(LocalClient):
     a host that has not joined)."""
 
     def post_events(self, records: list[dict], *, retry_for: float = 0.0) -> None:
-        async def post() -> None:
-            self.membership.authenticate(self.host, self.credential)
-            self.state.record(*parse_records(json.dumps({"records": records}).encode(), self.host).records)
-
-        self.coordinator.call(post())
+        body = MemoryBody(json.dumps({"records": records}).encode())
+        self.coordinator.call(self.service.take_records(self._me(), body))
 
 
 def test_each_tensor_of_a_relays_delta_is_the_mean_over_the_hosts_that_sent_it_and_a_partial_set_is_said_once(

@@ -62,7 +62,7 @@ def test_an_overlapped_host_holds_a_key_while_it_trains_on_and_no_longer_once_it
     a, b = hosts(c, "a", "b")
     a.trains_on = True  # a's round overlaps: its delta goes in (into base), and a trains on (InFlight.start)
     a.upload(a.encode(a.tensors.live, 8, False), into=Into.BASE)
-    assert c.rounds.training == {"a"}
+    assert c.rounds.deltas.training == {"a"}
     thread, box = _in_thread(b.client.exchange_values, "epoch.train.0.1", {"v": 2})
     thread.join(0.6)
     assert not box  # b's epoch ended first: the key waits for a's values, a still trains
@@ -75,7 +75,7 @@ def test_an_overlapped_host_holds_a_key_while_it_trains_on_and_no_longer_once_it
     a.trains_on = False  # a reached its next boundary: training waits for the sync (InFlight.fold(wait=True))
     waiting, synced = _in_thread(a.download, Into.BASE)  # its next sync poll says so (the round waits for b)
     thread.join(5)
-    assert box and box[0].hosts == ["b"] and c.rounds.training == set()  # a does not hold b's key: no deadlock
+    assert box and box[0].hosts == ["b"] and c.rounds.deltas.training == set()  # a does not hold b's key: no deadlock
     upload(b)
     waiting.join(10)
     assert synced and synced[0].round == 0 and synced[0].contributed
@@ -85,7 +85,7 @@ def test_a_host_that_is_not_overlapped_is_held_as_soon_as_its_delta_is_in(local_
     c = local_coordinator(2)
     a, b = hosts(c, "a", "b")
     upload(a)  # trains_on False: a blocking round, a waits for its sync from here
-    assert c.rounds.training == set()
+    assert c.rounds.deltas.training == set()
     assert b.client.exchange_values("epoch.train.0.1", {"v": 2}).hosts == ["b"]
 
 
@@ -188,7 +188,6 @@ def _restarted(hosts_: list, again) -> None:
     """Point the hosts' in-process clients at ``again``, a coordinator started anew (it knows none of them)."""
     for h in hosts_:
         h.client.coordinator = again
-        h.client.state, h.client.rounds, h.client.membership = again.state, again.rounds, again.membership
 
 
 def test_after_a_coordinator_restart_a_values_post_joins_again_and_every_host_gets_the_values_of_both(

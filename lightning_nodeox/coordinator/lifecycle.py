@@ -158,31 +158,62 @@ class CoordinatorRun:
         self.recovery.close()
 
 
+class Opened:
+    """A run taken up and started, with what it holds (its run directory's lock, its codec threads, its log);
+    :meth:`close` releases them once the run has ended."""
+
+    def __init__(self, run: CoordinatorRun, pool: WorkerPool, runlog: RunLog, lock: RunDirLock | None) -> None:
+        self.run, self._pool, self._runlog, self._lock = run, pool, runlog, lock
+
+    def close(self) -> None:
+        self.run.close()
+        self._pool.close()
+        self._runlog.close()
+        if self._lock is not None:
+            self._lock.release()
+
+
+async def open_run(config: CoordinatorConfig, *, keep_state: bool = True, before_publish: BeforePublish | None = None,
+                   make_run: MakeRun | None = None) -> Opened:
+    """Take up the run in ``config.run_dir`` (resume a saved one, or start one) and start it; ``keep_state``:
+    its state is saved there (and one coordinator holds the directory), else nothing is saved nor resumed.
+    Raises ValueError (or OSError) saying why it cannot start."""
+    run_dir = Path(config.run_dir)
+    lock, saved, store = None, None, None
+    if keep_state:
+        lock = RunDirLock(run_dir)  # one coordinator per run directory, held until the run is closed
+        try:
+            config, saved = take_up(config)
+        except BaseException:
+            lock.release()
+            raise
+        store = RunStore(run_dir)
+    pool = WorkerPool(config.q4, "cpu", choose_threads(config.threads, purpose="coordinator codec"))
+    runlog = RunLog(run_dir, config.name)
+    coordinator = (make_run or CoordinatorRun)(config, runlog, pool, store, before_publish)
+    opened = Opened(coordinator, pool, runlog, lock)
+    try:
+        await coordinator.start(saved)
+    except BaseException:
+        opened.close()
+        raise
+    return opened
+
+
 async def run(config: CoordinatorConfig, listen: Listen, *, before_publish: BeforePublish | None = None,
               make_run: MakeRun | None = None) -> int:
     """Run a coordinator until its run completes (or a signal); returns the exit status. ``listen(run)`` starts the
-    transport and returns what stops it; ``before_publish`` (for comparisons only) is awaited with each round's sync before it is published;
-    ``make_run`` builds the run (default :class:`CoordinatorRun`; a site relay's is its own kind)."""
+    transport and returns what stops it; ``before_publish`` (for comparisons only) is awaited with each round's sync
+    before it is published; ``make_run`` builds the run (default :class:`CoordinatorRun`; a site relay's is its own
+    kind)."""
     torch.set_num_threads(1)  # codec ops never thread inside ATen here; the codec pool parallelizes
-    run_dir = Path(config.run_dir)
     try:
-        lock = RunDirLock(run_dir)  # noqa: F841 - one coordinator per run directory, held until run() returns
-        config, saved = take_up(config)
-    except ValueError as e:
+        opened = await open_run(config, before_publish=before_publish, make_run=make_run)
+    except (ValueError, OSError) as e:  # taken up wrongly, a bad --initial-model, a saved model unreadable
         print(f"{config.name}: {e}", file=sys.stderr, flush=True)
         return 2
-    threads = choose_threads(config.threads, purpose="coordinator codec")
-    pool = WorkerPool(config.q4, "cpu", threads)
-    runlog = RunLog(run_dir, config.name)
-    coordinator = (make_run or CoordinatorRun)(config, runlog, pool, RunStore(run_dir), before_publish)
-    try:
-        await coordinator.start(saved)
-    except (ValueError, OSError) as e:  # a bad --initial-model, or a saved model that cannot be read back
-        print(f"{config.name}: {e}", file=sys.stderr, flush=True)
-        coordinator.close()
-        pool.close()
-        runlog.close()
-        return 2
+    coordinator = opened.run
+    config = coordinator.config  # as taken up: a resumed run's settings
     stop_listening = await listen(coordinator)
 
     stop = asyncio.Event()
@@ -205,9 +236,7 @@ async def run(config: CoordinatorConfig, listen: Listen, *, before_publish: Befo
     await coordinator.save_at_shutdown()
     state = coordinator.state
     state.sample_memory()
-    coordinator.close()
-    pool.close()
-    runlog.close()
+    opened.close()
     status = (f"complete after round {state.published_round}" if state.complete
               else f"stopped before the run completed, at round {state.round}")
     print(f"{config.name}: run {status}; peak RSS {state.peak_rss / 2**20:.0f} MiB", flush=True)

@@ -1,19 +1,15 @@
 """The coordinator's HTTP server (aiohttp): the protocol's routes (:mod:`lightning_nodeox.core.protocol`), mapped
-onto the coordinator's run (:class:`~lightning_nodeox.coordinator.lifecycle.CoordinatorRun`, which also starts and
-ends it); refusals become JSON errors with the status their reason maps to. This module holds only what is HTTP:
-routes, authentication and the mapping of errors, reading bodies, and TLS and binding.
+onto the coordinator's service (:class:`~lightning_nodeox.coordinator.service.CoordinatorService`, which holds every
+operation and its limits); refusals become JSON errors with the status their reason maps to. This module holds only
+what is HTTP: routes, authentication and the mapping of errors, request bodies and streamed responses as the
+service reads and writes them, and TLS and binding.
 
 Every response carries the coordinator's clock in ``X-Nodeox-Time``, for clock alignment. Calls that name a
-host are authenticated by that host's credential (:mod:`~lightning_nodeox.coordinator.membership`); request
-bodies go through :mod:`~lightning_nodeox.coordinator.intake` before anything else sees them. With ``--tls-cert``
-it serves HTTPS.
+host are authenticated by that host's credential; request bodies go through
+:mod:`~lightning_nodeox.coordinator.intake` before anything else sees them. With ``--tls-cert`` it serves HTTPS.
 
-Slow and stuck peers cannot hold the run: every body read and every response write has a time limit of
-``--transfer-timeout`` plus one second per MB (then the connection is cut and its buffer released); a receive
-buffer is taken only for a host the round expects, with no upload of its own in flight (else ``BUSY``), and
-at most ``MAX_UPLOADS`` bodies are read at once (others wait their turn, unread); at most
-``MAX_MODEL_DOWNLOADS`` full-model downloads run at once, for joined hosts only, and a round never waits for
-one (copy-on-publish, :class:`~lightning_nodeox.coordinator.model.ModelStream`). Connections are counted and
+Slow and stuck peers cannot hold the run: the service limits every transfer's time (then the connection is cut and
+its buffer released), the uploads read at once and the model downloads in flight. Connections are counted and
 limited (:mod:`~lightning_nodeox.coordinator.connections`): one that waits ``--idle-timeout`` for its request's
 headers is closed, and at most ``--max-connections`` are open.
 
@@ -33,104 +29,88 @@ import ssl
 import time
 from pathlib import Path
 
-import torch
 from aiohttp import web
 from aiohttp.http_exceptions import LineTooLong
 
 from ..core import protocol as proto
-from ..core import safetensors
 from ..core.logs import Named
-from ..core.phases import COORDINATOR, MODEL_MATERIALIZE, PhaseRecord
 from ..core.protocol import HTTP_STATUS, Reason, Refusal
 from ..core.specs import PayloadError
-from . import intake, lifecycle, statuspage
+from . import intake, statuspage
 from .config import CoordinatorConfig, parse_bind
 from .connections import RESERVED_FILES, Connections, connection_limit, raise_open_file_limit
-from .lifecycle import CoordinatorRun
-from .making import SyncBroken, SyncInMaking
+from .service import CoordinatorService, MakeRun, run
 
 log = logging.getLogger(__name__)
 
-RUN = web.AppKey("run", CoordinatorRun)
+SERVICE = web.AppKey("service", CoordinatorService)
 TOKEN = web.AppKey("token", str)
-BUFFERS = web.AppKey("buffers", object)
-UPLOADS = web.AppKey("uploads", object)
-BUDGET = web.AppKey("budget", intake.TelemetryBudget)
 CONNECTIONS = web.AppKey("connections", Connections)
 LOG = web.AppKey("log", Named)  # the module's logger, named as its run
 SEND_CHUNK = 8 << 20  # bytes handed to the transport at a time, so its buffer never holds a whole payload
-MIN_RATE = 1e6  # bytes/s: a transfer slower than this (after --transfer-timeout) is cut off
-MAX_UPLOADS = 8  # delta bodies read at once (each needs a receive buffer of the delta's size)
-MAX_MODEL_DOWNLOADS = 2  # full-model downloads at once (each may keep up to the model's size at a publish)
 MAX_HEADER_BYTES = 8190  # the request line and each header field (aiohttp's default, stated)
 BACKLOG = 128  # connections queued before they are accepted; also the most asyncio accepts at once, uncounted
 SHUTDOWN_GRACE = 5.0  # seconds a request in flight has to end once the coordinator is told to stop (then cut)
+FINISH_TIMEOUT = 30.0  # seconds a finished response may take to leave the transport's buffer
 
 
-class ReceiveBuffers:
-    """Byte buffers for incoming deltas, reused across rounds (at most ``keep`` idle ones are kept)."""
+class RequestBody:
+    """A request's body as the service reads it (:class:`~lightning_nodeox.coordinator.service.Body`)."""
 
-    def __init__(self, keep: int = 2) -> None:
-        self.keep = keep
-        self._idle: list[torch.Tensor] = []
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.size = request.content_length
 
-    def get(self, size: int) -> torch.Tensor:
-        while self._idle:
-            buf = self._idle.pop()
-            if buf.numel() == size:
-                return buf
-        return torch.empty(size, dtype=torch.uint8)
+    async def read_into(self, view: memoryview) -> None:
+        pos, size = 0, len(view)
+        while pos < size:
+            chunk = await self.request.content.read(size - pos)
+            if not chunk:
+                raise Refusal(Reason.INVALID, f"body is truncated: it ended {size - pos} bytes early")
+            view[pos : pos + len(chunk)] = chunk
+            pos += len(chunk)
 
-    def put(self, buf: torch.Tensor) -> None:
-        if len(self._idle) < self.keep:
-            self._idle.append(buf)
+    async def read(self) -> bytes:
+        return await self.request.read()
 
-
-async def write_chunked(response: web.StreamResponse, view: memoryview) -> None:
-    """Send ``view`` a slice at a time, waiting for the socket to drain in between (no copy of the whole)."""
-    for start in range(0, len(view), SEND_CHUNK):
-        await response.write(view[start : start + SEND_CHUNK])
-
-
-async def finish(request: web.Request, response: web.StreamResponse, timeout: float = 30.0) -> None:
-    """End the response and wait until the transport has sent everything (it may still reference our buffer)."""
-    await response.write_eof()
-    transport = request.transport
-    deadline = time.monotonic() + timeout
-    while transport is not None and transport.get_write_buffer_size() > 0 and time.monotonic() < deadline:
-        await asyncio.sleep(0.005)
+    def cut(self) -> None:
+        if self.request.transport is not None:
+            self.request.transport.abort()
 
 
-class Uploads:
-    """Delta uploads in flight: one per host, ``limit`` bodies read at once (the others wait, unread)."""
+class ResponseSink:
+    """A streamed response as the service writes it (:class:`~lightning_nodeox.coordinator.service.Sink`): a
+    slice at a time, waiting for the socket to drain in between (no copy of the whole)."""
 
-    def __init__(self, limit: int = MAX_UPLOADS) -> None:
-        self.hosts: set[str] = set()
-        self.reading = asyncio.Semaphore(limit)
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.response: web.StreamResponse | None = None
 
-    def claim(self, host: str) -> None:
-        if host in self.hosts:
-            raise Refusal(Reason.BUSY, f"host {host} already has an upload in flight; try again when it has ended")
-        self.hosts.add(host)
+    async def begin(self, size: int, complete: bool) -> None:
+        self.response = web.StreamResponse(headers={"Content-Type": proto.OCTETS, "Content-Length": str(size),
+                                                    proto.COMPLETE_HEADER: "1" if complete else "0"})
+        await self.response.prepare(self.request)
 
-    def release(self, host: str) -> None:
-        self.hosts.discard(host)
+    async def write(self, view: memoryview) -> None:
+        for start in range(0, len(view), SEND_CHUNK):
+            await self.response.write(view[start : start + SEND_CHUNK])
 
+    async def end(self) -> None:
+        """End the response and wait until the transport has sent everything (it may still reference the
+        payload's buffer)."""
+        await self.response.write_eof()
+        transport = self.request.transport
+        deadline = time.monotonic() + FINISH_TIMEOUT
+        while transport is not None and transport.get_write_buffer_size() > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
 
-def transfer_seconds(config: CoordinatorConfig, size: int) -> float:
-    """How long a transfer of ``size`` bytes may take: --transfer-timeout plus one second per MB."""
-    return config.transfer_timeout + size / MIN_RATE
+    def cut(self) -> None:
+        if self.request.transport is not None:
+            self.request.transport.abort()
 
-
-async def within(request: web.Request, seconds: float, work, what: str):
-    """Await ``work``; past ``seconds`` cut the connection (freeing what it held) and refuse as too slow."""
-    try:
-        return await asyncio.wait_for(work, seconds)
-    except asyncio.TimeoutError:
-        if request.transport is not None:
-            request.transport.abort()
-        request.app[LOG].warning("%s took longer than %.0f s; connection cut", what, seconds)
-        raise Refusal(Reason.TOO_SLOW, f"{what} took longer than {seconds:.0f} s") from None
+    def answer(self) -> web.StreamResponse:
+        """The response begun (an unbegun one, cut before it began, is empty)."""
+        return self.response if self.response is not None else web.Response(status=204)
 
 
 def error(reason: Reason, message: str, **extra) -> web.Response:
@@ -250,7 +230,7 @@ def _caller(request: web.Request, host: str | None = None, *, left_ok: bool = Fa
     if not host:
         raise Refusal(Reason.INVALID, "query parameter host=ID is missing")
     credential = request.headers.get(proto.CREDENTIAL_HEADER, "")
-    return request.app[RUN].membership.authenticate(intake.host_id(host), credential, left_ok=left_ok).id
+    return request.app[SERVICE].authenticate(host, credential, left_ok=left_ok)
 
 
 async def _body(request: web.Request, limit: int) -> bytes:
@@ -284,20 +264,6 @@ def _int(text: str, what: str) -> int:
         raise Refusal(Reason.INVALID, f"{what} must be an integer, got {text!r}") from None
 
 
-async def read_body_into(request: web.Request, buf: torch.Tensor) -> None:
-    """Stream the request body into ``buf`` (exactly its size), one copy from the socket's chunks."""
-    view = memoryview(buf.numpy())
-    pos, size = 0, len(view)
-    async for chunk in request.content.iter_any():
-        end = pos + len(chunk)
-        if end > size:
-            raise Refusal(Reason.INVALID, f"body is longer than its Content-Length ({size} bytes)")
-        view[pos:end] = chunk
-        pos = end
-    if pos != size:
-        raise Refusal(Reason.INVALID, f"body is truncated: {pos} of {size} bytes arrived")
-
-
 # -- handlers -----------------------------------------------------------------------------------------------------
 
 
@@ -306,10 +272,7 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def status(request: web.Request) -> web.Response:
-    run = request.app[RUN]
-    return web.json_response({**run.status(), "uploads": len(request.app[UPLOADS].hosts),
-                              "connections": request.app[CONNECTIONS].status(),
-                              "live": run.watch.snapshot(request.app[UPLOADS].hosts)})
+    return web.json_response({**request.app[SERVICE].status(), "connections": request.app[CONNECTIONS].status()})
 
 
 async def status_page(request: web.Request) -> web.Response:
@@ -335,205 +298,54 @@ async def status_file(request: web.Request) -> web.Response:
 async def join(request: web.Request) -> web.Response:
     host, specs, held = intake.parse_join(await _body(request, intake.MAX_JSON_BYTES))
     credential = request.headers.get(proto.CREDENTIAL_HEADER, "")  # a rejoin may present its old one
-    reply = await request.app[RUN].membership.join(host, specs, credential, *held)
+    reply = await request.app[SERVICE].join(host, specs, credential, *held)
     return web.json_response(reply.to_json())
 
 
 async def heartbeat(request: web.Request) -> web.Response:
     host = _caller(request, request.match_info["host"])
-    return web.json_response(await request.app[RUN].membership.heartbeat(host))
+    return web.json_response(await request.app[SERVICE].heartbeat(host))
 
 
 async def put_model(request: web.Request) -> web.Response:
     host = _caller(request)
-    run = request.app[RUN]
-    size = request.content_length
-    if size is None:
-        raise Refusal(Reason.LENGTH_REQUIRED, "the model upload needs a Content-Length")
-    run.membership.check_model_upload(host, size)  # before reading (or allocating for) a single byte
-    buf = torch.empty(size, dtype=torch.uint8)
-    await within(request, transfer_seconds(run.config, size), read_body_into(request, buf),
-                 f"host {host}'s model upload")
-    return web.json_response(await run.membership.put_model(host, buf))
+    return web.json_response(await request.app[SERVICE].receive_model(host, RequestBody(request)))
 
 
 async def get_model(request: web.Request) -> web.StreamResponse:
-    """The full model, streamed from θ's tensors; a round that closes meanwhile copies aside what is not sent
-    yet (copy-on-publish) instead of waiting for the download."""
-    run = request.app[RUN]
-    state, rounds = run.state, run.rounds
     host = _caller(request)
-    state.require_model()
-    await rounds.wait_stable()  # θ is not being changed by a round's close
-    if len(rounds.downloads) >= MAX_MODEL_DOWNLOADS:
-        raise Refusal(Reason.BUSY, f"{MAX_MODEL_DOWNLOADS} model downloads are in flight; try again shortly")
-    start, round_ = time.time(), state.round
-    stream = state.model.stream(round_)
-    rounds.downloads.add(stream)
-    response = web.StreamResponse(headers={"Content-Type": proto.OCTETS, "Content-Length": str(stream.size)})
-
-    async def send() -> None:
-        await response.prepare(request)
-        for chunk in stream.chunks(SEND_CHUNK):
-            await response.write(chunk)
-        await finish(request, response)
-
-    try:
-        await within(request, transfer_seconds(run.config, stream.size), send(), f"host {host}'s model download")
-    except Refusal:
-        return response
-    finally:
-        rounds.downloads.discard(stream)
-    state.record(PhaseRecord(round_, COORDINATOR, MODEL_MATERIALIZE, start, time.time(), stream.size,
-                             extra={"for_host": host, "kept_bytes": stream.kept_bytes}))
-    return response
+    sink = ResponseSink(request)
+    await request.app[SERVICE].send_model(host, sink)
+    return sink.answer()
 
 
 async def post_delta(request: web.Request) -> web.Response:
-    """A delta, taken piece by piece as it arrives (:meth:`Rounds.begin_delta`): its header is checked first,
-    each piece then (its CRC, its scales) and handed to the accumulator while the next one is still on the wire."""
-    run = request.app[RUN]
-    rounds = run.rounds
     host, round_ = _caller(request), _int(request.match_info["round"], "round")
-    start = time.time()
-    await rounds.wait_open(round_)  # (a host back from the round closing, whose sync it took as it streamed)
-    rounds.check_upload(host, round_, request.content_length)  # a buffer only for an expected host ...
-    uploads: Uploads = request.app[UPLOADS]
-    uploads.claim(host)  # ... with no upload in flight
-    try:
-        async with uploads.reading:
-            model = rounds.check_upload(host, round_, request.content_length)  # the round may have moved
-            buffers: ReceiveBuffers = request.app[BUFFERS]
-            buf = buffers.get(request.content_length or model.layout.total)  # a delta of the tensors that moved
-            try:
-                await within(request, transfer_seconds(run.config, len(buf)),
-                             receive_delta(request, rounds, host, round_, buf, start), f"host {host}'s delta upload")
-            except BaseException:
-                asyncio.ensure_future(_recycle_after(run, buffers, buf))
-                raise
-    finally:
-        uploads.release(host)
-    # the buffer is released back once the delta has been accumulated
-    asyncio.ensure_future(_recycle_after(run, buffers, buf))
-    return web.json_response({"accepted": True, "round": round_}, status=202)
-
-
-async def receive_delta(request: web.Request, rounds, host: str, round_: int, buf: torch.Tensor,
-                        start: float) -> None:
-    """Read the delta's header, then each piece into ``buf``, handing each on as soon as it is in; an upload
-    that breaks off, or a bad piece, cuts the delta there (:meth:`Rounds.cut_delta`)."""
-    view = memoryview(buf.numpy())
-    prefix = safetensors.PREFIX_BYTES
-    await read_into(request, view[:prefix])
-    try:
-        head_end = prefix + safetensors.header_length(bytes(view[:prefix]), len(view), "payload")
-    except PayloadError as e:
-        raise Refusal(Reason.INVALID, f"delta rejected: {e}") from None
-    await read_into(request, view[prefix:head_end])
-    delta = await rounds.begin_delta(host, round_, bytes(view[:head_end]), buf, start, _training(request))
-    try:
-        message = delta.message
-        at, last = head_end, len(message.layout.pieces) - 1
-        for k in range(last + 1):
-            end = message.wire_end(k) if k < last else len(view)  # the last piece with the trailer
-            await read_into(request, view[at:end])
-            if k == last:
-                await rounds.end_delta(delta)
-            await rounds.take_piece(delta, k)
-            at = end
-        if last < 0:
-            await read_into(request, view[at:])
-            await rounds.end_delta(delta)
-    except asyncio.CancelledError:  # too slow (within): the connection is cut
-        rounds.cut_delta(delta, Refusal(Reason.TOO_SLOW, "the upload was too slow"))
-        raise
-    except Refusal as e:  # a bad piece
-        cut = rounds.cut_delta(delta, e)
-        if cut is e:
-            raise
-        raise cut from None
-    except Exception as e:  # the connection broke
-        rounds.cut_delta(delta, e)
-        raise
-
-
-async def read_into(request: web.Request, view: memoryview) -> None:
-    """Exactly ``len(view)`` more bytes of the request body into ``view``."""
-    pos, size = 0, len(view)
-    while pos < size:
-        chunk = await request.content.read(size - pos)
-        if not chunk:
-            raise Refusal(Reason.INVALID, f"body is truncated: it ended {size - pos} bytes early")
-        view[pos : pos + len(chunk)] = chunk
-        pos += len(chunk)
-
-
-async def _recycle_after(run: CoordinatorRun, buffers: ReceiveBuffers, buf: torch.Tensor) -> None:
-    await run.rounds.accumulated()
-    buffers.put(buf)
+    reply = await request.app[SERVICE].receive_delta(host, round_, RequestBody(request), training=_training(request))
+    return web.json_response(reply, status=202)
 
 
 async def get_sync(request: web.Request) -> web.StreamResponse:
-    """Round ``round``'s sync: once published, from its message; while its round closes, streamed as its pieces
-    are made (its host applies each as it arrives)."""
-    run = request.app[RUN]
-    state = run.state
-    host = _caller(request)
-    round_ = _int(request.match_info["round"], "round")
-    wait = min(_wait(request), run.config.long_poll)
-    found = await run.rounds.wait_sync(round_, wait, host, _training(request), request.query.get("sending") == "1")
-    if found is None:
-        return web.Response(status=204, headers={proto.COMPLETE_HEADER: "1" if state.complete else "0"})
-    making = found if isinstance(found, SyncInMaking) else None
-    message = found.sync if making is not None else found
-    model = state.model  # None while a resumed run serves its saved sync without a model
-    if model is not None:
-        model.reading(message, +1)
-    try:
-        complete = making.complete if making is not None else run.rounds.is_last(round_)
-        response = web.StreamResponse(headers={"Content-Type": proto.OCTETS, "Content-Length": str(len(message)),
-                                               proto.COMPLETE_HEADER: "1" if complete else "0"})
-
-        async def send() -> None:
-            await response.prepare(request)
-            if making is None:
-                await write_chunked(response, message.view())
-            else:
-                async for part in making.parts():
-                    await write_chunked(response, part)
-            await finish(request, response)
-
-        await within(request, transfer_seconds(run.config, len(message)) + (run.config.long_poll if making else 0),
-                     send(), f"host {host}'s sync download of round {round_}")
-    except (Refusal, SyncBroken):
-        return response
-    finally:
-        if model is not None:
-            model.reading(message, -1)
-    return response
+    service = request.app[SERVICE]
+    host, round_ = _caller(request), _int(request.match_info["round"], "round")
+    sink = ResponseSink(request)
+    if not await service.send_sync(host, round_, _wait(request), sink, training=_training(request),
+                                   sending=request.query.get("sending") == "1"):
+        return web.Response(status=204, headers={proto.COMPLETE_HEADER: "1" if service.complete else "0"})
+    return sink.answer()
 
 
 async def post_events(request: web.Request) -> web.Response:
     host = _caller(request)
-    size = request.content_length
-    if size is None:
-        raise Refusal(Reason.LENGTH_REQUIRED, "an event batch needs a Content-Length")
-    if size > intake.MAX_EVENTS_BYTES:
-        raise Refusal(Reason.TOO_LARGE, f"event batch of {size} bytes is larger than {intake.MAX_EVENTS_BYTES}; "
-                                        "send smaller batches")
-    request.app[BUDGET].charge(host, size)  # before reading: a flood costs its sender's budget, not our time
-    batch = intake.parse_records(await request.read(), host, request.app[RUN].config.name)
-    request.app[RUN].state.record(*batch.records)
-    return web.json_response(batch.answer())
+    return web.json_response(await request.app[SERVICE].take_records(host, RequestBody(request)))
 
 
 async def exchange_values(request: web.Request) -> web.Response:
     """A host's values under a key (:mod:`~lightning_nodeox.coordinator.values`); 204 when not answered within
     ``wait`` seconds (the host posts again)."""
-    run = request.app[RUN]
     host, key = _caller(request), intake.values_key(request.match_info["key"])
     payload = intake.parse_values(await _body(request, proto.MAX_VALUES_BYTES))
-    reply = await run.values.exchange(host, key, payload, min(_wait(request), run.config.long_poll))
+    reply = await request.app[SERVICE].exchange_values(host, key, payload, _wait(request))
     if reply is None:
         return web.Response(status=204)
     return web.json_response(reply.to_json())
@@ -541,19 +353,16 @@ async def exchange_values(request: web.Request) -> web.Response:
 
 async def leave(request: web.Request) -> web.Response:
     host = _caller(request, request.match_info["host"], left_ok=True)
-    await request.app[RUN].membership.leave(host)
+    await request.app[SERVICE].leave(host)
     return web.json_response({"left": True})
 
 
-def make_app(run: CoordinatorRun, token: str | None, connections: Connections) -> web.Application:
+def make_app(service: CoordinatorService, token: str | None, connections: Connections) -> web.Application:
     app = web.Application(middlewares=[errors_and_auth], client_max_size=intake.MAX_JSON_BYTES)
-    app[RUN] = run
-    app[LOG] = Named(log, run.config.name)
+    app[SERVICE] = service
+    app[LOG] = Named(log, service.config.name)
     app[TOKEN] = token or ""
     app[CONNECTIONS] = connections
-    app[BUFFERS] = ReceiveBuffers()
-    app[UPLOADS] = Uploads()
-    app[BUDGET] = intake.TelemetryBudget()
     app.on_response_prepare.append(stamp_time)
     app.router.add_get(proto.HEALTH, health)
     app.router.add_get(proto.STATUS, status)
@@ -598,16 +407,16 @@ def bound_url(scheme: str, bind_host: str, sockname: tuple) -> str:
 
 
 async def serve(config: CoordinatorConfig, ready_file: Path | None = None, before_publish=None,
-                make_run: lifecycle.MakeRun | None = None) -> int:
+                make_run: MakeRun | None = None) -> int:
     """Run the coordinator over HTTP until the run completes (or a signal); returns the exit status. Its URL is
     written to ``ready_file`` once it listens; ``before_publish`` (for comparisons only) is awaited with each
     round's sync before it is published; ``make_run`` builds the run (a site relay's, :mod:`lightning_nodeox.relay`)."""
     open_files = raise_open_file_limit(config.name)
 
-    async def listen(run: CoordinatorRun):
-        config = run.config  # as taken up: a resumed run's settings
+    async def listen(service: CoordinatorService):
+        config = service.config  # as taken up: a resumed run's settings
         connections = Connections(config.max_connections or connection_limit(open_files), config.idle_timeout)
-        app = make_app(run, config.token, connections)
+        app = make_app(service, config.token, connections)
         said = app[LOG]
         if connections.limit > open_files - RESERVED_FILES:
             said.warning("--max-connections %d leaves fewer than %d of the %d files this process may open for the "
@@ -643,4 +452,4 @@ async def serve(config: CoordinatorConfig, ready_file: Path | None = None, befor
 
         return stop
 
-    return await lifecycle.run(config, listen, before_publish=before_publish, make_run=make_run)
+    return await run(config, listen, before_publish=before_publish, make_run=make_run)

@@ -114,7 +114,7 @@ class ValueExchanges:
     def _held(self, host: str, key: str) -> bool:
         """Whether ``host`` cannot post ``key`` for now: its training waits in the open round, or on another key."""
         rounds = self.rounds
-        if host in rounds.received and host not in rounds.training and not rounds.closing and rounds.missing():
+        if host in rounds.received and host not in rounds.deltas.training and not rounds.closing and rounds.missing():
             return True
         other = self.pending(host)
         return other is not None and other != key

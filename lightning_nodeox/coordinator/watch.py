@@ -106,7 +106,7 @@ class RunWatch:
 
     def _metrics(self, host: str) -> None:
         """The sync_dist values of ``host``'s delta just received (``{name: [value, reduction]}``)."""
-        metrics = self.rounds.metrics.get(host) or {}
+        metrics = self.rounds.deltas.metrics_of(host)
         if metrics:
             entry = self.hosts[host]
             entry.metrics = {name: value for name, (value, _) in metrics.items()}
@@ -142,7 +142,7 @@ class RunWatch:
         if host.id in uploading:
             return "uploading"
         if host.id in rounds.received:
-            return "training" if host.id in rounds.training else "waiting"
+            return "training" if host.id in rounds.deltas.training else "waiting"
         if rounds.received and rounds.missing() == [host.id]:
             return "late"
         return "training"

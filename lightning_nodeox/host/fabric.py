@@ -30,24 +30,22 @@ loop, so the strategy's hooks are the places where Fabric calls it:
   process exits with 128 + SIGTERM.
 
 ``Fabric(strategy=NodeoxStrategy(...))`` fails with an error that names this class: NodeoxStrategy is the
-Trainer's strategy, and Fabric takes its own kind (:func:`refuse_trainer_strategy`); ``Fabric(devices>1)`` and
-``Fabric(num_nodes>1)`` fail naming the Trainer, whose host can span devices and machines.
+Trainer's strategy, and Fabric takes its own kind (:func:`trainer_strategy_error`, raised through
+:func:`.lightning_private.refuse_in_fabric`); ``Fabric(devices>1)`` and ``Fabric(num_nodes>1)`` fail naming the
+Trainer, whose host can span devices and machines.
 """
 
 from __future__ import annotations
 
 import atexit
-import functools
 import logging
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import torch
-from lightning.fabric.connector import _Connector
 from lightning.fabric.strategies import STRATEGY_REGISTRY, SingleDeviceStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.nn import Module
@@ -55,14 +53,13 @@ from typing_extensions import override
 
 from . import machine
 from .devices import ONE_DEVICE
+from .lightning_private import AllReduceCalls, refuse_in_fabric
 from .round import RoundResult
 from .session import HostSession, SessionReadings
 from .signals import exit_code_for
 from .strategy import NodeoxStrategy
 
 log = logging.getLogger(__name__)
-
-_OUTSIDE_THE_SCRIPT = ("lightning.", "lightning_utilities.")  # frames between a script and the strategy's all_reduce
 
 
 class NodeoxFabricStrategy(SessionReadings, SingleDeviceStrategy):
@@ -105,7 +102,7 @@ class NodeoxFabricStrategy(SessionReadings, SingleDeviceStrategy):
         self._steps = 0  # optimizer steps this host took
         self._ended = False  # finish() ran, or the host left the run
         self._warned_complete = False
-        self._reducing: tuple[FrameType | None, int] = (None, 0)  # Fabric's all_reduce call now reducing, and where
+        self._all_reduce_calls = AllReduceCalls()  # names each value fabric.all_reduce hands over
 
     # -- what a user reads --------------------------------------------------------------------------------------
     @property
@@ -216,21 +213,7 @@ class NodeoxFabricStrategy(SessionReadings, SingleDeviceStrategy):
         if tensor.numel() != 1:
             raise ValueError(f"NodeoxFabricStrategy shares one number per value across hosts, got a tensor of shape "
                              f"{tuple(tensor.shape)}: reduce it to a scalar first (e.g. fabric.all_reduce(x.mean()))")
-        return self._session.metrics.share(self._value_name(sys._getframe(1)), tensor, reduce_op or "mean")
-
-    def _value_name(self, frame: FrameType | None) -> str:
-        """The script's line that called ``fabric.all_reduce`` (the first frame outside Lightning), and the value's
-        place in the collection that call reduces."""
-        call = None
-        while frame is not None and frame.f_globals.get("__name__", "").startswith(_OUTSIDE_THE_SCRIPT):
-            if frame.f_code.co_name == "all_reduce":
-                call = frame
-            frame = frame.f_back
-        last, index = self._reducing
-        index = index + 1 if call is not None and call is last else 0
-        self._reducing = (call, index)  # held, so that a later call's frame is never taken for this one
-        name = "all_reduce" if frame is None else f"all_reduce@{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
-        return name + (f"[{index}]" if index else "")
+        return self._session.metrics.share(self._all_reduce_calls.name(), tensor, reduce_op or "mean")
 
     @override
     def save_checkpoint(self, path, state, storage_options: Any | None = None, filter: Any | None = None) -> None:
@@ -314,24 +297,5 @@ def trainer_strategy_error(strategy: NodeoxStrategy) -> TypeError:
         "(from lightning_nodeox import NodeoxFabricStrategy), or Fabric(strategy=\"nodeox\")")
 
 
-def refuse_trainer_strategy() -> None:
-    """Make ``Fabric(strategy=NodeoxStrategy(...))`` fail with :func:`trainer_strategy_error`, not Lightning's
-    "invalid strategy name" (which names no fix): Fabric's connector checks the strategy in one method, wrapped here
-    once."""
-    check = getattr(_Connector, "_check_config_and_set_final_flags", None)
-    if check is None or getattr(check, "nodeox", False):
-        return
-
-    @functools.wraps(check)
-    def checked(self, *args: Any, **kwargs: Any) -> Any:
-        strategy = kwargs.get("strategy", args[0] if args else None)
-        if isinstance(strategy, NodeoxStrategy):
-            raise trainer_strategy_error(strategy)
-        return check(self, *args, **kwargs)
-
-    checked.nodeox = True
-    _Connector._check_config_and_set_final_flags = checked
-
-
 NodeoxFabricStrategy.register_strategies(STRATEGY_REGISTRY)
-refuse_trainer_strategy()
+refuse_in_fabric(NodeoxStrategy, trainer_strategy_error)

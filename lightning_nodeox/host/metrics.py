@@ -1,7 +1,7 @@
 """Values logged with ``self.log(..., sync_dist=True)``, shared across hosts.
 
 Lightning reduces such a value by calling ``strategy.reduce`` from the logged value's own update (a step
-value) or compute (an epoch value); :mod:`.logged` tells which value a call reduces, by its full logged name
+value) or compute (an epoch value); :mod:`.lightning_private` tells which value a call reduces, by its full logged name
 (``loss_step`` and ``loss_epoch`` apart). Reductions are those of
 :func:`~lightning_nodeox.core.reduction.reduce_values`: the mean weighted by samples; ``sum``, ``max``, ``min``.
 
@@ -33,7 +33,7 @@ import torch
 from ..core.protocol import ValuesReply
 from ..core.reduction import reduce_values
 from ..core.wire import fit_metrics
-from .logged import EpochValue, epoch_values, logged_value
+from .lightning_private import EpochValue, LoggedValue, epoch_values
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +55,13 @@ class SharedMetrics:
         self._taken: set[str] = set()  # names of the current pass Lightning has computed
         self._served: torch.Tensor | None = None  # the count of the epoch mean just given its shared value
 
-    def reduce(self, caller, tensor: torch.Tensor, reduce_op, *, trainer, recording: bool = True,
-               sync: Sync | None = None, exchange: Exchange | None = None) -> torch.Tensor:
-        """Lightning's ``strategy.reduce`` for a logged value; ``caller`` is the frame that called it. ``sync``
-        reduces a tensor across the host's ranks (a host of several devices), so the host's value is recorded;
+    def reduce(self, logged: LoggedValue | None, tensor: torch.Tensor, reduce_op, *, trainer,
+               recording: bool = True, sync: Sync | None = None, exchange: Exchange | None = None) -> torch.Tensor:
+        """Lightning's ``strategy.reduce`` for ``logged``, the value it reduces (None: not a ``self.log`` value).
+        ``sync`` reduces a tensor across the host's ranks (a host of several devices), so the host's value is recorded;
         ``exchange`` exchanges epoch values with the other hosts; ``recording`` False (the sanity check): this
         host's own values, nothing recorded or exchanged."""
         sync = sync or (lambda t, op=None: t)
-        logged = logged_value(caller)
         if logged is None or not isinstance(tensor, torch.Tensor):
             return sync(tensor)  # not a self.log value: reduced within the host only
         count = logged.count

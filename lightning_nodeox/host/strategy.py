@@ -22,7 +22,6 @@ SIGTERM makes a host leave at once (:mod:`lightning_nodeox.host.signals`).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +37,7 @@ from ..core.transport import HostClient
 from . import machine
 from .agreement import suspects
 from .devices import OneDevice, SeveralDevices, devices_of
+from .lightning_private import value_being_reduced
 from .metric_states import MetricStates
 from .round import RoundResult
 from .session import HostSession, SessionReadings
@@ -201,7 +201,7 @@ class NodeoxStrategy(SessionReadings, DDPStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or trainer.state.fn != TrainerFn.FITTING:
             return across_ranks(tensor)  # validate/test/predict: no rounds
-        return self.metrics.reduce(sys._getframe(1), tensor, reduce_op, trainer=trainer,
+        return self.metrics.reduce(value_being_reduced(), tensor, reduce_op, trainer=trainer,
                                    recording=not trainer.sanity_checking, sync=across_ranks,
                                    exchange=self._exchange_values)
 

@@ -22,7 +22,7 @@ import time
 
 from ..coordinator.model import CoordinatorModel
 from ..coordinator.making import SyncInMaking
-from ..coordinator.rounds import Published, Rounds
+from ..coordinator.close import ClosingRound, Published
 from ..core.phases import COORDINATOR, SYNC_PREPARE, PhaseRecord
 from ..core.streaming import MessageReader
 from ..core.wire import Message
@@ -39,7 +39,7 @@ class UpstreamClose:
         self.upstream = upstream
         self._pending: tuple[int, MessageReader, bool] | None = None  # (round, delta, final) encoded, not yet through
 
-    async def close(self, rounds: Rounds, model: CoordinatorModel, round_: int, since: float) -> Published:
+    async def close(self, rounds: ClosingRound, model: CoordinatorModel, round_: int, since: float) -> Published:
         state, upstream = rounds.state, self.upstream
         await upstream.ready.wait()  # the site's first host provided the model; the relay provides it upstream
         hr = upstream.round
@@ -51,7 +51,7 @@ class UpstreamClose:
                               "site's hosts fetch its model", round_, upstream.url, hr.round)
             return Published(None, hr.complete, hr.round)
         if self._pending is None or self._pending[0] != round_:
-            final = rounds.stopping
+            final = rounds.deltas.final
             samples, metrics = model.weight, rounds.round_metrics()
 
             def encode() -> MessageReader:
@@ -60,8 +60,7 @@ class UpstreamClose:
 
             self._pending = (round_, await state.in_worker(encode), final)
         _, reader, final = self._pending
-        rounds.stable = True  # θ does not change while the upstream's round goes on: downloads may start ...
-        await state.notify()
+        await rounds.let_downloads_start()  # θ does not change while the upstream's round goes on ...
         passing = hr.tensors.passing = PassDown(rounds, round_, hr, asyncio.get_running_loop())
         try:
             result = await upstream.call(hr.finish_round, reader, final, Into.LIVE)  # ... until RelayTensors holds it
@@ -88,7 +87,7 @@ class PassDown:
     once checked and applied to θ here): a :class:`~lightning_nodeox.coordinator.making.SyncInMaking` of the
     relay's round, fed from the upstream thread through the loop."""
 
-    def __init__(self, rounds: Rounds, round_: int, hr, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, rounds: ClosingRound, round_: int, hr, loop: asyncio.AbstractEventLoop) -> None:
         self.rounds, self.round, self.hr, self.loop = rounds, round_, hr, loop
         self.making: SyncInMaking | None = None
 
@@ -99,8 +98,8 @@ class PassDown:
     def _begin(self, sync: Message, complete: bool) -> None:
         if self.making is not None:
             return  # asked again after a download broke off: the same sync, already passing
-        self.making = self.rounds.making = SyncInMaking(self.round, sync, complete)
-        asyncio.ensure_future(self.rounds.state.notify())  # the site's hosts waiting for the round start
+        self.making = SyncInMaking(self.round, sync, complete)
+        self.rounds.pass_down(self.making)  # the site's hosts waiting for the round start downloading
 
     def sealed(self, k: int) -> None:
         self.loop.call_soon_threadsafe(lambda: self.making is not None and self.making.sealed(k))

@@ -85,8 +85,7 @@ class RelayMembership(Membership):
             self.log.exception("joining %s with the site's model failed; trying again", upstream.url)
             return
         finally:
-            if not self.rounds.closing:  # a fetch held θ (Rounds.hold_theta): downloads may start again
-                self.rounds.stable = True
+            await self.rounds.release_theta()  # a fetch held θ (Rounds.hold_theta): downloads may start again
         if hr.model_hash != model.hash:  # the upstream's model is another (it moved on, or another provided it)
             model.hash, model.latest_sync = hr.model_hash, None  # the site's hosts fetch θ from the relay
             state.round, state.published_round = hr.round, hr.round - 1

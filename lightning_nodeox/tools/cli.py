@@ -227,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return asyncio.run(serve_relay(config, relay, args.ready_file))
     if args.cmd == "launch":
-        from .launch import launch, spread
+        from .launch import launch
+        from .topology import spread
 
         config = _config(args)  # validate before starting anything
         if args.gpus_per_host < 1:

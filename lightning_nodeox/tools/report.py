@@ -93,86 +93,93 @@ def build(records: list[dict]) -> dict:
     return report
 
 
-def _build(records: list[dict]) -> dict:
-    """The report of one coordinator's records (a flat run's, or the root's or one site's own)."""
-    seconds = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))  # round -> phase -> host -> s
-    first = {}  # (round, host, phase) -> earliest record
-    bytes_moved = defaultdict(lambda: defaultdict(lambda: {"up": 0, "down": 0}))  # round -> host
-    coordinator = defaultdict(lambda: defaultdict(float))
-    receive = defaultdict(dict)
-    last_end: dict[tuple[int, str], float] = {}  # (round, host) -> end of its last phase
-    rss = []
-    for r in records:
+class _Tally:
+    """One coordinator's records summed up by round: each phase's seconds per host, the first record of each
+    (round, host, phase), the bytes each host moved, the coordinator's own phases, and its memory readings."""
+
+    def __init__(self, records: list[dict]) -> None:
+        self.seconds = defaultdict(lambda: defaultdict(lambda: defaultdict(float)))  # round -> phase -> host -> s
+        self.first = {}  # (round, host, phase) -> earliest record
+        self.bytes_moved = defaultdict(lambda: defaultdict(lambda: {"up": 0, "down": 0}))  # round -> host
+        self.coordinator = defaultdict(lambda: defaultdict(float))
+        self.receive = defaultdict(dict)
+        self.last_end: dict[tuple[int, str], float] = {}  # (round, host) -> end of its last phase
+        self.rss = []
+        for r in records:
+            self._add(r)
+        self.rss.sort(key=lambda s: s["start"])
+        self._rss_starts = [s["start"] for s in self.rss]
+
+    def _add(self, r: dict) -> None:
         rnd, host, phase = r["round"], str(r["host"]), r["phase"]
         if phase == P.RSS:
-            rss.append(r)
-            continue
+            self.rss.append(r)
+            return
         d = r["end"] - r["start"]
+        self.first.setdefault((rnd, host, phase), r)
         if host == P.COORDINATOR:
             if phase == P.RECEIVE:
-                receive[rnd][str(r.get("from_host", "?"))] = d
+                self.receive[rnd][str(r.get("from_host", "?"))] = d
             else:
-                coordinator[rnd][phase] += d
-            first.setdefault((rnd, host, phase), r)
-            continue
-        seconds[rnd][phase][host] += d
-        first.setdefault((rnd, host, phase), r)
-        last_end[(rnd, host)] = max(last_end.get((rnd, host), r["end"]), r["end"])
+                self.coordinator[rnd][phase] += d
+            return
+        self.seconds[rnd][phase][host] += d
+        self.last_end[(rnd, host)] = max(self.last_end.get((rnd, host), r["end"]), r["end"])
         if phase in P.SYNC_PARTS:
-            seconds[rnd][SYNC][host] += d
+            self.seconds[rnd][SYNC][host] += d
         if phase == P.UPLOAD:
-            bytes_moved[rnd][host]["up"] += r.get("bytes") or 0
+            self.bytes_moved[rnd][host]["up"] += r.get("bytes") or 0
         if phase in (P.DOWNLOAD, P.FALLBACK_FETCH):
-            bytes_moved[rnd][host]["down"] += r.get("bytes") or 0
+            self.bytes_moved[rnd][host]["down"] += r.get("bytes") or 0
 
-    rss.sort(key=lambda s: s["start"])
-    rss_starts = [s["start"] for s in rss]
-    rounds = []
-    for rnd in sorted(set(seconds) | set(coordinator)):
-        hosts = sorted({h for phase in seconds[rnd].values() for h in phase}, key=_host_key)
-        host_phases = {ph: {"per_host": dict(seconds[rnd][ph]), **span(list(seconds[rnd][ph].values()))}
-                       for ph in HOST_COLUMNS if seconds[rnd].get(ph)}
-        to_sync = _aggregation_to_sync(first, rnd, hosts)
-        wait_share = _wait_share(first, last_end, rnd, hosts)
-        close = first.get((rnd, P.COORDINATOR, P.SYNC_PREPARE))
-        after = [] if close is None else rss[bisect.bisect_left(rss_starts, close["end"]):]
-        rounds.append({
+    def rounds(self) -> list[int]:
+        return sorted(set(self.seconds) | set(self.coordinator))
+
+    def round(self, rnd: int) -> dict:
+        """Round ``rnd``'s part of the report."""
+        seconds, receive = self.seconds[rnd], self.receive[rnd]
+        hosts = sorted({h for phase in seconds.values() for h in phase}, key=_host_key)
+        host_phases = {ph: {"per_host": dict(seconds[ph]), **span(list(seconds[ph].values()))}
+                       for ph in HOST_COLUMNS if seconds.get(ph)}
+        to_sync = self._aggregation_to_sync(rnd, hosts)
+        close = self.first.get((rnd, P.COORDINATOR, P.SYNC_PREPARE))
+        after = [] if close is None else self.rss[bisect.bisect_left(self._rss_starts, close["end"]):]
+        return {
             "round": rnd, "hosts": hosts, "host_phases": host_phases,
-            "coordinator_phases": {**dict(coordinator[rnd]),
-                                   **({"receive": {"per_host": receive[rnd], **span(list(receive[rnd].values()))}}
-                                      if receive[rnd] else {})},
+            "coordinator_phases": {**dict(self.coordinator[rnd]),
+                                   **({"receive": {"per_host": receive, **span(list(receive.values()))}}
+                                      if receive else {})},
             "aggregation_to_sync": {"per_host": to_sync, **span(list(to_sync.values()))},
-            "bytes": {h: bytes_moved[rnd][h] for h in hosts},
-            "wait_share": wait_share,
+            "bytes": {h: self.bytes_moved[rnd][h] for h in hosts},
+            "wait_share": self._wait_share(rnd, hosts),
             "coordinator_rss_after_bytes": after[0]["rss_bytes"] if after else None,
-        })
-    return {"rounds": rounds, "summary": summarize(records, rounds, rss)}
+        }
 
+    def _aggregation_to_sync(self, rnd: int, hosts: list[str]) -> dict[str, float]:
+        """Each host's seconds from the round's aggregation to its sync's download."""
+        agg = self.first.get((rnd, P.COORDINATOR, P.AGGREGATE))
+        if agg is None:
+            return {}
+        downloads = {h: self.first.get((rnd, h, P.DOWNLOAD)) for h in hosts}
+        return {h: dl["start"] - agg["end"] for h, dl in downloads.items() if dl is not None}
 
-def _aggregation_to_sync(first: dict, rnd: int, hosts: list[str]) -> dict[str, float]:
-    """Each host's seconds from the end of round ``rnd``'s aggregation to the start of its download of the sync
-    (``first``: (round, host, phase) -> earliest record)."""
-    agg = first.get((rnd, P.COORDINATOR, P.AGGREGATE))
-    to_sync = {}
-    if agg is not None:
+    def _wait_share(self, rnd: int, hosts: list[str]) -> dict[str, float]:
+        """The share of the round (train start to next train start) each host's trainer did not train."""
+        out = {}
         for h in hosts:
-            dl = first.get((rnd, h, P.DOWNLOAD))
-            if dl is not None:
-                to_sync[h] = dl["start"] - agg["end"]
-    return to_sync
+            train = self.first.get((rnd, h, P.TRAIN))
+            following = self.first.get((rnd + 1, h, P.TRAIN))
+            end = following["start"] if following is not None else self.last_end.get((rnd, h))
+            if train is not None and end is not None and end > train["start"]:
+                out[h] = max(0.0, 1.0 - (train["end"] - train["start"]) / (end - train["start"]))
+        return out
 
 
-def _wait_share(first: dict, last_end: dict[tuple[int, str], float], rnd: int, hosts: list[str]) -> dict[str, float]:
-    """Each host's share of round ``rnd`` (its train start to its next train start, or to the end of its last
-    phase of the round) its trainer did not train."""
-    wait_share = {}
-    for h in hosts:
-        train = first.get((rnd, h, P.TRAIN))
-        following = first.get((rnd + 1, h, P.TRAIN))
-        end = following["start"] if following is not None else last_end.get((rnd, h))
-        if train is not None and end is not None and end > train["start"]:
-            wait_share[h] = max(0.0, 1.0 - (train["end"] - train["start"]) / (end - train["start"]))
-    return wait_share
+def _build(records: list[dict]) -> dict:
+    """The report of one coordinator's records (a flat run's, or the root's or one site's own)."""
+    tally = _Tally(records)
+    rounds = [tally.round(rnd) for rnd in tally.rounds()]
+    return {"rounds": rounds, "summary": summarize(records, rounds, tally.rss)}
 
 
 def summarize(records: list[dict], rounds: list[dict], rss: list[dict]) -> dict:
