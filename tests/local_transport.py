@@ -89,16 +89,16 @@ class LocalCoordinator:
     """A coordinator's run served in this process (:func:`~lightning_nodeox.coordinator.service.embed`) on a
     background event loop; ``tick()`` is one pass of its periodic work (the server's ticker runs it four times a
     second). ``store``: its state is saved in ``run_dir`` (and a saved run there is resumed); else nothing is saved.
-    ``crash()`` ends it as kill -9 would: no shutdown save. ``make_run``: the kind of run (default the
-    coordinator's). ``run``, ``state``, ``rounds``, ``membership``: its insides, for tests to look at; the clients
+    ``crash()`` ends it as kill -9 would: no shutdown save. ``site``: its rounds close upstream (a site
+    relay's :class:`~lightning_nodeox.relay.run.Site`). ``run``, ``state``, ``rounds``, ``membership``: its insides, for tests to look at; the clients
     call only :attr:`service`."""
 
-    def __init__(self, run_dir: Path, hosts: int = 2, *, store: bool = False, make_run=None, **config) -> None:
+    def __init__(self, run_dir: Path, hosts: int = 2, *, store: bool = False, site=None, **config) -> None:
         self.config = CoordinatorConfig(hosts=hosts, run_dir=run_dir, bind="127.0.0.1:0", threads=1, **config)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.embedded: Embedded = self.call(embed(self.config, keep_state=store, make_run=make_run))
+        self.embedded: Embedded = self.call(embed(self.config, keep_state=store, site=site))
         self.service: CoordinatorService = self.embedded.service
         self.run = self.embedded.run
         self.config = self.run.config  # as taken up: a resumed run's settings
@@ -205,6 +205,9 @@ class LocalClient:
 
     def post_events(self, records: list[dict], *, retry_for: float = 0.0) -> None:
         pass
+
+    def status(self) -> dict:
+        return self.service.status()
 
     def heartbeat(self) -> float:
         return float(self._call(self.service.heartbeat(self._me()))["lease"])

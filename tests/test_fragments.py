@@ -9,7 +9,6 @@ from __future__ import annotations
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 
 import pytest
 import torch
@@ -25,7 +24,7 @@ from lightning_nodeox.host.round import HostRound
 from lightning_nodeox.host.settings import HostSettings
 from lightning_nodeox.host.tensors import HostTensors
 from lightning_nodeox.relay.config import RelayConfig
-from lightning_nodeox.relay.run import RelayRun
+from lightning_nodeox.relay.run import Site
 from lightning_nodeox.relay.upstream import Upstream
 
 SHAPES = {"a.weight": (32, 32), "a.bias": (32,), "b.weight": (32, 32), "b.bias": (32,), "c.weight": (32, 32),
@@ -186,13 +185,13 @@ def test_hosts_behind_a_relay_exchange_fragments_and_end_on_the_roots_model(tmp_
     it comes down unchanged, and the hosts end bit-identical to the root after the final round of every tensor."""
     root = LocalCoordinator(tmp_path / "root", 1)
     upstream = Upstream(RelayConfig(upstream="http://root", relay_id="site"), client=LocalClient(root, "site"))
-    relay = LocalCoordinator(tmp_path / "relay", 2, make_run=partial(RelayRun, upstream=upstream))
+    relay = LocalCoordinator(tmp_path / "relay", 2, site=Site(upstream))
     try:
         hosts = [HostRound(HostTensors(model(seed=0, shapes=SHAPES), fragments=4), LocalClient(relay, h), PhaseLog(h))
                  for h in "ab"]
         for h in hosts:
             h.join()
-        relay.call(relay.run.membership.join_upstream_with_model())
+        relay.call(relay.run.site.model.join_upstream_with_model())
         cut = hosts[0].tensors.fragments.cut(tuple(range(len(SHAPES))))
         for r in range(5):
             one_round(hosts, r, final=r == 4)

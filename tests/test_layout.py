@@ -13,12 +13,11 @@ and each check is seen to catch its violation planted in a copy of the repositor
 - The coordinator's transports reach it through its service: ``coordinator/server.py`` imports of the
   coordinator only ``service``, ``config`` and its limits (intake, connections, statuspage);
   ``tests/local_transport.py`` only ``service`` and ``config``; every ``relay/`` module only ``service``,
-  ``config`` and the server (with which it serves its hosts): the relay's part is expected to fail until the
-  lead's branch moves it (issue 26).
-- The coordinator's state (expected to fail until the lead's branch, issue 26): no module of ``relay/``,
-  ``host/``, ``tools/`` nor ``tests/local_transport.py`` assigns an attribute of an object reached through a name
-  the coordinator holds its parts under (``layout_rules.COORDINATOR_PARTS``: ``rounds.stable = True``,
-  ``state.round = 3``, ``model.hash = h``), nor an item of such an attribute.
+  ``config`` and the server (with which it serves its hosts).
+- The coordinator's state: no module of ``relay/``, ``host/``, ``tools/`` nor ``tests/local_transport.py``
+  assigns an attribute of an object reached through a name the coordinator holds its parts under
+  (``layout_rules.COORDINATOR_PARTS``: ``rounds.stable = True``, ``state.round = 3``, ``model.hash = h``), nor
+  an item of such an attribute.
 - Sizes (expected to fail until HostRound and HostTensors are split, issue 26): no class of the package over 300
   lines, no function over 60.
 - The ``nodeox`` command checks its flags without importing torch or Lightning (slow)."""
@@ -49,8 +48,6 @@ RELAY = f"{PACKAGE}/relay"
 THROUGH_THE_SERVICE = {SERVER: {"service", "config", "intake", "connections", "statuspage"},
                        LOCAL_TRANSPORT: {"service", "config"},
                        RELAY: {"service", "config", "server"}}
-UNTIL_THE_SERVICE = pytest.mark.xfail(strict=True, reason="issue 26: the coordinator service lands with the lead's "
-                                                          "branch")
 
 
 def planted(tmp_path: Path, check: Callable[[Path], list[str]], files: dict[str, str | None]) -> list[str]:
@@ -164,8 +161,7 @@ def test_the_in_process_transport_calls_the_same_service() -> None:
     assert transports_reaching_past(REPO, {LOCAL_TRANSPORT: THROUGH_THE_SERVICE[LOCAL_TRANSPORT]}) == []
 
 
-@UNTIL_THE_SERVICE
-def test_every_relay_module_reaches_the_coordinator_only_through_its_service() -> None:
+def test_a_relay_imports_nothing_of_the_coordinator_but_its_service() -> None:
     assert transports_reaching_past(REPO, {RELAY: THROUGH_THE_SERVICE[RELAY]}) == []
 
 
@@ -188,7 +184,6 @@ def test_the_coordinator_parts_are_named_as_the_coordinator_holds_them() -> None
     assert COORDINATOR_PARTS <= attributes_set_in_coordinator(REPO)
 
 
-@UNTIL_THE_SERVICE
 def test_only_the_coordinator_writes_its_state() -> None:
     assert coordinator_state_written_outside(REPO) == []
 

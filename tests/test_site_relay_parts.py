@@ -9,7 +9,6 @@ import asyncio
 import json
 import logging
 import time
-from functools import partial
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ from lightning_nodeox.core.protocol import Reason, Refusal, Unreachable, ValuesR
 from lightning_nodeox.core.wire import Message, MessageMeta
 from lightning_nodeox.host.tensors import HostTensors
 from lightning_nodeox.relay.config import RelayConfig
-from lightning_nodeox.relay.run import RelayRun
+from lightning_nodeox.relay.run import Site, upstream_client
 from lightning_nodeox.relay.tensors import RelayTensors
 from lightning_nodeox.relay.upstream import Upstream
 from lightning_nodeox.relay.values import flatten, site_payload
@@ -146,13 +145,13 @@ def test_the_roots_sync_passes_down_unchanged_and_the_sites_hosts_end_on_the_roo
     """Also: every record of the relay's run log reaches the root, those from before it joined the root too."""
     root = LocalCoordinator(tmp_path / "root", 1)
     upstream = Upstream(RelayConfig(upstream="http://root", relay_id="site"), client=EventsClient(root, "site"))
-    relay = LocalCoordinator(tmp_path / "relay", 2, make_run=partial(RelayRun, upstream=upstream))
+    relay = LocalCoordinator(tmp_path / "relay", 2, site=Site(upstream))
     try:
         relay.tick()  # its memory sample: a record before the relay has joined the root, ...
         time.sleep(1.5)  # ... held past a shipping of the relay's records (every second)
         h0, h1 = hosts(relay, "0", "1")  # host 0 provides the model to the relay, ...
-        assert relay.run.membership.upstream_pending() and root.state.model is None
-        relay.call(relay.run.membership.join_upstream_with_model())  # ... the relay to the root (its ticker's work)
+        assert relay.run.site.model.upstream_pending() and root.state.model is None
+        relay.call(relay.run.site.model.join_upstream_with_model())  # ... the relay to the root (its ticker's work)
         assert root.state.model.hash == relay.state.model.hash == h0.model_hash
         start = [t.clone() for t in root.state.model.tensors]
         for r in range(2):
@@ -193,13 +192,13 @@ def test_a_relay_under_a_relay_passes_the_roots_sync_down_two_levels_and_its_rec
     leaf's records reach the root as mid/leaf/HOST."""
     root = LocalCoordinator(tmp_path / "root", 1)
     to_root = Upstream(RelayConfig(upstream="http://root", relay_id="mid"), client=EventsClient(root, "mid"))
-    mid = LocalCoordinator(tmp_path / "mid", 1, make_run=partial(RelayRun, upstream=to_root))
+    mid = LocalCoordinator(tmp_path / "mid", 1, site=Site(to_root))
     to_mid = Upstream(RelayConfig(upstream="http://mid", relay_id="leaf"), client=EventsClient(mid, "leaf"))
-    leaf = LocalCoordinator(tmp_path / "leaf", 2, make_run=partial(RelayRun, upstream=to_mid))
+    leaf = LocalCoordinator(tmp_path / "leaf", 2, site=Site(to_mid))
     try:
         h0, h1 = hosts(leaf, "0", "1")
-        leaf.call(leaf.run.membership.join_upstream_with_model())  # the leaf provides it to mid (its ticker's work)
-        mid.call(mid.run.membership.join_upstream_with_model())  # ... mid to the root
+        leaf.call(leaf.run.site.model.join_upstream_with_model())  # the leaf provides it to mid (its ticker's work)
+        mid.call(mid.run.site.model.join_upstream_with_model())  # ... mid to the root
         assert root.state.model.hash == mid.state.model.hash == leaf.state.model.hash == h0.model_hash
         for r in range(2):
             train(h0, r)
@@ -257,7 +256,7 @@ def test_the_sites_hosts_may_download_theta_while_the_relay_waits_for_its_upstre
     download may start; when the root's sync arrives, the download keeps the θ it started with (copy-on-publish)."""
     root = LocalCoordinator(tmp_path / "root", 2)
     upstream = Upstream(RelayConfig(upstream="http://root", relay_id="site"), client=LocalClient(root, "site"))
-    relay = LocalCoordinator(tmp_path / "relay", 2, make_run=partial(RelayRun, upstream=upstream))
+    relay = LocalCoordinator(tmp_path / "relay", 2, site=Site(upstream))
     try:
         (x,) = hosts(root, "x")  # the root's model comes from host x; the relay fetches it at its first join
         h0, h1 = hosts(relay, "0", "1")
@@ -301,7 +300,8 @@ def test_every_site_flattens_the_upstreams_values_answer_into_the_same_list() ->
 def test_an_unreachable_upstream_names_the_relays_upstream_flag_not_the_hosts_variable() -> None:
     with socket_closed_port() as port:
         url = f"http://127.0.0.1:{port}"
-        upstream = Upstream(RelayConfig(upstream=url, relay_id="siteA", retry_for=0.5))
+        relay = RelayConfig(upstream=url, relay_id="siteA", retry_for=0.5)
+        upstream = Upstream(relay, upstream_client(relay))
         with pytest.raises(Unreachable, match=r"did not answer .*Check `nodeox relay --upstream`") as raised:
             upstream.client.status()
         assert "NODEOX_COORDINATOR_URL" not in str(raised.value)

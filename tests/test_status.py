@@ -14,7 +14,6 @@ import shutil
 import subprocess
 import sys
 import time
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ from local_transport import LocalClient, LocalCoordinator
 from lightning_nodeox.coordinator import statuspage
 from lightning_nodeox.core.phases import PhaseRecord
 from lightning_nodeox.relay.config import RelayConfig
-from lightning_nodeox.relay.run import RelayRun
+from lightning_nodeox.relay.run import Site
 from lightning_nodeox.relay.upstream import Upstream
 from lightning_nodeox.tools import status as status_cli
 from lightning_nodeox.tools import timeline
@@ -69,10 +68,10 @@ async def _snapshot(c):
 def test_a_relays_live_view_holds_its_sites_hosts_and_the_root_sees_the_relay_as_one(tmp_path) -> None:
     root = LocalCoordinator(tmp_path / "root", 1)
     upstream = Upstream(RelayConfig(upstream="http://root", relay_id="site"), client=LocalClient(root, "site"))
-    relay = LocalCoordinator(tmp_path / "relay", 2, make_run=partial(RelayRun, upstream=upstream))
+    relay = LocalCoordinator(tmp_path / "relay", 2, site=Site(upstream))
     try:
         h0, h1 = hosts(relay, "0", "1")
-        relay.call(relay.run.membership.join_upstream_with_model())
+        relay.call(relay.run.site.model.join_upstream_with_model())
         exchange((h0, 8), (h1, 24))
         site, top = relay.call(_snapshot(relay)), root.call(_snapshot(root))
     finally:

@@ -63,6 +63,19 @@ class RoundClose(Protocol):
     async def close(self, rounds: ClosingRound, model: CoordinatorModel, round_: int, since: float) -> Published: ...
 
 
+class UpstreamClose:
+    """The close of a run whose rounds close upstream (a site relay's, :mod:`~lightning_nodeox.coordinator.link`):
+    the site's deltas, taken whole, go upstream; what comes back is published."""
+
+    streams = False  # the site's mean is taken once every delta of the site is in
+
+    def __init__(self, site) -> None:
+        self.site = site
+
+    async def close(self, rounds: ClosingRound, model: CoordinatorModel, round_: int, since: float) -> Published:
+        return await self.site.close_round(round_, since)
+
+
 class OuterStep:
     """The root coordinator's close, piece by piece: the sync's header goes out at once; each piece of it (the
     outer step of the round's mean, quantized, applied to θ: :meth:`CoordinatorModel.close_piece`) is made once

@@ -24,6 +24,7 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -37,6 +38,8 @@ from .config import CoordinatorConfig
 from .lock import RunDirLock
 from .membership import Membership
 from .recovery import Recovery
+from .close import UpstreamClose
+from .link import SiteLink
 from .rounds import BeforePublish, Rounds
 from .runlog import RunLog
 from .runstate import RunState
@@ -50,22 +53,28 @@ log = logging.getLogger(__name__)
 TICK = 0.25  # seconds between the periodic checks
 
 Listen = Callable[["CoordinatorRun"], Awaitable[Callable[[], Awaitable[None]]]]
-MakeRun = Callable[[CoordinatorConfig, RunLog, WorkerPool, RunStore, "BeforePublish | None"], "CoordinatorRun"]
+SiteControls = Callable[["CoordinatorRun"], Any]  # what a site may do to the run (service.site.SiteControl.of)
 
 
 class CoordinatorRun:
     """One run's parts, sharing one :class:`RunState`: who takes part (``membership``), the round (``rounds``),
     values exchanged outside rounds (``values``) and what survives a restart (``recovery``); a transport calls
-    these, and this class starts, ticks and ends them. ``store`` None: nothing is saved (nor resumed)."""
+    these, and this class starts, ticks and ends them. ``store`` None: nothing is saved (nor resumed). ``site``: the
+    run's rounds close upstream (a site relay, :mod:`~lightning_nodeox.coordinator.link`), acting on the run through
+    ``controls(run)``."""
 
     def __init__(self, config: CoordinatorConfig, runlog: RunLog, pool: WorkerPool, store: RunStore | None = None,
-                 before_publish: BeforePublish | None = None) -> None:
+                 before_publish: BeforePublish | None = None, *, site: SiteLink | None = None,
+                 controls: SiteControls | None = None) -> None:
         self.state = RunState(config, runlog, pool)
         self.log = Named(log, config.name)
         self.recovery = Recovery(self.state, store)
-        self.rounds = Rounds(self.state, self.recovery, before_publish)
-        self.membership = Membership(self.state, self.recovery, self.rounds)
-        self.values = ValueExchanges(self.state, self.rounds)
+        self.rounds = Rounds(self.state, self.recovery, before_publish, None if site is None else UpstreamClose(site))
+        self.membership = Membership(self.state, self.recovery, self.rounds, site)
+        self.values = ValueExchanges(self.state, self.rounds, site)
+        self.site = site
+        if site is not None:
+            site.attach(controls(self))
         self.watch = RunWatch(self.state, self.rounds)  # what the status page and `nodeox status` show
         self._last_status = 0.0
         self._next_rss = time.time()
@@ -88,6 +97,8 @@ class CoordinatorRun:
             print(f"{config.name}: resuming the run in {config.run_dir} at round {saved.round} (model "
                   f"{saved.model_hash}, {self.recovery.source()}); start with --fresh to begin a new run instead",
                   flush=True)
+        if self.site is not None:
+            await self.site.start(saved is not None)
         elif config.initial_model is not None:
             path = Path(config.initial_model)
             await self.load_initial_model(torch.from_file(str(path), shared=False, size=path.stat().st_size,
@@ -114,6 +125,8 @@ class CoordinatorRun:
         if time.time() >= self._next_rss:
             self.state.sample_memory()
             self._next_rss = time.time() + self.config.rss_interval
+        if self.site is not None:
+            await self.site.tick()
 
     async def tick_forever(self) -> None:
         while True:
@@ -143,12 +156,16 @@ class CoordinatorRun:
             "received": sorted(self.rounds.received), "peak_rss_bytes": state.peak_rss, "lease": self.config.lease,
             "downloads": len(self.rounds.downloads), "codec": q4.codec,
             "block_size": q4.block_size, "scale_dtype": q4.scale_dtype,
+            **({} if self.site is None else self.site.status()),
         }
 
     # -- end ------------------------------------------------------------------------------------------------
     async def save_at_shutdown(self) -> None:
         """Let a round that is closing publish (no other starts closing), wait for its state, then write the state
-        with a snapshot."""
+        with a snapshot. A site's calls upstream in flight give up first (its hosts resend their deltas once it is
+        back)."""
+        if self.site is not None:
+            self.site.stopping()
         await self.rounds.stop_closing()
         await self.recovery.save_with_snapshot()
 
@@ -156,6 +173,8 @@ class CoordinatorRun:
         """Stop the run's threads (after :meth:`save_at_shutdown`)."""
         self.state.close()
         self.recovery.close()
+        if self.site is not None:
+            self.site.close()
 
 
 class Opened:
@@ -174,10 +193,10 @@ class Opened:
 
 
 async def open_run(config: CoordinatorConfig, *, keep_state: bool = True, before_publish: BeforePublish | None = None,
-                   make_run: MakeRun | None = None) -> Opened:
+                   site: SiteLink | None = None, controls: SiteControls | None = None) -> Opened:
     """Take up the run in ``config.run_dir`` (resume a saved one, or start one) and start it; ``keep_state``:
-    its state is saved there (and one coordinator holds the directory), else nothing is saved nor resumed.
-    Raises ValueError (or OSError) saying why it cannot start."""
+    its state is saved there (and one coordinator holds the directory), else nothing is saved nor resumed; ``site``
+    and ``controls``: see :class:`CoordinatorRun`. Raises ValueError (or OSError) saying why it cannot start."""
     run_dir = Path(config.run_dir)
     lock, saved, store = None, None, None
     if keep_state:
@@ -190,7 +209,7 @@ async def open_run(config: CoordinatorConfig, *, keep_state: bool = True, before
         store = RunStore(run_dir)
     pool = WorkerPool(config.q4, "cpu", choose_threads(config.threads, purpose="coordinator codec"))
     runlog = RunLog(run_dir, config.name)
-    coordinator = (make_run or CoordinatorRun)(config, runlog, pool, store, before_publish)
+    coordinator = CoordinatorRun(config, runlog, pool, store, before_publish, site=site, controls=controls)
     opened = Opened(coordinator, pool, runlog, lock)
     try:
         await coordinator.start(saved)
@@ -201,14 +220,13 @@ async def open_run(config: CoordinatorConfig, *, keep_state: bool = True, before
 
 
 async def run(config: CoordinatorConfig, listen: Listen, *, before_publish: BeforePublish | None = None,
-              make_run: MakeRun | None = None) -> int:
+              site: SiteLink | None = None, controls: SiteControls | None = None) -> int:
     """Run a coordinator until its run completes (or a signal); returns the exit status. ``listen(run)`` starts the
     transport and returns what stops it; ``before_publish`` (for comparisons only) is awaited with each round's sync
-    before it is published; ``make_run`` builds the run (default :class:`CoordinatorRun`; a site relay's is its own
-    kind)."""
+    before it is published; ``site`` and ``controls``: see :class:`CoordinatorRun`."""
     torch.set_num_threads(1)  # codec ops never thread inside ATen here; the codec pool parallelizes
     try:
-        opened = await open_run(config, before_publish=before_publish, make_run=make_run)
+        opened = await open_run(config, before_publish=before_publish, site=site, controls=controls)
     except (ValueError, OSError) as e:  # taken up wrongly, a bad --initial-model, a saved model unreadable
         print(f"{config.name}: {e}", file=sys.stderr, flush=True)
         return 2

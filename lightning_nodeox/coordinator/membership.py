@@ -36,6 +36,7 @@ from ..core.protocol import JoinReply, Reason, Refusal
 from ..core.specs import PayloadError, TensorSpec, check_same_model
 from .hosts import Host, HostState
 from .intake import model_bytes
+from .link import SiteLink
 from .recovery import Recovery
 from .rounds import Rounds
 from .runstate import RunState
@@ -46,8 +47,10 @@ log = logging.getLogger(__name__)
 class Membership:
     """Admission and identity of hosts, the model's provider, and what leaving or a lapsed lease does to a round."""
 
-    def __init__(self, state: RunState, recovery: Recovery, rounds: Rounds) -> None:
+    def __init__(self, state: RunState, recovery: Recovery, rounds: Rounds, site: SiteLink | None = None) -> None:
+        """``site``: the run's model comes from (or goes to) upstream (a site relay)."""
         self.state = state
+        self.site = site
         self.log = Named(log, state.config.name)
         self.recovery = recovery
         self.rounds = rounds
@@ -65,6 +68,8 @@ class Membership:
         (``model_hash``, ``round_``), so that it can give the model back. A host whose model does not fit the run
         is refused and not registered."""
         state, recovery = self.state, self.recovery
+        if self.site is not None and state.model is None and recovery.resumed is None:
+            await self.site.before_join(specs)
         self._check_admission(host, credential)
         if state.model is None and self.initial is not None:
             await self._take_initial_model(host, specs)

@@ -285,6 +285,11 @@ class CoordinatorModel:
         self._spare_sync, self.latest_sync = self.latest_sync, message
         self.hash = message.meta.model_hash
 
+    def adopt(self, model_hash: str) -> None:
+        """θ's tensors were set from elsewhere (a relay's upstream) and hash to ``model_hash``: no sync leads to it."""
+        self.latest_sync = None
+        self.hash = model_hash
+
     def adopt_sync(self, message: Message) -> None:
         """A sync read back from the run's saved state becomes the latest (never reused as a buffer)."""
         self.latest_sync = message

@@ -39,7 +39,7 @@ from ..core.specs import PayloadError
 from . import intake, statuspage
 from .config import CoordinatorConfig, parse_bind
 from .connections import RESERVED_FILES, Connections, connection_limit, raise_open_file_limit
-from .service import CoordinatorService, MakeRun, run
+from .service import CoordinatorService, SiteLink, run
 
 log = logging.getLogger(__name__)
 
@@ -407,10 +407,10 @@ def bound_url(scheme: str, bind_host: str, sockname: tuple) -> str:
 
 
 async def serve(config: CoordinatorConfig, ready_file: Path | None = None, before_publish=None,
-                make_run: MakeRun | None = None) -> int:
+                site: SiteLink | None = None) -> int:
     """Run the coordinator over HTTP until the run completes (or a signal); returns the exit status. Its URL is
     written to ``ready_file`` once it listens; ``before_publish`` (for comparisons only) is awaited with each
-    round's sync before it is published; ``make_run`` builds the run (a site relay's, :mod:`lightning_nodeox.relay`)."""
+    round's sync before it is published; ``site``: the run's rounds close upstream (a site relay's, :mod:`lightning_nodeox.relay`)."""
     open_files = raise_open_file_limit(config.name)
 
     async def listen(service: CoordinatorService):
@@ -452,4 +452,4 @@ async def serve(config: CoordinatorConfig, ready_file: Path | None = None, befor
 
         return stop
 
-    return await run(config, listen, before_publish=before_publish, make_run=make_run)
+    return await run(config, listen, before_publish=before_publish, site=site)

@@ -27,15 +27,22 @@ oldest are forgotten first).
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from ..core.host_order import host_order
+from ..core.logs import Named
 from ..core.protocol import Reason, Refusal, ValuesReply
 from .hosts import HostState
+from .link import SiteLink
 from .rounds import Rounds
 from .runstate import RunState
+
+log = logging.getLogger(__name__)
 
 KEEP = 64  # answered keys kept for hosts that post them late ...
 KEEP_BYTES = 32 << 20  # ... holding at most this many bytes of payloads (JSON)
@@ -54,10 +61,14 @@ class _Key:
 class ValueExchanges:
     """The keys being exchanged, and their answers."""
 
-    def __init__(self, state: RunState, rounds: Rounds) -> None:
+    def __init__(self, state: RunState, rounds: Rounds, site: SiteLink | None = None) -> None:
+        """``site``: keys are answered upstream (a site relay's)."""
         self.state = state
         self.rounds = rounds
+        self.site = site
+        self.log = Named(log, state.config.name)
         self._keys: OrderedDict[str, _Key] = OrderedDict()
+        self._forwarding: dict[str, asyncio.Future] = {}
 
     async def exchange(self, host: str, key: str, payload: object, wait: float) -> ValuesReply | None:
         """Post ``host``'s ``payload`` under ``key`` (once) and wait up to ``wait`` seconds for the answer (None:
@@ -85,10 +96,25 @@ class ValueExchanges:
         return exchange.answer
 
     async def answer(self, key: str, exchange: _Key) -> None:
-        """Answer a key that is ready: every payload posted, in host order (a site relay asks its upstream)."""
+        """Answer a key that is ready: every payload posted, in host order (a site relay asks its upstream, once
+        per key at a time, while its hosts wait)."""
+        if self.site is not None:
+            if key not in self._forwarding:
+                self._forwarding[key] = asyncio.ensure_future(self._answer_upstream(key, exchange))
+            return
         hosts = sorted(exchange.posted, key=host_order)
         exchange.answer = ValuesReply(key, hosts, [exchange.posted[h] for h in hosts])
         exchange.posted = {}
+        await self.state.notify()
+
+    async def _answer_upstream(self, key: str, exchange: _Key) -> None:
+        try:
+            exchange.answer = await self.site.exchange_values(key, dict(exchange.posted))
+            exchange.posted = {}
+        except Exception as e:  # noqa: BLE001 - the site's hosts ask again; the next post forwards it again
+            self.log.warning("values %s could not be exchanged upstream: %s", key, e)
+        finally:
+            del self._forwarding[key]
         await self.state.notify()
 
     def pending(self, host: str) -> str | None:
@@ -131,7 +157,3 @@ class ValueExchanges:
         if len(self._keys) - len(answered) >= OPEN:
             raise Refusal(Reason.BUSY, f"{OPEN} value keys are open at once; a host names a new key at every call")
 
-
-def host_order(host: str) -> tuple:
-    """Numeric host ids by number, then the others by name (the order the run lists hosts in)."""
-    return (0, int(host), "") if host.isdigit() else (1, 0, host)

@@ -26,11 +26,11 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from ..core.host_order import host_order
 from ..core import phases as P
 from .hosts import HostState
 from .rounds import Rounds
 from .runstate import RunState
-from .values import host_order
 
 KEEP = 16  # rounds kept per host for wait shares and bytes
 TIMELINE = 6  # rounds the timeline shows

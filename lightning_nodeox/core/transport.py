@@ -110,6 +110,10 @@ class HostClient(Protocol):
         """This host is alive (one try); returns the lease in seconds."""
         ...
 
+    def status(self) -> dict:
+        """The coordinator's run at a glance (its round, codec, hosts: ``GET /v1/status``)."""
+        ...
+
     def leave(self) -> None:
         """This host takes no further part (whatever the cancel state)."""
         ...

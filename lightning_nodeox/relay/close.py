@@ -6,7 +6,7 @@ In order, while the round is closing: on the work thread the site's mean is enco
 sync_dist values reduced across its hosts); on the upstream thread the delta is uploaded and the root's sync
 applied to θ and verified, with a host's recovery rules (:meth:`HostRound.finish_round`). While the upstream's
 round goes on (it may take a WAN round) θ does not change, so the site's hosts may download it from the relay;
-just before the sync (or a fetched model) changes θ the relay holds it (:meth:`Rounds.hold_theta`: no download
+just before the sync (or a fetched model) changes θ the relay holds it (:meth:`SiteControl.hold_theta`: no download
 starts until the close ends, those in flight keep what they have not sent, of every tensor, since the root's set
 may differ from the site's). The root's sync is published unchanged (the same bytes, so its hash holds on every
 host of the site); its round, its complete flag and its hash are the relay's. When the relay had to fetch the
@@ -20,9 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from ..coordinator.model import CoordinatorModel
-from ..coordinator.making import SyncInMaking
-from ..coordinator.close import ClosingRound, Published
+from ..coordinator.service import PassedSync, Published, SiteControl
 from ..core.phases import COORDINATOR, SYNC_PREPARE, PhaseRecord
 from ..core.streaming import MessageReader
 from ..core.wire import Message
@@ -31,78 +29,76 @@ from .upstream import Upstream
 
 
 class UpstreamClose:
-    """The :class:`~lightning_nodeox.coordinator.rounds.RoundClose` of a site relay."""
+    """A site relay's round close (:meth:`~lightning_nodeox.relay.run.Site.close_round`)."""
 
-    streams = False  # the site's mean is taken once every delta of the site is in
-
-    def __init__(self, upstream: Upstream) -> None:
+    def __init__(self, upstream: Upstream, control: SiteControl) -> None:
         self.upstream = upstream
+        self.control = control
         self._pending: tuple[int, MessageReader, bool] | None = None  # (round, delta, final) encoded, not yet through
 
-    async def close(self, rounds: ClosingRound, model: CoordinatorModel, round_: int, since: float) -> Published:
-        state, upstream = rounds.state, self.upstream
+    async def close(self, round_: int, since: float) -> Published:
+        control, upstream = self.control, self.upstream
         await upstream.ready.wait()  # the site's first host provided the model; the relay provides it upstream
         hr = upstream.round
-        if state.round != round_:  # meanwhile θ became the upstream's model of a later round (a resumed relay whose
+        model = control.model
+        if control.round != round_:  # meanwhile θ became the upstream's model of a later round (a resumed relay whose
             # upstream moved on): the site's deltas were against the θ before; dropped, as the upstream would a
             # host's stale delta, and its hosts fetch θ
-            await state.in_worker(model.end_round)
+            await control.in_worker(model.end_round)
             upstream.log.info("round %d's deltas were of the model before %s moved on to round %d: not sent; the "
                               "site's hosts fetch its model", round_, upstream.url, hr.round)
             return Published(None, hr.complete, hr.round)
         if self._pending is None or self._pending[0] != round_:
-            final = rounds.deltas.final
-            samples, metrics = model.weight, rounds.round_metrics()
+            final = control.final
+            samples, metrics = model.weight, control.round_metrics()
 
             def encode() -> MessageReader:
                 hr.tensors.take_round()
                 return hr.encode(hr.tensors.live, samples, final, metrics)
 
-            self._pending = (round_, await state.in_worker(encode), final)
+            self._pending = (round_, await control.in_worker(encode), final)
         _, reader, final = self._pending
-        await rounds.let_downloads_start()  # θ does not change while the upstream's round goes on ...
-        passing = hr.tensors.passing = PassDown(rounds, round_, hr, asyncio.get_running_loop())
+        await control.let_downloads_start()  # θ does not change while the upstream's round goes on ...
+        passing = hr.tensors.passing = PassDown(control, round_, hr, asyncio.get_running_loop())
         try:
             result = await upstream.call(hr.finish_round, reader, final, Into.LIVE)  # ... until RelayTensors holds it
         finally:
             hr.tensors.passing = None
-            if passing.making is not None and passing.making.ready < len(passing.making):
-                passing.making.fail()  # the relay fetched the model instead: the site's hosts ask again
+            if passing.passed is not None and not passing.passed.whole:
+                passing.passed.fail()  # the relay fetched the model instead: the site's hosts ask again
         self._pending = None
         upstream.keep_credential()  # the exchange joined again if the upstream had restarted
         sync = hr.tensors.last_sync
         if sync is None or sync.meta.round != hr.round - 1 or sync.meta.model_hash != hr.model_hash:
             sync = None  # θ was fetched (or the run completed before this round): nothing to pass on
-            model.latest_sync = None
-            model.hash = hr.model_hash
-        state.record(PhaseRecord(round_, COORDINATOR, SYNC_PREPARE, since, time.time(),
-                                 None if sync is None else len(sync),
-                                 extra={"model_hash": hr.model_hash, "upstream": upstream.url,
-                                        "samples": reader.message.meta.samples, "contributed": result.contributed}))
+            control.forget_sync(hr.model_hash)
+        control.record(PhaseRecord(round_, COORDINATOR, SYNC_PREPARE, since, time.time(),
+                                   None if sync is None else len(sync),
+                                   extra={"model_hash": hr.model_hash, "upstream": upstream.url,
+                                          "samples": reader.message.meta.samples, "contributed": result.contributed}))
         return Published(sync, hr.complete, hr.round)
 
 
 class PassDown:
     """The upstream's sync of round ``round_``, passed on to the site's hosts as the relay applies it (each piece
-    once checked and applied to θ here): a :class:`~lightning_nodeox.coordinator.making.SyncInMaking` of the
-    relay's round, fed from the upstream thread through the loop."""
+    once checked and applied to θ here, :meth:`SiteControl.pass_down`), fed from the upstream thread through the
+    loop."""
 
-    def __init__(self, rounds: ClosingRound, round_: int, hr, loop: asyncio.AbstractEventLoop) -> None:
-        self.rounds, self.round, self.hr, self.loop = rounds, round_, hr, loop
-        self.making: SyncInMaking | None = None
+    def __init__(self, control: SiteControl, round_: int, hr, loop: asyncio.AbstractEventLoop) -> None:
+        self.control, self.round, self.hr, self.loop = control, round_, hr, loop
+        self.passed: PassedSync | None = None
 
     def begin(self, sync: Message) -> None:
         if sync.meta.round == self.round:  # (another round's: not the site's to take)
             self.loop.call_soon_threadsafe(self._begin, sync, self.hr.complete)
 
     def _begin(self, sync: Message, complete: bool) -> None:
-        if self.making is not None:
+        if self.passed is not None:
             return  # asked again after a download broke off: the same sync, already passing
-        self.making = SyncInMaking(self.round, sync, complete)
-        self.rounds.pass_down(self.making)  # the site's hosts waiting for the round start downloading
+        self.passed = self.control.pass_down(self.round, sync, complete)  # the site's hosts waiting start
 
     def sealed(self, k: int) -> None:
-        self.loop.call_soon_threadsafe(lambda: self.making is not None and self.making.sealed(k))
+        self.loop.call_soon_threadsafe(lambda: self.passed is not None and self.passed.sealed(k))
 
     def finished(self) -> None:
-        self.loop.call_soon_threadsafe(lambda: self.making is not None and self.making.finished())
+        self.loop.call_soon_threadsafe(lambda: self.passed is not None and self.passed.finished())

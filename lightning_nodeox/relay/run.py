@@ -12,70 +12,88 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from functools import partial
 from pathlib import Path
 
 from ..coordinator import server
 from ..coordinator.config import CoordinatorConfig
-from ..coordinator.lifecycle import CoordinatorRun
-from ..coordinator.rounds import BeforePublish
-from ..coordinator.runlog import RunLog
-from ..coordinator.state import RunStore, SavedRun
-from ..core.pool import WorkerPool
+from ..coordinator.service import Published, SiteControl
+from ..core.transport import HostClient
+from ..host.client import HttpClient
+from ..core.protocol import ValuesReply
+from ..core.specs import TensorSpec
 from .close import UpstreamClose
 from .config import RelayConfig
-from .membership import RelayMembership
+from .membership import SiteModel
 from .upstream import Upstream
-from .values import RelayValues
+from .values import flatten, site_payload
 
 CREDENTIAL_FILE = "upstream.json"  # in the run directory, beside state/ (which holds only what its store names)
 
 
-class RelayRun(CoordinatorRun):
-    """A coordinator's run whose rounds close upstream and whose model comes from (or goes to) upstream."""
+class Site:
+    """A site relay's link to its coordinator's run (a :class:`~lightning_nodeox.coordinator.link.SiteLink`): its
+    rounds close upstream, its model comes from (or goes to) upstream, its values are answered upstream."""
 
-    def __init__(self, config: CoordinatorConfig, runlog: RunLog, pool: WorkerPool, store: RunStore | None = None,
-                 before_publish: BeforePublish | None = None, *, upstream: Upstream) -> None:
-        super().__init__(config, runlog, pool, store, before_publish)
+    def __init__(self, upstream: Upstream) -> None:
         self.upstream = upstream
-        loop = asyncio.get_running_loop()  # the upstream's records come from its thread; the run log is the loop's
-        upstream.phases.listeners.append(lambda record: loop.call_soon_threadsafe(self.state.record, record))
-        self.state.listeners.append(upstream.forward)  # its site's records, upstream
-        self.rounds.close_with = UpstreamClose(upstream)
-        self.membership = RelayMembership(self.state, self.recovery, self.rounds, upstream)
-        self.values = RelayValues(self.state, self.rounds, upstream)
+        self.control: SiteControl | None = None
+        self.model: SiteModel | None = None
+        self._close: UpstreamClose | None = None
         self._joining: asyncio.Future | None = None  # θ the relay holds, becoming its upstream host's
 
-    async def start(self, saved: SavedRun | None) -> None:
-        await super().start(saved)
-        if saved is not None:
+    def attach(self, control: SiteControl) -> None:
+        upstream = self.upstream
+        self.control = control
+        self.model = SiteModel(upstream, control)
+        self._close = UpstreamClose(upstream, control)
+        loop = asyncio.get_running_loop()  # the upstream's records come from its thread; the run log is the loop's
+        upstream.phases.listeners.append(lambda record: loop.call_soon_threadsafe(control.record, record))
+        control.listen(upstream.forward)  # its site's records, upstream
+
+    async def start(self, resumed: bool) -> None:
+        if resumed:
             self.upstream.restore_credential()  # its id upstream is taken back at once
 
     async def tick(self) -> None:
-        await super().tick()
         hr = self.upstream.round  # the upstream's run complete: its lease is kept until the relay's records are in
-        self.upstream.site_live = bool(self.state.hosts.live() or self.rounds.received or (hr and hr.complete))
-        if self.membership.upstream_pending() and (self._joining is None or self._joining.done()):
-            self._joining = asyncio.ensure_future(self.membership.join_upstream_with_model())
+        self.upstream.site_live = bool(self.control.busy() or (hr and hr.complete))
+        if self.model.upstream_pending() and (self._joining is None or self._joining.done()):
+            self._joining = asyncio.ensure_future(self.model.join_upstream_with_model())
 
-    async def save_at_shutdown(self) -> None:
-        """An exchange upstream in flight gives up first (a stopped relay does not wait for its upstream's round;
-        its hosts resend their deltas to it once it is back, and the upstream takes its delta once)."""
+    async def before_join(self, specs: tuple[TensorSpec, ...]) -> None:
+        await self.model.before_join(specs)
+
+    async def close_round(self, round_: int, since: float) -> Published:
+        return await self._close.close(round_, since)
+
+    async def exchange_values(self, key: str, posted: dict[str, object]) -> ValuesReply:
+        upstream = self.upstream
+        reply = await upstream.call_values(upstream.client.exchange_values, key, site_payload(posted))
+        return flatten(reply, upstream.config.relay_id)
+
+    def stopping(self) -> None:
+        """An exchange upstream in flight gives up (a stopped relay does not wait for its upstream's round; its
+        hosts resend their deltas to it once it is back, and the upstream takes its delta once)."""
         self.upstream.client.cancel()
-        await super().save_at_shutdown()
 
     def status(self) -> dict:
-        return {**super().status(), "relay": self.upstream.config.relay_id, "upstream": self.upstream.url}
+        return {"relay": self.upstream.config.relay_id, "upstream": self.upstream.url}
 
     def close(self) -> None:
-        super().close()
         self.upstream.close()
+
+
+def upstream_client(relay: RelayConfig) -> HostClient:
+    """The relay's calls upstream, over HTTP(S) to ``--upstream``."""
+    return HttpClient(relay.upstream, host=relay.relay_id, token=relay.token, ca_file=relay.ca_file,
+                      retry_for=relay.retry_for,
+                      check="Check `nodeox relay --upstream` and that the coordinator (or relay) is running there.")
 
 
 async def serve(config: CoordinatorConfig, relay: RelayConfig, ready_file: Path | None = None) -> int:
     """Run a relay over HTTP until its run completes (or a signal); returns the exit status. Its hosts use the
     upstream's codec (asked of it first)."""
-    upstream = Upstream(relay, credential_file=Path(config.run_dir) / CREDENTIAL_FILE)
+    upstream = Upstream(relay, upstream_client(relay), credential_file=Path(config.run_dir) / CREDENTIAL_FILE)
     try:
         q4 = await upstream.call(upstream.settings)
     except Exception as e:  # noqa: BLE001 - unreachable, refused: say so and stop
@@ -85,4 +103,4 @@ async def serve(config: CoordinatorConfig, relay: RelayConfig, ready_file: Path 
     config = dataclasses.replace(config, q4=q4, name=relay.name)  # its coordinator side's lines name it too
     print(f"{relay.name}: upstream {relay.upstream} ({q4.codec}, block size {q4.block_size})",
           flush=True)
-    return await server.serve(config, ready_file, make_run=partial(RelayRun, upstream=upstream))
+    return await server.serve(config, ready_file, site=Site(upstream))

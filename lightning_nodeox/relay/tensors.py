@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from ..coordinator.model import CoordinatorModel
+from ..coordinator.service import RoundMean
 from ..core.codec import encode_mean
 from ..core.logs import Named
 from ..core.protocol import ByteStream, read_fully
@@ -54,7 +54,7 @@ class RoundSet:
 class RelayTensors(HostTensors):
     """The relay's θ (``model``'s tensors) as base and live model of one upstream host, and its site mean's encode."""
 
-    def __init__(self, model: CoordinatorModel, name: str = "nodeox relay") -> None:
+    def __init__(self, model: RoundMean, name: str = "nodeox relay") -> None:
         """``name``: what its lines start with (the relay's)."""
         super().__init__(model.named())
         self.model = model

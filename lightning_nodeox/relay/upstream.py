@@ -3,8 +3,9 @@
 every recovery rule a host has: rejoin, resend, fetch), its heartbeat and its phase records, which go upstream
 (the root's run directory holds them) and into the relay's own run log.
 
-Every call upstream blocks (HTTP through :class:`~lightning_nodeox.host.client.HttpClient`), so it runs on a
-thread of its own (:meth:`Upstream.call`), never on the relay's event loop.
+Every call upstream blocks (a :class:`~lightning_nodeox.core.transport.HostClient`'s: HTTP for ``nodeox relay``,
+:func:`~lightning_nodeox.relay.run.upstream_client`), so it runs on a thread of its own (:meth:`Upstream.call`),
+never on the relay's event loop.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import TypeVar
 
 import torch
 
-from ..coordinator.model import CoordinatorModel
+from ..coordinator.service import RoundMean
 from ..core.logs import Named
 from ..core.modelfile import ModelFileReader, model_header
 from ..core.phases import PhaseLog, PhaseRecord
@@ -31,7 +32,6 @@ from ..core.protocol import JoinReply
 from ..core.settings import CodecSettings
 from ..core.specs import TensorSpec
 from ..core.transport import HostClient
-from ..host.client import HttpClient
 from ..host.heartbeat import Heartbeat
 from ..host.round import HostRound, Into
 from ..host.telemetry import TelemetryShipper
@@ -66,17 +66,12 @@ class SiteLease:
 class Upstream:
     """One relay's link upstream; :attr:`round` is set once the relay's θ is the upstream's model."""
 
-    def __init__(self, config: RelayConfig, client: HostClient | None = None,
-                 credential_file: Path | None = None) -> None:
-        """``client``: the calls upstream (default: HTTP to ``config.upstream``); ``credential_file``: where the
-        relay keeps its upstream credential, so that a restarted relay takes its id back at once (None: not
-        kept)."""
+    def __init__(self, config: RelayConfig, client: HostClient, credential_file: Path | None = None) -> None:
+        """``client``: the calls upstream, as host ``config.relay_id``; ``credential_file``: where the relay keeps
+        its upstream credential, so that a restarted relay takes its id back at once (None: not kept)."""
         self.config = config
         self.log = Named(log, config.name)
-        self.client = client or HttpClient(config.upstream, host=config.relay_id, token=config.token,
-                                           ca_file=config.ca_file, retry_for=config.retry_for,
-                                           check="Check `nodeox relay --upstream` and that the coordinator (or "
-                                                 "relay) is running there.")
+        self.client = client
         self.phases = PhaseLog(config.relay_id)
         self.telemetry = TelemetryShipper(self.client, self.client.clock)
         self.phases.listeners.append(self.telemetry)  # and the relay's own run log (RelayRun)
@@ -148,7 +143,7 @@ class Upstream:
     # -- blocking calls (on the upstream thread) ----------------------------------------------------------------
     def settings(self) -> CodecSettings:
         """The upstream run's codec, which the relay's hosts must use too (its sync passes down unchanged)."""
-        status = self.client.status()  # an HttpClient's: the relay's serve() makes one
+        status = self.client.status()
         return CodecSettings(codec=status["codec"], block_size=int(status["block_size"]),
                           scale_dtype=status["scale_dtype"])
 
@@ -166,11 +161,11 @@ class Upstream:
         """The upstream's full model, as a model file in memory."""
         return read_whole(self.client.get_model())
 
-    def provide(self, model: CoordinatorModel, round_: int) -> str:
+    def provide(self, model: RoundMean, round_: int) -> str:
         """Upload the site's model (the upstream asked this relay to provide it); returns the upstream's hash."""
         return self.client.put_model(ModelFileReader(model_header(model.specs, round_, model.hash), model.tensors))
 
-    def attach(self, model: CoordinatorModel, settings: CodecSettings, round_: int, threads: int,
+    def attach(self, model: RoundMean, settings: CodecSettings, round_: int, threads: int,
                before_change: Callable[[], None]) -> HostRound:
         """From now on the relay's θ (``model``'s tensors) is its upstream host's, at ``round_``;
         ``before_change()`` runs (on this thread) before anything upstream changes θ."""

@@ -8,17 +8,8 @@ same list alike. The relay's own hosts are named as they are; other sites' as ``
 
 from __future__ import annotations
 
-import asyncio
-import logging
-
-from ..coordinator.rounds import Rounds
-from ..coordinator.runstate import RunState
-from ..coordinator.values import ValueExchanges, host_order
-from ..core.logs import Named
+from ..core.host_order import host_order
 from ..core.protocol import ValuesReply
-from .upstream import Upstream
-
-log = logging.getLogger(__name__)
 
 SITE = "nodeox_site"
 
@@ -46,29 +37,3 @@ def flatten(reply: ValuesReply, own: str) -> ValuesReply:
     for name, payload in zip(reply.hosts, reply.payloads):
         add(name, payload, "")
     return ValuesReply(reply.key, hosts, payloads)
-
-
-class RelayValues(ValueExchanges):
-    """A coordinator's value exchanges, each answered by the upstream once the site is ready."""
-
-    def __init__(self, state: RunState, rounds: Rounds, upstream: Upstream) -> None:
-        super().__init__(state, rounds)
-        self.log = Named(log, state.config.name)
-        self.upstream = upstream
-        self._forwarding: dict[str, asyncio.Future] = {}
-
-    async def answer(self, key: str, exchange) -> None:
-        if key not in self._forwarding:
-            self._forwarding[key] = asyncio.ensure_future(self._forward(key, exchange))
-
-    async def _forward(self, key: str, exchange) -> None:
-        upstream = self.upstream
-        try:
-            reply = await upstream.call_values(upstream.client.exchange_values, key, site_payload(exchange.posted))
-            exchange.answer = flatten(reply, upstream.config.relay_id)
-            exchange.posted = {}
-        except Exception as e:  # noqa: BLE001 - the site's hosts ask again; the next post forwards it again
-            self.log.warning("values %s could not be exchanged with %s: %s", key, upstream.url, e)
-        finally:
-            del self._forwarding[key]
-        await self.state.notify()

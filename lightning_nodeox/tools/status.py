@@ -19,6 +19,7 @@ import time
 
 from ..core.protocol import Refusal, Unreachable
 from ..core.settings import ENV_CA_FILE, ENV_TOKEN
+from ..core.transport import HostClient
 from ..host.client import HttpClient
 from .columns import human_bytes
 
@@ -61,9 +62,16 @@ def render(status: dict) -> str:
 
 
 def main(url: str, *, token: str | None = None, watch: bool = False, interval: float = 2.0) -> int:
+    """``nodeox status URL``: over HTTP(S) to the coordinator (or relay) at ``url``."""
     token = token or os.environ.get(ENV_TOKEN) or None
     client = HttpClient(url, host="status", token=token, ca_file=os.environ.get(ENV_CA_FILE), retry_for=0.0,
                         read_timeout=10.0, check="Check the URL and that the coordinator is running there.")
+    return show(client, watch=watch, interval=interval)
+
+
+def show(client: HostClient, *, watch: bool = False, interval: float = 2.0) -> int:
+    """Print the run's status as ``client`` reads it, once or (``watch``) until the run has ended; the exit status
+    says how it stands (0 running or complete, 1 failed, 2 unreachable or refused)."""
     clear = watch and sys.stdout.isatty()
     try:
         while True:

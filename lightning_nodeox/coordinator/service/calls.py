@@ -20,23 +20,21 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from ..core import safetensors
-from ..core.logs import Named
-from ..core.phases import COORDINATOR, MODEL_MATERIALIZE, PhaseRecord
-from ..core.protocol import JoinReply, Reason, Refusal, ValuesReply
-from ..core.specs import PayloadError, TensorSpec
-from . import intake, lifecycle
-from .config import CoordinatorConfig
-from .lifecycle import CoordinatorRun
-from .making import SyncBroken, SyncInMaking
-from .deltas import Delta
-from .rounds import BeforePublish
-from .uploads import ReceiveBuffers, Uploads
+from ...core import safetensors
+from ...core.logs import Named
+from ...core.phases import COORDINATOR, MODEL_MATERIALIZE, PhaseRecord
+from ...core.protocol import JoinReply, Reason, Refusal, ValuesReply
+from ...core.specs import PayloadError, TensorSpec
+from .. import intake
+from ..config import CoordinatorConfig
+from ..lifecycle import CoordinatorRun
+from ..making import SyncBroken, SyncInMaking
+from ..deltas import Delta
+from ..uploads import ReceiveBuffers, Uploads
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-MakeRun = lifecycle.MakeRun  # builds a kind of run (default the coordinator's; a site relay's is its own)
 
 READ_CHUNK = 8 << 20  # bytes of the model read from θ at a time
 MIN_RATE = 1e6  # bytes/s: a transfer slower than this (after --transfer-timeout) is cut off
@@ -290,42 +288,3 @@ class CoordinatorService:
             cut()
             self.log.warning("%s took longer than %.0f s; connection cut", what, seconds)
             raise Refusal(Reason.TOO_SLOW, f"{what} took longer than {seconds:.0f} s") from None
-
-
-class Embedded:
-    """A coordinator's run served in this process by direct calls (no listener, no ticker of its own): its
-    :attr:`service`, one pass of its periodic work (:meth:`tick`), and its end (:meth:`stop`). ``run``: the run
-    itself, for a test to look at."""
-
-    def __init__(self, opened: lifecycle.Opened) -> None:
-        self._opened = opened
-        self.run = opened.run
-        self.service = CoordinatorService(opened.run)
-
-    async def tick(self) -> None:
-        await self.run.tick()
-
-    async def stop(self, *, save: bool = True) -> None:
-        """End the run: with ``save``, as a stopped coordinator does (a closing round publishes, the state is
-        written with a snapshot); without, as kill -9 would (a save in flight finishes)."""
-        if save:
-            await self.run.save_at_shutdown()
-        self._opened.close()
-
-
-async def embed(config: CoordinatorConfig, *, keep_state: bool = True, make_run: MakeRun | None = None) -> Embedded:
-    """Take up and start the run of ``config`` to be served in this process (see :func:`lifecycle.open_run`)."""
-    return Embedded(await lifecycle.open_run(config, keep_state=keep_state, make_run=make_run))
-
-Listen = Callable[[CoordinatorService], Awaitable[Callable[[], Awaitable[None]]]]
-
-
-async def run(config: CoordinatorConfig, listen: Listen, *, before_publish: BeforePublish | None = None,
-              make_run: lifecycle.MakeRun | None = None) -> int:
-    """Run a coordinator until its run completes (or a signal); returns the exit status. ``listen(service)``
-    starts the transport and returns what stops it (see :func:`lifecycle.run`)."""
-
-    async def start(coordinator: CoordinatorRun):
-        return await listen(CoordinatorService(coordinator))
-
-    return await lifecycle.run(config, start, before_publish=before_publish, make_run=make_run)
