@@ -363,20 +363,7 @@ class Message:
         header_bytes, data_start = safetensors.split(head, "payload")
         if data_start != len(head):
             raise PayloadError("payload header is longer than the bytes given for it")
-        try:
-            header = json.loads(header_bytes.decode("utf-8"))
-            md = header["__metadata__"]
-            if md.get("format") != FORMAT:
-                raise PayloadError(f"payload is not a {FORMAT} message (format={md.get('format')!r})")
-            version = int(md["version"])
-        except PayloadError:
-            raise
-        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, RecursionError) as e:
-            raise PayloadError(f"payload header is not valid nodeox-q4 JSON: {e}") from None
-        if not OLDEST_VERSION <= version <= VERSION:
-            raise PayloadError(f"payload uses q4 format version {version}; this build reads versions {OLDEST_VERSION} "
-                               f"to {VERSION}. "
-                               "Run the same lightning-nodeox version on every host and the coordinator.")
+        header, md, version = _parsed_header(header_bytes)
         try:
             settings = (settings_from_json(json.loads(md["codec"])) if version == VERSION
                         else settings_from_old_keys(md))
@@ -396,16 +383,7 @@ class Message:
         if meta.kind not in ("delta", "sync") or not 0 <= meta.samples < 2**62 or not 0 <= meta.round < 2**62:
             raise PayloadError(f"payload metadata is out of range: kind={meta.kind!r} round={meta.round} "
                                f"samples={meta.samples}")
-        pos = header_bytes.find(b'"crc32":"' + crc_text.encode() + b'"')
-        if pos < 0 or crc_text != f"{expected_crc:08x}":  # one spelling: "CCB5..." would pass int(..., 16)
-            raise PayloadError("payload crc32 field is malformed")
-        zeroed = bytearray(head)
-        start = safetensors.PREFIX_BYTES + pos + len(b'"crc32":"')
-        zeroed[start : start + 8] = _CRC_PLACEHOLDER.encode()
-        crc = zlib.crc32(zeroed)
-        if crc != expected_crc:
-            raise PayloadError(f"payload header failed its integrity check (crc32 {crc:08x}, header says "
-                               f"{expected_crc:08x}): it was corrupted in transit")
+        _check_header_crc(head, header_bytes, crc_text, expected_crc)
         layout = MessageLayout.of(specs, settings, piece_bytes, _sync_capacity(meta.kind, settings, capacity))
         if version != VERSION:  # an older header, of another size before the same data section
             layout = replace(layout, data_start=data_start, total=data_start + layout.total - layout.data_start)
@@ -504,6 +482,40 @@ def _sync_capacity(kind: str, settings: CodecSettings, capacity: int | None) -> 
     except ValueError as e:
         raise PayloadError(f"payload is malformed: {e}") from None
     return capacity
+
+
+def _parsed_header(header_bytes: bytes) -> tuple[dict, dict, int]:
+    """A message's header, its ``__metadata__`` and its format version, parsed: JSON that names this format at a
+    version this build reads."""
+    try:
+        header = json.loads(header_bytes.decode("utf-8"))
+        md = header["__metadata__"]
+        if md.get("format") != FORMAT:
+            raise PayloadError(f"payload is not a {FORMAT} message (format={md.get('format')!r})")
+        version = int(md["version"])
+    except PayloadError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError, RecursionError) as e:
+        raise PayloadError(f"payload header is not valid nodeox-q4 JSON: {e}") from None
+    if not OLDEST_VERSION <= version <= VERSION:
+        raise PayloadError(f"payload uses q4 format version {version}; this build reads versions {OLDEST_VERSION} "
+                           f"to {VERSION}. Run the same lightning-nodeox version on every host and the coordinator.")
+    return header, md, version
+
+
+def _check_header_crc(head: bytes, header_bytes: bytes, crc_text: str, expected_crc: int) -> None:
+    """The header ``head`` passes the CRC-32 its ``crc32`` field (``crc_text``, read as ``expected_crc``) says,
+    computed with that field's digits zeroed."""
+    pos = header_bytes.find(b'"crc32":"' + crc_text.encode() + b'"')
+    if pos < 0 or crc_text != f"{expected_crc:08x}":  # one spelling: "CCB5..." would pass int(..., 16)
+        raise PayloadError("payload crc32 field is malformed")
+    zeroed = bytearray(head)
+    start = safetensors.PREFIX_BYTES + pos + len(b'"crc32":"')
+    zeroed[start : start + 8] = _CRC_PLACEHOLDER.encode()
+    crc = zlib.crc32(zeroed)
+    if crc != expected_crc:
+        raise PayloadError(f"payload header failed its integrity check (crc32 {crc:08x}, header says "
+                           f"{expected_crc:08x}): it was corrupted in transit")
 
 
 def _check_offsets(header: dict, specs, layout: MessageLayout) -> None:

@@ -96,47 +96,73 @@ class Q2Kernels(BlockwiseKernels):
         x = self.x[:mp]
         if mp != m:
             x[m:].zero_()
-        xb, y = x.view(nb, bs), self.y[:mp]
-        yb = y.view(nb, bs)
-        total = torch.sum(torch.abs(xb, out=yb), dim=1, out=self.total[:nb])
-        scale = self.scale[:nb]
-        torch.mul(total, SCALE / bs, out=scale)
-        if mp != m:  # the last block's mean is over its own values
-            torch.mul(total[-1:], SCALE / (m - (nb - 1) * bs), out=scale[-1:])
+        xb, yb = x.view(nb, bs), self.y[:mp].view(nb, bs)
+        scale = self._mean_scale(xb, yb, m)
         stochastic = seed is not None
         if stochastic:
             self._publish(scale, scales_out)
+        self._code(xb, yb, scale, seed if stochastic else None)
+        if not stochastic:
+            self._fit_scale(xb, yb, m, scale)
+            self._publish(scale, scales_out)
+        if residual_out is not None:
+            self._residual(xb, yb, scale, m, residual_out)
+        if dequant_out is not None:
+            torch.mul(yb, scale[:, None], out=dequant_out.view(nb, bs))
+        self._pack(mp, codes_out)
+
+    def _mean_scale(self, xb: torch.Tensor, yb: torch.Tensor, m: int) -> torch.Tensor:
+        """Each block's scale (in ``self.scale``) from the mean magnitude of its values (of the last block's own
+        values, where padding fills it); ``yb`` is overwritten."""
+        nb, bs = xb.shape
+        total = torch.sum(torch.abs(xb, out=yb), dim=1, out=self.total[:nb])
+        scale = self.scale[:nb]
+        torch.mul(total, SCALE / bs, out=scale)
+        if nb * bs != m:
+            torch.mul(total[-1:], SCALE / (m - (nb - 1) * bs), out=scale[-1:])
+        return scale
+
+    def _code(self, xb: torch.Tensor, yb: torch.Tensor, scale: torch.Tensor, seed: int | None) -> None:
+        """Each value's code c into ``self.c8`` (rounded to nearest, or stochastically with noise drawn from
+        ``seed``) and its level l = 2c - 3, as a float, into ``yb``."""
+        nb, bs = xb.shape
+        y = self.y[: nb * bs]
         inv = torch.reciprocal(torch.clamp_min(scale, _TINY, out=self.inv[:nb]), out=self.inv[:nb]).mul_(0.5)
         torch.mul(xb, inv[:, None], out=yb)
         y.add_(HALF)
-        if stochastic:
-            noise = self.d[:mp]
+        if seed is not None:
+            noise = self.d[: nb * bs]
             noise.uniform_(-0.5, 0.5, generator=self.generator().manual_seed(seed))
             y.add_(noise)
         y.clamp_(0, TOP)
         y.add_(self.magic)
-        c8 = self.c8[:mp]
-        c8.copy_(y.view(torch.int32))  # int32 -> uint8 keeps the low byte: the code
+        self.c8[: nb * bs].copy_(y.view(torch.int32))  # int32 -> uint8 keeps the low byte: the code
         y.sub_(self.magic)
         y.mul_(2).sub_(TOP)  # the levels l = 2c - 3, as floats
-        if not stochastic:  # the least-squares scale of these codes: sum(x * l) / sum(l * l)
-            product = self.d[:mp].view(nb, bs)
-            num = torch.sum(torch.mul(xb, yb, out=product), dim=1, out=self.total[:nb])
-            den = torch.sum(torch.mul(yb, yb, out=product), dim=1, out=self.inv[:nb])
-            if mp != m:
-                den[-1:].sub_(mp - m)  # a padding zero has code 2: l * l = 1
-            torch.div(num, den, out=scale)
-            self._publish(scale, scales_out)
-        if residual_out is not None:
-            if mp == m:
-                torch.addcmul(xb, yb, scale[:, None], value=-1, out=residual_out.view(nb, bs))
-            else:
-                d = self.d[:mp]
-                torch.addcmul(xb, yb, scale[:, None], value=-1, out=d.view(nb, bs))
-                residual_out.copy_(d[:m])
-        if dequant_out is not None:
-            torch.mul(yb, scale[:, None], out=dequant_out.view(nb, bs))
-        v = c8.view(torch.int32)  # bytes c0 c1 c2 c3 (little-endian)
+
+    def _fit_scale(self, xb: torch.Tensor, yb: torch.Tensor, m: int, scale: torch.Tensor) -> None:
+        """Each block's scale replaced by the least-squares scale of its codes: sum(x * l) / sum(l * l)."""
+        nb, bs = xb.shape
+        product = self.d[: nb * bs].view(nb, bs)
+        num = torch.sum(torch.mul(xb, yb, out=product), dim=1, out=self.total[:nb])
+        den = torch.sum(torch.mul(yb, yb, out=product), dim=1, out=self.inv[:nb])
+        if nb * bs != m:
+            den[-1:].sub_(nb * bs - m)  # a padding zero has code 2: l * l = 1
+        torch.div(num, den, out=scale)
+
+    def _residual(self, xb: torch.Tensor, yb: torch.Tensor, scale: torch.Tensor, m: int, out: torch.Tensor) -> None:
+        """``x - dequantized`` of the m values into ``out``."""
+        nb, bs = xb.shape
+        if nb * bs == m:
+            torch.addcmul(xb, yb, scale[:, None], value=-1, out=out.view(nb, bs))
+        else:
+            d = self.d[: nb * bs]
+            torch.addcmul(xb, yb, scale[:, None], value=-1, out=d.view(nb, bs))
+            out.copy_(d[:m])
+
+    def _pack(self, mp: int, codes_out: torch.Tensor) -> None:
+        """The codes of ``self.c8[:mp]`` four to a byte into ``codes_out``."""
+        v = self.c8[:mp].view(torch.int32)  # bytes c0 c1 c2 c3 (little-endian)
         w, t = self.w32[: mp // 4], self.t32[: mp // 4]
         torch.bitwise_right_shift(v, 6, out=w)
         w.bitwise_or_(v)  # low byte: c0 | c1 << 2; third byte: c2 | c3 << 2
