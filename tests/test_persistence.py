@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import model
+from helpers import model, wait_for
 from helpers import train_on_model as train
 from local_transport import LocalClient, LocalCoordinator
 from restarts import AVERAGE, NESTEROV, ROUNDS, run
@@ -109,8 +109,11 @@ def test_a_save_that_fails_is_said_once_and_retried_and_the_rounds_go_on(tmp_pat
         assert said(caplog, "writing the run's state in") == 1
 
         disk.full = True  # a second outage, caught up by the next round's save
+        refused = disk.refused
         train(a, 1, 5)
         assert a.run_round(16, final=False).round == 5
+        wait_for(lambda: disk.refused > refused, 30, "round 5's save, refused")  # the host may be back before it
+        c.call(c.run.recovery.saved())
         disk.full = False
         train(a, 1, 6)
         assert a.run_round(16, final=False).round == 6
