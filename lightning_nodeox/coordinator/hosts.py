@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 from ..core.logs import Named
@@ -96,12 +97,12 @@ class Hosts(dict[str, Host]):
                              "for it", h.id, now - h.seen, self.lease)
         return expired
 
-    def expected(self, received: dict[str, int]) -> list[Host]:
+    def expected(self, received: Container[str]) -> list[Host]:
         """The hosts whose delta this round waits for (or has): live training hosts, finishing hosts."""
         return [h for h in self.values()
                 if h.state is HostState.TRAINING or (h.state is HostState.FINISHED and h.id in received)]
 
-    def in_run(self, received: dict[str, int]) -> int:
+    def in_run(self, received: Container[str]) -> int:
         """Hosts that may still send a delta this round: training or dropped (they may come back), or sent one."""
         return sum(h.state in (HostState.TRAINING, HostState.DROPPED) or h.id in received for h in self.values())
 

@@ -96,7 +96,7 @@ class Rounds:
     # -- closing a round ------------------------------------------------------------------------------------
     def needed(self) -> int:
         """The fewest deltas this round closes with: --min-hosts, lowered to the hosts still in the run."""
-        return max(1, min(self.state.config.quorum, self.state.hosts.in_run(self.received)))
+        return max(1, min(self.state.config.quorum, self.state.hosts.in_run(self.deltas.by_host)))
 
     def joins_awaited(self) -> int:
         """How many more hosts the open round waits to join: round 0 waits for ``--hosts``, later rounds for none."""
@@ -105,7 +105,8 @@ class Rounds:
 
     def missing(self) -> list[str]:
         """The hosts whose delta the open round still waits for (live ones that have not sent), sorted."""
-        return sorted(h.id for h in self.state.hosts.expected(self.received) if h.id not in self.received)
+        sent = self.deltas.by_host  # (once: the round's close checks this after every piece taken)
+        return sorted(h.id for h in self.state.hosts.expected(sent) if h.id not in sent)
 
     def _ready_to_close(self) -> bool:
         state = self.state
@@ -115,7 +116,7 @@ class Rounds:
             return False  # a close that takes the round's deltas whole waits until they are in
         if not all(d.begun for d in self.deltas.by_host.values()):
             return False  # a delta counts once its first piece is taken (a bad first piece: as if never sent)
-        if len(self.received) < self.needed():
+        if len(self.deltas.by_host) < self.needed():
             return False
         everyone = not self.joins_awaited() and not self.missing()
         timeout = state.config.round_timeout
