@@ -76,7 +76,7 @@ def test_a_trickling_upload_is_cut_at_its_time_limit_and_frees_its_slot(coordina
 def test_a_stalled_model_download_does_not_delay_the_round(coordinator) -> None:
     """A host that stops reading its full-model download: the round closes at once all the same (its unsent
     tensors are copied aside), and the download, resumed, delivers exactly the model it started with."""
-    coord = coordinator(2, "--transfer-timeout", "60")
+    coord = coordinator(2, "--transfer-timeout", "60", "--lease", "120")  # no heartbeats here: no lease may lapse
     gen = torch.Generator().manual_seed(0)
     named = [("big", torch.randn(4 << 20, generator=gen)), ("small", torch.randn(1000, generator=gen))]
     (a, b), initial = joined(coord.url, named, "ab")
