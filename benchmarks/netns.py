@@ -5,7 +5,8 @@ downlink on the hub's end); what serves them all (a coordinator, a lighthouse) s
 not permitted, `Loopback` stands in: every process on this machine's loopback, unshaped and uncounted.
 
 This kernel has no netem: links are shaped in bandwidth only, never delayed. Needs root, ``ip`` and ``tc``
-(`netns_missing` says what is missing). Used by benchmarks/sites_torchft.py and benchmarks/peers.py.
+(`netns_missing` says what is missing). Used by benchmarks/sites_torchft.py, benchmarks/peers.py and
+benchmarks/exchange.py (``--mbit``).
 """
 
 from __future__ import annotations

@@ -23,9 +23,12 @@ body one host moved (its records), whose one transfer over the link is the duple
 median over runs of each run's median over rounds [min-max over runs]. nodeox's phases: per phase the median over
 rounds of the slowest host (and the coordinator's aggregate and sync_prepare), from events.jsonl.
 
+Each run is appended to a JSON-lines file as it ends (``--results``); a run that fails (a worker, a link's
+counters) is recorded there with its reason and the next one runs.
+
     python benchmarks/peers.py [--json] [--rounds 4] [--repeats 2] [--links unlimited,1000,200]
         [--placements nodeox,torchft,ddp] [--torchft-python PY] [--model vit_base_patch16_224]
-        [--loopback] [--run-dir DIR] [--timeout 900]
+        [--loopback] [--run-dir DIR] [--timeout 900] [--results FILE]
 """
 
 from __future__ import annotations

@@ -23,12 +23,15 @@ exchange each round, no training). Per round (round 0, with the model's first up
 Rounds of different sites overlap (a site done early sends its next delta before the other site's last host is
 done): those bytes count in the window they crossed in, so a single round can read low or high; medians even it.
 
-Printed per placement: the median over rounds of each run, then over runs, with the range over runs; the goals
-beside them, met or not. Memory: the lowest MemAvailable seen while a placement ran, and each process's peak.
+Each run is appended to a JSON-lines file as it ends (``--results``); a run that fails is recorded there with its
+reason and the next one runs. Printed per placement: the median over rounds of each run, then over runs, with the
+range over runs; the goals beside them, met or not. Memory: the lowest MemAvailable seen while a placement ran,
+and each process's peak.
 
     python benchmarks/sites.py [--json] [--rounds 4] [--repeats 2] [--model vit_base_patch16_224]
         [--placements flat,relays,torchft] [--torchft-python PY] [--far-delay-ms 30] [--far-mbit 200]
         [--near-delay-ms 1] [--near-mbit 10000] [--run-dir DIR] [--timeout 1200]
+        [--results FILE]
 """
 
 from __future__ import annotations
