@@ -1,5 +1,6 @@
 """What the benchmarks share: starting and stopping their processes, a coordinator's URL once it listens, a
-run's events, a timm model's shapes and this process's memory. (CPU shares: `nodeox launch`'s own
+run's events, a timm model's shapes, this process's memory, and their samples written as they finish
+(`SampleLog`). (CPU shares: `nodeox launch`'s own
 `lightning_nodeox.tools.environments.cpu_shares`.)
 
 A benchmark imports the package and this module (``python benchmarks/x.py`` puts benchmarks/ on the path),
@@ -8,7 +9,9 @@ never another benchmark; it runs another benchmark's file as a process where it 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -16,8 +19,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -159,12 +164,75 @@ def run_async(run: Callable[[Path], Awaitable[dict]], run_dir: Path | None, name
         sys.exit(f"{name}: terminated")
 
 
+@dataclass
+class Sample:
+    """One sample in `SampleLog.sample`: the block sets ``result``; ``failed`` says why it raised (None: it did not)."""
+
+    result: Any = None
+    failed: str | None = None
+
+
+class SampleLog:
+    """A benchmark's samples, each appended to a JSON-lines file as it finishes: ``{**key, "result": ...}``, or
+    ``{**key, "failed": "Type: message"}`` for one that raised, after which the benchmark goes on to the next. A
+    crash or a bad sample loses only the sample it was in; ``failures`` holds this run's failed samples for the
+    report."""
+
+    def __init__(self, name: str, path: Path | None = None) -> None:
+        """Samples go to ``path`` (None: ``nodeox-NAME-TIME.jsonl`` in the temporary directory), named on stderr."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.path = path or Path(tempfile.gettempdir()) / f"nodeox-{name}-{stamp}.jsonl"
+        self.failures: list[dict] = []
+        print(f"{name}: each sample is appended to {self.path} as it finishes", file=sys.stderr)
+
+    @contextlib.contextmanager
+    def sample(self, key: dict, unless: tuple[type[Exception], ...] = ()) -> Iterator[Sample]:
+        """Around one sample (``key``: what names it): the block sets ``.result``, appended when it ends. An
+        exception in the block is appended as the sample's failure, said on stderr and not raised further, unless
+        it is one of ``unless`` (not a failed sample but an answer, such as "cannot run here": raised)."""
+        taken = Sample()
+        try:
+            yield taken
+        except unless:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever one sample raises, the next one runs
+            taken.failed = f"{type(e).__name__}: {e}"
+            self.failures.append({**key, "failed": taken.failed})
+            self._append(self.failures[-1])
+            print(f"{' '.join(map(str, key.values()))} failed, going on: {taken.failed}", file=sys.stderr)
+        else:
+            self._append({**key, "result": taken.result})
+
+    def _append(self, line: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(line, default=str) + "\n")
+
+
+def failure_lines(failures: list[dict], results: str) -> list[str]:
+    """The report's lines for `SampleLog.failures`: each failed sample's key and the first line of why (all of it
+    in the ``results`` file)."""
+    lines = [f"  failed: {' '.join(str(v) for k, v in f.items() if k != 'failed')}: "
+             f"{f['failed'].splitlines()[0] if f['failed'] else '?'}" for f in failures]
+    return lines + ([f"  (why in full: {results})"] if failures else [])
+
+
+def add_results_option(p: argparse.ArgumentParser) -> None:
+    """``--results FILE``: where `SampleLog` appends the samples."""
+    p.add_argument("--results", type=Path,
+                   help="append each sample to this JSON-lines file as it finishes (default: one in the temporary "
+                        "directory, named on stderr at the start)")
+
+
 async def interleaved(placements: list[str], repeats: int, run_one: Callable[[str, int], Awaitable[dict]],
-                      skipped: dict[str, str], label: str, metrics: tuple[str, ...]) -> dict[str, list[dict]]:
+                      skipped: dict[str, str], label: str, metrics: tuple[str, ...],
+                      log: SampleLog) -> dict[str, list[dict]]:
     """``run_one(placement, repetition)`` for every placement in turn, ``repeats`` times (interleaved, so that
-    what drifts on a shared machine drifts for all alike): ``{placement: [run, ...]}``. A placement that cannot
-    run here (``PlacementSkipped``) or fails goes to ``skipped`` (placement -> why) and is not tried again."""
-    from site_figures import PlacementFailed, PlacementSkipped
+    what drifts on a shared machine drifts for all alike): ``{placement: [run, ...]}``. Each run goes to ``log``
+    (``{"label": label, "placement": ..., "repeat": ...}``) as it ends; a run that fails is recorded there
+    (``log.failures``) and the next one runs. A placement that cannot run here (``PlacementSkipped``) goes to
+    ``skipped`` (placement -> why) and is not tried again."""
+    from site_figures import PlacementSkipped
 
     runs: dict[str, list[dict]] = {p: [] for p in placements}
     for rep in range(repeats):
@@ -172,15 +240,15 @@ async def interleaved(placements: list[str], repeats: int, run_one: Callable[[st
             if placement in skipped:
                 continue
             try:
-                run = await run_one(placement, rep)
+                with log.sample({"label": label, "placement": placement, "repeat": rep},
+                                unless=(PlacementSkipped,)) as taken:
+                    taken.result = await run_one(placement, rep)
             except PlacementSkipped as e:
                 skipped[placement] = str(e)
                 continue
-            except (PlacementFailed, OSError) as e:
-                skipped[placement] = f"{label}, run {rep} failed: {e}"
-                print(f"{label} {placement}: {e}; skipping it", file=sys.stderr)
+            if taken.failed:
                 continue
-            runs[placement].append(run)
+            runs[placement].append(taken.result)
             print(f"{label} {placement} run {rep}: " + ", ".join(
-                f"{m} {run[m]:.4g}" for m in metrics if m in run), file=sys.stderr)
+                f"{m} {taken.result[m]:.4g}" for m in metrics if m in taken.result), file=sys.stderr)
     return runs

@@ -42,7 +42,10 @@ Printed per mode: test accuracy (mean and min-max over seeds), its difference to
 bytes sent per host, wall time, each host's wait share, ratios to DDP; then the goals, MET or MISSED.
 
     python benchmarks/convergence.py [--workload digits|lm] [--json] [--seeds 3] [--quick] [--modes ddp,q4,...]
-                                     [--local-steps-sweep]
+                                     [--local-steps-sweep] [--results FILE]
+
+Each seed's run is appended to a JSON-lines file as it ends (``--results``); a run that fails is recorded there
+(and in the table) and the next one runs.
 
 Definitions (see `ddp_bytes_per_host`, `nodeox_bytes_sent` and `wait_share`):
 - bytes per host, DDP: steps x gradient bytes x 2(N-1)/N, the bytes one rank sends in a ring all-reduce of every
@@ -73,7 +76,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import REPO, process_env, read_events, spawn, stop, tail, wait_all
+from common import REPO, SampleLog, add_results_option, process_env, read_events, spawn, stop, tail, wait_all
 
 from lightning_nodeox.tools.environments import cpu_shares
 
@@ -721,6 +724,7 @@ def main() -> None:
     p.add_argument("--round-seconds", type=float,
                    help="uneven_budget's round_seconds (default: host 0's measured time for local_steps steps)")
     p.add_argument("--keep", type=Path, help="keep every run's directory under this folder")
+    add_results_option(p)
     # the host, started by this script (DDP) or by `nodeox launch`
     p.add_argument("--host", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--kind", help=argparse.SUPPRESS)
@@ -755,6 +759,7 @@ def main() -> None:
         print(msg, file=sys.stderr, flush=True)
 
     launch_help, strategy_params = preflight()
+    log = SampleLog("convergence", args.results)
     modes: dict[str, dict] = {}
     tmp = None if args.keep else tempfile.TemporaryDirectory(prefix="nodeox-convergence-")
     root = args.keep or Path(tmp.name)
@@ -779,18 +784,19 @@ def main() -> None:
                     workdir = root / f"{mode}-seed{seed}-{time.time_ns()}"
                 say(f"{mode} seed {seed} ...")
                 try:
-                    r = (run_ddp(args, seed, workdir) if MODES[mode]["kind"] == "ddp"
-                         else run_nodeox(args, mode, seed, workdir, round_seconds))
-                    if metric.key not in r:
-                        raise KeyError(f"the hosts' results have no {metric.key}")
+                    with log.sample({"mode": mode, "seed": seed}, unless=(Unavailable,)) as taken:
+                        taken.result = (run_ddp(args, seed, workdir) if MODES[mode]["kind"] == "ddp"
+                                        else run_nodeox(args, mode, seed, workdir, round_seconds))
+                        if metric.key not in taken.result:
+                            raise KeyError(f"the hosts' results have no {metric.key}")
                 except Unavailable as e:
                     entry = {"status": "not available yet", "reason": str(e)}
                     say(f"{mode}: not available yet ({e})")
                     break
-                except (RuntimeError, TimeoutError, OSError, ValueError, KeyError) as e:
-                    errors.append(f"seed {seed}: {type(e).__name__}: {e}")
-                    say(f"{mode} seed {seed} FAILED: {e}")
+                if taken.failed:
+                    errors.append(f"seed {seed}: {taken.failed}")
                     continue
+                r = taken.result
                 r["seed"] = seed
                 runs.append(r)
                 say(f"{mode} seed {seed}: {metric.label} {r[metric.key]:.4f}, bytes/host {_bytes(r['bytes_per_host'])}, "

@@ -5,19 +5,21 @@ downlink on the hub's end); what serves them all (a coordinator, a lighthouse) s
 not permitted, `Loopback` stands in: every process on this machine's loopback, unshaped and uncounted.
 
 This kernel has no netem: links are shaped in bandwidth only, never delayed. Needs root, ``ip`` and ``tc``
-(`netns_missing` says what is missing). Used by benchmarks/sites_torchft.py and benchmarks/peers.py.
+(`netns_missing` says what is missing). Used by benchmarks/sites_torchft.py, benchmarks/peers.py and
+benchmarks/exchange.py (``--mbit``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import subprocess
 import time
 from pathlib import Path
 
-from common import spawn, stop, tail
+from common import tail
 from site_figures import PlacementFailed, Timeline, check_memory, sent_between
 
 SAMPLE_S = 0.1  # seconds between two samples of the links' byte counters
@@ -54,8 +56,12 @@ class Namespaces:
         return f"{self.subnet}.{site + 1}"
 
     def dev(self, site: int) -> str:
-        """The site's end of its veth (the hub's end is ``{prefix}h{site}``)."""
+        """The site's end of its veth."""
         return f"{self.prefix}{site}"
+
+    def hub_end(self, site: int) -> str:
+        """The hub's end of the site's veth."""
+        return f"{self.prefix}h{site}"
 
     def exec(self, site: int | None) -> list[str]:
         """The command prefix that runs a process in ``site``'s namespace (None: the hub's)."""
@@ -70,7 +76,7 @@ class Namespaces:
             sh("ip", "-n", self.hub, "addr", "add", f"{self.hub_ip}/24", "dev", "br0")
             sh("ip", "-n", self.hub, "link", "set", "br0", "up")
             for s, ns in enumerate(self.names):
-                hub_end = f"{self.prefix}h{s}"
+                hub_end = self.hub_end(s)
                 sh("ip", "netns", "add", ns)
                 sh("ip", "-n", ns, "link", "set", "lo", "up")
                 sh("ip", "link", "add", self.dev(s), "netns", ns, "type", "veth", "peer", "name", hub_end, "netns",
@@ -127,33 +133,40 @@ class Loopback:
 Net = Namespaces | Loopback
 
 
-def veth_counters(pid: int, dev: str) -> tuple[int, int]:
-    """(rx, tx) bytes of ``dev`` in the network namespace of process ``pid``."""
-    for line in Path(f"/proc/{pid}/net/dev").read_text().splitlines():
-        name, _, fields = line.partition(":")
-        if name.strip() == dev:
-            values = fields.split()
-            return int(values[0]), int(values[8])
-    raise RuntimeError(f"no {dev} in /proc/{pid}/net/dev")
+def link_counters(namespace: str) -> dict[str, tuple[int, int]]:
+    """``{device: (rx, tx)}`` bytes of every device in the network namespace named ``namespace``, read by its name
+    (``ip -n``), so no process has to be inside it: a process started there with ``ip netns exec`` is not yet
+    inside it for its first milliseconds (its /proc/PID/net/dev is then this namespace's, without the veth)."""
+    done = subprocess.run(["ip", "-n", namespace, "-s", "-j", "link", "show"], check=False, capture_output=True,
+                          text=True)
+    if done.returncode:
+        raise RuntimeError(f"the link counters of namespace {namespace} cannot be read: {done.stderr.strip()} "
+                           "(was it removed while the run went on?)")
+    return {d["ifname"]: (d["stats64"]["rx"]["bytes"], d["stats64"]["tx"]["bytes"]) for d in json.loads(done.stdout)}
 
 
 class Counters:
-    """Each site's link over time: ``up[s]`` (sent by site ``s``: its veth's tx) and ``down[s]`` (rx), read
-    through a process kept in the site's namespace. On `Loopback` nothing is sampled."""
+    """Each site's link over time: ``up[s]`` (sent by site ``s``) and ``down[s]`` (received by it), read at the
+    hub's end of the site's veth (its rx is what the site sent, its tx what the site received), all sites in one
+    read of the hub namespace by name; the first read at construction. On `Loopback` nothing is sampled."""
 
     def __init__(self, net: Net) -> None:
         self.net, self.counted = net, net.counted
-        self.keepers = [spawn([*net.exec(s), "sleep", "infinity"], None) for s in range(net.sites)] \
-            if net.counted else []
         self.up: list[Timeline] = [[] for _ in range(net.sites)]
         self.down: list[Timeline] = [[] for _ in range(net.sites)]
+        self.sample()
 
     def sample(self) -> None:
-        now = time.time()
-        for s, keeper in enumerate(self.keepers):
-            rx, tx = veth_counters(keeper.pid, self.net.dev(s))
-            self.up[s].append((now, tx))
-            self.down[s].append((now, rx))
+        if not self.counted:
+            return
+        now, devices = time.time(), link_counters(self.net.hub)
+        for s in range(self.net.sites):
+            hub_end = self.net.hub_end(s)
+            if hub_end not in devices:
+                raise RuntimeError(f"no {hub_end} in namespace {self.net.hub}: its veth is gone")
+            rx, tx = devices[hub_end]
+            self.up[s].append((now, rx))
+            self.down[s].append((now, tx))
 
     def both_ways(self, start: float, end: float) -> int:
         """Bytes over every site's link, up and down, in the window (start, end]."""
@@ -167,9 +180,6 @@ class Counters:
 
     def total(self) -> int:
         return sum(t[-1][1] - t[0][1] for t in (*self.up, *self.down) if t)
-
-    def close(self) -> None:
-        stop(self.keepers, grace=2)
 
 
 async def watch(workers: dict[str, subprocess.Popen], services: dict[str, subprocess.Popen], counters: Counters,

@@ -23,9 +23,12 @@ body one host moved (its records), whose one transfer over the link is the duple
 median over runs of each run's median over rounds [min-max over runs]. nodeox's phases: per phase the median over
 rounds of the slowest host (and the coordinator's aggregate and sync_prepare), from events.jsonl.
 
+Each run is appended to a JSON-lines file as it ends (``--results``); a run that fails (a worker, a link's
+counters) is recorded there with its reason and the next one runs.
+
     python benchmarks/peers.py [--json] [--rounds 4] [--repeats 2] [--links unlimited,1000,200]
         [--placements nodeox,torchft,ddp] [--torchft-python PY] [--model vit_base_patch16_224]
-        [--loopback] [--run-dir DIR] [--timeout 900]
+        [--loopback] [--run-dir DIR] [--timeout 900] [--results FILE]
 """
 
 from __future__ import annotations
@@ -39,8 +42,11 @@ import time
 from pathlib import Path
 
 from common import (
+    SampleLog,
+    add_results_option,
     beside,
     coordinator_command,
+    failure_lines,
     interleaved,
     model_shapes,
     process_env,
@@ -154,7 +160,6 @@ async def run_nodeox(net: Net, args: argparse.Namespace, run_dir: Path) -> dict:
         await watch(workers, {}, counters, memory, args.timeout, logs)
     finally:
         stop(list(workers.values()), grace=10)
-        counters.close()
     records = read_events(run_dir)
     rounds = per_round(nodeox_times(records), windows=byte_windows(counters))
     payload = host_payload(records)
@@ -193,7 +198,6 @@ async def run_ddp(net: Net, args: argparse.Namespace, run_dir: Path) -> dict:
         await watch(workers, {}, counters, memory, args.timeout, run_dir)
     finally:
         stop(list(workers.values()), grace=5)
-        counters.close()
     outs = [json.loads((run_dir / f"ddp{h}.json").read_text()) for h in range(HOSTS)]
     rounds = per_round(latest_times([o["rounds"] for o in outs]), windows=byte_windows(counters))
     peaks = {f"ddp{h}": o["peak_rss"] / 2**20 for h, o in enumerate(outs)}
@@ -206,18 +210,21 @@ RUNS = {"nodeox": run_nodeox, "torchft": run_torchft, "ddp": run_ddp}
 # -- all links ----------------------------------------------------------------------------------------------------
 
 
-async def run_link(net: Net, args: argparse.Namespace, workdir: Path, skipped: dict[str, str]) -> dict:
-    """Every placement on one link, interleaved: ``{placement: [run, ...]}``; what could not run goes to
-    ``skipped`` (placement -> why) and is not tried again."""
+async def run_link(net: Net, args: argparse.Namespace, workdir: Path, skipped: dict[str, str],
+                   log: SampleLog) -> dict:
+    """Every placement on one link, interleaved: ``{placement: [run, ...]}``, each run in ``log`` as it ends (a
+    failed one too, and the next one runs); what cannot run here goes to ``skipped`` (placement -> why) and is not
+    tried again."""
     runs = await interleaved(args.placements, args.repeats,
                              lambda placement, rep: RUNS[placement](net, args, workdir / f"{placement}-{rep}"),
-                             skipped, link_label(net.mbit), METRICS)
+                             skipped, link_label(net.mbit), METRICS, log)
     return {p: r for p, r in runs.items() if r}
 
 
 async def run_all(args: argparse.Namespace, workdir: Path) -> dict:
     skipped: dict[str, str] = {}
     notes: list[str] = []
+    log = SampleLog("peers", args.results)
     if "torchft" in args.placements:
         from sites_torchft import torchft_missing
 
@@ -235,13 +242,14 @@ async def run_all(args: argparse.Namespace, workdir: Path) -> dict:
         label = link_label(mbit)
         net = Loopback(HOSTS) if why else Namespaces(HOSTS, mbit, PREFIX, SUBNET)
         with net:
-            runs[label] = await run_link(net, args, workdir / label.replace(" ", "").replace("/", ""), skipped)
+            runs[label] = await run_link(net, args, workdir / label.replace(" ", "").replace("/", ""), skipped, log)
     figures = {label: {p: {**placement_figures(r, METRICS), **({"phases": phase_figures(r)} if p == "nodeox" else {})}
                        for p, r in by.items()} for label, by in runs.items()}
     rates = {link_label(m): m for m in links}
     return {"model": args.model, "hosts": HOSTS, "rounds": args.rounds, "repeats": args.repeats,
             "netns": not why, "notes": notes, "rates_mbit": rates, "figures": figures,
-            "goals": goals(figures, rates), "skipped": skipped, "runs": runs}
+            "goals": goals(figures, rates), "skipped": skipped, "failed": log.failures, "results": str(log.path),
+            "runs": runs}
 
 
 def render(result: dict) -> str:
@@ -269,6 +277,7 @@ def render(result: dict) -> str:
                          f"{updown:>26} {mem:>8.1f}")
     for placement, reason in result["skipped"].items():
         lines.append(f"  {placement} skipped: {reason}")
+    lines += failure_lines(result["failed"], result["results"])
     lines += ["", ("nodeox's phases, s (per phase the median over rounds of the slowest host; aggregate and "
                    "sync_prepare: the coordinator's), and payload (largest body one host moved one way):")]
     for label, by in result["figures"].items():
@@ -315,6 +324,7 @@ def main() -> None:
     p.add_argument("--loopback", action="store_true", help="no namespaces: the unlimited link only, on loopback")
     p.add_argument("--run-dir", type=Path, help="keep the runs here (default: a temporary directory)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds each run may take")
+    add_results_option(p)
     p.add_argument("--ddp-worker", action="store_true", help=argparse.SUPPRESS)
     for name, kind in (("--index", int), ("--world", int), ("--master", str), ("--shapes", str), ("--out", str)):
         p.add_argument(name, type=kind, help=argparse.SUPPRESS)

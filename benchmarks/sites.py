@@ -23,12 +23,15 @@ exchange each round, no training). Per round (round 0, with the model's first up
 Rounds of different sites overlap (a site done early sends its next delta before the other site's last host is
 done): those bytes count in the window they crossed in, so a single round can read low or high; medians even it.
 
-Printed per placement: the median over rounds of each run, then over runs, with the range over runs; the goals
-beside them, met or not. Memory: the lowest MemAvailable seen while a placement ran, and each process's peak.
+Each run is appended to a JSON-lines file as it ends (``--results``); a run that fails is recorded there with its
+reason and the next one runs. Printed per placement: the median over rounds of each run, then over runs, with the
+range over runs; the goals beside them, met or not. Memory: the lowest MemAvailable seen while a placement ran,
+and each process's peak.
 
     python benchmarks/sites.py [--json] [--rounds 4] [--repeats 2] [--model vit_base_patch16_224]
         [--placements flat,relays,torchft] [--torchft-python PY] [--far-delay-ms 30] [--far-mbit 200]
         [--near-delay-ms 1] [--near-mbit 10000] [--run-dir DIR] [--timeout 1200]
+        [--results FILE]
 """
 
 from __future__ import annotations
@@ -44,8 +47,11 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from common import (
+    SampleLog,
+    add_results_option,
     beside,
     coordinator_command,
+    failure_lines,
     interleaved,
     process_env,
     read_events,
@@ -186,14 +192,16 @@ async def run_one(placement: str, links: dict[str, Link], args: argparse.Namespa
 
 async def run_all(args: argparse.Namespace, links: dict[str, Link], workdir: Path) -> dict:
     skipped: dict[str, str] = {}
+    log = SampleLog("sites", args.results)
     runs = await interleaved(args.placements, args.repeats,
                              lambda placement, rep: run_one(placement, links, args, workdir / f"{placement}-{rep}"),
-                             skipped, "placement", METRICS)
+                             skipped, "sites", METRICS, log)
     figures = {p: placement_figures(r) for p, r in runs.items() if r and p not in skipped}
     return {"model": args.model, "sites": SITES, "hosts_per_site": HOSTS_PER_SITE, "rounds": args.rounds,
             "repeats": args.repeats,
             "links": {name: {"delay_ms": v.delay * 1e3, "mbit": v.rate / 1e6} for name, v in links.items()},
-            "figures": figures, "goals": goals(figures), "skipped": skipped, "runs": runs}
+            "figures": figures, "goals": goals(figures), "skipped": skipped, "failed": log.failures,
+            "results": str(log.path), "runs": runs}
 
 
 def render(result: dict) -> str:
@@ -217,6 +225,7 @@ def render(result: dict) -> str:
                      f"{cell(fig['round_s']):>24} {mem:>13.1f}")
     for placement, reason in result["skipped"].items():
         lines.append(f"  {placement:10} skipped: {reason}")
+    lines += failure_lines(result["failed"], result["results"])
     if "torchft" in result["figures"]:
         lines.append("  torchft: far links' bandwidth by tc tbf, their delay NOT emulated (no netem here, and gloo "
                      "connects straight to its peers): its times are a lower bound")
@@ -248,6 +257,7 @@ def main() -> None:
     add_link_options(p)
     p.add_argument("--run-dir", type=Path, help="keep the runs here (default: a temporary directory)")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds each run may take")
+    add_results_option(p)
     args = p.parse_args()
     args.placements = args.placements.split(",")
     unknown = set(args.placements) - {"flat", "relays", "torchft"}

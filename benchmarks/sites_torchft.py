@@ -145,7 +145,6 @@ async def run_diloco(net: Net, python: Path, model: str, rounds: int, timeout: f
         await watch(workers, services, counters, memory, timeout, run_dir)
     finally:
         stop([*workers.values(), *services.values()], grace=5)
-        counters.close()
     outs = [json.loads((run_dir / f"replica{i}.json").read_text()) for i in range(replicas)]
     steps = {r["step"] for out in outs for r in out["rounds"][-1:]}
     if steps != {rounds}:

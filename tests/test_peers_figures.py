@@ -61,7 +61,7 @@ def test_rounds_from_per_process_times_with_bytes_per_host_each_way():
     last = sf.latest_times([replica0, replica1])
     assert last[(1, "sent")] == 11.0 and last[(1, "done")] == 14.0
     counters = Counters(Loopback(2))  # nothing sampled on loopback: timelines filled by hand
-    assert counters.keepers == [] and peers.byte_windows(counters) == {}
+    assert counters.up == [[], []] and counters.down == [[], []] and peers.byte_windows(counters) == {}
     counters.counted = True  # as if sampled in namespaces
     counters.up = [[(4.0, 0), (14.0, 300)], [(4.0, 0), (14.0, 500)]]
     counters.down = [[(4.0, 0), (14.0, 100)], [(4.0, 0), (14.0, 100)]]
