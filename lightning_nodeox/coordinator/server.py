@@ -136,11 +136,25 @@ async def errors_and_auth(request: web.Request, handler):
             reason = Reason.TOO_LARGE if e.status == 413 else Reason.INVALID
             return web.json_response({"error": e.reason, "reason": reason.value}, status=e.status)
         raise
-    except (ConnectionResetError, asyncio.CancelledError):
+    except ConnectionResetError:  # the peer went away mid-request: nothing to answer, one line to say
+        request.app[LOG].warning(_broken_off(request))
+        return web.Response(status=204)  # never sent (aiohttp drops a response to a closed connection)
+    except asyncio.CancelledError:
         raise
     except Exception as e:  # noqa: BLE001 - a bug must not take the coordinator down; say it and go on
         request.app[LOG].exception("%s %s failed", request.method, request.path)
         return web.json_response({"error": f"coordinator error: {type(e).__name__}: {e}"}, status=500)
+
+
+def _broken_off(request: web.Request) -> str:
+    """One line for a request whose connection was lost: who, which round, and how much of its body came."""
+    who = request.query.get("host") or request.match_info.get("host") or request.remote
+    round_ = request.match_info.get("round")
+    transfer = "delta upload" if request.method == "POST" else "sync download"
+    what = f"{request.method} {request.path}" if round_ is None else f"{transfer} of round {round_}"
+    received = (f" after {request.content.total_bytes} of {request.content_length} bytes received"
+                if request.content_length else "")
+    return f"host {who}'s {what} broke off{received}: the connection was lost"
 
 
 def _same(given: str, token: str) -> bool:
