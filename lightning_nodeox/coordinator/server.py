@@ -419,6 +419,13 @@ def bound_url(scheme: str, bind_host: str, sockname: tuple) -> str:
     return f"{scheme}://[{address}]:{port}" if ":" in address else f"{scheme}://{address}:{port}"
 
 
+def write_whole(path: Path, text: str) -> None:
+    """``text`` into ``path`` at once (a temporary file renamed over it): a reader polling the path sees no file
+    or all of it, never an empty or partial one."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
 
 async def serve(config: CoordinatorConfig, ready_file: Path | None = None, before_publish=None,
                 site: SiteLink | None = None) -> int:
@@ -451,9 +458,9 @@ async def serve(config: CoordinatorConfig, ready_file: Path | None = None, befor
         sweeping = asyncio.ensure_future(connections.sweep_forever())
         url = bound_url(config.scheme, host, server.sockets[0].getsockname())
         info = {"url": url, "pid": os.getpid(), "started": time.time()}
-        (Path(config.run_dir) / "coordinator.json").write_text(json.dumps(info))
+        write_whole(Path(config.run_dir) / "coordinator.json", json.dumps(info))
         if ready_file is not None:
-            ready_file.write_text(url)
+            write_whole(ready_file, url)
         print(f"{config.name} listening on {url} (run dir {config.run_dir}, {config.hosts} hosts)", flush=True)
         print(f"{config.name} status page: {statuspage.link(url, config.token)}", flush=True)
         said.info("at most %d connections (open-file limit %d); one waiting %g s for a request is closed",

@@ -69,6 +69,14 @@ def stop(children: list[Child]) -> None:
             c.proc.wait()
 
 
+def ready_url(ready: Path) -> str:
+    """The URL in a server's ``--ready-file``; "" while there is none (no file yet, or an empty one)."""
+    try:
+        return ready.read_text().strip()
+    except FileNotFoundError:
+        return ""
+
+
 class Server(Child):
     """A coordinator or relay process of the launch; :meth:`wait_ready` until it serves."""
 
@@ -82,13 +90,13 @@ class Server(Child):
     def wait_ready(self, timeout: float = 120) -> str | None:
         """Its URL once it serves; None (it is stopped) if it exits or does not serve in ``timeout`` s."""
         deadline = time.monotonic() + timeout
-        while not self.ready.exists():
+        while not (url := ready_url(self.ready)):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 return None
             time.sleep(0.05)
-        self.url = self.ready.read_text().strip()
-        return self.url
+        self.url = url
+        return url
 
     def stop(self) -> None:
         stop([self])
