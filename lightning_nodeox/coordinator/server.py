@@ -461,7 +461,8 @@ async def serve(config: CoordinatorConfig, ready_file: Path | None = None, befor
         write_whole(Path(config.run_dir) / "coordinator.json", json.dumps(info))
         if ready_file is not None:
             write_whole(ready_file, url)
-        print(f"{config.name} listening on {url} (run dir {config.run_dir}, {config.hosts} hosts)", flush=True)
+        print(f"{config.name} listening on {url} (run dir {config.run_dir}, {config.hosts} hosts, codec "
+              f"{config.codec}, outer optimizer {config.outer.name})", flush=True)
         print(f"{config.name} status page: {statuspage.link(url, config.token)}", flush=True)
         said.info("at most %d connections (open-file limit %d); one waiting %g s for a request is closed",
                   connections.limit, open_files, connections.idle_timeout)

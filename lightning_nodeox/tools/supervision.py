@@ -36,6 +36,17 @@ def exit_status(code: int) -> str:
     return f"exit status {code}" + (f" ({name})" if name else "")
 
 
+SERVER_ENDINGS = {0: "the run completed", 1: "stopped before the run completed, the run saved",
+                  2: "could not start or resume its run"}  # a coordinator's (or relay's) exit statuses
+
+
+def server_ending(code: int | None) -> str:
+    """How a coordinator or relay ended, from its exit status (:data:`SERVER_ENDINGS`), status included."""
+    if code in SERVER_ENDINGS:
+        return f"{SERVER_ENDINGS[code]} ({exit_status(code)})"
+    return exit_status(code) if code is not None else "still running"
+
+
 class Child:
     """A process of the launch, started in a process group of its own (a Ctrl-C in the terminal reaches launch,
     which forwards SIGTERM), pinned to ``cpus`` when given; its stdout and stderr followed, prefixed ``[name]``."""
@@ -153,8 +164,8 @@ class Supervisor:
                 stop([self.hosts[i] for i in left])
         coordinator = self.coordinator.proc
         if coordinator.poll() not in (None, 0) and self._pending:  # 0: the run completed, hosts are exiting
-            self.console.say(f"nodeox launch: the coordinator failed (status {coordinator.returncode}); stopping "
-                             "the hosts")
+            self.console.say(f"nodeox launch: the coordinator ended: {server_ending(coordinator.returncode)}; "
+                             "stopping the hosts")
             self._fail()
             stop(self.hosts)
             return False
@@ -185,6 +196,8 @@ class Supervisor:
         stop([self.coordinator])
         for t in self._threads():
             t.join(5)
-        for child in [*self.hosts, *self.relays, self.coordinator]:
+        for child in self.hosts:
             self.console.say(f"nodeox launch: {child.name}: {exit_status(child.proc.returncode)}")
+        for server in [*self.relays, self.coordinator]:
+            self.console.say(f"nodeox launch: {server.name}: {server_ending(server.proc.returncode)}")
         sys.exit(128 + signum)
