@@ -35,6 +35,7 @@ from lightning_nodeox.core.specs import TensorSpec, spec_of
 from lightning_nodeox.core.wire import MessageLayout, Message, MessageMeta
 from lightning_nodeox.host.round import HostRound
 from lightning_nodeox.host.tensors import HostTensors
+from lightning_nodeox.tools.supervision import ready_url
 
 REPO = Path(__file__).resolve().parents[1]
 HOSTS = Path(__file__).parent / "hosts"
@@ -301,12 +302,12 @@ class Coordinator:
              str(run_dir), "--bind", "127.0.0.1:0", "--ready-file", str(ready), "--threads", "1", *args],
             stdout=self.log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
         deadline = time.monotonic() + timeout
-        while not ready.exists():
+        while not (url := ready_url(ready)):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"coordinator did not start: {self.log_path.read_text()}")
             time.sleep(0.05)
-        self.url = ready.read_text().strip()
+        self.url = url
 
     @property
     def pid(self) -> int:

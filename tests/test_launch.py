@@ -125,3 +125,12 @@ def test_launch_with_two_sites_runs_a_root_two_relays_and_four_hosts_that_end_on
         assert rnd["site_bytes"]["up"] == sum(e["bytes"] for e in events if e["round"] == r and
                                               e["phase"] == "upload" and e["host"].count("/") == 1)
         assert rnd["far_bytes"]["up"] < rnd["site_bytes"]["up"]  # 2 messages across the far links against 4
+    token = (run_dir / "token").read_text()
+    assert (run_dir / "token").stat().st_mode & 0o777 == 0o600 and len(token) >= 40  # made by launch, its own
+    assert "status page: http://127.0.0.1:" in result.stdout and f"/?token={token}" in result.stdout
+    assert "nodeox launch: done, the run completed; run directory" in result.stdout
+    ended = subprocess.run([sys.executable, "-m", "lightning_nodeox", "status", str(run_dir)], capture_output=True,
+                           text=True, timeout=60)
+    assert (ended.returncode, ended.stdout) == (0, f"{run_dir}: run complete after 2 rounds, model "
+                                                   f"{synced[1]['model_hash']} (the coordinator has exited; nodeox "
+                                                   f"report {run_dir} for its figures)\n"), ended.stderr

@@ -59,6 +59,29 @@ def waiting_line(c) -> str:
 # -- in process -------------------------------------------------------------------------------------------------
 
 
+def test_a_waiting_round_names_the_hosts_whose_deltas_it_waits_for_and_says_it_once_while_it_holds(
+        local_coordinator, caplog) -> None:
+    caplog.set_level("INFO")
+    c = local_coordinator(hosts=3, status_interval=0.0)
+    a, b, _ = join(c, "a", "b", "x")
+    assert waiting_line(c) == "round 0 waits for deltas from hosts a, b, x"
+    train(a, 0)
+    assert upload(a) is Upload.TAKEN
+    c.call(c.rounds.deltas.accumulated())
+    assert waiting_line(c) == "round 0 waits for deltas from hosts b, x; it has those of a"
+    for _ in range(3):
+        c.tick()
+    train(b, 0)
+    assert upload(b) is Upload.TAKEN
+    c.call(c.rounds.deltas.accumulated())
+    for _ in range(3):
+        c.tick()
+    lines = [m for m in caplog.messages if "waits for deltas" in m]
+    assert lines == ["nodeox coordinator: round 0 waits for deltas from hosts b, x; it has those of a",
+                     "nodeox coordinator: round 0 waits for deltas from host x; it has those of a, b"]
+
+
+
 def test_hosts_that_all_sent_their_final_delta_are_not_reported_as_gone(local_coordinator) -> None:
     """Between the last final delta and the round that takes it, no host trains: that is the run ending, not a run
     waiting for its hosts (the console said "no host is live ... waits 600 s" just before "the run completed")."""

@@ -145,3 +145,27 @@ def test_a_round_that_cannot_close_says_whom_it_waits_for(coordinator) -> None:
     reply.body.close()
     assert alive.beats > 0 and alive.interval == 0.25  # four beats per lease
     alive.stop()
+
+
+def test_an_upload_that_breaks_off_is_one_warning_line_naming_host_round_and_bytes(coordinator) -> None:
+    coord = coordinator(1)
+    named = [("w", torch.randn(64, 64)), ("b", torch.randn(64))]
+    (a,), initial = joined(coord.url, named, "a")
+    body = bytes(delta(named, [torch.randn(64, 64) * 0.01, torch.zeros(64)], round_=0, host="a",
+                       base_hash=initial).view())
+    sock = raw_request(coord.url, f"POST /v1/rounds/0/delta?host=a HTTP/1.1\r\nHost: x\r\n{CREDENTIAL_HEADER}: {a._credential}\r\n"
+                                  f"Content-Type: application/octet-stream\r\nContent-Length: {len(body)}\r\n\r\n")
+    sock.sendall(body[:5000])
+    deadline = time.monotonic() + 10
+    while status(coord.url)["uploads"] != 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sock.close()
+    while status(coord.url)["uploads"] != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert status(coord.url)["uploads"] == 0
+    assert a.post_delta(0, memoryview(body)) is Upload.TAKEN  # the host sends it again, whole
+    said = coord.log_path.read_text()
+    assert said.count("broke off") == 1, said
+    assert (f"nodeox coordinator: host a's delta upload of round 0 broke off after 5000 of {len(body)} bytes "
+            "received: the connection was lost") in said.splitlines()
+    assert "Traceback" not in said and "request failed" not in said

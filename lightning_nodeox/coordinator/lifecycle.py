@@ -77,6 +77,7 @@ class CoordinatorRun:
             site.attach(controls(self))
         self.watch = RunWatch(self.state, self.rounds)  # what the status page and `nodeox status` show
         self._last_status = 0.0
+        self._last_said = ""  # the last waiting line said
         self._next_rss = time.time()
 
     @property
@@ -137,13 +138,17 @@ class CoordinatorRun:
                 self.log.exception("periodic work failed")
 
     def _log_waiting(self) -> None:
-        """Every ``status_interval`` seconds of a round that has not closed, say whom it waits for."""
+        """Every ``status_interval`` seconds of a round that has not closed, say whom it waits for: a warning each
+        time, a plain line once (again when it changes)."""
         now = time.time()
         if now - max(self.state.round_opened, self._last_status) < self.config.status_interval:
             return
         said = waiting_for(self.state, self.rounds, self.recovery, self.membership.provider)
-        if said is not None:
-            self._last_status = now
+        if said is None:
+            return
+        self._last_status = now
+        if said[0] > logging.INFO or said[1] != self._last_said:
+            self._last_said = said[1]
             self.log.log(said[0], "%s", said[1])
 
     def status(self) -> dict:

@@ -136,11 +136,25 @@ async def errors_and_auth(request: web.Request, handler):
             reason = Reason.TOO_LARGE if e.status == 413 else Reason.INVALID
             return web.json_response({"error": e.reason, "reason": reason.value}, status=e.status)
         raise
-    except (ConnectionResetError, asyncio.CancelledError):
+    except ConnectionResetError:  # the peer went away mid-request: nothing to answer, one line to say
+        request.app[LOG].warning(_broken_off(request))
+        return web.Response(status=204)  # never sent (aiohttp drops a response to a closed connection)
+    except asyncio.CancelledError:
         raise
     except Exception as e:  # noqa: BLE001 - a bug must not take the coordinator down; say it and go on
         request.app[LOG].exception("%s %s failed", request.method, request.path)
         return web.json_response({"error": f"coordinator error: {type(e).__name__}: {e}"}, status=500)
+
+
+def _broken_off(request: web.Request) -> str:
+    """One line for a request whose connection was lost: who, which round, and how much of its body came."""
+    who = request.query.get("host") or request.match_info.get("host") or request.remote
+    round_ = request.match_info.get("round")
+    transfer = "delta upload" if request.method == "POST" else "sync download"
+    what = f"{request.method} {request.path}" if round_ is None else f"{transfer} of round {round_}"
+    received = (f" after {request.content.total_bytes} of {request.content_length} bytes received"
+                if request.content_length else "")
+    return f"host {who}'s {what} broke off{received}: the connection was lost"
 
 
 def _same(given: str, token: str) -> bool:
@@ -405,6 +419,13 @@ def bound_url(scheme: str, bind_host: str, sockname: tuple) -> str:
     return f"{scheme}://[{address}]:{port}" if ":" in address else f"{scheme}://{address}:{port}"
 
 
+def write_whole(path: Path, text: str) -> None:
+    """``text`` into ``path`` at once (a temporary file renamed over it): a reader polling the path sees no file
+    or all of it, never an empty or partial one."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
 
 async def serve(config: CoordinatorConfig, ready_file: Path | None = None, before_publish=None,
                 site: SiteLink | None = None) -> int:
@@ -437,10 +458,11 @@ async def serve(config: CoordinatorConfig, ready_file: Path | None = None, befor
         sweeping = asyncio.ensure_future(connections.sweep_forever())
         url = bound_url(config.scheme, host, server.sockets[0].getsockname())
         info = {"url": url, "pid": os.getpid(), "started": time.time()}
-        (Path(config.run_dir) / "coordinator.json").write_text(json.dumps(info))
+        write_whole(Path(config.run_dir) / "coordinator.json", json.dumps(info))
         if ready_file is not None:
-            ready_file.write_text(url)
-        print(f"{config.name} listening on {url} (run dir {config.run_dir}, {config.hosts} hosts)", flush=True)
+            write_whole(ready_file, url)
+        print(f"{config.name} listening on {url} (run dir {config.run_dir}, {config.hosts} hosts, codec "
+              f"{config.codec}, outer optimizer {config.outer.name})", flush=True)
         print(f"{config.name} status page: {statuspage.link(url, config.token)}", flush=True)
         said.info("at most %d connections (open-file limit %d); one waiting %g s for a request is closed",
                   connections.limit, open_files, connections.idle_timeout)

@@ -41,5 +41,12 @@ def waiting_for(state: RunState, rounds: Rounds, recovery: Recovery, provider: s
             f"still to send: {', '.join(missing) or 'none'}; dropped: {hosts.dropped()}. Start the missing hosts "
             "again, or stop this coordinator and start it with a lower --min-hosts (the run resumes)")
     if missing:
-        return logging.INFO, f"round {state.round} waits for {', '.join(missing)} ({got}; dropped: {hosts.dropped()})"
+        has = f"; it has those of {', '.join(sorted(received))}" if received else ""
+        dropped = hosts.dropped()
+        return logging.INFO, (f"round {state.round} waits for deltas from {_hosts(missing)}{has}"
+                              + (f"; dropped: {dropped}" if dropped != "none" else ""))
     return None
+
+
+def _hosts(ids: list[str]) -> str:
+    return ("host " if len(ids) == 1 else "hosts ") + ", ".join(ids)

@@ -54,7 +54,11 @@ def choose_threads(requested: int | None, *, purpose: str) -> int:
     if requested is not None:
         if requested < 1:
             raise ValueError(f"{purpose} threads must be at least 1, got {requested}")
-        log.info("nodeox: %s uses %d threads (set explicitly; %d CPUs granted)", purpose, requested, granted)
+        log.info("nodeox: %s uses %s (set explicitly; %d CPUs granted)", purpose, _threads(requested), granted)
         return requested
-    log.info("nodeox: %s uses %d threads (CPU quota and affinity of this process)", purpose, granted)
+    log.info("nodeox: %s uses %s (CPU quota and affinity of this process)", purpose, _threads(granted))
     return granted
+
+
+def _threads(n: int) -> str:
+    return "1 thread" if n == 1 else f"{n} threads"

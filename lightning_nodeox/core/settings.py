@@ -11,6 +11,7 @@ ROUNDINGS = ("nearest", "stochastic")
 ENV_URL = "NODEOX_COORDINATOR_URL"
 ENV_HOST_ID = "NODEOX_HOST_ID"
 ENV_TOKEN = "NODEOX_TOKEN"
+RUN_DIR_TOKEN = "token"  # in a run directory: the bearer token `nodeox launch` made for its coordinator
 ENV_TELEMETRY_URL = "NODEOX_TELEMETRY_URL"
 ENV_NUM_HOSTS = "NODEOX_NUM_HOSTS"
 ENV_RUN_DIR = "NODEOX_RUN_DIR"

@@ -227,7 +227,7 @@ def _parser() -> argparse.ArgumentParser:
                    "starts with what the run and its waiting cost")
 
     p = sub.add_parser("status", help="a running run's state in a terminal (the status page's picture)")
-    p.add_argument("url", help="the coordinator's (or a relay's) URL")
+    p.add_argument("url", metavar="URL|RUN_DIR", help="the coordinator's (or a relay's) URL, or its run directory")
     p.add_argument("--watch", action="store_true", help="redraw until the run completes or fails (Ctrl-C stops)")
     p.add_argument("--interval", type=float, default=2.0, help="seconds between redraws (default %(default)g)")
     p.add_argument("--token-file", type=Path, help="file holding the coordinator's bearer token (else NODEOX_TOKEN)")

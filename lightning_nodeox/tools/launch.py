@@ -17,10 +17,14 @@ Ctrl-C (SIGINT) or SIGTERM stops the run, resumable: the same command started ag
 
 from __future__ import annotations
 
+import os
+import secrets
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from ..coordinator.config import CoordinatorConfig
+from ..core.settings import RUN_DIR_TOKEN
 from .console import Console
 from .environments import Environments, Placement
 from .supervision import Child, Server, Supervisor
@@ -41,6 +45,8 @@ def launch(config: CoordinatorConfig, coordinator_args: list[str], command: list
     run_dir = Path(config.run_dir)
     topology = Topology.of(config.hosts, sites, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if config.token is None:
+        config, coordinator_args, relay_args = _with_token(config, coordinator_args, relay_args or [], run_dir)
     environments, console = Environments(config), Console()
     servers = _start_servers(topology, environments, coordinator_args, relay_args or [], run_dir, console)
     if servers is None:
@@ -49,9 +55,27 @@ def launch(config: CoordinatorConfig, coordinator_args: list[str], command: list
     hosts = _start_hosts(topology, environments, command, gpus_per_host, coordinator, relays, console)
     status = Supervisor(console, coordinator, relays, [site.hosts for site in topology.relays], hosts,
                         topology.stop_order).run()
-    console.say(f"nodeox launch: {'done' if status == 0 else 'failed'}; run directory {run_dir} "
-                f"(tensorboard --logdir {run_dir}, nodeox report {run_dir})")
+    ended = coordinator.proc.returncode
+    if ended in (0, 1):  # the run completed, or stopped saved: that is the launch's outcome, not a host's exit
+        status = ended
+    outcome = {0: "done, the run completed", 1: "stopped before the run completed; the run is saved and the same "
+               "command resumes it"}.get(status, "failed")
+    console.say(f"nodeox launch: {outcome}; run directory {run_dir} "
+                f"(tensorboard --logdir {run_dir}, nodeox report {run_dir}, nodeox status {run_dir})")
     return status
+
+
+def _with_token(config: CoordinatorConfig, coordinator_args: list[str], relay_args: list[str],
+                run_dir: Path) -> tuple[CoordinatorConfig, list[str], list[str]]:
+    """A launch given no ``--token-file`` makes one (``RUN_DIR/token``, kept for a resume): its coordinator, relays
+    and hosts use it, the status page's printed link carries it and ``nodeox status RUN_DIR`` reads it."""
+    path = run_dir / RUN_DIR_TOKEN
+    if not path.exists() or not path.read_text().strip():
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(secrets.token_urlsafe(32))
+    flags = ["--token-file", str(path)]
+    return (replace(config, token=path.read_text().strip()), [*coordinator_args, *flags],
+            [*relay_args, *flags, "--upstream-token-file", str(path)])
 
 
 def _start_servers(topology: Topology, environments: Environments, coordinator_args: list[str],

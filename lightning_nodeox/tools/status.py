@@ -1,4 +1,8 @@
-"""``nodeox status URL [--watch]``: the run's live state in a terminal, for people on SSH.
+"""``nodeox status URL|RUN_DIR [--watch]``: the run's live state in a terminal, for people on SSH.
+
+Given a run directory, it asks the coordinator whose URL the directory records (``coordinator.json``); once that
+coordinator has exited, it reads the run's saved state (``state/run.json``) instead: a completed run is said in one
+line (exit 0), a run stopped before its end too, with how to resume it (exit 1).
 
 One table from ``GET /v1/status`` (its ``live`` part, :mod:`lightning_nodeox.coordinator.watch`): the run's
 state, round and model hash, the coordinator's memory and link throughput, and per host its state, lease age,
@@ -7,18 +11,20 @@ last round, wait share, bytes per round, last loss and sync_dist values (and wit
 completes or fails (Ctrl-C stops watching). The token comes from ``--token-file`` (else ``NODEOX_TOKEN``), a CA
 from ``NODEOX_CA_FILE``.
 
-Exit status: 0 while the run runs or once it completed, 1 when it failed (every host left before the end),
-2 when the coordinator cannot be reached or refuses (a wrong token).
+Exit status: 0 while the run runs or once it completed, 1 when it failed (every host left before the end, or
+a run directory's run stopped unfinished), 2 when the coordinator cannot be reached or refuses (a wrong token).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
+from pathlib import Path
 
 from ..core.protocol import Refusal, Unreachable
-from ..core.settings import ENV_CA_FILE, ENV_TOKEN
+from ..core.settings import ENV_CA_FILE, ENV_TOKEN, RUN_DIR_TOKEN
 from ..core.transport import HostClient
 from ..host.client import HttpClient
 from .columns import human_bytes
@@ -61,12 +67,66 @@ def render(status: dict) -> str:
     return "\n".join(lines)
 
 
-def main(url: str, *, token: str | None = None, watch: bool = False, interval: float = 2.0) -> int:
-    """``nodeox status URL``: over HTTP(S) to the coordinator (or relay) at ``url``."""
+def main(target: str, *, token: str | None = None, watch: bool = False, interval: float = 2.0) -> int:
+    """``nodeox status URL|RUN_DIR``: over HTTP(S) to the coordinator (or relay) at the URL, or the one a run
+    directory records (its saved state once it has exited)."""
     token = token or os.environ.get(ENV_TOKEN) or None
-    client = HttpClient(url, host="status", token=token, ca_file=os.environ.get(ENV_CA_FILE), retry_for=0.0,
-                        read_timeout=10.0, check="Check the URL and that the coordinator is running there.")
-    return show(client, watch=watch, interval=interval)
+    if Path(target).is_dir():
+        return from_run_dir(Path(target), token=token, watch=watch, interval=interval)
+    if not target.startswith(("http://", "https://")):
+        print(f"nodeox status: {target} is neither a URL (http://HOST:PORT, as the coordinator printed) nor a run "
+              "directory", file=sys.stderr)
+        return 2
+    return from_url(target, token=token, watch=watch, interval=interval)
+
+
+def from_run_dir(run_dir: Path, *, token: str | None, watch: bool, interval: float) -> int:
+    """The run in ``run_dir``: live from its coordinator while it serves, else from its saved state."""
+    try:
+        url = json.loads((run_dir / "coordinator.json").read_text())["url"]
+    except (OSError, ValueError, KeyError):
+        url = None
+    token_file = run_dir / RUN_DIR_TOKEN
+    if token is None and token_file.exists():
+        token = token_file.read_text().strip() or None
+    if url is not None:
+        client = _client(url, token)
+        try:
+            client.status()
+        except Unreachable:
+            pass  # exited: its saved state says how the run stands
+        else:
+            return show(client, watch=watch, interval=interval)
+    return saved(run_dir)
+
+
+def saved(run_dir: Path) -> int:
+    """One line from ``run_dir``'s ``state/run.json``: 0 for a completed run, 1 for one stopped unfinished, 2 for
+    none."""
+    try:
+        run = json.loads((run_dir / "state" / "run.json").read_text())
+        round_, model, complete = int(run["round"]), str(run["model_hash"]), bool(run["complete"])
+    except (OSError, ValueError, KeyError, TypeError):
+        print(f"nodeox status: {run_dir} holds no coordinator that answers and no saved run (state/run.json); "
+              "give the coordinator's URL", file=sys.stderr)
+        return 2
+    if complete:
+        print(f"{run_dir}: run complete after {round_} rounds, model {model} (the coordinator has exited; "
+              f"nodeox report {run_dir} for its figures)")
+        return 0
+    print(f"{run_dir}: run stopped unfinished at round {round_}, model {model}, saved; start its coordinator "
+          "(or the same nodeox launch) again on this run directory to resume it")
+    return 1
+
+
+def _client(url: str, token: str | None) -> HttpClient:
+    return HttpClient(url, host="status", token=token, ca_file=os.environ.get(ENV_CA_FILE), retry_for=0.0,
+                      read_timeout=10.0, check="Check the URL and that the coordinator is running there.")
+
+
+def from_url(url: str, *, token: str | None, watch: bool, interval: float) -> int:
+    """The run served at ``url``."""
+    return show(_client(url, token), watch=watch, interval=interval)
 
 
 def show(client: HostClient, *, watch: bool = False, interval: float = 2.0) -> int:

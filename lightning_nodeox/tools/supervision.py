@@ -36,6 +36,17 @@ def exit_status(code: int) -> str:
     return f"exit status {code}" + (f" ({name})" if name else "")
 
 
+SERVER_ENDINGS = {0: "the run completed", 1: "stopped before the run completed, the run saved",
+                  2: "could not start or resume its run"}  # a coordinator's (or relay's) exit statuses
+
+
+def server_ending(code: int | None) -> str:
+    """How a coordinator or relay ended, from its exit status (:data:`SERVER_ENDINGS`), status included."""
+    if code in SERVER_ENDINGS:
+        return f"{SERVER_ENDINGS[code]} ({exit_status(code)})"
+    return exit_status(code) if code is not None else "still running"
+
+
 class Child:
     """A process of the launch, started in a process group of its own (a Ctrl-C in the terminal reaches launch,
     which forwards SIGTERM), pinned to ``cpus`` when given; its stdout and stderr followed, prefixed ``[name]``."""
@@ -69,6 +80,14 @@ def stop(children: list[Child]) -> None:
             c.proc.wait()
 
 
+def ready_url(ready: Path) -> str:
+    """The URL in a server's ``--ready-file``; "" while there is none (no file yet, or an empty one)."""
+    try:
+        return ready.read_text().strip()
+    except FileNotFoundError:
+        return ""
+
+
 class Server(Child):
     """A coordinator or relay process of the launch; :meth:`wait_ready` until it serves."""
 
@@ -82,13 +101,13 @@ class Server(Child):
     def wait_ready(self, timeout: float = 120) -> str | None:
         """Its URL once it serves; None (it is stopped) if it exits or does not serve in ``timeout`` s."""
         deadline = time.monotonic() + timeout
-        while not self.ready.exists():
+        while not (url := ready_url(self.ready)):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 return None
             time.sleep(0.05)
-        self.url = self.ready.read_text().strip()
-        return self.url
+        self.url = url
+        return url
 
     def stop(self) -> None:
         stop([self])
@@ -145,8 +164,8 @@ class Supervisor:
                 stop([self.hosts[i] for i in left])
         coordinator = self.coordinator.proc
         if coordinator.poll() not in (None, 0) and self._pending:  # 0: the run completed, hosts are exiting
-            self.console.say(f"nodeox launch: the coordinator failed (status {coordinator.returncode}); stopping "
-                             "the hosts")
+            self.console.say(f"nodeox launch: the coordinator ended: {server_ending(coordinator.returncode)}; "
+                             "stopping the hosts")
             self._fail()
             stop(self.hosts)
             return False
@@ -177,6 +196,8 @@ class Supervisor:
         stop([self.coordinator])
         for t in self._threads():
             t.join(5)
-        for child in [*self.hosts, *self.relays, self.coordinator]:
+        for child in self.hosts:
             self.console.say(f"nodeox launch: {child.name}: {exit_status(child.proc.returncode)}")
+        for server in [*self.relays, self.coordinator]:
+            self.console.say(f"nodeox launch: {server.name}: {server_ending(server.proc.returncode)}")
         sys.exit(128 + signum)
