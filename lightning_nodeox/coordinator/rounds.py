@@ -211,6 +211,10 @@ class Rounds:
             await self.recovery.saved()
             await self.keep_downloads(None)
 
+    async def before_trailer(self, round_: int, model_hash: str) -> None:
+        """The outer state of round ``round_``'s model is on disk before its sync is whole for any host."""
+        await self.recovery.save_outer_ahead(round_, model_hash)
+
     async def let_downloads_start(self) -> None:
         """θ stays as it is while the round's close waits (a relay's, for its upstream): full-model downloads may
         start, until :meth:`hold_theta`."""
