@@ -11,10 +11,13 @@ from helpers import assert_on_the_run_model, join, model, train
 from local_transport import LocalClient
 
 from lightning_nodeox.core import phases as P
+from lightning_nodeox.core.codecs.settings import Q4Settings
 from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.logs import Named
 from lightning_nodeox.core.phases import PhaseLog
-from lightning_nodeox.core.protocol import Reason, Refusal
+from lightning_nodeox.core.protocol import JoinReply, Reason, Refusal
+from lightning_nodeox.host import waiting
+from lightning_nodeox.host.client import HttpClient
 from lightning_nodeox.host.joining import REJOIN_TRIES, Joining
 from lightning_nodeox.host.standing import Into, Standing
 from lightning_nodeox.host.tensors import HostTensors
@@ -72,3 +75,57 @@ def test_a_model_fetched_into_base_leaves_the_live_model_alone_until_fetched_int
     assert model_hash(b.tensors.named(b.tensors.base)) == b.model_hash == c.rounds.model.hash
     b.joining.fetch_model(Into.LIVE)
     assert_on_the_run_model(c, a, b)
+
+
+# -- a host never waits silently ------------------------------------------------------------------------------------
+
+
+class Polls:
+    """Answers ``nothing`` times with nothing new, then ``then``: a coordinator that keeps a host waiting."""
+
+    def __init__(self, nothing: int, then) -> None:
+        self.left, self.then = nothing, then
+
+    def __call__(self, *args, **kwargs):
+        if self.left:
+            self.left -= 1
+            return None
+        return self.then
+
+
+def test_a_host_waiting_for_a_rounds_sync_says_so_at_every_interval(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(waiting, "SAY_EVERY", 0.0)  # every poll that brings nothing is a line
+    caplog.set_level(logging.INFO, logger=waiting.__name__)
+    client = HttpClient("http://127.0.0.1:9", host="a")
+    ready = object()
+    monkeypatch.setattr(client, "poll_sync", Polls(3, ready))
+    assert client.wait_sync(4) is ready
+    lines = [m.split(" (")[0] + ": " + m.split("): ", 1)[1] for m in caplog.messages]
+    assert lines == ["nodeox: host a waits for round 4's sync: the coordinator has not closed that round yet (it "
+                     "waits for other hosts' deltas)"] * 3
+
+
+def test_a_host_waiting_for_the_model_to_join_says_so_at_every_interval(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(waiting, "SAY_EVERY", 0.0)
+    caplog.set_level(logging.INFO, logger=waiting.__name__)
+    j = joining(None, "b", 0)
+    replies = [JoinReply(0, None, Q4Settings(), retry=True)] * 2 + [JoinReply(3, "h", Q4Settings())]
+    monkeypatch.setattr(j.standing, "client", type("Client", (), {"host": "b", "join": lambda self, *a, **k: replies.pop(0)})())
+    assert j._join_reply(None).model_hash == "h" and not replies
+    assert [m.split(" (")[0] for m in caplog.messages] == ["nodeox: host b waits for the run's model to join"] * 2
+    assert all(m.endswith("a restarted coordinator waits for a host to give it back (its own log says which)")
+               for m in caplog.messages)
+
+
+def test_a_wait_line_comes_once_its_interval_has_passed_and_not_before(monkeypatch, caplog) -> None:
+    caplog.set_level(logging.INFO, logger=waiting.__name__)
+    now = [100.0]
+    monkeypatch.setattr(waiting.time, "monotonic", lambda: now[0])
+    line = waiting.WaitLine("host a waits for round 1's sync", every=30.0)
+    said = []
+    for t in (110.0, 129.9, 130.0, 140.0, 160.0):
+        now[0] = t
+        said.append(line.still("why"))
+    assert said == [False, False, True, False, True]
+    assert caplog.messages == ["nodeox: host a waits for round 1's sync (30 s so far): why",
+                               "nodeox: host a waits for round 1's sync (60 s so far): why"]

@@ -98,6 +98,32 @@ def test_hosts_that_all_sent_their_final_delta_are_not_reported_as_gone(local_co
     assert c.state.alone_since is not None
 
 
+@pytest.mark.parametrize("final_wait", [60.0, 0.0])
+def test_a_host_of_the_final_round_paused_past_its_lease_still_gets_the_final_model_within_the_final_wait(
+        local_coordinator, final_wait: float) -> None:
+    """a and b send their final deltas; b is then paused (no call, its lease long expired) while a fetches the
+    final model and leaves. The run waits for b (up to ``--final-wait``): resumed, b gets the same final model and
+    leaves, and only then may the coordinator stop. With ``--final-wait 0`` it stops without b."""
+    c = local_coordinator(lease=0.3, final_wait=final_wait)
+    a, b = join(c, "a", "b")
+    train(a, 0), train(b, 0)
+    assert upload(a, final=True) is Upload.TAKEN and upload(b, final=True) is Upload.TAKEN
+    assert a.synchronize().complete
+    a.client.leave()
+    c.state.hosts["b"].seen -= 10 * c.config.lease  # b paused: not heard from for ten leases
+    c.tick()
+    assert c.state.complete and c.state.final_members == {"a", "b"}
+    assert c.run.status()["hosts"] == {"a": "left", "b": "finished"}
+    assert c.state.finished.is_set() == (final_wait == 0.0)
+    if final_wait == 0.0:
+        return
+    result = b.synchronize()  # b resumes
+    assert (result.complete, result.round, b.model_hash) == (True, 0, a.model_hash)
+    assert not c.state.finished.is_set()
+    b.client.leave()
+    assert c.state.finished.is_set()
+
+
 def test_hosts_that_are_dropped_or_leave_never_complete_the_run_and_a_dropped_one_that_returns_trains_on(local_coordinator) -> None:
     c = local_coordinator(lease=0.3, no_hosts_timeout=0.6)
     a, b = join(c, "a", "b")

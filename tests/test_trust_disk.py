@@ -21,8 +21,10 @@ from helpers import Coordinator, model
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.summary.writer.record_writer import RecordWriter
 
+from lightning_nodeox.coordinator.config import CoordinatorConfig
 from lightning_nodeox.coordinator.lock import LOCK_FILE
 from lightning_nodeox.coordinator.runlog import LineFile, RunLog, Trouble, tag
+from lightning_nodeox.coordinator.state import take_up
 from lightning_nodeox.core.phases import PhaseLog, PhaseRecord
 from lightning_nodeox.host.client import HttpClient
 from lightning_nodeox.host.round import HostRound
@@ -166,6 +168,69 @@ def test_damaged_state_is_refused_naming_fresh_not_a_traceback(saved_state: Path
     message = result.stderr.strip().splitlines()[-1]
     assert message.startswith(f"nodeox coordinator: {run_dir / 'state' / file} ") and "start with --fresh" in message
     assert sorted(p.name for p in (run_dir / "state").iterdir()) == left  # nothing removed nor moved aside
+
+
+# name: (what run.json is changed to, the file of state/ named as disagreeing, what run.json says that file holds)
+DISAGREE = {
+    "run.json a round ahead": (lambda d: d.update(round=d["round"] + 1), "sync", "round 1"),
+    "run.json a round ahead, without its sync": (lambda d: (d.update(round=d["round"] + 1), d["files"].pop("sync")),
+                                                 "outer", "round 2 (model {model_hash})"),
+    "run.json naming another model": (lambda d: d.update(model_hash="0" * 16), "outer",
+                                      "round 1 (model 0000000000000000)"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(DISAGREE))
+def test_a_run_json_whose_round_disagrees_with_its_files_is_refused_naming_the_file_and_fresh(
+        saved_state: Path, tmp_path, name: str) -> None:
+    change, which, says = DISAGREE[name]
+    run_dir = tmp_path / "run"
+    shutil.copytree(saved_state, run_dir / "state")
+    run_file = run_dir / "state" / "run.json"
+    saved = json.loads(run_file.read_text())
+    _edit_run(change)(run_file)
+    edited = json.loads(run_file.read_text())
+    before = {p.name: p.read_bytes() for p in (run_dir / "state").iterdir()}
+    with pytest.raises(ValueError) as refused:
+        take_up(CoordinatorConfig(hosts=1, run_dir=run_dir))
+    message = str(refused.value)
+    file = run_dir / "state" / saved["files"][which]
+    holds = "round 0" if which == "sync" else f"round 1 (model {saved['model_hash']})"
+    assert message == (f"{file} holds {holds} but {run_file} (round {edited['round']}) says it holds "
+                       f"{says.format(model_hash=saved['model_hash'])}: they come from different saves. Put back the "
+                       "files saved together, or start with --fresh to begin a new run (the old records are moved "
+                       "aside; nothing is deleted)")
+    assert {p.name: p.read_bytes() for p in (run_dir / "state").iterdir()} == before  # nothing lost
+    assert not list(run_dir.glob("previous-*"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("left", ["the events log", "state/ without run.json"])
+def test_a_run_whose_state_is_gone_is_refused_naming_fresh_not_started_over(saved_state: Path, tmp_path,
+                                                                            left: str) -> None:
+    """``state/`` deleted (or its run.json) while hosts wait out a restart: a new run at round 0 would leave them
+    waiting on a run that is gone; the coordinator refuses, and --fresh starts over explicitly."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    shutil.copy(saved_state.parent / "events.jsonl", run_dir / "events.jsonl")
+    if left == "state/ without run.json":
+        shutil.copytree(saved_state, run_dir / "state")
+        (run_dir / "state" / "run.json").unlink()
+    result = start_coordinator(run_dir)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    (message,) = result.stderr.strip().splitlines()
+    assert message.startswith(f"nodeox coordinator: {run_dir} holds the records of a run whose state was saved (")
+    assert message.endswith(f"but no {run_dir / 'state' / 'run.json'}: its state was deleted or moved. Put "
+                            f"{run_dir / 'state'} back to resume the run, or start with --fresh to begin a new run "
+                            "(the old records are moved aside)")
+    assert not list(run_dir.glob("previous-*")) and (run_dir / "events.jsonl").exists()  # nothing moved
+
+    config, saved = take_up(CoordinatorConfig(hosts=1, run_dir=run_dir, fresh=True))
+    assert saved is None
+    (previous,) = run_dir.glob("previous-*")
+    assert (previous / "events.jsonl").exists() and not (run_dir / "events.jsonl").exists()
 
 
 @pytest.mark.slow

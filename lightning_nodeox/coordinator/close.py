@@ -49,6 +49,10 @@ class ClosingRound(Protocol):
 
     async def hold_theta(self) -> None: ...
 
+    async def before_trailer(self, round_: int, model_hash: str) -> None:
+        """The close has made round ``round_``'s model ``model_hash``; its sync's trailer goes out after this
+        (the outer state is made durable here)."""
+
 
 class RoundClose(Protocol):
     """How a round's accumulated deltas become what it publishes (the root: :class:`OuterStep`; a site relay
@@ -95,6 +99,7 @@ class OuterStep:
                 await state.in_worker(model.close_piece, closing, q)
                 making.sealed(q)
             closed = await state.in_worker(model.finish_sync, closing)
+            await rounds.before_trailer(round_ + 1, closed.sync.meta.model_hash)
         except BaseException:
             making.fail()
             raise

@@ -46,6 +46,9 @@ class CoordinatorConfig:
         no_hosts_timeout: seconds the run waits with no live host (every host dropped or left) before the
             coordinator stops, the run saved unfinished: started again, it resumes. Raise it when hosts may be
             cut off or restarted for longer.
+        final_wait: seconds a completed run waits, at most, for the hosts whose delta was in its final round and
+            that have not left (one paused past its lease included) to fetch the final model before the
+            coordinator exits. Raise it when hosts may be paused (SIGSTOP, a suspended VM) for longer.
         snapshot_every: write the model to ``state/`` every this many rounds (and at shutdown); between snapshots a
             restarted coordinator takes the model back from a host that holds it.
         transfer_timeout: seconds any upload or download may take, plus one second per MB of it.
@@ -91,6 +94,7 @@ class CoordinatorConfig:
     long_poll: float = 30.0
     lease: float = 10.0
     no_hosts_timeout: float = 600.0
+    final_wait: float = 120.0
     snapshot_every: int = 10
     transfer_timeout: float = 60.0
     idle_timeout: float = 30.0
@@ -111,6 +115,8 @@ class CoordinatorConfig:
             raise ValueError(f"--lease must be positive seconds, got {self.lease}")
         if not self.no_hosts_timeout > 0:
             raise ValueError(f"--no-hosts-timeout must be positive seconds, got {self.no_hosts_timeout}")
+        if not self.final_wait >= 0:
+            raise ValueError(f"--final-wait must be seconds (>= 0), got {self.final_wait}")
         if self.snapshot_every < 1:
             raise ValueError(f"--snapshot-every must be at least 1 round, got {self.snapshot_every}")
         if not self.transfer_timeout > 0:

@@ -115,10 +115,11 @@ class Hosts(dict[str, Host]):
         been heard from since the restart."""
         return entry.state in (HostState.LEFT, HostState.DROPPED) or not entry.heard
 
-    def all_gone(self) -> bool:
-        """Every host has left or is no longer heard from."""
+    def all_gone(self, awaited: Container[str] = ()) -> bool:
+        """Every host has left or is no longer heard from; a host ``awaited`` only once it has left."""
         now = time.monotonic()
-        return all(h.state is HostState.LEFT or now - h.seen > self.lease for h in self.values())
+        return all(h.state is HostState.LEFT or (now - h.seen > self.lease and h.id not in awaited)
+                   for h in self.values())
 
     def all_finished(self) -> bool:
         """Every host has sent its final delta: the run completes with the round that takes them."""

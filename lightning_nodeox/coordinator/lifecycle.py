@@ -10,7 +10,9 @@ passed closes, a save that failed is tried again (every ``Recovery.RETRY_S``), a
 waits for is logged every ``status_interval`` seconds, and memory is sampled every ``--rss-interval``.
 
 End: on SIGINT/SIGTERM, once no host was live for ``--no-hosts-timeout`` (the run unfinished), or
-(``exit_when_done``) once the run is complete and every host is gone. The transport
+(``exit_when_done``) once the run is complete and every host is gone: a host whose delta was in the final round
+counts as gone once it left (it has the final model), or ``--final-wait`` seconds after the run completed, so a
+host paused past its lease still gets the final model when it resumes. The transport
 stops first, then a round that is closing publishes (no other starts), and the run's state is written with a
 snapshot of the model; the exit status is 0 for a completed run, 1 for one stopped before, 2 for one that could
 not start.
@@ -118,6 +120,7 @@ class CoordinatorRun:
     async def tick(self) -> None:
         """The periodic work, once (see the module's docstring)."""
         await self.membership.check_leases()
+        self.rounds.check_finished()  # a completed run's --final-wait may have passed
         await self.rounds.maybe_close()  # rounds whose timeout has passed
         if not self.rounds.closing:  # a save retried now reads θ and the outer state, which a close changes
             self.recovery.retry()

@@ -163,6 +163,8 @@ class Rounds:
         # the round's state changes together, on the loop, after the last await
         if closed.sync is not None:
             model.publish(closed.sync)
+        if closed.complete and not state.complete:
+            state.final_members, state.completed_at = set(self.received), time.monotonic()
         self.deltas.reset()
         state.complete = state.complete or closed.complete
         state.published_round = closed.next_round - 1
@@ -211,6 +213,10 @@ class Rounds:
             await self.recovery.saved()
             await self.keep_downloads(None)
 
+    async def before_trailer(self, round_: int, model_hash: str) -> None:
+        """The outer state of round ``round_``'s model is on disk before its sync is whole for any host."""
+        await self.recovery.save_outer_ahead(round_, model_hash)
+
     async def let_downloads_start(self) -> None:
         """θ stays as it is while the round's close waits (a relay's, for its upstream): full-model downloads may
         start, until :meth:`hold_theta`."""
@@ -229,9 +235,14 @@ class Rounds:
             await self.state.wait(lambda: not self.closing, self.state.config.long_poll)
 
     def check_finished(self) -> None:
-        """Finished (the coordinator may stop) once the run is complete and every host is gone."""
+        """Finished (the coordinator may stop) once the run is complete and every host is gone; a host whose
+        delta was in the final round is gone only once it left (it had the final model), or ``--final-wait``
+        seconds after the run completed (a host paused past its lease still gets the final model meanwhile)."""
         state = self.state
-        if state.complete and state.hosts.all_gone():
+        if not state.complete or state.finished.is_set():
+            return
+        waited = state.completed_at is not None and time.monotonic() - state.completed_at >= state.config.final_wait
+        if state.hosts.all_gone(() if waited else state.final_members):
             state.finished.set()
 
     # -- syncs ----------------------------------------------------------------------------------------------

@@ -43,6 +43,8 @@ class RunState:
         self.complete = False  # the round of a final delta is published: the run's end (rounds)
         self.hosts = Hosts(config.lease, config.name)  # who takes part (membership; rounds note uploads and syncs)
         self.changed = asyncio.Condition()  # notified whenever any of the above changes
+        self.final_members: set[str] = set()  # the hosts whose delta was in the final round (rounds)
+        self.completed_at: float | None = None  # time.monotonic() when the run completed
         self.finished = asyncio.Event()  # complete, and every host gone: the coordinator may stop
         self.alone_since: float | None = None  # time.monotonic() since when no host is live (membership)
         self.given_up = asyncio.Event()  # no host live for --no-hosts-timeout: stop, resumable (membership)

@@ -5,7 +5,8 @@ sync), the coordinator writes:
 
 - ``sync-R.q4``: round R's sync (a q4 message, ~0.14x the fp32 model), for hosts that had not fetched it yet;
 - ``outer-R.safetensors``: the outer optimizer's state (nothing for plain averaging; 1x the fp32 model for
-  Nesterov), which belongs to the model after round R;
+  Nesterov), which belongs to the model after round R; it is written first, before round R-1's sync is
+  published (its trailer sent), so a host never holds a model whose outer state is not on disk;
 - every ``--snapshot-every`` rounds and at shutdown, ``model-R.safetensors``: the model itself (between
   snapshots, a host that rejoins gives the model back, checked against the saved hash);
 - ``run.json`` last: the open round, the model hash and tensor layout, the host registry (each host's state and
@@ -14,12 +15,15 @@ sync), the coordinator writes:
   it). It only ever names complete files. A credential issued at a join rewrites ``run.json`` at once (only it).
 
 Files are created readable by their owner only (``run.json`` holds the hosts' credentials). A ``run.json`` that
-cannot be read, or a file it names that is missing, truncated or garbled, is refused at start naming ``--fresh``.
-A new run moves aside only :data:`RECORDS`, what a run writes; a user's own files in the directory stay.
+cannot be read, a file it names that is missing, truncated or garbled, or one that holds another round than
+``run.json`` says (files of different saves) is refused at start naming ``--fresh``. So is a run directory whose
+run saved its state (its events log says so, or ``state/`` holds files) but holds no ``run.json``: starting over
+there would leave its hosts waiting on a run that is gone. ``--fresh`` starts over explicitly. A new run moves aside
+only :data:`RECORDS`, what a run writes; a user's own files in the directory stay.
 
 Each file is written under a temporary name, synced and renamed, so a crash at any moment leaves the previous
 state whole; files that ``run.json`` no longer names are removed once it is replaced. A save cut short leaves
-the next round's sync and outer state whole beside it (:meth:`RunStore.interrupted_sync` and
+the next round's sync and outer state (written before that sync was published) whole beside it (:meth:`RunStore.interrupted_sync` and
 :meth:`RunStore.outer_of` find them). A save that fails changes nothing the store holds (:attr:`RunStore.last`
 is what ``run.json`` says). Nothing is pickled: JSON and safetensors (q4 messages are safetensors files too).
 """
@@ -55,6 +59,8 @@ STATE_DIR = "state"
 # the coordinator's address (server.py) and the hosts' folders under ``nodeox launch`` (host/machine.py)
 RECORDS = (STATE_DIR, EVENTS_FILE, TB_DIR, "coordinator.json", "hosts")
 RUN_FILE = "run.json"
+CHECK_ORDER = ("sync", "outer", "model")  # the files run.json names, in the order they are checked (cheapest first)
+SAVE_RECORD = b'"phase":"persist"'  # how a save of the run's state reads in the events log (runlog.py)
 FORMAT = "nodeox-run-state"
 VERSION = 1
 
@@ -142,6 +148,8 @@ class RunStore:
         self.run_dir = Path(run_dir)
         self.dir = self.run_dir / STATE_DIR
         self.last: SavedRun | None = None  # what run.json holds (a resumed run's, or the last save that worked)
+        self.outer_ahead: tuple[int, str] | None = None  # (round, model hash) of the outer state last written
+        self._outer_crc = 0  # CRC-32 of that file's bytes
 
     def load(self) -> SavedRun | None:
         """The saved run, or None when there is none. A state that cannot be read is an error naming --fresh."""
@@ -162,20 +170,25 @@ class RunStore:
     def check(self, saved: SavedRun) -> None:
         """Refuse, naming the file and --fresh, a file ``run.json`` names that is missing, truncated or garbled:
         the sync is parsed whole (CRC included), the snapshot hashed (one pass over the model: about 0.35 s per
-        80 MB), the outer state's header and size checked."""
-        for kind, name in saved.files.items():
+        80 MB), the outer state's header and size checked. Refuse too a file whose own round (and model, for the
+        outer state and the snapshot) is not the one ``run.json`` says it holds."""
+        for kind, name in sorted(saved.files.items(), key=lambda item: CHECK_ORDER.index(item[0])):
             path = self.dir / name
             try:
                 if kind == "sync":
-                    Message.parse(self._read(name))
+                    meta = Message.parse(self._read(name)).meta
+                    self._same_round(saved, path, (meta.round, None), (saved.round - 1, None))
                     continue
-                check_model_file(path)
-                if kind == "outer" and saved.outer_crc is not None:
-                    got = zlib.crc32(memoryview(self._read(name).numpy()))
-                    if got != saved.outer_crc:
-                        raise PayloadError(f"its bytes have CRC-32 {got:08x}, not the {saved.outer_crc:08x} saved "
-                                           "with it")
+                held = check_model_file(path)
+                if kind == "outer":
+                    self._same_round(saved, path, held, (saved.round, saved.model_hash))
+                    if saved.outer_crc is not None:
+                        got = zlib.crc32(memoryview(self._read(name).numpy()))
+                        if got != saved.outer_crc:
+                            raise PayloadError(f"its bytes have CRC-32 {got:08x}, not the {saved.outer_crc:08x} "
+                                               "saved with it")
                 if kind == "model" and saved.snapshot_hash is not None:
+                    self._same_round(saved, path, held, (saved.snapshot_round, saved.snapshot_hash))
                     _, _, specs, tensors = read_model(self._read(name))
                     got = model_hash([(s.name, t) for s, t in zip(specs, tensors)])
                     if got != saved.snapshot_hash:
@@ -183,6 +196,19 @@ class RunStore:
             except (PayloadError, OSError, RuntimeError) as e:
                 raise ValueError(f"{path} is missing or damaged ({e}); start with --fresh to begin a new run (the "
                                  "old records are moved aside)") from None
+
+    def _same_round(self, saved: SavedRun, path: Path, held: tuple[int, str | None],
+                    said: tuple[int | None, str | None]) -> None:
+        """Refuse a file that holds another round (or model) than ``run.json`` says: the two come from different
+        saves, and resuming would go on from the wrong model."""
+        (round_, hash_), (want_round, want_hash) = held, said
+        if round_ == want_round and (want_hash is None or hash_ == want_hash):
+            return
+        holds = f"round {round_}" + (f" (model {hash_})" if want_hash is not None else "")
+        wants = f"round {want_round}" + (f" (model {want_hash})" if want_hash is not None else "")
+        raise ValueError(f"{path} holds {holds} but {self.dir / RUN_FILE} (round {saved.round}) says it holds "
+                         f"{wants}: they come from different saves. Put back the files saved together, or start "
+                         "with --fresh to begin a new run (the old records are moved aside; nothing is deleted)")
 
     def save(self, saved: SavedRun, *, sync: Message | None, outer: dict[str, torch.Tensor],
              model_chunks: list[memoryview] | None) -> int:
@@ -201,10 +227,9 @@ class RunStore:
         else:
             saved.files.pop("sync", None)
         if outer:
-            size, saved.outer_crc = write_atomic(self.dir / f"outer-{r}.safetensors",
-                                                 tensor_chunks(sorted(outer.items()), r, saved.model_hash))
-            written += size
-            saved.files["outer"] = f"outer-{r}.safetensors"
+            if self.outer_ahead != (r, saved.model_hash):
+                written += self.save_outer(outer, r, saved.model_hash)
+            saved.files["outer"], saved.outer_crc = f"outer-{r}.safetensors", self._outer_crc
         else:
             saved.files.pop("outer", None)
             saved.outer_crc = None
@@ -218,6 +243,17 @@ class RunStore:
             if path.name not in keep:
                 path.unlink(missing_ok=True)
         return written
+
+    def save_outer(self, outer: dict[str, torch.Tensor], round_: int, model_hash: str) -> int:
+        """Write the outer state that belongs to round ``round_``'s model ``model_hash`` (before that round's
+        sync is published: a restart then never takes back an older momentum); the next :meth:`save` of that
+        round names it without writing it again. Returns the bytes written."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.outer_ahead = None
+        size, self._outer_crc = write_atomic(self.dir / f"outer-{round_}.safetensors",
+                                             tensor_chunks(sorted(outer.items()), round_, model_hash))
+        self.outer_ahead = (round_, model_hash)
+        return size
 
     def save_hosts(self, hosts: dict[str, dict]) -> int:
         """Rewrite ``run.json`` with ``hosts`` (credentials just issued), the rest as it was; nothing when no
@@ -269,6 +305,19 @@ class RunStore:
         path = self.dir / name
         return torch.from_file(str(path), shared=False, size=path.stat().st_size, dtype=torch.uint8)
 
+    def lost_state(self) -> str | None:
+        """What shows that a run saved its state here, when ``run.json`` is gone: files left in ``state/``, or a
+        save recorded in the events log (said in a few words); None when nothing does."""
+        left = sorted(p.name for p in self.dir.iterdir()) if self.dir.is_dir() else []
+        if left:
+            return f"{self.dir} still holds {', '.join(left[:3])}"
+        events = self.run_dir / EVENTS_FILE
+        if events.is_file():
+            with open(events, "rb") as f:
+                if any(SAVE_RECORD in line for line in f):
+                    return f"{events} records its saves"
+        return None
+
     def archive(self) -> Path | None:
         """Move the records an earlier run wrote (:data:`RECORDS`) to ``DIR/previous-<timestamp>/``; anything
         else in the directory (a user's own files) stays. Returns where they went, or None when there was
@@ -290,7 +339,8 @@ class RunStore:
 
 def take_up(config: CoordinatorConfig) -> tuple[CoordinatorConfig, SavedRun | None]:
     """The unfinished run saved in the run directory, to resume (its codec and outer optimizer win over the
-    command line's), or None for a new run; an earlier run's records are then moved aside, saying where."""
+    command line's), or None for a new run; an earlier run's records are then moved aside, saying where. A run
+    whose saved state is gone is refused (ValueError naming ``--fresh``), not started over."""
     said = Named(log, config.name)
     store = RunStore(config.run_dir)
     saved = None if config.fresh else store.load()
@@ -303,6 +353,12 @@ def take_up(config: CoordinatorConfig) -> tuple[CoordinatorConfig, SavedRun | No
         if config.initial_model is not None:
             said.warning("--initial-model is ignored: the run in %s is resumed", config.run_dir)
         return replace(config, codec=codec, outer=outer), saved
+    if saved is None and not config.fresh:
+        lost = store.lost_state()
+        if lost is not None:
+            raise ValueError(f"{config.run_dir} holds the records of a run whose state was saved ({lost}) but no "
+                             f"{store.dir / RUN_FILE}: its state was deleted or moved. Put {store.dir} back to resume "
+                             "the run, or start with --fresh to begin a new run (the old records are moved aside)")
     moved = store.archive()
     if moved is not None:
         why = "--fresh" if config.fresh else ("it held a finished run" if saved is not None else

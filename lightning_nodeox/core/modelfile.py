@@ -60,16 +60,17 @@ def parse_header(header_json: bytes) -> tuple[int, str, tuple[TensorSpec, ...], 
     return round_, model_hash, specs, offsets
 
 
-def check_model_file(path) -> None:
+def check_model_file(path) -> tuple[int, str]:
     """Raise PayloadError unless the file at ``path`` has a model file's header and exactly the size it describes
-    (its bytes are not read)."""
+    (its bytes are not read); returns the round and model hash its header records."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         length = safetensors.header_length(f.read(safetensors.PREFIX_BYTES), size, f"model file {path}")
-        _, _, _, offsets = parse_header(f.read(length))
+        round_, model_hash, _, offsets = parse_header(f.read(length))
     end = safetensors.PREFIX_BYTES + length + (offsets[-1][1] if offsets else 0)
     if end != size:
         raise PayloadError(f"model file {path} is {size} bytes but its header describes {end}")
+    return round_, model_hash
 
 
 def read_model(data: torch.Tensor) -> tuple[int, str, tuple[TensorSpec, ...], list[torch.Tensor]]:

@@ -48,6 +48,7 @@ from ..core.protocol import (
 from ..core.settings import ENV_CA_FILE
 from ..core.transport import delta_outcome, sync_outcome
 from .clock import ClockOffset
+from .waiting import WaitLine
 
 log = logging.getLogger(__name__)
 
@@ -231,10 +232,12 @@ class HttpClient:
                   training: Callable[[], bool] | None = None) -> SyncReply:
         """Long-poll until round ``round_``'s sync is ready (or the run completed, or the sync is gone); each poll
         says whether this host's training goes on meanwhile (``training()``)."""
+        waiting = WaitLine(f"host {self.host} waits for round {round_}'s sync")
         while True:
             reply = self.poll_sync(round_, poll, training=bool(training and training()))
             if reply is not None:
                 return reply
+            waiting.still("the coordinator has not closed that round yet (it waits for other hosts' deltas)")
 
     def poll_sync(self, round_: int, poll: float = SYNC_POLL, *, training: bool = False,
                   sending: bool = False) -> SyncReply | None:
@@ -256,11 +259,13 @@ class HttpClient:
     def exchange_values(self, key: str, payload: object, poll: float = SYNC_POLL) -> ValuesReply:
         """Long-poll until ``key`` is answered, posting ``payload`` each time (the coordinator keeps the first)."""
         path = proto.VALUES.format(key=key)
+        waiting = WaitLine(f"host {self.host} waits for the values {key} of the other hosts")
         while True:
             response = self._request("POST", path, params={"wait": poll, "host": self.host}, json={"payload": payload},
                                      ok=(200, 204), read_timeout=poll + self.read_timeout)
             if response.status_code == 200:
                 return ValuesReply.from_json(response.json())
+            waiting.still("not every host still in the run has posted them")
 
     def status(self) -> dict:
         """The coordinator's run at a glance (``GET /v1/status``: its round, codec, hosts); a site relay asks it of

@@ -1,5 +1,6 @@
 """How a host's ``fit`` ends when it does not end with the run: the run had completed before it (a second ``fit``
-in one script), or the coordinator stopped answering before the run completed. Both raise at once with what the
+in one script), or the coordinator stopped answering before the run completed (as far as this host knows: one paused past the run's end
+is told where the final model is). Both raise at once with what the
 host knows (the run's last round and model, or where this host stood) and what to do next, so that a host process
 exits 0 only when its run completed.
 
@@ -65,4 +66,7 @@ def run_not_completed(host: str, url: str, round_: int, steps: int, model_hash: 
         f"host {host}: the run did not complete: its coordinator at {url} stopped answering in round {round_}, "
         f"after {steps} training steps of this host (last model agreed: {model_hash or 'none'}): "
         f"{str(cause).rstrip('.')}. Start the coordinator again on the same run directory (it resumes the run) "
-        "and this host's training again: it rejoins where the run stood.")
+        "and this host's training again: it rejoins where the run stood. But if the run completed meanwhile "
+        "(this host was paused or cut off past --final-wait; the other hosts say `the run completed`), it does "
+        "not resume: the final model is in the coordinator's run directory, RUN_DIR/state/model-R.safetensors "
+        "(R: the round its run.json names, saved as the coordinator exited).")

@@ -22,6 +22,7 @@ from ..core.codecs import codec_for
 from ..core.specs import ModelMismatchError, PayloadError
 from .ending import run_completed
 from .standing import Into, Standing
+from .waiting import WaitLine
 
 DOWNLOAD_TRIES = 3
 REJOIN_TRIES = 3
@@ -79,7 +80,10 @@ class Joining:
         s = self.standing
         specs = [spec.as_json() for spec in s.tensors.specs]
         reply = s.client.join(specs, model_hash=model_hash, round_=s.round)
+        waiting = WaitLine(f"host {s.host} waits for the run's model to join")
         while reply.retry:  # another host is providing the model
+            waiting.still("the coordinator has none yet: another host provides it, or a restarted coordinator waits "
+                          "for a host to give it back (its own log says which)")
             reply = s.client.join(specs, model_hash=model_hash, round_=s.round)
         return reply
 

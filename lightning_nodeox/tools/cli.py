@@ -75,6 +75,9 @@ def _serving_options(p: argparse.ArgumentParser, *, bind: str) -> None:
     p.add_argument("--no-hosts-timeout", type=float, default=run["no_hosts_timeout"], help="seconds the run waits "
                    "with no live host before the coordinator stops, the run saved unfinished (started again, it "
                    "resumes; default %(default)g)")
+    p.add_argument("--final-wait", type=float, default=run["final_wait"], help="seconds a completed run waits, at "
+                   "most, for the hosts of its final round that have not left (a paused one) to fetch the final "
+                   "model before the coordinator exits (default %(default)g)")
     p.add_argument("--snapshot-every", type=int, default=run["snapshot_every"], help="save the model to "
                    "RUN_DIR/state every K rounds (default %(default)s; always at shutdown)")
     p.add_argument("--transfer-timeout", type=float, default=run["transfer_timeout"], help="seconds any upload or "
@@ -131,7 +134,7 @@ def _launch_options(p: argparse.ArgumentParser) -> None:
                    "(default 1: every host straight to the coordinator)")
 
 
-RELAYED = ("round_timeout", "lease", "no_hosts_timeout", "snapshot_every", "transfer_timeout", "idle_timeout",
+RELAYED = ("round_timeout", "lease", "no_hosts_timeout", "final_wait", "snapshot_every", "transfer_timeout", "idle_timeout",
            "max_connections", "fresh", "threads", "rss_interval",
            "gpu_hour_price")  # launch's flags its relays take as well
 
@@ -157,7 +160,7 @@ def _config(args: argparse.Namespace) -> CoordinatorConfig:
             codec=_codec_settings(args) if "codec" in args else Q4Settings(),  # a relay takes its upstream's codec
             initial_model=getattr(args, "initial_model", None), threads=args.threads, rss_interval=args.rss_interval,
             exit_when_done=not getattr(args, "keep_running", False), lease=args.lease,
-            no_hosts_timeout=args.no_hosts_timeout,
+            no_hosts_timeout=args.no_hosts_timeout, final_wait=args.final_wait,
             snapshot_every=args.snapshot_every, transfer_timeout=args.transfer_timeout, fresh=args.fresh,
             idle_timeout=args.idle_timeout, max_connections=args.max_connections, gpu_hour_price=args.gpu_hour_price,
             outer=OuterSettings(args.outer_optimizer, args.outer_lr, args.outer_momentum)
