@@ -35,7 +35,7 @@ from typing_extensions import override
 from ..core.protocol import ValuesReply
 from ..core.transport import HostClient
 from . import machine
-from .agreement import suspects
+from .agreement import averages_weights, suspects
 from .devices import OneDevice, SeveralDevices, devices_of
 from .lightning_private import value_being_reduced
 from .metric_states import MetricStates
@@ -274,6 +274,7 @@ class NodeoxStrategy(SessionReadings, DDPStrategy):
     @override
     def on_train_start(self) -> None:
         self._session.sigterm.install()  # after Lightning's own SIGTERM handler, which it chains
+        self._session.final_at_end = averages_weights(self.lightning_module.trainer)
         self._metric_states = MetricStates(self.lightning_module.trainer, self._exchange_values)
         self._metric_states.attach(self.lightning_module)
         super().on_train_start()
