@@ -162,10 +162,12 @@ class NodeoxStrategy(SessionReadings, DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        """Use the run folder, size torch's CPU threads to this rank's share of the CPU quota; on several devices,
-        join the host's process group."""
+        """Use the run folder, keep the hosts' loggers apart, size torch's CPU threads to this rank's share of the CPU
+        quota; on several devices, join the host's process group."""
         trainer = self.lightning_module.trainer
-        machine.use_run_folder(trainer, self._session.connection_settings.resolved_host_id())
+        host_id = self._session.connection_settings.resolved_host_id()
+        machine.use_run_folder(trainer, host_id)
+        machine.keep_loggers_apart(trainer, host_id)
         self._devices.setup_environment(trainer)
         self._session.size_threads(len(self.parallel_devices or ()) or 1, "NodeoxStrategy")  # ranks share the quota
         super().setup_environment()

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging
+from lightning.pytorch.loggers import CSVLogger
 from safetensors.torch import save_file
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -35,7 +36,9 @@ class Net(LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -72,6 +75,7 @@ def main() -> None:
     p.add_argument("--max-steps", default="20", help="optimizer steps, or one number per host id: 20,13")
     p.add_argument("--local-steps", type=int, default=5)
     p.add_argument("--callback", default="none", choices=("none", "swa", "ema"))
+    p.add_argument("--csv-logs", type=Path, help="log to CSVLogger(CSV_LOGS), every step (default: no logger)")
     args = p.parse_args()
     torch.set_num_threads(1)
     host = os.environ["NODEOX_HOST_ID"]
@@ -91,7 +95,8 @@ def main() -> None:
     callbacks.append(AtTrainEnd(args.out / f"host{host}_train_end.safetensors"))
     callbacks.append(AtFitEnd(args.out / f"host{host}_fit_end.safetensors"))
     strategy = NodeoxStrategy(local_steps=args.local_steps, cpu_threads=1, codec_threads=1)
-    trainer = Trainer(strategy=strategy, max_steps=max_steps, callbacks=callbacks, logger=False,
+    logger = CSVLogger(args.csv_logs) if args.csv_logs else False
+    trainer = Trainer(strategy=strategy, max_steps=max_steps, callbacks=callbacks, logger=logger, log_every_n_steps=1,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     model = Net()
     trainer.fit(model, loader)
