@@ -25,7 +25,7 @@ from lightning_nodeox.core.phases import PhaseLog
 from lightning_nodeox.core.pool import WorkerPool
 from lightning_nodeox.core.codecs.settings import Q4Settings
 from lightning_nodeox.core.specs import spec_of
-from lightning_nodeox.host.agreement import FinalHash, suspects
+from lightning_nodeox.host.agreement import FinalHash, averages_weights, suspects
 from lightning_nodeox.host.round import HostRound
 from lightning_nodeox.host.tensors import HostTensors
 
@@ -116,9 +116,10 @@ class WritesAtTheEnd(Callback):
 def test_the_callbacks_that_could_change_the_weights_after_the_final_round_are_named() -> None:
     trainer = SimpleNamespace(lightning_module=LightningModule(), callbacks=[
         StochasticWeightAveraging(swa_lrs=0.1), EMAWeightAveraging(), WritesAtTheEnd(), ModelCheckpoint()])
-    found = suspects(trainer)
-    assert [f.split(" ")[0] for f in found] == ["StochasticWeightAveraging", "EMAWeightAveraging", "WritesAtTheEnd"]
-    assert "(on_train_end)" in found[2]
+    found = suspects(trainer)  # the weight-averaging ones write before the final round: never suspects
+    assert [f.split(" ")[0] for f in found] == ["WritesAtTheEnd"]
+    assert "(on_train_end)" in found[0]
+    assert averages_weights(trainer) and not averages_weights(SimpleNamespace(callbacks=[WritesAtTheEnd()]))
 
 
 def test_a_host_whose_weights_changed_after_the_final_round_reports_their_hash_and_warns_once() -> None:
@@ -128,7 +129,7 @@ def test_a_host_whose_weights_changed_after_the_final_round_reports_their_hash_a
             self.layer = torch.nn.Linear(3, 2)
 
     module = Module()
-    trainer = SimpleNamespace(lightning_module=module, callbacks=[StochasticWeightAveraging(swa_lrs=0.1)])
+    trainer = SimpleNamespace(lightning_module=module, callbacks=[WritesAtTheEnd()])
     final = FinalHash()
     run_hash = model_hash([(n, t.detach()) for n, t in module.state_dict(keep_vars=True).items()])
     with warnings.catch_warnings():
@@ -142,7 +143,7 @@ def test_a_host_whose_weights_changed_after_the_final_round_reports_their_hash_a
         assert final.check(trainer, "0", run_hash) == held  # the same weights again: no second warning
     assert len(caught) == 1 and held == final.value != run_hash
     assert re.search(rf"host 0 ends fit holding model {held}, NOT the run's final model {run_hash}.*"
-                     r"StochasticWeightAveraging \(writes this host's own average", str(caught[0].message))
+                     r"WritesAtTheEnd \(on_train_end\)", str(caught[0].message))
 
 
 # -- real runs: `nodeox launch --hosts 2` ----------------------------------------------------------------------------
@@ -163,21 +164,45 @@ def agree_run(tmp_path, *args: str):
     return result, published, hosts
 
 
+def tensors_of(path) -> dict[str, torch.Tensor]:
+    return load(path)[0]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("callback, name", [("swa", "StochasticWeightAveraging"), ("ema", "EMAWeightAveraging")])
-def test_weight_averaging_after_a_final_round_on_a_boundary_is_reported_and_every_hash_is_of_its_own_weights(
-        tmp_path, callback, name) -> None:
-    result, published, hosts = agree_run(tmp_path, "--callback", callback)  # 20 steps, rounds of 5: 4 rounds
-    assert sorted(published) == [0, 1, 2, 3]
+@pytest.mark.parametrize("callback", ["swa", "ema"])
+@pytest.mark.parametrize("local_steps, rounds", [(5, 4), (7, 3)])  # 20 steps: the last batch on a boundary, or not
+def test_weight_averaging_is_sent_in_the_final_round_so_every_host_ends_on_one_model(
+        tmp_path, callback, local_steps, rounds) -> None:
+    result, published, hosts = agree_run(tmp_path, "--callback", callback, "--local-steps", str(local_steps))
+    assert sorted(published) == list(range(rounds))
+    final = published[rounds - 1]
     for h, (after, saved) in hosts.items():
-        assert after["global_step"] == 20 and after["last_round"] == 3
+        assert after["global_step"] == 20 and after["last_round"] == rounds - 1
         for when, (_, reported, actual) in saved.items():
-            assert reported == actual, (h, when)  # never a hash over other weights
-        assert after["model_hash"] == saved["final"][2] != published[3]  # the average replaced the run's model
-        assert f"host {h} ends fit holding model {after['model_hash']}, NOT the run's final model {published[3]}" \
-            in result.stdout
-    assert result.stdout.count(f"by {name} (writes this host's own average into the model in on_train_end)") == 2
-    assert hosts[0][0]["model_hash"] != hosts[1][0]["model_hash"]  # each host's own average, each its own hash
+            assert reported == actual == final, (h, when)  # every host holds the run's final model, bit for bit
+        assert after["model_hash"] == final
+    assert "ends fit holding model" not in result.stdout + result.stderr
+    finals = [dict(hosts[h][1]["final"][0]) for h in (0, 1)]
+    assert all(torch.equal(finals[0][k], finals[1][k]) for k in finals[0])
+    out = tmp_path / "out"
+    trained, averaged = ([tensors_of(out / f"host{h}_{when}.safetensors") for h in (0, 1)]
+                         for when in ("trained", "train_end"))
+    for name in ("net.0.weight", "net.3.weight"):  # the final round carried the hosts' averages, not what they trained
+        to_averaged = (finals[0][name] - (averaged[0][name] + averaged[1][name]) / 2).norm()
+        to_trained = (finals[0][name] - (trained[0][name] + trained[1][name]) / 2).norm()
+        assert to_averaged < 0.5 * to_trained, name
+
+
+@pytest.mark.slow
+def test_a_host_stopped_by_the_runs_end_drops_its_own_average_and_ends_on_the_final_model(tmp_path) -> None:
+    result, published, hosts = agree_run(tmp_path, "--callback", "swa", "--max-steps", "20,13")
+    assert sorted(published) == [0, 1, 2]  # host 1 ends inside round 2, host 0 stops at its boundary (step 15)
+    for h, (after, saved) in hosts.items():
+        assert after["model_hash"] == saved["final"][1] == saved["final"][2] == published[2], h
+    assert "ends fit holding model" not in result.stdout + result.stderr
+    output = result.stdout + result.stderr
+    assert output.count(f"this host ends on the run's final model {published[2]}") == 1
+    assert "host 0: the run completed (another host's training ended) before this host's" in output
 
 
 @pytest.mark.slow

@@ -18,7 +18,10 @@ from local_transport import LocalClient, LocalCoordinator
 from lightning_nodeox import NodeoxStrategy
 from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.phases import PhaseLog
+from lightning_nodeox.core.codecs.settings import Q4Settings
 from lightning_nodeox.core.protocol import Upload
+from lightning_nodeox.core.specs import spec_of
+from lightning_nodeox.core.wire import MessageLayout
 from lightning_nodeox.host.fragments import Fragments
 from lightning_nodeox.host.round import HostRound
 from lightning_nodeox.host.settings import HostSettings
@@ -41,9 +44,58 @@ def test_the_cut_is_runs_of_consecutive_tensors_of_about_equal_bytes_and_rounds_
     assert [fragments.of_round(everything, r) for r in range(7)] == [cut[0], cut[1], cut[2]] * 2 + [cut[0]]
     assert fragments.cut((1, 3, 5)) == ((1,), (3,), (5,))  # of the tensors that move (frozen ones stay out)
     assert Fragments(4, [10, 10]).cut((0, 1)) == ((0,), (1,))  # fewer tensors than fragments: fewer fragments
+    assert Fragments(2, [5, 0, 5]).cut((0, 1, 2)) in (((0,), (1, 2)), ((0, 1), (2,)))
     assert Fragments(1, sizes).of_round(everything, 5) == everything
     with pytest.raises(ValueError, match="at least 1"):
         Fragments(0, sizes)
+
+
+def fragment_bytes(sizes: list[int], count: int) -> list[int]:
+    return [sum(sizes[i] for i in f) for f in Fragments(count, sizes).cut(tuple(range(len(sizes))))]
+
+
+def test_fragments_hold_about_equal_bytes_and_no_small_tensor_stands_alone_beside_large_ones() -> None:
+    assert fragment_bytes([4096] + [256] * 40, 4) == [4096, 3328, 3328, 3584]  # within 1.25x of each other
+    # the 2560 bytes before the big tensor cannot join it (4096 is a fragment's most): within 1.6x
+    assert fragment_bytes([256] * 10 + [4096] + [256] * 30, 4) == [2560, 4096, 3584, 4096]
+    over_a_share = [16384] + [256] * 100 + [1024] * 5
+    cut = fragment_bytes(over_a_share, 4)  # the big tensor alone, as small as a fragment can be; the rest even
+    assert len(cut) == 4 and max(cut) == 16384 and max(cut[1:]) <= 1.1 * min(cut[1:]), cut
+    digits = [16384, 256, 256, 256, 256, 256, 2560, 40]  # Linear(64, 64), BatchNorm1d(64), Linear(64, 10)
+    assert fragment_bytes(digits, 4) == [16384, 512, 512, 2856]  # four fragments, no lone 256-byte bias
+
+
+DIGITS = {"net.0.weight": (64, 64), "net.0.bias": (64,), "net.1.weight": (64,), "net.1.bias": (64,),
+          "net.1.running_mean": (64,), "net.1.running_var": (64,), "net.3.weight": (10, 64), "net.3.bias": (10,)}
+
+
+def run_bytes(c, fragments: int, cycles: int) -> tuple[int, int]:
+    """Host a's upload bytes (its phase records) and values bytes over ``cycles`` x ``fragments`` rounds and the
+    final one, with two hosts of the digits model."""
+    hosts = [HostRound(HostTensors(model(seed=i, shapes=DIGITS), fragments=fragments), LocalClient(c, h),
+                       PhaseLog(h)) for i, h in enumerate("ab")]
+    uploads = []
+    hosts[0].phases.listeners.append(lambda r: uploads.append(r.bytes) if r.phase == "upload" else None)
+    for h in hosts:
+        h.join()
+    values = 0
+    for r in range(cycles * fragments + 1):
+        final = r == cycles * fragments
+        values += one_round(hosts, r, final=final)[0]
+    for h in hosts:
+        h.close()
+    return sum(uploads), values
+
+
+def test_fragments_send_q4s_value_bytes_over_a_run_and_a_header_more_a_message(local_coordinator) -> None:
+    cycles, count = 4, 4
+    whole, whole_values = run_bytes(local_coordinator(), 1, cycles)
+    split, split_values = run_bytes(local_coordinator(), count, cycles)
+    assert split_values == whole_values  # the same values over the run: each fragment once every local_steps
+    header = MessageLayout.of(tuple(spec_of(model(shapes=DIGITS))), Q4Settings()).data_start
+    assert header > 4096 and split - whole <= (count - 1) * cycles * header  # the rest is headers
+    print(f"digits model, {cycles} cycles: fragments={count} send {split / whole:.2f}x q4's bytes "
+          f"({split} vs {whole}); header {header} B a message")
 
 
 def test_fragments_must_split_local_steps_and_the_error_names_a_fix() -> None:
@@ -215,7 +267,7 @@ STEPS_PER_EPOCH = 56  # 1797 digits in batches of 32, the last one dropped
 def test_a_lightning_run_in_fragments_stops_together_mid_cycle_and_a_host_that_skipped_a_sync_catches_up(
         tmp_path) -> None:
     """Digits under `nodeox launch`, fragments=4, local_steps=12 (a round every 3 steps); the digits net's first
-    weight holds 81% of its bytes, so its tensors make 2 fragments (said so). Host 1 does not apply round 5's sync
+    weight holds 81% of its bytes, so it is a fragment alone and the other tensors make the other 3. Host 1 does not apply round 5's sync
     (it fetches the model), and EarlyStopping ends host 1 at its first epoch end (step 56, inside round 18): host 0
     stops at its next boundary, the final round carries every tensor and both end on the coordinator's final
     model."""
@@ -224,7 +276,7 @@ def test_a_lightning_run_in_fragments_stops_together_mid_cycle_and_a_host_that_s
                                  "--local-steps", "12", "--fragments", "4", "--stop-host", "1",
                                  "--skip-sync-round", "5"])
     assert result.returncode == 0, result.stdout[-5000:]
-    assert result.stdout.count("fragments=4 asked, but this model's tensors make 2") == 2
+    assert result.stdout.count("nodeox: 4 fragments of 0.0164/") == 2 and "fragments=4 asked" not in result.stdout
     events = read_events(run_dir)
     published = {e["round"]: e["model_hash"] for e in events if e["phase"] == "sync_prepare"}
     assert sorted(published) == list(range(19))  # a round every 3 steps; the stop's round is the last
@@ -237,9 +289,9 @@ def test_a_lightning_run_in_fragments_stops_together_mid_cycle_and_a_host_that_s
     sent = {(e["round"], e["host"]): e["bytes"] for e in events if e["phase"] == "upload" and not e.get("empty")}
     whole = max(sent.values())
     steady = {r: b for (r, h), b in sent.items() if r < 18 and h == "0"}
-    big, small = steady[0], steady[1]  # the first weight, then the rest
-    assert all(b == (big if r % 2 == 0 else small) for r, b in steady.items()) and big + small > whole > big
+    cycle = [steady[r] for r in range(4)]  # the first weight, then three runs of the rest
+    assert all(b == cycle[r % 4] for r, b in steady.items()) and sum(cycle) > whole > max(cycle)
     assert sent[18, "1"] == whole  # host 1's final delta: every tensor
-    assert sent[18, "0"] == big  # host 0 learned of the end from the round's sync: it had sent its fragment
+    assert sent[18, "0"] == cycle[18 % 4]  # host 0 learned of the end from the round's sync: it had sent its fragment
     samples = {e["round"]: e["samples"] for e in events if e["phase"] == "aggregate"}
-    assert samples[10] == 2 * 2 * 3 * 32  # a fragment's delta weighs what it trained since its own last sync
+    assert samples[10] == 2 * 4 * 3 * 32  # a fragment's delta weighs what it trained since its own last sync

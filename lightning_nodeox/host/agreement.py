@@ -1,14 +1,16 @@
 """The hash a host reports once its run has completed: of the weights it holds, never just the run's.
 
-Every host ends the final round on the run's final model, bit for bit. A callback may still change the weights
-after that round: Lightning's ``StochasticWeightAveraging`` and ``WeightAveraging`` (``EMAWeightAveraging``) copy
-their own average into the model in ``on_train_end``, and any callback or the LightningModule may write into it
-in ``on_train_end`` or ``on_fit_end``. Each host's average is its own, so the hosts then hold different weights.
+Every host ends the final round on the run's final model, bit for bit. Lightning's ``StochasticWeightAveraging``
+and ``WeightAveraging`` (``EMAWeightAveraging``) copy their own average into the model in ``on_train_end``: with
+one of them the final round closes in the strategy's ``on_train_end``, after the callbacks' (even when the last
+batch fell on a round boundary), so it carries every host's average and the hosts still end on one model; a host
+whose training the run's end stopped (another host's ended first) drops its average and holds the run's final model
+(:meth:`~lightning_nodeox.host.session.HostSession.end`). Any other callback or the LightningModule may still write
+into the model in ``on_train_end`` or ``on_fit_end``, and then the hosts hold different weights.
 
 So once the run has completed, the host hashes the tensors it holds (after ``on_train_end``, and again at
 ``teardown``, when ``fit`` returns): that hash is what ``NodeoxStrategy.model_hash`` reports. When it differs from
-the run's final model, a warning says so, with both hashes, the callbacks that could have done it, and what to do.
-"""
+the run's final model, a warning says so, with both hashes, the callbacks that could have done it, and what to do."""
 
 from __future__ import annotations
 
@@ -33,15 +35,20 @@ AFTER_FINAL_ROUND = ("on_train_batch_end", "on_train_epoch_end", "on_validation_
 _OWN_PACKAGES = ("lightning.", "pytorch_lightning.", "lightning_nodeox.")  # callbacks known not to change weights
 
 
+def averages_weights(trainer: Trainer) -> bool:
+    """Whether a callback writes its own average into the model in ``on_train_end`` (weight averaging): the final
+    round then closes in the strategy's ``on_train_end``, after the callbacks', so that it carries every host's
+    average and the hosts end on one model."""
+    return any(isinstance(c, AVERAGING) for c in trainer.callbacks)
+
+
 def suspects(trainer: Trainer) -> list[str]:
-    """The callbacks (and the LightningModule) that could have changed the weights after the final round: the
-    weight-averaging ones, and any other outside Lightning that overrides a hook run after it."""
+    """The callbacks (and the LightningModule) that could have changed the weights after the final round: those
+    outside Lightning that override a hook run after it (the weight-averaging ones write before it)."""
     found = []
     for callback in trainer.callbacks:
         kind = type(callback)
-        if isinstance(callback, AVERAGING):
-            found.append(f"{kind.__name__} (writes this host's own average into the model in on_train_end)")
-        elif not kind.__module__.startswith(_OWN_PACKAGES):
+        if not kind.__module__.startswith(_OWN_PACKAGES):
             hooks = [h for h in AFTER_FINAL_ROUND if getattr(kind, h, None) is not getattr(Callback, h)]
             if hooks:
                 found.append(f"{kind.__name__} ({', '.join(hooks)})")
@@ -91,6 +98,6 @@ def disagreement(host: str, held: str, run_hash: str, found: list[str], frozen: 
         f"host agreed on: the weights were changed after the final round, by {culprits}. The hosts no longer hold "
         f"the same weights; NodeoxStrategy.model_hash on this host reports {held}, and each host reports its own. "
         "To end every host on one model, keep the callback from writing into the model at the end of training "
-        "(StochasticWeightAveraging/EMAWeightAveraging: leave them out under NodeoxStrategy, or average on one host "
-        f"after the run), or evaluate and save the run's final model {run_hash} (the weights of a host without such a "
+        "(a subclass of Lightning's WeightAveraging writes before the final round, which then carries it), or "
+        f"evaluate and save the run's final model {run_hash} (the weights of a host without such a "
         "callback) instead of this host's weights.")

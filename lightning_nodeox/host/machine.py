@@ -5,6 +5,10 @@
   (TensorBoard, or CSV without tensorboard) writes versions there, beside the run's phases. Hosts then never
   write into the same folder (LightningCLI's config file included). Under Fabric, ``fabric.save``/``load`` of a
   relative path go there too (:func:`own_path`).
+- Loggers kept apart: any other TensorBoardLogger or CSVLogger whose version was not given (one you pass,
+  ``CSVLogger("logs")``, or the default one outside ``nodeox launch``) logs into its own sub-folder ``host<id>``
+  of its experiment's folder (``logs/lightning_logs/host<id>/version_<n>/``), so hosts that share a folder never
+  race for a version (:func:`keep_loggers_apart`).
 - Local rank: ``NODEOX_LOCAL_HOST_RANK`` (``nodeox launch`` sets it: the host's position among the hosts it
   started on this machine) is the strategy's ``local_rank``, so Lightning calls ``prepare_data`` on one host
   per machine; the other hosts of the machine wait for it at Lightning's ``pre_setup`` barrier (a marker file
@@ -38,8 +42,13 @@ def local_rank() -> int:
     return int(value)
 
 
+def folder_name(host_id: str) -> str:
+    """``host<id>``, with the characters a file name cannot hold replaced."""
+    return "host" + re.sub(r"[^A-Za-z0-9_.-]", "_", host_id)
+
+
 def host_folder(run_dir: str | Path, host_id: str) -> Path:
-    return Path(run_dir) / "hosts" / ("host" + re.sub(r"[^A-Za-z0-9_.-]", "_", host_id))
+    return Path(run_dir) / "hosts" / folder_name(host_id)
 
 
 def own_path(path: str | Path, host_id: str) -> Path:
@@ -61,6 +70,17 @@ def use_run_folder(trainer: Trainer, host_id: str) -> Path | None:
     if len(loggers) == 1 and _is_default_logger(loggers[0]):
         trainer.logger = type(loggers[0])(save_dir=str(folder.parent), name=folder.name)
     return folder
+
+
+def keep_loggers_apart(trainer: Trainer, host_id: str) -> None:
+    """Give each TensorBoardLogger and CSVLogger whose version was not given (and that has not begun writing) its
+    own sub-folder ``host<id>`` of its experiment's folder, unless it writes in this host's own folder already (the
+    run folder's default logger)."""
+    own = folder_name(host_id)
+    for logger in trainer.loggers:
+        if (isinstance(logger, (TensorBoardLogger, CSVLogger)) and logger._version is None
+                and logger._experiment is None and Path(logger.root_dir).name != own):
+            logger._name = os.path.join(logger.name or "", own)  # the loggers have no setter; root_dir reads it
 
 
 def _is_default_logger(logger) -> bool:

@@ -128,7 +128,6 @@ class Parts:
         log.info("nodeox: %d fragments of %s MB, one exchanged a round (the final round exchanges them all)",
                  len(cut), "/".join(f"{sum(self.specs[i].nbytes for i in f) / 1e6:.3g}" for f in cut))
         if len(cut) < self.fragments.count:
-            log.warning("nodeox: fragments=%d asked, but this model's tensors make %d (a tensor holds more than a "
-                        "fragment's share of the bytes): each fragment is exchanged every %d rounds, more often "
-                        "than local_steps asks; lower fragments to %d to keep local_steps", self.fragments.count,
-                        len(cut), len(cut), len(cut))
+            log.warning("nodeox: fragments=%d asked, but only %d tensors move, one a fragment: each fragment is "
+                        "exchanged every %d rounds, more often than local_steps asks; lower fragments to %d to keep "
+                        "local_steps", self.fragments.count, len(cut), len(cut), len(cut))

@@ -64,6 +64,7 @@ class HostSession:
         self.sigterm = SigtermHandler(self.cancel_waits)
         self.final = FinalHash()  # once the run completed: the hash of the weights held
         self.on_round: OnRound = lambda result, step: None
+        self.final_at_end = False  # the final round waits for end(), even on a boundary (weight averaging)
 
     @classmethod
     def of(cls, *, cpu_threads: int | None = None, client: Callable[[Connection], HostClient] | None = None,
@@ -113,15 +114,17 @@ class HostSession:
     def step_ended(self, step: Callable[[], int], final: Callable[[], bool], *, last: bool = False) -> None:
         """Where a batch that stepped may have ended: count it (host/timing.py); fold an arrived sync into the live
         model (overlap); close the round when due (``step()``: where, ``final()``: whether training ends after
-        it), or as the final one whether due or not when ``last`` (training ends with this batch). On a host of
-        several devices rank 0 decides both for all."""
+        it), or as the final one whether due or not when ``last`` (training ends with this batch). A final round
+        is left to :meth:`end` when ``final_at_end``. On a host of several devices rank 0 decides both for all."""
         if self.ranks is None or not self.timing.batch_ended():
             return
         arrived, due = self.ranks.decide(self.overlap.arrived(), self.timing.due())
         if arrived:
             self.took(self.overlap.fold(), self.overlap.step)
         if due or last:
-            self.close_round(step(), final=last or final())
+            final_ = last or final()
+            if not (final_ and self.final_at_end):
+                self.close_round(step(), final=final_)
 
     def close_round(self, step: int, final: bool = False) -> None:
         """Hand the round that closed at ``step`` to the exchange worker; wait for it unless training overlaps. On
@@ -172,11 +175,29 @@ class HostSession:
     # -- the end ------------------------------------------------------------------------------------------------
     def end(self, step: int) -> None:
         """This host's training ended at ``step``: fold a round in flight, then send its final round (what it
-        trained since its last round; never overlapped), unless the run has completed already."""
+        trained since its last round; never overlapped), unless the run has completed already: then, when
+        ``final_at_end``, the host goes back to the run's final model (what its callbacks wrote at the end came
+        after it)."""
         if self.overlap is not None and self.overlap.pending:
             self.took(self.overlap.fold(wait=True), self.overlap.step)
-        if self.ranks is not None and not self.ranks.lead(lambda: self.link.round.complete, model=False):
+        if self.ranks is None:
+            return
+        if not self.ranks.lead(lambda: self.link.round.complete, model=False):
             self.close_round(step, final=True)
+        elif self.final_at_end:
+            self.ranks.lead(self._back_to_final_model)
+
+    def _back_to_final_model(self) -> None:
+        """Rank 0: the run completed before this host's training ended, so its final round never carried what the
+        weight-averaging callbacks wrote into the model at the end: drop it and hold the run's final model."""
+        link = self.link
+        if link.left:
+            return
+        log.warning("host %s: the run completed (another host's training ended) before this host's; the weights its "
+                    "averaging callbacks wrote at the end of training came after the run's final round and are "
+                    "dropped: this host ends on the run's final model %s", self.connection.host_id,
+                    link.round.model_hash)
+        link.round.tensors.restore_live()
 
     def check_final(self, module: torch.nn.Module, found: Callable[[], list[str]]) -> None:
         """Rank 0, once the run completed: hash the weights held (``found``: who could have changed them since)."""

@@ -5,7 +5,8 @@ callback) sends its final delta; the coordinator makes that round the run's last
 the run. A host still training learns it when it applies that sync at its next round boundary, and stops
 there (``trainer.should_stop``). So every host ends after the same round, on the same model.
 
-A round boundary that falls on a host's last batch is that host's final round (no empty extra round).
+A round boundary that falls on a host's last batch is that host's final round (no empty extra round); with a
+weight-averaging callback it closes in ``on_train_end``, after the callbacks' (:mod:`lightning_nodeox.host.agreement`).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from typing_extensions import override
 from ..core.protocol import ValuesReply
 from ..core.transport import HostClient
 from . import machine
-from .agreement import suspects
+from .agreement import averages_weights, suspects
 from .devices import OneDevice, SeveralDevices, devices_of
 from .lightning_private import value_being_reduced
 from .metric_states import MetricStates
@@ -162,10 +162,12 @@ class NodeoxStrategy(SessionReadings, DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        """Use the run folder, size torch's CPU threads to this rank's share of the CPU quota; on several devices,
-        join the host's process group."""
+        """Use the run folder, keep the hosts' loggers apart, size torch's CPU threads to this rank's share of the CPU
+        quota; on several devices, join the host's process group."""
         trainer = self.lightning_module.trainer
-        machine.use_run_folder(trainer, self._session.connection_settings.resolved_host_id())
+        host_id = self._session.connection_settings.resolved_host_id()
+        machine.use_run_folder(trainer, host_id)
+        machine.keep_loggers_apart(trainer, host_id)
         self._devices.setup_environment(trainer)
         self._session.size_threads(len(self.parallel_devices or ()) or 1, "NodeoxStrategy")  # ranks share the quota
         super().setup_environment()
@@ -274,6 +276,7 @@ class NodeoxStrategy(SessionReadings, DDPStrategy):
     @override
     def on_train_start(self) -> None:
         self._session.sigterm.install()  # after Lightning's own SIGTERM handler, which it chains
+        self._session.final_at_end = averages_weights(self.lightning_module.trainer)
         self._metric_states = MetricStates(self.lightning_module.trainer, self._exchange_values)
         self._metric_states.attach(self.lightning_module)
         super().on_train_start()
