@@ -167,6 +167,47 @@ def test_the_summary_of_a_long_run_is_one_screen(tmp_path, capsys) -> None:
     assert [r["round"] for r in json.loads(capsys.readouterr().out)["rounds"]] == [598, 599]
 
 
+def test_the_gpu_time_table_is_in_one_unit_named_in_its_header() -> None:
+    short = run_records(2)  # host 1 has 2 GPUs: its GPU time is twice its seconds
+    lines = report_text(extended(short)).splitlines()
+    assert lines[:4] == ["GPU time per host, in GPU-seconds (its GPUs x the time of each):",
+                         "host       GPUs   training    waiting exchanging wait share  up / down",
+                         "0             1        2.0        0.1        0.6        26%  200 B / 100 B",
+                         "1             2        4.0        0.2        1.2        26%  200 B / 100 B"]
+    long = run_records(2, slow={(0, "1"): 7200.0})  # host 1 trains 2 h longer: every cell in GPU-hours
+    lines = report_text(extended(long, price=2.0)).splitlines()
+    assert lines[1:5] == [
+        "GPU time per host, in GPU-hours (its GPUs x the time of each):",
+        "host       GPUs   training    waiting exchanging wait share waiting cost  up / down",
+        "0             1      0.001      2.000      0.000        63%         4.00  200 B / 100 B",
+        "1             2      4.001      0.000      0.000        13%       0.0001  200 B / 100 B"]
+
+
+OVERLAP = ("  (aggregation-to-sync below 0: the round was streamed, the hosts' sync downloads started before its "
+           "aggregation ended; the seconds below 0 are that overlap)")
+
+
+def test_an_aggregation_to_sync_below_0_is_said_to_be_a_streamed_rounds_overlap() -> None:
+    records = run_records(2)
+    plain_summary, plain_rounds = report_text(extended(records)), render_rounds(extended(records))
+    assert OVERLAP not in plain_summary.splitlines() and OVERLAP not in plain_rounds.splitlines()
+    for r in records:
+        if r["phase"] == P.DOWNLOAD:
+            r["start"] -= 0.08  # 0.04 s before the aggregation's end: the sync was streamed
+    lines = report_text(extended(records)).splitlines()
+    row = lines.index("  aggregation-to-sync                  4    -0.040    -0.040    -0.040    -0.040")
+    assert lines[row + 1:row + 3] == ["  round time                           2     1.300     1.340     1.349     1.350",
+                                      OVERLAP]
+    lines = render_rounds(extended(records)).splitlines()
+    assert lines[-3:-1] == ["aggregation-to-sync, median of the slowest host: -0.040 s", OVERLAP]
+
+
+def extended(records: list[dict], price: float | None = None) -> dict:
+    report = build(records)
+    extend(report, records, price)
+    return report
+
+
 def test_a_rounds_range_reads_as_both_ends_included_and_a_bad_one_names_the_form() -> None:
     assert parse_window("10:20") == (10, 20) and parse_window(":5") == (None, 5) and parse_window("7") == (7, 7)
     assert parse_window("") == (None, None)
