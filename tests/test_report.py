@@ -42,23 +42,28 @@ def test_a_round_reports_its_sync_as_the_sum_of_its_parts_and_a_fallback_fetch_b
     assert report["summary"]["median_of_slowest_host_s"]["fallback_fetch"] == 2.0
 
 
+def relay_records() -> list[dict]:
+    """Relays A and B and host 9 at the root; A's hosts 0 and 1 (they train), B's host 2 and relay C (host 3)."""
+    return [rec(P.RECEIVE, 1.0, 1.1, host="coordinator", from_host="A"),
+            rec(P.AGGREGATE, 1.2, 1.3, host="coordinator"),
+            rec(P.UPLOAD, 0.9, 1.0, host="A", bytes=100), rec(P.WAIT, 1.0, 1.5, host="A"),
+            rec(P.DOWNLOAD, 1.5, 1.6, host="A", bytes=100),
+            rec(P.UPLOAD, 0.9, 1.0, host="B", bytes=100), rec(P.DOWNLOAD, 1.5, 1.6, host="B", bytes=100),
+            rec(P.UPLOAD, 0.9, 1.0, host="9", bytes=100), rec(P.DOWNLOAD, 1.5, 1.6, host="9", bytes=100),
+            rec(P.TRAIN, 0.0, 0.5, host="A/0"), rec(P.UPLOAD, 0.5, 0.6, host="A/0", bytes=10),
+            rec(P.DOWNLOAD, 1.7, 1.8, host="A/0", bytes=10),
+            rec(P.TRAIN, 0.0, 0.7, host="A/1"), rec(P.UPLOAD, 0.7, 0.8, host="A/1", bytes=10),
+            rec(P.AGGREGATE, 0.8, 0.85, host="A/coordinator", samples=64),
+            rec(P.UPLOAD, 0.5, 0.6, host="B/2", bytes=10),
+            rec(P.UPLOAD, 0.5, 0.6, host="B/C/3", bytes=1), rec(P.UPLOAD, 0.4, 0.5, host="B/C", bytes=10),
+            rec(P.RSS, 2.0, 2.0, host="A/coordinator", rss_bytes=7),
+               rec(P.RSS, 2.0, 2.0, host="coordinator", rss_bytes=5)]
+
+
 def test_a_run_with_relays_is_grouped_by_site_and_its_far_link_bytes_stand_apart() -> None:
     """The root sees relays A and B (and host 9 straight to it); the relays forwarded their sites' records, B's
     with a relay C under it: each site is a report of its own, the bytes into the root apart from those inside."""
-    records = [rec(P.RECEIVE, 1.0, 1.1, host="coordinator", from_host="A"),
-               rec(P.AGGREGATE, 1.2, 1.3, host="coordinator"),
-               rec(P.UPLOAD, 0.9, 1.0, host="A", bytes=100), rec(P.WAIT, 1.0, 1.5, host="A"),
-               rec(P.DOWNLOAD, 1.5, 1.6, host="A", bytes=100),
-               rec(P.UPLOAD, 0.9, 1.0, host="B", bytes=100), rec(P.DOWNLOAD, 1.5, 1.6, host="B", bytes=100),
-               rec(P.UPLOAD, 0.9, 1.0, host="9", bytes=100), rec(P.DOWNLOAD, 1.5, 1.6, host="9", bytes=100),
-               rec(P.TRAIN, 0.0, 0.5, host="A/0"), rec(P.UPLOAD, 0.5, 0.6, host="A/0", bytes=10),
-               rec(P.DOWNLOAD, 1.7, 1.8, host="A/0", bytes=10),
-               rec(P.TRAIN, 0.0, 0.7, host="A/1"), rec(P.UPLOAD, 0.7, 0.8, host="A/1", bytes=10),
-               rec(P.AGGREGATE, 0.8, 0.85, host="A/coordinator", samples=64),
-               rec(P.UPLOAD, 0.5, 0.6, host="B/2", bytes=10),
-               rec(P.UPLOAD, 0.5, 0.6, host="B/C/3", bytes=1), rec(P.UPLOAD, 0.4, 0.5, host="B/C", bytes=10),
-               rec(P.RSS, 2.0, 2.0, host="A/coordinator", rss_bytes=7),
-               rec(P.RSS, 2.0, 2.0, host="coordinator", rss_bytes=5)]
+    records = relay_records()
     report = build(records)
     (rnd,) = report["rounds"]
     assert rnd["hosts"] == ["9", "A", "B"]  # the root's own senders: relays are hosts to it
@@ -83,6 +88,19 @@ def test_a_run_with_relays_is_grouped_by_site_and_its_far_link_bytes_stand_apart
     assert list(hosts) == ["9", "A/0", "A/1", "B/2", "B/C/3"]  # the hosts that train: relays are not among them
     assert hosts["A/1"]["train_s"] == pytest.approx(0.7)
     assert hosts["A/1"]["mean_wait_share"] == pytest.approx(1 - 0.7 / 0.8)  # from its site's report
+
+
+def test_the_summary_of_a_run_with_relays_has_every_hosts_train_row_above_the_relays_phases() -> None:
+    records = relay_records()
+    report = build(records)
+    extend(report, records)
+    lines = report_text(report).splitlines()
+    table = lines.index("seconds, over rounds and hosts         n       p50       p90       p99       max")
+    assert lines[table + 1:table + 5] == [
+        "  train (every host)                   2     0.600     0.680     0.698     0.700",  # A/0 0.5 s, A/1 0.7 s
+        "  upload                               3     0.100     0.100     0.100     0.100",  # relays A, B and host 9
+        "  wait                                 1     0.500     0.500     0.500     0.500",
+        "  download                             3     0.100     0.100     0.100     0.100"]
 
 
 def test_a_run_without_relays_reports_as_before() -> None:

@@ -2,12 +2,15 @@
 
 - With ``--gpu-hour-price P``, first what the run cost and what its waiting cost.
 - Per host (every host that trains; a site's as ``SITE/HOST``): its GPUs (the ``ranks`` of its ``train``
-  records), GPU-hours training (``train``), waiting (``wait``: its training stood still for a sync) and exchanging
-  (the rest of its span, from its first record to its last: encoding, uploading, applying syncs, fetching the
-  model, joining), its mean wait share, bytes up and down, and with a price what its waiting cost.
+  records), GPU time (one unit for the table: GPU-seconds, or GPU-hours from an hour on) training (``train``),
+  waiting (``wait``: its training stood still for a sync) and exchanging (the rest of its span, from its first
+  record to its last: encoding, uploading, applying syncs, fetching the model, joining), its mean wait share,
+  bytes up and down, and with a price what its waiting cost.
 - The run's totals (rounds, hosts, wall time, bytes, coordinator memory, full-model fetches), each site's.
 - Quantiles (p50, p90, p99, max) of every phase over every round and host, of the coordinator's phases, of
-  aggregation-to-sync and of the round time (from the previous round's sync published to this round's).
+  aggregation-to-sync and of the round time (from the previous round's sync published to this round's). With
+  relays these are the root's senders' (the relays', and hosts straight to the root), and ``train`` is every
+  host's, in the sites too. An aggregation-to-sync below 0 (a streamed round's overlap) is said so under them.
 - The slowest rounds, each with what made it slow: the phases furthest above their median, on a host or on the
   coordinator. A host's ``wait`` (and ``poll``) is what the others' slowness costs it, so it is never the reason.
 """
@@ -25,6 +28,7 @@ SLOWEST = 5  # slowest rounds listed
 NOT_A_CAUSE = (P.WAIT, P.POLL, "sync")  # effects of others' slowness (sync: the sum of its parts, listed apart)
 OFF_THE_PATH = (P.PERSIST, P.RECEIVE)  # coordinator phases no round waits for (a receive overlaps training)
 QUANTILES = (0.5, 0.9, 0.99)
+EVERY_HOST_TRAIN = "train (every host)"  # with relays: the root's rows are its senders', this row every host's
 OVERLAP_NOTE = ("  (aggregation-to-sync below 0: the round was streamed, the hosts' sync downloads started before "
                 "its aggregation ended; the seconds below 0 are that overlap)")
 
@@ -160,10 +164,7 @@ def extend(report: dict, records: list[dict], price: float | None = None) -> dic
             by_key[key].append(v)
     times = round_times(records)
     ordered = {key: sorted(v) for key, v in by_key.items()}
-    order = [*HOST_COLUMNS, *(f"coordinator {ph}" for ph in P.COORDINATOR_PHASES), "aggregation-to-sync"]
-    root = sorted((what for site, what in ordered if not site),
-                  key=lambda w: (order.index(w) if w in order else len(order), w))
-    summary["quantiles_s"] = {what: _quantiles(ordered[("", what)]) for what in root}
+    summary["quantiles_s"] = phase_quantiles(ordered)
     if times:
         summary["quantiles_s"]["round time"] = _quantiles(sorted(times.values()))
     medians = {key: quantile(v, 0.5) for key, v in ordered.items()}
@@ -179,6 +180,20 @@ def extend(report: dict, records: list[dict], price: float | None = None) -> dic
     if price is not None:
         summary["cost"] = cost(hosts, price)
     return summary
+
+
+def phase_quantiles(ordered: dict[tuple[str, str], list[float]]) -> dict[str, dict]:
+    """The quantiles of the root's rows (its senders' phases: with relays, the relays' mostly), in the report's
+    column order. With relays, ``train`` is every host's, in the sites too (:data:`EVERY_HOST_TRAIN`)."""
+    order = [*HOST_COLUMNS, *(f"coordinator {ph}" for ph in P.COORDINATOR_PHASES), "aggregation-to-sync"]
+    root = sorted((what for site, what in ordered if not site),
+                  key=lambda w: (order.index(w) if w in order else len(order), w))
+    rows = {what: _quantiles(ordered[("", what)]) for what in root}
+    if any(site for site, _ in ordered):
+        trained = sorted(v for (_, what), values in ordered.items() if what == P.TRAIN for v in values)
+        rows.pop(P.TRAIN, None)
+        rows = {EVERY_HOST_TRAIN: _quantiles(trained), **rows} if trained else rows
+    return rows
 
 
 def _quantiles(ordered: list[float]) -> dict:
