@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nodeox import NodeoxStrategy
 from lightning_nodeox.core.hashing import model_hash
-from lightning_nodeox.host.ending import RunCompleted, RunNotCompleted
+from lightning_nodeox.host.ending import RunCompleted, RunNotCompleted, run_completed
 from lightning_nodeox.host.tensors import shared_tensors
 
 
@@ -51,7 +51,7 @@ def fit(url: str, model: Tiny, tmp_path, max_steps: int = 4) -> Trainer:
     return trainer
 
 
-def trainer_for(url: str, tmp_path, max_steps: int) -> Trainer:
+def trainer_for(url: str | None, tmp_path, max_steps: int) -> Trainer:
     return Trainer(strategy=NodeoxStrategy(coordinator_url=url, host_id="h", local_steps=2), max_steps=max_steps,
                    logger=False, enable_progress_bar=False, enable_checkpointing=False, default_root_dir=tmp_path)
 
@@ -101,6 +101,35 @@ trainer = Trainer(strategy=NodeoxStrategy(local_steps=2, retry_for=1.5), max_ste
 trainer.fit(Tiny(step_seconds=0.02), loader())
 print("fit returned at step", trainer.global_step, flush=True)
 '''
+
+
+SECOND_FIT = '''
+import sys, torch
+sys.path.insert(0, {tests!r})
+from test_host_endings import Tiny, trainer_for, loader
+torch.set_num_threads(1)
+model = Tiny()
+trainer_for(None, sys.argv[1], 4).fit(model, loader())
+print("the first fit returned", flush=True)
+trainer_for(None, sys.argv[1], 8).fit(model, loader())
+print("the second fit returned", flush=True)
+'''
+
+
+@pytest.mark.slow
+def test_a_second_fit_in_a_host_process_ends_it_with_the_message_alone_and_exit_status_1(coordinator,
+                                                                                         tmp_path) -> None:
+    coord = coordinator(1)
+    script = tmp_path / "host.py"
+    script.write_text(SECOND_FIT.format(tests=os.path.dirname(__file__)))
+    host = subprocess.run(forked([sys.executable, str(script), str(tmp_path)]), capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, NODEOX_COORDINATOR_URL=coord.url, NODEOX_HOST_ID="h",
+                                                PYTHONUNBUFFERED="1"))
+    final = [e for e in coord.events() if e["phase"] == "sync_prepare"][-1]
+    assert host.returncode == 1, host.stderr[-3000:]
+    assert host.stdout.splitlines()[-1] == "the first fit returned"
+    assert "Traceback" not in host.stderr and "Error" not in host.stderr
+    assert host.stderr.splitlines()[-1] == str(run_completed(coord.url, final["round"], final["model_hash"]))
 
 
 @pytest.mark.slow

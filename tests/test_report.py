@@ -42,23 +42,28 @@ def test_a_round_reports_its_sync_as_the_sum_of_its_parts_and_a_fallback_fetch_b
     assert report["summary"]["median_of_slowest_host_s"]["fallback_fetch"] == 2.0
 
 
+def relay_records() -> list[dict]:
+    """Relays A and B and host 9 at the root; A's hosts 0 and 1 (they train), B's host 2 and relay C (host 3)."""
+    return [rec(P.RECEIVE, 1.0, 1.1, host="coordinator", from_host="A"),
+            rec(P.AGGREGATE, 1.2, 1.3, host="coordinator"),
+            rec(P.UPLOAD, 0.9, 1.0, host="A", bytes=100), rec(P.WAIT, 1.0, 1.5, host="A"),
+            rec(P.DOWNLOAD, 1.5, 1.6, host="A", bytes=100),
+            rec(P.UPLOAD, 0.9, 1.0, host="B", bytes=100), rec(P.DOWNLOAD, 1.5, 1.6, host="B", bytes=100),
+            rec(P.UPLOAD, 0.9, 1.0, host="9", bytes=100), rec(P.DOWNLOAD, 1.5, 1.6, host="9", bytes=100),
+            rec(P.TRAIN, 0.0, 0.5, host="A/0"), rec(P.UPLOAD, 0.5, 0.6, host="A/0", bytes=10),
+            rec(P.DOWNLOAD, 1.7, 1.8, host="A/0", bytes=10),
+            rec(P.TRAIN, 0.0, 0.7, host="A/1"), rec(P.UPLOAD, 0.7, 0.8, host="A/1", bytes=10),
+            rec(P.AGGREGATE, 0.8, 0.85, host="A/coordinator", samples=64),
+            rec(P.UPLOAD, 0.5, 0.6, host="B/2", bytes=10),
+            rec(P.UPLOAD, 0.5, 0.6, host="B/C/3", bytes=1), rec(P.UPLOAD, 0.4, 0.5, host="B/C", bytes=10),
+            rec(P.RSS, 2.0, 2.0, host="A/coordinator", rss_bytes=7),
+               rec(P.RSS, 2.0, 2.0, host="coordinator", rss_bytes=5)]
+
+
 def test_a_run_with_relays_is_grouped_by_site_and_its_far_link_bytes_stand_apart() -> None:
     """The root sees relays A and B (and host 9 straight to it); the relays forwarded their sites' records, B's
     with a relay C under it: each site is a report of its own, the bytes into the root apart from those inside."""
-    records = [rec(P.RECEIVE, 1.0, 1.1, host="coordinator", from_host="A"),
-               rec(P.AGGREGATE, 1.2, 1.3, host="coordinator"),
-               rec(P.UPLOAD, 0.9, 1.0, host="A", bytes=100), rec(P.WAIT, 1.0, 1.5, host="A"),
-               rec(P.DOWNLOAD, 1.5, 1.6, host="A", bytes=100),
-               rec(P.UPLOAD, 0.9, 1.0, host="B", bytes=100), rec(P.DOWNLOAD, 1.5, 1.6, host="B", bytes=100),
-               rec(P.UPLOAD, 0.9, 1.0, host="9", bytes=100), rec(P.DOWNLOAD, 1.5, 1.6, host="9", bytes=100),
-               rec(P.TRAIN, 0.0, 0.5, host="A/0"), rec(P.UPLOAD, 0.5, 0.6, host="A/0", bytes=10),
-               rec(P.DOWNLOAD, 1.7, 1.8, host="A/0", bytes=10),
-               rec(P.TRAIN, 0.0, 0.7, host="A/1"), rec(P.UPLOAD, 0.7, 0.8, host="A/1", bytes=10),
-               rec(P.AGGREGATE, 0.8, 0.85, host="A/coordinator", samples=64),
-               rec(P.UPLOAD, 0.5, 0.6, host="B/2", bytes=10),
-               rec(P.UPLOAD, 0.5, 0.6, host="B/C/3", bytes=1), rec(P.UPLOAD, 0.4, 0.5, host="B/C", bytes=10),
-               rec(P.RSS, 2.0, 2.0, host="A/coordinator", rss_bytes=7),
-               rec(P.RSS, 2.0, 2.0, host="coordinator", rss_bytes=5)]
+    records = relay_records()
     report = build(records)
     (rnd,) = report["rounds"]
     assert rnd["hosts"] == ["9", "A", "B"]  # the root's own senders: relays are hosts to it
@@ -83,6 +88,19 @@ def test_a_run_with_relays_is_grouped_by_site_and_its_far_link_bytes_stand_apart
     assert list(hosts) == ["9", "A/0", "A/1", "B/2", "B/C/3"]  # the hosts that train: relays are not among them
     assert hosts["A/1"]["train_s"] == pytest.approx(0.7)
     assert hosts["A/1"]["mean_wait_share"] == pytest.approx(1 - 0.7 / 0.8)  # from its site's report
+
+
+def test_the_summary_of_a_run_with_relays_has_every_hosts_train_row_above_the_relays_phases() -> None:
+    records = relay_records()
+    report = build(records)
+    extend(report, records)
+    lines = report_text(report).splitlines()
+    table = lines.index("seconds, over rounds and hosts         n       p50       p90       p99       max")
+    assert lines[table + 1:table + 5] == [
+        "  train (every host)                   2     0.600     0.680     0.698     0.700",  # A/0 0.5 s, A/1 0.7 s
+        "  upload                               3     0.100     0.100     0.100     0.100",  # relays A, B and host 9
+        "  wait                                 1     0.500     0.500     0.500     0.500",
+        "  download                             3     0.100     0.100     0.100     0.100"]
 
 
 def test_a_run_without_relays_reports_as_before() -> None:
@@ -165,6 +183,47 @@ def test_the_summary_of_a_long_run_is_one_screen(tmp_path, capsys) -> None:
     assert [line.split()[1] for line in out.splitlines() if line.startswith("round ")] == ["10", "11", "12"]
     assert main(tmp_path, as_json=True, rounds="598:") == 0
     assert [r["round"] for r in json.loads(capsys.readouterr().out)["rounds"]] == [598, 599]
+
+
+def test_the_gpu_time_table_is_in_one_unit_named_in_its_header() -> None:
+    short = run_records(2)  # host 1 has 2 GPUs: its GPU time is twice its seconds
+    lines = report_text(extended(short)).splitlines()
+    assert lines[:4] == ["GPU time per host, in GPU-seconds (its GPUs x the time of each):",
+                         "host       GPUs   training    waiting exchanging wait share  up / down",
+                         "0             1        2.0        0.1        0.6        26%  200 B / 100 B",
+                         "1             2        4.0        0.2        1.2        26%  200 B / 100 B"]
+    long = run_records(2, slow={(0, "1"): 7200.0})  # host 1 trains 2 h longer: every cell in GPU-hours
+    lines = report_text(extended(long, price=2.0)).splitlines()
+    assert lines[1:5] == [
+        "GPU time per host, in GPU-hours (its GPUs x the time of each):",
+        "host       GPUs   training    waiting exchanging wait share waiting cost  up / down",
+        "0             1      0.001      2.000      0.000        63%         4.00  200 B / 100 B",
+        "1             2      4.001      0.000      0.000        13%       0.0001  200 B / 100 B"]
+
+
+OVERLAP = ("  (aggregation-to-sync below 0: the round was streamed, the hosts' sync downloads started before its "
+           "aggregation ended; the seconds below 0 are that overlap)")
+
+
+def test_an_aggregation_to_sync_below_0_is_said_to_be_a_streamed_rounds_overlap() -> None:
+    records = run_records(2)
+    plain_summary, plain_rounds = report_text(extended(records)), render_rounds(extended(records))
+    assert OVERLAP not in plain_summary.splitlines() and OVERLAP not in plain_rounds.splitlines()
+    for r in records:
+        if r["phase"] == P.DOWNLOAD:
+            r["start"] -= 0.08  # 0.04 s before the aggregation's end: the sync was streamed
+    lines = report_text(extended(records)).splitlines()
+    row = lines.index("  aggregation-to-sync                  4    -0.040    -0.040    -0.040    -0.040")
+    assert lines[row + 1:row + 3] == ["  round time                           2     1.300     1.340     1.349     1.350",
+                                      OVERLAP]
+    lines = render_rounds(extended(records)).splitlines()
+    assert lines[-3:-1] == ["aggregation-to-sync, median of the slowest host: -0.040 s", OVERLAP]
+
+
+def extended(records: list[dict], price: float | None = None) -> dict:
+    report = build(records)
+    extend(report, records, price)
+    return report
 
 
 def test_a_rounds_range_reads_as_both_ends_included_and_a_bad_one_names_the_form() -> None:

@@ -32,6 +32,7 @@ from helpers import (
 )
 from helpers import model as restart_model
 from helpers import train_on_model as restart_train
+from local_transport import LocalClient
 
 from lightning_nodeox.coordinator.hosts import HostState
 from lightning_nodeox.coordinator.waiting import waiting_for
@@ -79,6 +80,21 @@ def test_a_waiting_round_names_the_hosts_whose_deltas_it_waits_for_and_says_it_o
     lines = [m for m in caplog.messages if "waits for deltas" in m]
     assert lines == ["nodeox coordinator: round 0 waits for deltas from hosts b, x; it has those of a",
                      "nodeox coordinator: round 0 waits for deltas from host x; it has those of a, b"]
+
+
+def test_waiting_for_the_initial_model_is_said_once_and_then_who_uploads_it(local_coordinator, caplog) -> None:
+    caplog.set_level("INFO")
+    c = local_coordinator(hosts=2, status_interval=0.0)
+    for _ in range(3):
+        c.tick()
+    a = LocalClient(c, "a")
+    assert a.join([s.as_json() for s in spec_of(restart_model(0))]).provide_model  # asked, not yet uploaded
+    for _ in range(3):
+        c.tick()
+    lines = [m for m in caplog.messages if "initial model" in m]
+    assert lines == ["nodeox coordinator: waiting for the first host to join: it provides the initial model",
+                     "nodeox coordinator: host a joined and uploads the initial model (another host is asked if it "
+                     "has not within --provider-timeout 300 s)"]
 
 
 

@@ -11,20 +11,26 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import requests
 import torch
-from helpers import Coordinator, model
+from helpers import Coordinator, TwoOptimizers, data, model
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.loggers import TensorBoardLogger
+from local_transport import LocalClient
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.summary.writer.record_writer import RecordWriter
 
+from lightning_nodeox import NodeoxStrategy, PhaseMonitor
 from lightning_nodeox.coordinator.config import CoordinatorConfig
 from lightning_nodeox.coordinator.lock import LOCK_FILE
 from lightning_nodeox.coordinator.runlog import LineFile, RunLog, Trouble, tag
 from lightning_nodeox.coordinator.state import take_up
+from lightning_nodeox.core.eventfiles import RetryingEventWriter
 from lightning_nodeox.core.phases import PhaseLog, PhaseRecord
 from lightning_nodeox.host.client import HttpClient
 from lightning_nodeox.host.round import HostRound
@@ -357,3 +363,77 @@ def test_tensorboard_writes_again_once_the_disk_recovers(tmp_path, monkeypatch) 
     steps = tb_steps(tmp_path / "tb" / "host_a", tag("a", "encode"))
     assert steps == [0, 3, 4, 5]
     assert [e["round"] for e in lines(tmp_path)] == list(range(6))  # events.jsonl was never affected
+
+
+class FullEventFiles:
+    """TensorBoard's record writes while ``on``: ENOSPC (its writer thread dies on it)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.on = False
+        write = RecordWriter.write
+
+        def failing(writer, data):
+            if self.on:
+                raise ENOSPC
+            return write(writer, data)
+
+        monkeypatch.setattr(RecordWriter, "write", failing)
+
+
+class ThreadErrors:
+    """The exceptions that reach ``threading.excepthook`` (what Python would print as a thread's traceback)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.seen: list[BaseException] = []
+        monkeypatch.setattr(threading, "excepthook", lambda args: self.seen.append(args.exc_value))
+
+
+def test_a_tensorboard_writer_thread_that_dies_on_a_full_disk_prints_no_traceback(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(RunLog, "RETRY_S", 0.0)
+    disk, thread_errors = FullEventFiles(monkeypatch), ThreadErrors(monkeypatch)
+    runlog = RunLog(tmp_path)
+    runlog.write([record(0)])
+    runlog.flush()
+    disk.on = True
+    runlog.write([record(1)])
+    runlog.flush()  # the writer's thread died on the failed write
+    assert "a" not in runlog._writers
+    disk.on = False
+    runlog.write([record(2)])
+    runlog.close()
+    assert thread_errors.seen == []
+    assert tb_steps(tmp_path / "tb" / "host_a", tag("a", "encode")) == [0, 2]
+
+
+class DiskFullFor(Callback):
+    """The disk is full from batch ``first`` up to (not including) batch ``last``."""
+
+    def __init__(self, disk: FullEventFiles, first: int, last: int) -> None:
+        self.disk, self.first, self.last = disk, first, last
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        self.disk.on = self.first <= batch_idx < self.last
+
+
+def test_a_full_disk_is_one_line_on_a_host_and_training_goes_on_and_its_logs_follow_once_there_is_room(
+        local_coordinator, tmp_path, monkeypatch, caplog) -> None:
+    monkeypatch.setattr(RetryingEventWriter, "RETRY_S", 0.0)  # made again at the first event the disk takes
+    disk, thread_errors = FullEventFiles(monkeypatch), ThreadErrors(monkeypatch)
+    c = local_coordinator(1)
+    strategy = NodeoxStrategy(coordinator_url="http://unused.invalid", host_id="solo", local_steps=4,
+                              client=lambda conn: LocalClient(c, conn.host_id))
+    logger = TensorBoardLogger(tmp_path / "logs", name="tb")
+    trainer = Trainer(strategy=strategy, logger=logger, callbacks=[PhaseMonitor(), DiskFullFor(disk, 3, 7)],
+                      max_steps=2 * 10, log_every_n_steps=1, default_root_dir=tmp_path, enable_progress_bar=False,
+                      enable_checkpointing=False, enable_model_summary=False)
+    caplog.set_level("WARNING")
+    trainer.fit(TwoOptimizers(), data())
+    assert trainer.global_step == 20 and strategy.last_result.complete  # training went on through the outage
+    said = [m for m in caplog.messages if m.startswith("NodeoxStrategy:")]  # (the coordinator's TensorBoard too)
+    failed = [m for m in said if "cannot" in m]
+    assert len(failed) == 1  # one line for the whole outage
+    assert failed[0].startswith(f"NodeoxStrategy: cannot write TensorBoard events in {logger.log_dir} (")
+    assert "No space left on device" in failed[0]
+    assert sum("writing TensorBoard events in" in m and "again after" in m for m in said) == 1
+    assert thread_errors.seen == []
+    assert tb_steps(Path(logger.log_dir), "loss_a") == [0, 1, 2, 7, 8, 9]  # batches 3-6 logged on a full disk

@@ -11,7 +11,7 @@ a line that would still hold NaN or Infinity is not written. Work per record is 
 A disk that fails (full, unwritable) never stops the run: the failure is logged once, then every minute; lines
 that could not be written wait (up to 8 MiB) and follow once writing works, and a line is written whole or not at
 all; a TensorBoard writer whose thread died on a write error is closed and made again (a new event file in
-its folder) ``RunLog.RETRY_S`` seconds later."""
+its folder) ``RunLog.RETRY_S`` seconds later, and the thread's traceback is not printed."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ..core.logs import Named
 from ..core.phases import COORDINATOR, RSS, SYNC_PARTS, PhaseRecord, metric_name
+from ..core.trouble import Trouble
 from .config import NAME
 
 log = logging.getLogger(__name__)
@@ -64,41 +65,6 @@ def peak_rss_bytes() -> int:
 
 def tb_folder(host: str) -> str:
     return "coordinator" if host == COORDINATOR else f"host_{host}"  # ids are [A-Za-z0-9_.-]
-
-
-class Trouble:
-    """A sink that cannot write: said once, then at most every ``REPORT_EVERY`` seconds, and when it recovers.
-    ``counts``: the sink loses records while it fails (and says how many); else it only falls behind. ``name``:
-    what its lines start with (its run's)."""
-
-    REPORT_EVERY = 60.0
-
-    def __init__(self, what: str, name: str = NAME, *, counts: bool = True) -> None:
-        self.what = what
-        self.log = Named(log, name)
-        self.counts = counts
-        self.failing_since: float | None = None
-        self._reported = 0.0
-        self.lost = 0
-
-    def failed(self, error: Exception, lost: int = 0) -> None:
-        now = time.monotonic()
-        self.lost += lost
-        if self.failing_since is None:
-            self.failing_since, self._reported = now, now
-            self.log.error("cannot write %s (%s); the run goes on, writing is tried again", self.what,
-                           error)
-        elif now - self._reported >= self.REPORT_EVERY:
-            self._reported = now
-            self.log.error("%s still cannot be written after %.0f s (%s)%s", self.what,
-                           now - self.failing_since, error, f"; {self.lost} records lost so far" if self.counts else "")
-
-    def ok(self) -> None:
-        if self.failing_since is not None:
-            self.log.warning("writing %s again after %.0f s%s", self.what,
-                             time.monotonic() - self.failing_since,
-                             f" ({self.lost} records lost meanwhile)" if self.counts else "")
-            self.failing_since, self.lost = None, 0
 
 
 class LineFile:
@@ -252,10 +218,13 @@ class RunLog:
             return None
         try:
             from torch.utils.tensorboard import SummaryWriter
+
+            from ..core.eventfiles import quiet_writer_threads
         except ImportError:  # tensorboard missing: events.jsonl still has everything
             log.warning("nodeox: tensorboard is not installed; %s/%s is not written", self.run_dir, TB_DIR)
             self._writers[host] = None
             return None
+        quiet_writer_threads()  # a writer thread's failure is said here, once (see _tb), not as its traceback
         try:
             self._writers[host] = SummaryWriter(str(self.run_dir / TB_DIR / tb_folder(host)))
         except OSError as e:

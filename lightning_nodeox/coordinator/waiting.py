@@ -26,8 +26,10 @@ def waiting_for(state: RunState, rounds: Rounds, recovery: Recovery, provider: s
     if state.model is None:
         if recovery.resumed is not None:
             return logging.WARNING, recovery.waits_for()
-        who = f"host {provider}" if provider else "the first host to join"
-        return logging.INFO, f"waiting for the initial model from {who}"
+        if provider is None:
+            return logging.INFO, "waiting for the first host to join: it provides the initial model"
+        return logging.INFO, (f"host {provider} joined and uploads the initial model (another host is asked if it "
+                              f"has not within --provider-timeout {config.provider_timeout:g} s)")
     hosts, received = state.hosts, rounds.received
     if rounds.joins_awaited():
         return logging.INFO, (f"round {state.round} waits for {rounds.joins_awaited()} more host(s) to join "

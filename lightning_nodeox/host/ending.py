@@ -2,7 +2,7 @@
 in one script), or the coordinator stopped answering before the run completed (as far as this host knows: one paused past the run's end
 is told where the final model is). Both raise at once with what the
 host knows (the run's last round and model, or where this host stood) and what to do next, so that a host process
-exits 0 only when its run completed.
+exits 0 only when its run completed (a second ``fit``'s message is all its process prints: no traceback).
 
 A process remembers the runs it saw complete, by coordinator URL: a later ``fit`` against one whose coordinator no
 longer answers (it exits once its run is complete) fails at once instead of retrying for ``retry_for`` seconds.
@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from ..core.protocol import Unreachable
 
 
-class RunCompleted(RuntimeError):
-    """``fit`` against a run that has completed: a run does not go on after it completes."""
+class RunCompleted(SystemExit):
+    """``fit`` against a run that has completed: a run does not go on after it completes. A ``SystemExit``: left
+    uncaught, it ends the process with its message alone (no traceback under it) and exit status 1; a script that
+    fits again on purpose catches ``RunCompleted``."""
 
 
 class RunNotCompleted(Unreachable):

@@ -34,8 +34,13 @@ from typing_extensions import override
 
 from ..core.protocol import ValuesReply
 from ..core.transport import HostClient
+<<<<<<< HEAD
 from . import machine
 from .agreement import averages_weights, suspects
+=======
+from . import eventlogs, machine
+from .agreement import suspects
+>>>>>>> h-polish2
 from .devices import OneDevice, SeveralDevices, devices_of
 from .lightning_private import value_being_reduced
 from .metric_states import MetricStates
@@ -229,7 +234,9 @@ class NodeoxStrategy(SessionReadings, DDPStrategy):
     def setup(self, trainer: Trainer) -> None:
         """One device: set up as Lightning's single-device strategy does (the loaders keep their own samplers).
         Several: as DDP does (the model wrapped, a DistributedSampler splitting the host's data among its ranks).
-        Then, when fitting, rank 0 joins the run and every rank takes its model."""
+        Then, when fitting, rank 0 joins the run and every rank takes its model. A disk that fails never ends
+        training through its TensorBoard loggers (:mod:`~lightning_nodeox.host.eventlogs`)."""
+        eventlogs.keep_writing_through_disk_failures(trainer.loggers, type(self).__name__)
         devices = self._devices
         devices.setup(self, trainer)
         if trainer.state.fn != TrainerFn.FITTING:

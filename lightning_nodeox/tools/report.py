@@ -281,6 +281,8 @@ def render_rounds(report: dict) -> str:
         f"{ph} {v:.3f} s" for ph, v in s["median_of_slowest_host_s"].items()))
     if s["aggregation_to_sync_median_s"] is not None:
         lines.append(f"aggregation-to-sync, median of the slowest host: {s['aggregation_to_sync_median_s']:.3f} s")
+    lines += summary.overlap_note([v for rnd in report["rounds"] for (_, what), _, v in summary.samples(rnd)
+                                   if what == "aggregation-to-sync"])
     lines.append("mean wait share: " + (", ".join(f"host {h} {v:.0%}" for h, v in s["mean_wait_share"].items()) or "-"))
     return "\n".join(lines)
 

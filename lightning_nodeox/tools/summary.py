@@ -2,12 +2,15 @@
 
 - With ``--gpu-hour-price P``, first what the run cost and what its waiting cost.
 - Per host (every host that trains; a site's as ``SITE/HOST``): its GPUs (the ``ranks`` of its ``train``
-  records), GPU-hours training (``train``), waiting (``wait``: its training stood still for a sync) and exchanging
-  (the rest of its span, from its first record to its last: encoding, uploading, applying syncs, fetching the
-  model, joining), its mean wait share, bytes up and down, and with a price what its waiting cost.
+  records), GPU time (one unit for the table: GPU-seconds, or GPU-hours from an hour on) training (``train``),
+  waiting (``wait``: its training stood still for a sync) and exchanging (the rest of its span, from its first
+  record to its last: encoding, uploading, applying syncs, fetching the model, joining), its mean wait share,
+  bytes up and down, and with a price what its waiting cost.
 - The run's totals (rounds, hosts, wall time, bytes, coordinator memory, full-model fetches), each site's.
 - Quantiles (p50, p90, p99, max) of every phase over every round and host, of the coordinator's phases, of
-  aggregation-to-sync and of the round time (from the previous round's sync published to this round's).
+  aggregation-to-sync and of the round time (from the previous round's sync published to this round's). With
+  relays these are the root's senders' (the relays', and hosts straight to the root), and ``train`` is every
+  host's, in the sites too. An aggregation-to-sync below 0 (a streamed round's overlap) is said so under them.
 - The slowest rounds, each with what made it slow: the phases furthest above their median, on a host or on the
   coordinator. A host's ``wait`` (and ``poll``) is what the others' slowness costs it, so it is never the reason.
 """
@@ -25,6 +28,9 @@ SLOWEST = 5  # slowest rounds listed
 NOT_A_CAUSE = (P.WAIT, P.POLL, "sync")  # effects of others' slowness (sync: the sum of its parts, listed apart)
 OFF_THE_PATH = (P.PERSIST, P.RECEIVE)  # coordinator phases no round waits for (a receive overlaps training)
 QUANTILES = (0.5, 0.9, 0.99)
+EVERY_HOST_TRAIN = "train (every host)"  # with relays: the root's rows are its senders', this row every host's
+OVERLAP_NOTE = ("  (aggregation-to-sync below 0: the round was streamed, the hosts' sync downloads started before "
+                "its aggregation ended; the seconds below 0 are that overlap)")
 
 
 def quantile(ordered: list[float], q: float) -> float:
@@ -158,10 +164,7 @@ def extend(report: dict, records: list[dict], price: float | None = None) -> dic
             by_key[key].append(v)
     times = round_times(records)
     ordered = {key: sorted(v) for key, v in by_key.items()}
-    order = [*HOST_COLUMNS, *(f"coordinator {ph}" for ph in P.COORDINATOR_PHASES), "aggregation-to-sync"]
-    root = sorted((what for site, what in ordered if not site),
-                  key=lambda w: (order.index(w) if w in order else len(order), w))
-    summary["quantiles_s"] = {what: _quantiles(ordered[("", what)]) for what in root}
+    summary["quantiles_s"] = phase_quantiles(ordered)
     if times:
         summary["quantiles_s"]["round time"] = _quantiles(sorted(times.values()))
     medians = {key: quantile(v, 0.5) for key, v in ordered.items()}
@@ -177,6 +180,20 @@ def extend(report: dict, records: list[dict], price: float | None = None) -> dic
     if price is not None:
         summary["cost"] = cost(hosts, price)
     return summary
+
+
+def phase_quantiles(ordered: dict[tuple[str, str], list[float]]) -> dict[str, dict]:
+    """The quantiles of the root's rows (its senders' phases: with relays, the relays' mostly), in the report's
+    column order. With relays, ``train`` is every host's, in the sites too (:data:`EVERY_HOST_TRAIN`)."""
+    order = [*HOST_COLUMNS, *(f"coordinator {ph}" for ph in P.COORDINATOR_PHASES), "aggregation-to-sync"]
+    root = sorted((what for site, what in ordered if not site),
+                  key=lambda w: (order.index(w) if w in order else len(order), w))
+    rows = {what: _quantiles(ordered[("", what)]) for what in root}
+    if any(site for site, _ in ordered):
+        trained = sorted(v for (_, what), values in ordered.items() if what == P.TRAIN for v in values)
+        rows.pop(P.TRAIN, None)
+        rows = {EVERY_HOST_TRAIN: _quantiles(trained), **rows} if trained else rows
+    return rows
 
 
 def _quantiles(ordered: list[float]) -> dict:
@@ -201,8 +218,19 @@ def cost(hosts: dict[str, dict], price: float) -> dict:
     return out
 
 
-def _hours(s: float) -> str:
-    return f"{s / 3600:.2f} h" if s >= 36 else f"{s:.1f} s"
+def gpu_time_unit(hosts: dict[str, dict]) -> tuple[str, float, str]:
+    """The GPU time table's one unit, by its largest value: GPU-hours from an hour on, else GPU-seconds; its name,
+    its seconds and how a value is written."""
+    largest = max((a[f"{k}_s"] * a["gpus"] for a in hosts.values() for k in ("train", "wait", "exchange")),
+                  default=0.0)
+    return ("GPU-hours", 3600.0, "{:.3f}") if largest >= 3600 else ("GPU-seconds", 1.0, "{:.1f}")
+
+
+def overlap_note(values: list[float]) -> list[str]:
+    """The line that says what an aggregation-to-sync below 0 means, when one is shown."""
+    if not any(v < 0 for v in values):
+        return []
+    return [OVERLAP_NOTE]
 
 
 def _amount(x: float) -> str:
@@ -222,14 +250,14 @@ def render(report: dict, run_line: list[str], *, size=lambda n: f"{n} B") -> str
                      f"{_amount(c['cost'])}; waiting {_amount(c['wait_gpu_hours'])} GPU-hours cost "
                      f"{_amount(c['wait_cost'])} ({share:.0%}); training {_amount(c['train_gpu_hours'])}, exchanging "
                      f"{_amount(c['exchange_gpu_hours'])} GPU-hours")
-    lines.append("GPU time per host (its GPUs x the seconds of each):")
+    unit, seconds, form = gpu_time_unit(s["per_host"])
+    lines.append(f"GPU time per host, in {unit} (its GPUs x the time of each):")
     head = f"{'host':10} {'GPUs':>4} {'training':>10} {'waiting':>10} {'exchanging':>10} {'wait share':>10}"
     lines.append(head + (f" {'waiting cost':>12}" if c else "") + "  up / down")
     for h, a in s["per_host"].items():
-        g = a["gpus"]
         share = "-" if a["mean_wait_share"] is None else f"{a['mean_wait_share']:.0%}"
-        line = (f"{h:10} {a['gpus']:>4} {_hours(a['train_s'] * g):>10} {_hours(a['wait_s'] * g):>10} "
-                f"{_hours(a['exchange_s'] * g):>10} {share:>10}")
+        train, wait, exchange = (form.format(a[f"{k}_s"] * a["gpus"] / seconds) for k in ("train", "wait", "exchange"))
+        line = f"{h:10} {a['gpus']:>4} {train:>10} {wait:>10} {exchange:>10} {share:>10}"
         if c:
             line += f" {_amount(c['per_host'][h]['wait_cost']):>12}"
         lines.append(f"{line}  {size(a['up_bytes'])} / {size(a['down_bytes'])}")
@@ -238,6 +266,7 @@ def render(report: dict, run_line: list[str], *, size=lambda n: f"{n} B") -> str
     lines.append(f"{'seconds, over rounds and hosts':32} {'n':>7} {'p50':>9} {'p90':>9} {'p99':>9} {'max':>9}")
     for what, v in q.items():
         lines.append(f"  {what:30} {v['n']:>7} " + " ".join(f"{v[k]:9.3f}" for k in ("p50", "p90", "p99", "max")))
+    lines += overlap_note([q["aggregation-to-sync"]["p50"]] if "aggregation-to-sync" in q else [])
     if s["slowest_rounds"]:
         lines += ["", f"slowest rounds (median round {s['round_time_median_s']:.3f} s), furthest above their median:"]
         for slow in s["slowest_rounds"]:
