@@ -34,13 +34,8 @@ from typing_extensions import override
 
 from ..core.protocol import ValuesReply
 from ..core.transport import HostClient
-<<<<<<< HEAD
-from . import machine
-from .agreement import averages_weights, suspects
-=======
 from . import eventlogs, machine
-from .agreement import suspects
->>>>>>> h-polish2
+from .agreement import averages_weights, suspects
 from .devices import OneDevice, SeveralDevices, devices_of
 from .lightning_private import value_being_reduced
 from .metric_states import MetricStates
