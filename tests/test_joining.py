@@ -105,6 +105,17 @@ def test_a_host_waiting_for_a_rounds_sync_says_so_at_every_interval(monkeypatch,
                      "waits for other hosts' deltas)"] * 3
 
 
+def test_a_host_that_trains_while_it_polls_for_a_sync_is_not_said_to_wait(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(waiting, "SAY_EVERY", 0.0)
+    caplog.set_level(logging.INFO, logger=waiting.__name__)
+    client = HttpClient("http://127.0.0.1:9", host="a")
+    ready = object()
+    monkeypatch.setattr(client, "poll_sync", Polls(3, ready))
+    trains = iter([True, True, False, True])  # overlap: only the third empty poll found it idle
+    assert client.wait_sync(4, training=lambda: next(trains)) is ready
+    assert len(caplog.messages) == 1 and "host a waits for round 4's sync" in caplog.messages[0]
+
+
 def test_a_host_waiting_for_the_model_to_join_says_so_at_every_interval(monkeypatch, caplog) -> None:
     monkeypatch.setattr(waiting, "SAY_EVERY", 0.0)
     caplog.set_level(logging.INFO, logger=waiting.__name__)

@@ -232,12 +232,17 @@ class HttpClient:
                   training: Callable[[], bool] | None = None) -> SyncReply:
         """Long-poll until round ``round_``'s sync is ready (or the run completed, or the sync is gone); each poll
         says whether this host's training goes on meanwhile (``training()``)."""
-        waiting = WaitLine(f"host {self.host} waits for round {round_}'s sync")
+        what = f"host {self.host} waits for round {round_}'s sync"
+        waiting = WaitLine(what)
         while True:
-            reply = self.poll_sync(round_, poll, training=bool(training and training()))
+            busy = bool(training and training())
+            reply = self.poll_sync(round_, poll, training=busy)
             if reply is not None:
                 return reply
-            waiting.still("the coordinator has not closed that round yet (it waits for other hosts' deltas)")
+            if busy:  # it trains meanwhile (overlap): not a wait yet
+                waiting = WaitLine(what)
+            else:
+                waiting.still("the coordinator has not closed that round yet (it waits for other hosts' deltas)")
 
     def poll_sync(self, round_: int, poll: float = SYNC_POLL, *, training: bool = False,
                   sending: bool = False) -> SyncReply | None:
