@@ -7,7 +7,7 @@ import time
 import pytest
 import requests
 import torch
-from helpers import MODEL, SPECS, delta_message, model_file, socket_closed_port
+from helpers import MODEL, SPECS, body_bytes, delta_message, model_file, socket_closed_port
 
 from lightning_nodeox.core.protocol import SyncReady, Unreachable, Upload, read_fully
 from lightning_nodeox.core.wire import Message, MessageMeta
@@ -50,7 +50,7 @@ def test_a_host_that_never_returns_does_not_hold_the_end_of_the_run(coordinator)
     a.post_delta(0, final.view())
     reply = a.wait_sync(0)
     assert isinstance(reply, SyncReady) and reply.complete
-    reply.body.close()
+    body_bytes(reply.body)  # a has the final sync whole
     assert coord.wait(30) == 0  # complete, and nobody is left to serve: a sends no heartbeats either
 
 

@@ -106,7 +106,9 @@ def test_sigterm_while_waiting_for_a_sync_leaves_at_once(tmp_path) -> None:
             assert time.monotonic() < deadline and proc.poll() is None, "host 1 never waited for round 1's sync"
             url = run_dir / ".coordinator-url"
             if url.exists() and (out / "host1.pid").exists():
-                status = requests.get(f"{url.read_text().strip()}/v1/status", timeout=5).json()
+                token = (run_dir / "token").read_text().strip()  # launch made the run's token
+                status = requests.get(f"{url.read_text().strip()}/v1/status", timeout=5,
+                                      headers={"Authorization": f"Bearer {token}"}).json()
                 if status["round"] == 1 and status["received"] == ["1"]:
                     break
             time.sleep(0.05)

@@ -133,10 +133,28 @@ def test_a_host_of_the_final_round_paused_past_its_lease_still_gets_the_final_mo
     assert c.state.finished.is_set() == (final_wait == 0.0)
     if final_wait == 0.0:
         return
+    c.tick()
+    assert not c.state.finished.is_set()
     result = b.synchronize()  # b resumes
     assert (result.complete, result.round, b.model_hash) == (True, 0, a.model_hash)
-    assert not c.state.finished.is_set()
+    assert c.state.final_served == {"a", "b"}
+    assert not c.state.finished.is_set()  # b is heard from again: the run waits for it to leave
     b.client.leave()
+    assert c.state.finished.is_set()
+
+
+def test_a_host_of_the_final_round_that_was_sent_the_final_sync_does_not_hold_the_end_past_its_lease(
+        local_coordinator) -> None:
+    """a and b send their final deltas and fetch the final sync; b then dies without leaving. Once its lease has
+    lapsed the coordinator may stop at once: it waits (``--final-wait``) only for a host not yet sent the sync."""
+    c = local_coordinator(lease=0.3, final_wait=600.0)
+    a, b = join(c, "a", "b")
+    train(a, 0), train(b, 0)
+    assert upload(a, final=True) is Upload.TAKEN and upload(b, final=True) is Upload.TAKEN
+    assert a.synchronize().complete and b.synchronize().complete
+    a.client.leave()
+    c.state.hosts["b"].seen -= 10 * c.config.lease  # b died after its sync
+    c.tick()
     assert c.state.finished.is_set()
 
 
@@ -380,7 +398,8 @@ def test_ctrl_c_under_launch_stops_the_run_resumable_in_a_few_lines_and_the_same
     assert "Traceback" not in text and "KeyboardInterrupt" not in text
     assert len(after) <= 20, after
     assert after[-3:] == ["nodeox launch: host 0: exit status 143 (SIGTERM)",
-                          "nodeox launch: host 1: exit status 143 (SIGTERM)", "nodeox launch: coordinator: exit status 1"]
+                          "nodeox launch: host 1: exit status 143 (SIGTERM)",
+                          "nodeox launch: coordinator: stopped before the run completed, the run saved (exit status 1)"]
     stopped = saved_state(run_dir)
     assert not stopped["complete"]
 

@@ -236,14 +236,20 @@ class Rounds:
 
     def check_finished(self) -> None:
         """Finished (the coordinator may stop) once the run is complete and every host is gone; a host whose
-        delta was in the final round is gone only once it left (it had the final model), or ``--final-wait``
-        seconds after the run completed (a host paused past its lease still gets the final model meanwhile)."""
+        delta was in the final round is gone only once it left or was sent the final sync or model whole, or
+        ``--final-wait`` seconds after the run completed (a host paused past its lease still gets the final model
+        meanwhile)."""
         state = self.state
         if not state.complete or state.finished.is_set():
             return
         waited = state.completed_at is not None and time.monotonic() - state.completed_at >= state.config.final_wait
-        if state.hosts.all_gone(() if waited else state.final_members):
+        if state.hosts.all_gone(() if waited else state.final_members - state.final_served):
             state.finished.set()
+
+    def served_final(self, host: str) -> None:
+        """Host ``host`` was sent the run's final sync or model whole: the run's end no longer waits for it."""
+        self.state.final_served.add(host)
+        self.check_finished()
 
     # -- syncs ----------------------------------------------------------------------------------------------
     def is_last(self, round_: int) -> bool:

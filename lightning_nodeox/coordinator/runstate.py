@@ -44,6 +44,7 @@ class RunState:
         self.hosts = Hosts(config.lease, config.name)  # who takes part (membership; rounds note uploads and syncs)
         self.changed = asyncio.Condition()  # notified whenever any of the above changes
         self.final_members: set[str] = set()  # the hosts whose delta was in the final round (rounds)
+        self.final_served: set[str] = set()  # the hosts sent the final sync or model whole (service)
         self.completed_at: float | None = None  # time.monotonic() when the run completed
         self.finished = asyncio.Event()  # complete, and every host gone: the coordinator may stop
         self.alone_since: float | None = None  # time.monotonic() since when no host is live (membership)

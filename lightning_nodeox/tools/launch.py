@@ -55,11 +55,13 @@ def launch(config: CoordinatorConfig, coordinator_args: list[str], command: list
     hosts = _start_hosts(topology, environments, command, gpus_per_host, coordinator, relays, console)
     status = Supervisor(console, coordinator, relays, [site.hosts for site in topology.relays], hosts,
                         topology.stop_order).run()
-    ended = coordinator.proc.returncode
-    if ended in (0, 1):  # the run completed, or stopped saved: that is the launch's outcome, not a host's exit
-        status = ended
+    ended = coordinator.proc.returncode  # 0: the run completed; 1: it stopped saved (the launch's outcome)
     outcome = {0: "done, the run completed", 1: "stopped before the run completed; the run is saved and the same "
-               "command resumes it"}.get(status, "failed")
+               "command resumes it"}.get(ended, "failed")
+    if ended in (0, 1) and status not in (0, ended):
+        outcome += " (a process of the launch failed on the way, said above)"  # and its status is the launch's
+    elif ended in (0, 1):
+        status = ended
     console.say(f"nodeox launch: {outcome}; run directory {run_dir} "
                 f"(tensorboard --logdir {run_dir}, nodeox report {run_dir}, nodeox status {run_dir})")
     return status

@@ -125,7 +125,7 @@ class CoordinatorService:
         await rounds.wait_stable()  # θ is not being changed by a round's close
         if len(rounds.downloads) >= MAX_MODEL_DOWNLOADS:
             raise Refusal(Reason.BUSY, f"{MAX_MODEL_DOWNLOADS} model downloads are in flight; try again shortly")
-        start, round_ = time.time(), state.round
+        start, round_, final = time.time(), state.round, state.complete
         stream = state.require_model().stream(round_)
         rounds.downloads.add(stream)
 
@@ -141,6 +141,8 @@ class CoordinatorService:
             return  # cut off: it has begun, so there is nothing more to say
         finally:
             rounds.downloads.discard(stream)
+        if final:
+            rounds.served_final(host)
         state.record(PhaseRecord(round_, COORDINATOR, MODEL_MATERIALIZE, start, time.time(), stream.size,
                                  extra={"for_host": host, "kept_bytes": stream.kept_bytes}))
 
@@ -244,6 +246,8 @@ class CoordinatorService:
 
             await self._within(send(), len(message), f"host {host}'s sync download of round {round_}", sink.cut,
                                extra=run.config.long_poll if making else 0.0)
+            if complete:
+                run.rounds.served_final(host)
         except (Refusal, SyncBroken):
             pass  # it has begun: the host sees a broken download and asks again
         finally:
