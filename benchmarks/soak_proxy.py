@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import struct
 import threading
 import time
 
@@ -96,11 +98,8 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 
 def _reset(writer: asyncio.StreamWriter) -> None:
     """Close with a reset (SO_LINGER 0), as a link that went down mid-stream looks to TCP."""
-    import socket
-    import struct
-
     sock = writer.get_extra_info("socket")
     if sock is not None:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    writer.transport.abort() if sock is not None else writer.close()
+    writer.transport.abort()
