@@ -40,8 +40,8 @@ def spread(baselines: list[dict]) -> dict:
 
 
 def render(soak: dict, baselines: list[dict], args: argparse.Namespace, faults: int) -> str:
-    r, sp = soak["rounds"], spread(baselines)
-    within = sp["min"] is not None and sp["min"] <= soak["accuracy"] <= sp["max"]
+    r, sp, acc = soak["rounds"], spread(baselines), soak["accuracy"]
+    within = sp["min"] is not None and acc is not None and sp["min"] <= acc <= sp["max"]
     lines = [f"chaos soak: seed {args.seed}, {args.relays} relays x {args.hosts_per_relay} hosts + {args.direct} "
              f"direct, lease {args.lease:g} s, {args.local_steps} local steps of {args.step_seconds:g} s, "
              f"{soak['wall_s']:.0f} s",
@@ -51,11 +51,12 @@ def render(soak: dict, baselines: list[dict], args: argparse.Namespace, faults: 
              *(f"    skipped: {s}" for s in soak["faults_skipped"]),
              f"  rounds published {r['published']} (0-{r['last']}); lost {len(r['lost'])}, redone {len(r['redone'])}"
              f" (goal 0, 0); republished with the same model {len(r['republished'])}",
-             f"  hosts' rounds relabelled (a fetched model kept the round waited on): {soak['taken']['relabelled']}",
+             f"  rounds missing from the root's records but taken by hosts: {r['unrecorded']}; taken with the model "
+             f"of another round (a fetched model keeps the round waited on): {r['relabelled']}",
              f"  every host bit-identical with the root's final model {soak['final_hash']}: {soak['identical']}",
              f"  goodput {soak['goodput']:.1%} (goal >= {GOODPUT_GOAL:.0%}) of {soak['train_s']:.0f} host-s "
              f"of training; lost by kind: " + ", ".join(f"{k} {v:.1%}" for k, v in soak["lost_share"].items()),
-             f"  held-out accuracy {soak['accuracy']:.4f}; uninterrupted runs (training seeds "
+             f"  held-out accuracy {'none' if acc is None else f'{acc:.4f}'}; uninterrupted runs (training seeds "
              f"{args.baseline_seeds}): " + ", ".join(f"{a:.4f}" for a in sp["accuracies"])
              + (f", spread {sp['min']:.4f}-{sp['max']:.4f}: {'within' if within else 'OUTSIDE'} (goal within)"
                 if sp["min"] is not None else ""),

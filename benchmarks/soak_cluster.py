@@ -50,7 +50,7 @@ class Topology:
         return f"relay{r}" if r < self.relays else None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Settings:
     """What every run of the soak shares: lease, pacing, the training seed and the extra coordinator flags."""
 

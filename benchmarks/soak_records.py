@@ -1,10 +1,8 @@
 """What a soak's run left behind, read back: the rounds the root published, the hosts' final models and ledgers.
 
 - :func:`published`: the root's ``sync_prepare`` records (its own, in its events.jsonl): round -> model hashes;
-- :func:`round_check`: rounds published, and those lost (a gap: a round number never published) or redone (one
-  round number published with two models); one number published twice with one model is ``republished``;
-- :func:`taken_check`: the same from the hosts' side: a round the hosts took with two models, or with one the root
-  never published;
+- :func:`taken`: the models the hosts took as each round's result (their ledgers);
+- :func:`round_check`: from both, the rounds published, lost (never published) or redone (two models);
 - :func:`finals`: each host's final model hash and held-out accuracy (benchmarks/soak_host.py's final.json);
 - :func:`ledgers`: each host's ledger lines (benchmarks/soak_host.py), split into its starts.
 """
@@ -37,12 +35,24 @@ def contributors(root_dir: Path) -> dict[int, set[str]]:
     return out
 
 
-def round_check(rounds: dict[int, list[str]]) -> dict:
-    """Published rounds: how many, the last, and which were lost, redone or republished with the same model."""
-    last = max(rounds, default=-1)
+def round_check(rounds: dict[int, list[str]], taken: dict[int, set[str]]) -> dict:
+    """Rounds published by the root's records (``rounds``) and as the hosts took them (``taken``): how many, the
+    last; ``lost``: a round number neither published nor taken; ``redone``: a round published or taken with two
+    models (a model the root's records lack counts: its records of a disk outage die with it when it is killed);
+    ``unrecorded``: taken by hosts but missing from the root's records; ``relabelled``: taken with a model the
+    root published for another round (a host that fetched the run's model keeps the round it waited on);
+    ``republished``: published twice with one model."""
+    every = {h for hashes in rounds.values() for h in hashes}
+    last = max([*rounds, *taken], default=-1)
+
+    def models(r: int) -> set[str]:
+        return set(rounds.get(r, [])) | (taken.get(r, set()) - every)
+
     return {"published": len(rounds), "last": last,
-            "lost": [r for r in range(last + 1) if r not in rounds],
-            "redone": sorted(r for r, hashes in rounds.items() if len(set(hashes)) > 1),
+            "lost": [r for r in range(last + 1) if r not in rounds and r not in taken],
+            "redone": [r for r in range(last + 1) if len(models(r)) > 1],
+            "unrecorded": [r for r in range(last + 1) if r not in rounds and r in taken],
+            "relabelled": sorted(r for r, h in taken.items() if (h & every) - set(rounds.get(r, []))),
             "republished": sorted(r for r, hashes in rounds.items() if len(hashes) > 1 and len(set(hashes)) == 1)}
 
 
@@ -65,20 +75,15 @@ def ledgers(out: Path) -> dict[str, list[list[dict]]]:
     return result
 
 
-def taken_check(books: dict[str, list[list[dict]]], rounds: dict[int, list[str]]) -> dict:
-    """Rounds the hosts took with two different models (``taken_twice``), with a model the root never published
-    (``not_published``), or with one it published for another round (``relabelled``: a host that fetched the
-    run's model keeps the number of the round it waited on)."""
+def taken(books: dict[str, list[list[dict]]]) -> dict[int, set[str]]:
+    """Round -> the models the hosts took as its result (their ledgers)."""
     seen: dict[int, set[str]] = defaultdict(set)
     for starts in books.values():
         for lines in starts:
             for d in lines:
                 if "taken" in d and d.get("model_hash"):
                     seen[d["taken"]].add(d["model_hash"])
-    every = {h for hashes in rounds.values() for h in hashes}
-    return {"taken_twice": sorted(r for r, h in seen.items() if len(h - every) + len(h & set(rounds.get(r, []))) > 1),
-            "not_published": sorted(r for r, h in seen.items() if h - every),
-            "relabelled": sorted(r for r, h in seen.items() if (h & every) - set(rounds.get(r, [])))}
+    return dict(seen)
 
 
 def finals(out: Path, hosts: list[str]) -> dict[str, dict | None]:

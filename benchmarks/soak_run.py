@@ -3,7 +3,8 @@ it has published ``rounds`` rounds and every fault is over, then what it left re
 
 :func:`run` returns (and hands ``write`` as it goes) the run's figures: faults by kind, rounds published, lost and
 redone, every host's final model against the root's last published one, held-out accuracy, goodput and its loss
-by fault kind. ``problems`` lists every correctness check that failed (empty: the run is whole).
+by fault kind. ``problems`` lists every correctness check that failed and why the run did not end, if it did not
+(empty: the run is whole).
 """
 
 from __future__ import annotations
@@ -72,17 +73,22 @@ def run(workdir: Path, topology: Topology, settings: Settings, faults: list[Faul
     disk = Disk.mount(workdir / "rootfs", DISK_BYTES) if any(f.kind == "disk_full" for f in faults) else None
     cluster = Cluster(workdir, topology, settings, python, root_dir=disk.path / "root" if disk else None)
     injector = Injector(cluster, disk, write)
-    started = time.time()
+    started, last, failure = time.time(), -1, ""
     try:
         cluster.start()
         last = drive(cluster, injector, faults, rounds, timeout)
         wait_end(cluster, timeout=120)
+    except (RuntimeError, TimeoutError) as e:  # what it measured is still read back, with why it stopped
+        failure = f"the run did not end whole: {e}"
+        write({"failure": failure})
     finally:
         cluster.close()
         if disk is not None:  # keep the root's records beside the others, then give the memory back
             shutil.copytree(cluster.root_dir, workdir / "root", dirs_exist_ok=True)
             disk.unmount()
-    return figures(workdir, topology, settings, injector.done, time.time() - started, last)
+    result = figures(workdir, topology, settings, injector.done, time.time() - started, last)
+    result["problems"] += [failure] if failure else []
+    return result
 
 
 def figures(workdir: Path, topology: Topology, settings: Settings, faults: list[dict], wall_s: float,
@@ -90,9 +96,8 @@ def figures(workdir: Path, topology: Topology, settings: Settings, faults: list[
     """What the run left, read back and checked."""
     root = workdir / "root"
     published = rec.published(root)
-    rounds = rec.round_check(published)
     books = rec.ledgers(workdir / "hosts")
-    taken = rec.taken_check(books, published)
+    rounds = rec.round_check(published, rec.taken(books))
     finals = rec.finals(workdir / "hosts", topology.hosts)
     last_hash = published[rounds["last"]][-1] if published else None
     identical = all(f is not None and f["model_hash"] == last_hash for f in finals.values())
@@ -101,16 +106,13 @@ def figures(workdir: Path, topology: Topology, settings: Settings, faults: list[
                  linger=settings.lease + 2.0)
     problems = [f"round(s) {rounds['lost']} never published" if rounds["lost"] else "",
                 f"round(s) {rounds['redone']} published with two models" if rounds["redone"] else "",
-                f"round(s) {taken['taken_twice']} taken by hosts with two models" if taken["taken_twice"] else "",
-                f"round(s) {taken['not_published']} taken with a model the root never published"
-                if taken["not_published"] else "",
                 "" if identical else f"hosts' final models differ from the root's last ({last_hash}): "
                 + ", ".join(f"{h}: {f['model_hash'] if f else 'none'}" for h, f in finals.items())]
     done = [f for f in faults if not f.get("skipped")]
     return {"seed": settings.seed, "wall_s": wall_s, "stopped_at": stopped_at,
             "faults": dict(Counter(f["kind"] for f in done)),
             "faults_skipped": [f"{f['kind']}: {f['skipped']}" for f in faults if f.get("skipped")],
-            "overlapping": overlapping(done), "rounds": rounds, "taken": taken, "final_hash": last_hash,
+            "overlapping": overlapping(done), "rounds": rounds, "final_hash": last_hash,
             "identical": identical, "hosts_final": finals,
             "accuracy": statistics.mean(accuracies) if accuracies else None,
             **gp, "problems": [p for p in problems if p]}

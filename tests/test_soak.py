@@ -9,6 +9,10 @@ from pathlib import Path
 import pytest
 from helpers import FORKED, exchange, hosts, train_on_model
 from local_transport import LocalCoordinator
+from urllib3.exceptions import IncompleteRead, ProtocolError
+
+from lightning_nodeox.core.protocol import TransferBroken
+from lightning_nodeox.host.client import ResponseStream
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # as `python benchmarks/x.py` has it
 from soak_cluster import Settings, Topology
@@ -60,3 +64,21 @@ def test_a_host_ahead_of_a_coordinator_that_went_behind_fetches_its_model_instea
         assert (a.round, a.model_hash) == (c.state.round, c.rounds.model.hash) == (1, b.model_hash)
     finally:
         c.close()
+
+
+def test_a_sync_cut_short_by_its_coordinators_death_is_a_broken_transfer_not_the_hosts_end() -> None:
+    """A relay killed -9 while its hosts read a sync: urllib3 raises its own ProtocolError (IncompleteRead), which
+    the host must take as a download that broke off (asked again, or the model fetched), not die of (found by
+    benchmarks/soak.py --seed 2: both hosts of the relay died)."""
+
+    class Cut:
+        headers = {"Content-Length": "9248"}
+
+        class raw:  # noqa: N801 - requests' attribute
+            @staticmethod
+            def read(n: int) -> bytes:
+                raise ProtocolError("Connection broken: IncompleteRead", IncompleteRead(6472, 2776))
+
+    stream = ResponseStream(Cut())
+    with pytest.raises(TransferBroken, match="broke off: .*IncompleteRead"):
+        stream.readinto(memoryview(bytearray(9248)))
