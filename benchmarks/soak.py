@@ -29,7 +29,7 @@ from pathlib import Path
 
 from soak_cluster import Settings, Topology
 from soak_run import run
-from soak_schedule import draw
+from soak_schedule import KINDS, draw
 
 GOODPUT_GOAL = 0.90
 
@@ -77,13 +77,14 @@ def main() -> None:
     p.add_argument("--local-steps", type=int, default=10)
     p.add_argument("--step-seconds", type=float, default=0.05)
     p.add_argument("--every", default="4,8", help="rounds between faults: drawn between A and B")
+    p.add_argument("--kinds", default=",".join(KINDS), help="the kinds of fault drawn (default: all)")
     p.add_argument("--run-dir", type=Path, help="keep the runs here (default: a temporary directory)")
     p.add_argument("--results", type=Path, default=Path("soak-results.jsonl"))
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds each run may take")
     args = p.parse_args()
     topology = Topology(args.relays, args.hosts_per_relay, args.direct)
     every = tuple(int(x) for x in args.every.split(","))
-    faults = draw(args.seed, args.rounds, topology, args.lease, every=every)
+    faults = draw(args.seed, args.rounds, topology, args.lease, tuple(args.kinds.split(",")), every=every)
     results = open(args.results, "a", buffering=1)  # noqa: SIM115
 
     def write(d: dict) -> None:

@@ -99,7 +99,7 @@ def figures(workdir: Path, topology: Topology, settings: Settings, faults: list[
     books = rec.ledgers(workdir / "hosts")
     rounds = rec.round_check(published, rec.taken(books))
     finals = rec.finals(workdir / "hosts", topology.hosts)
-    last_hash = published[rounds["last"]][-1] if published else None
+    last_hash = published[max(published)][-1] if published else None
     identical = all(f is not None and f["model_hash"] == last_hash for f in finals.values())
     accuracies = [f["accuracy"] for f in finals.values() if f is not None]
     gp = goodput(books, rec.contributors(root), set(published), faults, topology,
