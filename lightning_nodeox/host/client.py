@@ -28,6 +28,7 @@ from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import requests
+from urllib3.exceptions import HTTPError as Urllib3Error
 
 from ..core import protocol as proto
 from ..core.protocol import (
@@ -76,7 +77,7 @@ class ResponseStream:
     def readinto(self, view: memoryview) -> int:
         try:
             data = self._response.raw.read(min(len(view), READ_CHUNK))
-        except (OSError, requests.RequestException) as e:
+        except (OSError, requests.RequestException, Urllib3Error) as e:  # urllib3's: a body cut short
             raise TransferBroken(f"download from the coordinator broke off: {e}") from None
         view[: len(data)] = data
         return len(data)

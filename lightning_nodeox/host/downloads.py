@@ -61,6 +61,9 @@ class Downloads:
                     reply = self.joining.call(s.client.wait_sync, round_, into=into,
                                               training=lambda: s.training(into))
             except Refusal as e:
+                if e.reason is Reason.NOT_OPEN:  # the coordinator is at an earlier round (restarted from older state)
+                    s.log.warning("host %s: %s; fetching its model", s.host, e)
+                    break
                 if e.reason is not Reason.NO_DELTA or attempt == DOWNLOAD_TRIES:
                     raise
                 s.log.warning("host %s: %s", s.host, e)
