@@ -79,9 +79,12 @@ class Membership:
             resumed = recovery.resumed is not None
             promise = await recovery.promise(host, specs, model_hash, round_)
             if free and (not resumed or promise is not None):
+                if not await self._can_keep_credentials():
+                    return self._reply(model_hash=None, retry=True)
                 self.provider, self.provider_since, self.provider_specs = host, now, specs
                 recovery.wanted = promise
-                return self._reply(model_hash=None, provide_model=True, credential=self._register(host, credential))
+                issued = await self._register(host, credential)
+                return self._reply(model_hash=None, provide_model=True, credential=issued)
             await state.wait(lambda: state.model is not None, state.config.long_poll)
             if state.model is None:
                 return self._reply(model_hash=None, retry=True)
@@ -89,9 +92,21 @@ class Membership:
             check_same_model(state.model.specs, specs, f"host {host}'s model")
         except PayloadError as e:
             raise Refusal(Reason.INVALID, str(e)) from None
-        issued = self._register(host, credential)
+        if not await self._can_keep_credentials():
+            return self._reply(model_hash=None, retry=True)
+        issued = await self._register(host, credential)
         await state.notify()
         return self._reply(model_hash=state.model.hash, complete=state.complete, credential=issued)
+
+    async def _can_keep_credentials(self) -> bool:
+        """Whether a credential issued now is written to disk (no save is failing), after waiting up to one long
+        poll for that; when not, the host is told to join again (a credential a restart forgot would lock its
+        host out)."""
+        recovery = self.recovery
+        if not recovery.can_save():
+            await self.state.wait(recovery.can_save, self.state.config.long_poll)
+        return recovery.can_save()
+
 
     async def _take_initial_model(self, host: str, specs: tuple[TensorSpec, ...]) -> None:
         """``--initial-model``'s tensors, arranged as the first joining host's specs, become the run's model."""
@@ -123,12 +138,15 @@ class Membership:
                                             "process its own NODEOX_HOST_ID, or stop the other one first (a stopped "
                                             "host leaves; one that died is free again once its --lease expires)")
 
-    def _register(self, host: str, credential: str) -> str:
-        """Admit ``host`` (checked again: no await since) and return its new credential."""
+    async def _register(self, host: str, credential: str) -> str:
+        """Admit ``host`` (checked again: no await since) and return its new credential, once on disk (saved at
+        issue time: after a crash, even right after the reply, the credential it replaced stays refused)."""
         self._check_admission(host, credential)
         entry = self.state.hosts.register(host, secrets.token_urlsafe(24))
-        self.recovery.save_hosts()  # saved at issue time: after a crash the credential it replaced stays refused
+        writing = self.recovery.save_hosts()
         self.log.info("host %s joined", host)
+        if writing is not None:
+            await writing
         return entry.credential
 
     def authenticate(self, host: str, credential: str, *, left_ok: bool = False) -> Host:

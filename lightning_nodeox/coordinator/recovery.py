@@ -12,9 +12,11 @@ waits for it before it changes θ again. A credential issued at a join rewrites
 ``run.json`` at once. At shutdown the state is written once more, with a snapshot of the model, whatever happened
 before.
 
-A save that fails never stops the run: it is reported once (then every ``Trouble.REPORT_EVERY`` seconds), the
-rounds go on, and it is tried again with the next round's save or ``RETRY_S`` seconds later, whichever comes
-first (a snapshot it owed included); the state on disk stays the last one written whole until then.
+A save that fails never loses the run: it is reported once (then every ``Trouble.REPORT_EVERY`` seconds) and
+tried again every ``RETRY_S`` seconds (a snapshot it owed included); the state on disk stays the last one written
+whole until then. Meanwhile the open round takes its deltas but does not close (:attr:`Recovery.durable`): no
+round is published beyond the one after the state on disk, so a coordinator killed during the outage resumes with
+a host giving that round's model back (below), never behind what was published.
 
 Resuming: a saved, unfinished run is taken up at its round, with its hosts (each with a fresh lease) and saved
 tensors. A restart never goes behind what was published. Its model comes back:
@@ -68,7 +70,7 @@ class Resumed:
 class Recovery:
     """The run's state on disk (``store``; None: nothing is saved) and the resumed run until its model is back."""
 
-    RETRY_S = 10.0  # a failed save is tried again this long after, if no round's save came first
+    RETRY_S = 2.0  # a failed save is tried again this long after (the rounds wait for it)
 
     def __init__(self, state: RunState, store: RunStore | None = None) -> None:
         self.state = state
@@ -77,10 +79,13 @@ class Recovery:
         self.resumed: Resumed | None = None
         self.wanted: tuple[int, str] | None = None  # resumed run: (round, hash) of the model being given back
         self.trouble = (None if store is None else
-                        Trouble(f"the run's state in {store.dir}", state.config.name, counts=False))
+                        Trouble(f"the run's state in {store.dir}", state.config.name, counts=False,
+                                meanwhile="no further round closes until it is saved (free space there); writing "
+                                          f"is tried again every {self.RETRY_S:g} s"))
         self._persist = ThreadPoolExecutor(1, thread_name_prefix="nodeox-persist")
         self._persisting: asyncio.Future | None = None
         self._retry_at: float | None = None  # time.monotonic() when a failed save is tried again
+        self.durable = True  # the last save of the run's state reached the disk (the next round may close)
         self._restoring = asyncio.Lock()
 
     # -- the model arrives ----------------------------------------------------------------------------------
@@ -262,7 +267,11 @@ class Recovery:
             state.record(PhaseRecord(after_round, COORDINATOR, PERSIST, start, time.time(), written,
                                      extra={"snapshot": snapshot}))
 
-        self._persisting = asyncio.ensure_future(self._write(write, done))
+        async def save() -> bool:
+            self.durable = await self._write(write, done)
+            return self.durable
+
+        self._persisting = asyncio.ensure_future(save())
 
     async def save_outer_ahead(self, round_: int, model_hash: str) -> None:
         """Write the outer state of round ``round_``'s model ``model_hash`` now, before that model's sync is
@@ -274,11 +283,17 @@ class Recovery:
         outer = dict(model.outer.state)
         await self._write(lambda: store.save_outer(outer, round_, model_hash), lambda written: None)
 
-    def save_hosts(self) -> None:
-        """Write the host registry now (a credential was just issued), after any save in flight; not awaited."""
-        if self.store is not None:
-            hosts, store = self.state.hosts.saved(), self.store
-            asyncio.ensure_future(self._write(lambda: store.save_hosts(hosts)))
+    def save_hosts(self) -> asyncio.Future | None:
+        """Write the host registry now (a credential was just issued), after any save in flight; the write's
+        future (None: nothing is saved)."""
+        if self.store is None:
+            return None
+        hosts, store = self.state.hosts.saved(), self.store
+        return asyncio.ensure_future(self._write(lambda: store.save_hosts(hosts)))
+
+    def can_save(self) -> bool:
+        """Whether the run's state is being written (no save is failing): a credential issued now is kept."""
+        return self.trouble is None or self.trouble.failing_since is None
 
     async def _write(self, write, done=None) -> bool:
         """Run ``write`` on the saving thread; a failure is reported (not raised) and tried again later."""

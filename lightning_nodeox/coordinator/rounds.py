@@ -112,6 +112,8 @@ class Rounds:
         state = self.state
         if state.model is None or not self.phase.may_close or not self.deltas.by_host:
             return False
+        if not self.recovery.durable:
+            return False  # the last state is not on disk: a restart would go behind a round published now
         if not self.close_with.streams and not self.deltas.inputs_in(len(state.model.specs)):
             return False  # a close that takes the round's deltas whole waits until they are in
         if not all(d.begun for d in self.deltas.by_host.values()):

@@ -15,12 +15,15 @@ log = logging.getLogger(__name__)
 class Trouble:
     """A sink that cannot write: said once, then at most every ``REPORT_EVERY`` seconds, and when it recovers.
     ``counts``: the sink loses records while it fails (and says how many); else it only falls behind. ``name``:
-    what its lines start with (a coordinator's run, ``NodeoxStrategy``)."""
+    what its lines start with (a coordinator's run, ``NodeoxStrategy``); ``meanwhile``: what happens until it writes
+    again."""
 
     REPORT_EVERY = 60.0
 
-    def __init__(self, what: str, name: str, *, counts: bool = True) -> None:
+    def __init__(self, what: str, name: str, *, counts: bool = True,
+                 meanwhile: str = "the run goes on, writing is tried again") -> None:
         self.what = what
+        self.meanwhile = meanwhile
         self.log = Named(log, name)
         self.counts = counts
         self.failing_since: float | None = None
@@ -32,8 +35,7 @@ class Trouble:
         self.lost += lost
         if self.failing_since is None:
             self.failing_since, self._reported = now, now
-            self.log.error("cannot write %s (%s); the run goes on, writing is tried again", self.what,
-                           error)
+            self.log.error("cannot write %s (%s); %s", self.what, error, self.meanwhile)
         elif now - self._reported >= self.REPORT_EVERY:
             self._reported = now
             self.log.error("%s still cannot be written after %.0f s (%s)%s", self.what,
