@@ -101,8 +101,8 @@ def test_a_host_waiting_for_a_rounds_sync_says_so_at_every_interval(monkeypatch,
     monkeypatch.setattr(client, "poll_sync", Polls(3, ready))
     assert client.wait_sync(4) is ready
     lines = [m.split(" (")[0] + ": " + m.split("): ", 1)[1] for m in caplog.messages]
-    assert lines == ["nodeox: host a waits for round 4's sync: the coordinator has not closed that round yet (it "
-                     "waits for other hosts' deltas)"] * 3
+    assert lines == ["nodeox: host a waits for round 4's sync: the coordinator has not closed that round yet (its "
+                     "waiting line says why)"] * 3
 
 
 def test_a_host_that_trains_while_it_polls_for_a_sync_is_not_said_to_wait(monkeypatch, caplog) -> None:

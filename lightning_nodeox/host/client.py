@@ -243,7 +243,7 @@ class HttpClient:
             if busy:  # it trains meanwhile (overlap): not a wait yet
                 waiting = WaitLine(what)
             else:
-                waiting.still("the coordinator has not closed that round yet (it waits for other hosts' deltas)")
+                waiting.still("the coordinator has not closed that round yet (its waiting line says why)")
 
     def poll_sync(self, round_: int, poll: float = SYNC_POLL, *, training: bool = False,
                   sending: bool = False) -> SyncReply | None:
