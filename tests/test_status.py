@@ -153,11 +153,14 @@ def test_nodeox_status_shows_both_hosts_and_the_round_and_fails_against_a_dead_u
 
     watched = subprocess.Popen([sys.executable, "-m", "lightning_nodeox", "status", coord.url, "--watch",
                                 "--interval", "0.5", "--token-file", str(token)], stdout=subprocess.PIPE, text=True)
-    time.sleep(3)
+    tables: list[int] = []
+    deadline = time.monotonic() + 60
+    while not (len(tables) >= 2 and tables[-1] > tables[0]):  # redrawn as the run goes on
+        line = watched.stdout.readline()
+        assert line and time.monotonic() < deadline, f"the watch was never redrawn at a later round: {tables}"
+        tables += [int(r) for r in re.findall(r"running, round (\d+) ", line)]
     terminate(watched, 5)
-    tables = re.findall(r"running, round (\d+) ", watched.stdout.read())
     watched.stdout.close()
-    assert len(tables) >= 2 and int(tables[-1]) > int(tables[0])  # redrawn as the run goes on
 
     dead = _nodeox("status", f"http://127.0.0.1:{free_port()}")
     assert dead.returncode == 2 and "did not answer" in dead.stderr
