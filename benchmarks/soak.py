@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import tempfile
 import time
@@ -66,6 +67,7 @@ def render(soak: dict, baselines: list[dict], args: argparse.Namespace, faults: 
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped soak still stops its cluster and unmounts
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=100)
     p.add_argument("--seed", type=int, default=1, help="the fault schedule's seed")
