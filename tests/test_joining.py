@@ -140,3 +140,24 @@ def test_a_wait_line_comes_once_its_interval_has_passed_and_not_before(monkeypat
     assert said == [False, False, True, False, True]
     assert caplog.messages == ["nodeox: host a waits for round 1's sync (30 s so far): why",
                                "nodeox: host a waits for round 1's sync (60 s so far): why"]
+
+
+def test_a_host_whose_base_a_broken_sync_half_changed_rejoins_holding_no_model_and_fetches_the_run_s(
+        local_coordinator) -> None:
+    """Found by the soak (seed 3, a relay killed -9 while its hosts read a sync): a host that rejoins a restarted
+    coordinator with a half-applied sync in its base must not offer that base as the model it holds."""
+    c = local_coordinator(2)
+    a, b = joining(c, "a", 0), joining(c, "b", 0)
+    a.join(), b.join()
+    s = b.standing
+    held = s.model_hash
+    with torch.no_grad():
+        s.tensors.base[0].add_(1.0)  # pieces of a sync applied, then the download broke off
+    s.base_changed = True
+    said: list[str | None] = []
+    join = s.client.join
+    s.client.join = lambda specs, model_hash=None, round_=None: said.append(model_hash) or join(
+        specs, model_hash=model_hash, round_=round_)
+    b.rejoin()
+    assert said == [None]  # it did not claim to hold the model its base no longer is
+    assert (s.model_hash, s.base_changed, s.tensors.base_hash()) == (held, False, held)  # fetched whole

@@ -2,7 +2,8 @@
 - a sync that is gone (``SyncGone``), that cannot be parsed, or that does not fit this host's model makes the
   host fetch the full model; so does a model hash that differs after applying a sync;
 - a download that breaks off is asked for again (``DOWNLOAD_TRIES``), skipping the pieces already applied; one
-  that fails after pieces were applied leaves the model half-changed: the host fetches the model;
+  that fails after pieces were applied leaves the model half-changed (``Standing.base_changed``): the host fetches
+  the model, and never gives such a base back to a restarted coordinator;
 - a coordinator that lost this host's delta (``NO_DELTA``: it restarted) gets it again (:meth:`Uploads.resend`);
 - a run that completed with no later sync leaves this host on its base, the run's final model.
 """
@@ -66,6 +67,9 @@ class Downloads:
                     break
                 if e.reason is not Reason.NO_DELTA or attempt == DOWNLOAD_TRIES:
                     raise
+                if s.base_changed:  # the restarted coordinator's sync may differ: the half-applied one is lost
+                    s.log.warning("host %s: %s, and its sync was half applied here; fetching the model", s.host, e)
+                    break
                 s.log.warning("host %s: %s", s.host, e)
                 self.uploads.resend(into)
                 if s.round != round_:  # the host fetched a model of another round meanwhile
@@ -82,6 +86,7 @@ class Downloads:
             try:
                 sync = self._receive(reply.body, round_, into)
             except TransferBroken as e:
+                s.base_changed = bool(self._applying is not None and self._applying.applied)
                 if attempt < DOWNLOAD_TRIES:
                     s.log.warning("host %s: sync download of round %d failed (%s); retrying", s.host, round_, e)
                     continue
@@ -186,7 +191,7 @@ class Downloads:
         with s.phases.timed(round_, P.VERIFY):
             got = s.tensors.digest(s.tensors.apply_end(self._applying))
         self._applying = None
-        s.round = round_ + 1
+        s.round, s.base_changed = round_ + 1, False
         if got != sync.meta.model_hash:
             s.log.warning("host %s: model hash %s after round %d differs from the coordinator's %s; "
                           "fetching the model", s.host, got, round_, sync.meta.model_hash)

@@ -92,12 +92,12 @@ class Joining:
         the round's base model back if asked, fetch the coordinator's (``into``) if it differs (unless ``fetch``
         is False: the next round's upload then finds its base stale and fetches it)."""
         s = self.standing
-        reply = self._join_reply(s.model_hash)
+        reply = self._join_reply(None if s.base_changed else s.model_hash)  # a half-changed base is no model
         if reply.complete:
             s.complete = True
             return
         theirs = self._give_back() if reply.provide_model else reply.model_hash
-        if theirs != s.model_hash and fetch:
+        if theirs != s.model_hash and fetch or s.base_changed:
             self.fetch_model(into)
             return
         s.log.info("host %s joined again at round %d%s", s.host, s.round,
@@ -170,5 +170,5 @@ class Joining:
             got = tensors.base_hash()  # base holds the fetched model now, in either case
             if got != remote_hash:
                 raise RuntimeError(f"the fetched model hashes to {got}, not the coordinator's {remote_hash}")
-            s.round, s.model_hash = round_, got
+            s.round, s.model_hash, s.base_changed = round_, got, False
         s.log.info("host %s fetched the model of round %d (%s)", s.host, round_, got)

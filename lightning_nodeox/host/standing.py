@@ -43,6 +43,7 @@ class Standing:
         self.model_hash = ""
         self.complete = False
         self.trains_on = False  # training goes on while the round overlapped is open (set by the training side)
+        self.base_changed = False  # a sync whose download broke off is half applied: base is not model_hash's
 
     @property
     def host(self) -> str:
