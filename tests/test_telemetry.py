@@ -13,7 +13,10 @@ from lightning.pytorch import Trainer
 
 from lightning_nodeox import NodeoxStrategy, PhaseMonitor
 from lightning_nodeox.core.hashing import model_hash
+from lightning_nodeox.core.phases import PhaseRecord
+from lightning_nodeox.core.protocol import Reason, Refusal
 from lightning_nodeox.host.clock import ClockOffset
+from lightning_nodeox.host.telemetry import TelemetryShipper
 from lightning_nodeox.host.tensors import shared_tensors
 
 
@@ -85,3 +88,27 @@ def test_the_token_and_credential_never_go_to_another_telemetry_address(coordina
     assert Capture.seen and all(r["path"] == "/v1/events?host=h" for r in Capture.seen)
     assert not [r for r in Capture.seen if "authorization" in r or "x-nodeox-credential" in r]
     assert trainer.strategy.last_result.complete
+
+
+class RejoiningClient:
+    """Refuses the first batch as sent with a credential a join has just replaced (the relay's second join)."""
+
+    url, host = "http://coordinator", "siteB"
+
+    def __init__(self) -> None:
+        self.credential, self.batches = "first", []
+
+    def post_events(self, payload) -> None:
+        if self.credential == "first":
+            self.credential = "second"  # a join answered while this batch was on its way
+            raise Refusal(Reason.FORBIDDEN, "missing or wrong credential for host siteB")
+        self.batches.append(len(payload))
+
+
+def test_a_batch_refused_because_the_host_joined_again_meanwhile_goes_again_with_its_new_credential() -> None:
+    client = RejoiningClient()
+    shipper = TelemetryShipper(client, type("Clock", (), {"offset": 0.0})(), interval=3600)
+    for k in range(4):
+        shipper(PhaseRecord(0, "siteB", "train", float(k), float(k) + 1))
+    assert shipper.close(timeout=10) == 0
+    assert (client.batches, shipper.sent, shipper.dropped) == ([4], 4, 0)

@@ -61,6 +61,7 @@ class HostClient(Protocol):
     url: str  # where the coordinator is, for messages
     host: str  # the host this client acts for
     clock: Clock  # aligns the host's phase records to the coordinator's clock
+    credential: str  # this host's, from its last join ("" before one)
 
     @property
     def joined(self) -> bool:

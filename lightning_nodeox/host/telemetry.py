@@ -70,12 +70,15 @@ class TelemetryShipper:
                 d["start"], d["end"] = r.start + offset, r.end + offset
                 d["clock_offset"] = offset
                 payload.append(d)
+            sent_as = self.client.credential
             try:
                 self.client.post_events(payload)
             except Refusal as e:
                 self._failure = f"{type(e).__name__}: {e}"
                 if e.reason is Reason.RATE_LIMITED:  # over the coordinator's budget: the batch waits its turn
                     return
+                if e.reason is Reason.FORBIDDEN and self.client.credential != sent_as:
+                    return  # the host joined again meanwhile: the batch goes again with its new credential
                 self.dropped += len(batch)  # refused for good (4xx): a retry would be refused again
             except Exception as e:  # noqa: BLE001 - telemetry must never stop training
                 self._failure = f"{type(e).__name__}: {e}"
