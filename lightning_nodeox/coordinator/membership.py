@@ -103,10 +103,9 @@ class Membership:
         poll for that; when not, the host is told to join again (a credential a restart forgot would lock its
         host out)."""
         recovery = self.recovery
-        if not recovery.can_save():
-            await self.state.wait(recovery.can_save, self.state.config.long_poll)
-        return recovery.can_save()
-
+        if not recovery.durable:
+            await self.state.wait(lambda: recovery.durable, self.state.config.long_poll)
+        return recovery.durable
 
     async def _take_initial_model(self, host: str, specs: tuple[TensorSpec, ...]) -> None:
         """``--initial-model``'s tensors, arranged as the first joining host's specs, become the run's model."""

@@ -85,7 +85,6 @@ class Recovery:
         self._persist = ThreadPoolExecutor(1, thread_name_prefix="nodeox-persist")
         self._persisting: asyncio.Future | None = None
         self._retry_at: float | None = None  # time.monotonic() when a failed save is tried again
-        self.durable = True  # the last save of the run's state reached the disk (the next round may close)
         self._restoring = asyncio.Lock()
 
     # -- the model arrives ----------------------------------------------------------------------------------
@@ -267,11 +266,7 @@ class Recovery:
             state.record(PhaseRecord(after_round, COORDINATOR, PERSIST, start, time.time(), written,
                                      extra={"snapshot": snapshot}))
 
-        async def save() -> bool:
-            self.durable = await self._write(write, done)
-            return self.durable
-
-        self._persisting = asyncio.ensure_future(save())
+        self._persisting = asyncio.ensure_future(self._write(write, done))
 
     async def save_outer_ahead(self, round_: int, model_hash: str) -> None:
         """Write the outer state of round ``round_``'s model ``model_hash`` now, before that model's sync is
@@ -291,8 +286,10 @@ class Recovery:
         hosts, store = self.state.hosts.saved(), self.store
         return asyncio.ensure_future(self._write(lambda: store.save_hosts(hosts)))
 
-    def can_save(self) -> bool:
-        """Whether the run's state is being written (no save is failing): a credential issued now is kept."""
+    @property
+    def durable(self) -> bool:
+        """Whether what the run holds is on disk (no write of its state is failing): only then does a round
+        close, or a join get a credential."""
         return self.trouble is None or self.trouble.failing_since is None
 
     async def _write(self, write, done=None) -> bool:

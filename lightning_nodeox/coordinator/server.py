@@ -33,6 +33,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import LineTooLong
 
 from ..core import protocol as proto
+from ..core.files import write_atomic
 from ..core.logs import Named
 from ..core.protocol import HTTP_STATUS, Reason, Refusal
 from ..core.specs import PayloadError
@@ -419,14 +420,6 @@ def bound_url(scheme: str, bind_host: str, sockname: tuple) -> str:
     return f"{scheme}://[{address}]:{port}" if ":" in address else f"{scheme}://{address}:{port}"
 
 
-def write_whole(path: Path, text: str) -> None:
-    """``text`` into ``path`` at once (a temporary file renamed over it): a reader polling the path sees no file
-    or all of it, never an empty or partial one."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(text)
-    os.replace(temporary, path)
-
-
 async def serve(config: CoordinatorConfig, ready_file: Path | None = None, before_publish=None,
                 site: SiteLink | None = None) -> int:
     """Run the coordinator over HTTP until the run completes (or a signal); returns the exit status. Its URL is
@@ -458,9 +451,9 @@ async def serve(config: CoordinatorConfig, ready_file: Path | None = None, befor
         sweeping = asyncio.ensure_future(connections.sweep_forever())
         url = bound_url(config.scheme, host, server.sockets[0].getsockname())
         info = {"url": url, "pid": os.getpid(), "started": time.time()}
-        write_whole(Path(config.run_dir) / "coordinator.json", json.dumps(info))
+        write_atomic(Path(config.run_dir) / "coordinator.json", [json.dumps(info).encode()], mode=0o644)
         if ready_file is not None:
-            write_whole(ready_file, url)
+            write_atomic(ready_file, [url.encode()], mode=0o644)
         print(f"{config.name} listening on {url} (run dir {config.run_dir}, {config.hosts} hosts, codec "
               f"{config.codec}, outer optimizer {config.outer.name})", flush=True)
         print(f"{config.name} status page: {statuspage.link(url, config.token)}", flush=True)

@@ -32,16 +32,15 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import time
 import zlib
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
+from ..core.files import write_atomic
 from ..core.hashing import model_hash
 from ..core.logs import Named
 from ..core.modelfile import check_model_file, model_header, read_model
@@ -111,26 +110,6 @@ class SavedRun:
 
     def tensor_specs(self) -> tuple[TensorSpec, ...] | None:
         return None if self.specs is None else specs_from_json(self.specs)
-
-
-def write_atomic(path: Path, chunks: Iterable[bytes | memoryview]) -> tuple[int, int]:
-    """Write ``chunks`` to ``path`` so that it is either the old file or the whole new one; returns the size and
-    the CRC-32 of what was written."""
-    tmp = path.with_name(path.name + ".tmp")
-    size = crc = 0
-    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
-        for chunk in chunks:
-            size += f.write(chunk)
-            crc = zlib.crc32(chunk, crc)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-    return size, crc
 
 
 def tensor_chunks(named: list[tuple[str, torch.Tensor]], round_: int, model_hash: str) -> list[memoryview]:

@@ -31,7 +31,7 @@ def waiting_for(state: RunState, rounds: Rounds, recovery: Recovery, provider: s
         return logging.INFO, (f"host {provider} joined and uploads the initial model (another host is asked if it "
                               f"has not within --provider-timeout {config.provider_timeout:g} s)")
     hosts, received = state.hosts, rounds.received
-    if not recovery.durable and recovery.store is not None:
+    if not recovery.durable:
         return logging.WARNING, (f"round {state.round} does not close until the run's state is saved: "
                                  f"{recovery.store.dir} cannot be written (free space there; it is tried again "
                                  f"every {recovery.RETRY_S:g} s, and nothing published is lost meanwhile)")

@@ -14,7 +14,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import os
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from typing import TypeVar
 import torch
 
 from ..coordinator.service import RoundMean
+from ..core.files import write_atomic
 from ..core.logs import Named
 from ..core.modelfile import ModelFileReader, model_header
 from ..core.phases import PhaseLog, PhaseRecord
@@ -129,15 +129,11 @@ class Upstream:
             self.client.credential = self._kept = json.loads(path.read_text())["credential"]
 
     def keep_credential(self) -> None:
-        """Write the upstream credential when a join changed it (atomically: temporary name, rename)."""
+        """Write the upstream credential when a join changed it (atomically, its owner's alone)."""
         path, credential = self.credential_file, self.client.credential
         if path is None or not credential or credential == self._kept:
             return
-        temporary = path.with_name(path.name + ".tmp")
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # a credential: its owner's only
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps({"relay": self.config.relay_id, "credential": credential}))
-        os.replace(temporary, path)
+        write_atomic(path, [json.dumps({"relay": self.config.relay_id, "credential": credential}).encode()])
         self._kept = credential
 
     # -- blocking calls (on the upstream thread) ----------------------------------------------------------------
