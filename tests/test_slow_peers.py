@@ -4,6 +4,7 @@ model it started with), and a round that cannot close says why."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -41,14 +42,20 @@ def status(url: str) -> dict:
     return requests.get(f"{url}/v1/status", timeout=10).json()
 
 
-def test_a_trickling_upload_is_cut_at_its_time_limit_and_frees_its_slot(coordinator) -> None:
-    coord = coordinator(1, "--transfer-timeout", "1")
+def upload_begun(url: str) -> tuple[HttpClient, socket.socket, bytes]:
+    """Host a joined, and its round-0 delta upload begun by hand: the headers sent, the body (returned) not yet."""
     named = [("w", torch.randn(64, 64)), ("b", torch.randn(64))]
-    (a,), initial = joined(coord.url, named, "a")
+    (a,), initial = joined(url, named, "a")
     body = bytes(delta(named, [torch.randn(64, 64) * 0.01, torch.zeros(64)], round_=0, host="a",
                        base_hash=initial).view())
-    sock = raw_request(coord.url, f"POST /v1/rounds/0/delta?host=a HTTP/1.1\r\nHost: x\r\n{CREDENTIAL_HEADER}: {a._credential}\r\n"
-                                  f"Content-Type: application/octet-stream\r\nContent-Length: {len(body)}\r\n\r\n")
+    sock = raw_request(url, f"POST /v1/rounds/0/delta?host=a HTTP/1.1\r\nHost: x\r\n{CREDENTIAL_HEADER}: {a._credential}\r\n"
+                            f"Content-Type: application/octet-stream\r\nContent-Length: {len(body)}\r\n\r\n")
+    return a, sock, body
+
+
+def test_a_trickling_upload_is_cut_at_its_time_limit_and_frees_its_slot(coordinator) -> None:
+    coord = coordinator(1, "--transfer-timeout", "1")
+    a, sock, body = upload_begun(coord.url)
     cut = threading.Event()
 
     def trickle() -> None:
@@ -149,12 +156,7 @@ def test_a_round_that_cannot_close_says_whom_it_waits_for(coordinator) -> None:
 
 def test_an_upload_that_breaks_off_is_one_warning_line_naming_host_round_and_bytes(coordinator) -> None:
     coord = coordinator(1)
-    named = [("w", torch.randn(64, 64)), ("b", torch.randn(64))]
-    (a,), initial = joined(coord.url, named, "a")
-    body = bytes(delta(named, [torch.randn(64, 64) * 0.01, torch.zeros(64)], round_=0, host="a",
-                       base_hash=initial).view())
-    sock = raw_request(coord.url, f"POST /v1/rounds/0/delta?host=a HTTP/1.1\r\nHost: x\r\n{CREDENTIAL_HEADER}: {a._credential}\r\n"
-                                  f"Content-Type: application/octet-stream\r\nContent-Length: {len(body)}\r\n\r\n")
+    a, sock, body = upload_begun(coord.url)
     sock.sendall(body[:5000])
     deadline = time.monotonic() + 10
     while status(coord.url)["uploads"] != 1 and time.monotonic() < deadline:
