@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core.codecs.settings import CodecSettings, Q4Settings
+from ..core.stores import open_store
 from .outer import OuterSettings
 
 DEFAULT_PORT = 8470
@@ -71,6 +72,9 @@ class CoordinatorConfig:
         outer: the outer optimizer (plain averaging, or DiLoCo's Nesterov momentum).
         gpu_hour_price: the price of one GPU for one hour (None: not given); the status page then says what the
             hosts' waiting cost.
+        store: the run's object store (``s3://bucket/prefix`` or ``file:///path``; None: none): each round's sync
+            and the model are written there once and hosts read them from it, and the run's state is copied there
+            so that a coordinator on another machine takes the run up (:mod:`lightning_nodeox.core.stores`).
         name: what the run's log lines start with (a site relay's: ``nodeox relay ID``, set by ``nodeox relay``).
     """
 
@@ -102,6 +106,7 @@ class CoordinatorConfig:
     fresh: bool = False
     status_interval: float = 5.0
     gpu_hour_price: float | None = None
+    store: str | None = None
     name: str = NAME
 
     def __post_init__(self) -> None:
@@ -132,6 +137,8 @@ class CoordinatorConfig:
                              f"{self.gpu_hour_price}")
         if self.initial_model is not None and not Path(self.initial_model).is_file():
             raise ValueError(f"--initial-model {self.initial_model} is not a file; pass a safetensors file")
+        if self.store is not None:
+            open_store(self.store)  # a URL of a known kind, its client installed (no call to it yet)
         host, _ = parse_bind(self.bind)
         if not self.token and not self.insecure and not is_loopback(host):
             raise ValueError(
