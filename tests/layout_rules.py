@@ -18,7 +18,8 @@ LOCAL_TRANSPORT = "tests/local_transport.py"
 FORBIDDEN_ROOMS = {"host": {"coordinator", "relay", "tools"}, "coordinator": {"host", "relay", "tools"},
                    "core": {"host", "coordinator", "relay", "tools"}, "relay": {"tools"}}
 HTTP_LIBRARIES = {"requests", "aiohttp", "urllib3", "http"}
-HTTP_MODULES = {f"{PACKAGE}/host/client.py", f"{PACKAGE}/coordinator/server.py"}
+HTTP_MODULES = {f"{PACKAGE}/host/client.py", f"{PACKAGE}/coordinator/server.py",
+                f"{PACKAGE}/host/placed.py"}  # the host's reads of the run's store (presigned GETs)
 HTTP_WORDS = re.compile(r"X-Nodeox|status_code|\bstatus=\d{3}\b")
 PROTOCOL = f"{PACKAGE}/core/protocol.py"  # the protocol itself names routes, headers and the status of each reason
 

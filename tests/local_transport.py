@@ -45,10 +45,15 @@ class MemoryBody:
 class MemorySink:
     """A payload sent into memory, as the service writes it (:class:`~lightning_nodeox.coordinator.service.Sink`)."""
 
+    places = False  # the bytes themselves, never where they are in a store
+
     def __init__(self) -> None:
         self.data = bytearray()
         self.complete = False
         self.ended = False
+
+    async def locate(self, place) -> None:
+        raise AssertionError("an in-process sink is never told a place")
 
     async def begin(self, size: int, complete: bool) -> None:
         self.complete = complete

@@ -75,6 +75,8 @@ class CoordinatorConfig:
         store: the run's object store (``s3://bucket/prefix`` or ``file:///path``; None: none): each round's sync
             and the model are written there once and hosts read them from it, and the run's state is copied there
             so that a coordinator on another machine takes the run up (:mod:`lightning_nodeox.core.stores`).
+        store_own_credentials: hosts read the store's objects with credentials of their own (their addresses,
+            ``s3://...``) instead of presigned URLs.
         name: what the run's log lines start with (a site relay's: ``nodeox relay ID``, set by ``nodeox relay``).
     """
 
@@ -107,6 +109,7 @@ class CoordinatorConfig:
     status_interval: float = 5.0
     gpu_hour_price: float | None = None
     store: str | None = None
+    store_own_credentials: bool = False
     name: str = NAME
 
     def __post_init__(self) -> None:

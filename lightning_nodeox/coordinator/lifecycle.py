@@ -36,9 +36,11 @@ from ..core.logs import Named
 from ..core.modelfile import read_named_model
 from ..core.phases import COORDINATOR, RESTART, PhaseRecord
 from ..core.pool import WorkerPool
+from ..core.stores import open_store
 from .config import CoordinatorConfig
 from .lock import RunDirLock
 from .membership import Membership
+from .payloads import StorePayloads
 from .recovery import Recovery
 from .close import UpstreamClose
 from .link import SiteLink
@@ -72,6 +74,9 @@ class CoordinatorRun:
         self.log = Named(log, config.name)
         self.recovery = Recovery(self.state, store)
         self.rounds = Rounds(self.state, self.recovery, before_publish, None if site is None else UpstreamClose(site))
+        self.payloads = None if config.store is None else StorePayloads(
+            open_store(config.store), self.state, self.rounds, own_credentials=config.store_own_credentials)
+        self.rounds.payloads = self.payloads
         self.membership = Membership(self.state, self.recovery, self.rounds, site)
         self.values = ValueExchanges(self.state, self.rounds, site)
         self.site = site
@@ -164,6 +169,7 @@ class CoordinatorRun:
             "received": sorted(self.rounds.received), "peak_rss_bytes": state.peak_rss, "lease": self.config.lease,
             "downloads": len(self.rounds.downloads), "codec": self.config.codec.to_json(),
             **({} if self.site is None else self.site.status()),
+            **({} if self.payloads is None else {"store": self.payloads.status()}),
         }
 
     # -- end ------------------------------------------------------------------------------------------------

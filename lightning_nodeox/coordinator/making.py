@@ -48,6 +48,16 @@ class SyncInMaking:
         self._changed.set()
         self._changed = asyncio.Event()  # the next change wakes the readers again
 
+    async def reach(self, end: int) -> None:
+        """Return once the first ``end`` bytes may be sent; :class:`SyncBroken` if the close failed."""
+        while True:
+            if self.failed:
+                raise SyncBroken(f"round {self.round}'s close failed while its sync was made")
+            if self.ready >= end:
+                return
+            changed = self._changed
+            await changed.wait()
+
     async def parts(self) -> AsyncIterator[memoryview]:
         """The sync's bytes in order, each part as soon as it may be sent; :class:`SyncBroken` if the close
         failed."""

@@ -30,6 +30,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from ..core.logs import Named
 from ..core.phases import AGGREGATE, COORDINATOR, PhaseRecord
@@ -50,6 +51,14 @@ log = logging.getLogger(__name__)
 BeforePublish = Callable[[RunState, int, Message], Awaitable[None]]
 
 
+class Payloads(Protocol):
+    """Where the run's syncs are written besides (with ``--store``: :mod:`~lightning_nodeox.coordinator.payloads`)."""
+
+    def sync_begun(self, making: SyncInMaking) -> None: ...
+
+    async def trim(self, published_round: int) -> None: ...
+
+
 class Rounds:
     """The open round's close and the syncs hosts wait for, over the round's :class:`RoundPhase` and its deltas
     (:class:`RoundDeltas`). ``before_publish`` (for comparisons only, benchmarks/exchange.py) is awaited with each
@@ -67,6 +76,7 @@ class Rounds:
         self.downloads: set[ModelStream] = set()  # full-model downloads in flight (copy-on-publish)
         self.before_publish = before_publish
         self.making: SyncInMaking | None = None  # the sync of the round closing, while it is made
+        self.payloads: Payloads | None = None  # with --store: syncs written there (coordinator/payloads.py)
 
     @property
     def model(self) -> CoordinatorModel | None:
@@ -91,6 +101,8 @@ class Rounds:
     def pass_down(self, making: SyncInMaking) -> None:
         """``making`` is the sync of the round closing (a relay's: its upstream's, passed down as it applies it)."""
         self.making = making
+        if self.payloads is not None:
+            self.payloads.sync_begun(making)
         asyncio.ensure_future(self.state.notify())  # hosts waiting for the round start downloading
 
     # -- closing a round ------------------------------------------------------------------------------------
@@ -177,6 +189,8 @@ class Rounds:
             self.log.info("the run completed after round %d; final model %s", state.published_round,
                           model.hash)
         self.recovery.save_round()
+        if self.payloads is not None:
+            asyncio.ensure_future(self.payloads.trim(state.published_round))
         state.sample_memory()
 
     async def _aggregated(self, round_: int, start: float) -> None:

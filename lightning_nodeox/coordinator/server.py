@@ -81,11 +81,17 @@ class RequestBody:
 
 class ResponseSink:
     """A streamed response as the service writes it (:class:`~lightning_nodeox.coordinator.service.Sink`): a
-    slice at a time, waiting for the socket to drain in between (no copy of the whole)."""
+    slice at a time, waiting for the socket to drain in between (no copy of the whole); or where the payload is in
+    the run's store, unless the host asks for the bytes (``?direct=1``: it could not read the store)."""
 
     def __init__(self, request: web.Request) -> None:
         self.request = request
         self.response: web.StreamResponse | None = None
+        self.places = request.query.get("direct") != "1"
+
+    async def locate(self, place) -> None:
+        self.response = web.json_response(place.to_json(), content_type=proto.PLACE,
+                                          headers={proto.COMPLETE_HEADER: "1" if place.complete else "0"})
 
     async def begin(self, size: int, complete: bool) -> None:
         self.response = web.StreamResponse(headers={"Content-Type": proto.OCTETS, "Content-Length": str(size),

@@ -7,8 +7,9 @@ arrived by the next boundary), ``poll`` (with overlap: the exchange worker's lon
 folded into the live model), ``provide_model`` when the host uploads the initial model at join, and
 ``fallback_fetch`` when the host fetches the full model (at join too, when its model is not the run's).
 Coordinator phases: ``receive`` (per host), ``aggregate``, ``sync_prepare`` (outer step, quantize, apply,
-hash), ``model_materialize`` (serving the full model on demand) and ``persist`` (writing the run's state after
-a round, off the critical path). ``rss`` records are memory samples (with the coordinator's CPU seconds so
+hash), ``model_materialize`` (serving the full model on demand), ``persist`` (writing the run's state after
+a round, off the critical path) and ``store`` (with ``--store``: a sync or model written to the store, its bytes
+and requests). ``rss`` records are memory samples (with the coordinator's CPU seconds so
 far); a ``restart`` record marks where a coordinator resumed the run.
 """
 
@@ -26,9 +27,9 @@ TRAIN, ENCODE, UPLOAD, WAIT, POLL, DOWNLOAD, APPLY, VERIFY, FOLD, PROVIDE_MODEL,
 HOST_PHASES = (TRAIN, ENCODE, UPLOAD, WAIT, POLL, DOWNLOAD, APPLY, VERIFY, FOLD, PROVIDE_MODEL, FALLBACK_FETCH)
 SYNC_PARTS = (DOWNLOAD, APPLY, VERIFY)
 
-RECEIVE, AGGREGATE, SYNC_PREPARE, MODEL_MATERIALIZE, PERSIST, RSS, RESTART = (
-    "receive", "aggregate", "sync_prepare", "model_materialize", "persist", "rss", "restart")
-COORDINATOR_PHASES = (RECEIVE, AGGREGATE, SYNC_PREPARE, MODEL_MATERIALIZE, PERSIST)
+RECEIVE, AGGREGATE, SYNC_PREPARE, MODEL_MATERIALIZE, PERSIST, STORE, RSS, RESTART = (
+    "receive", "aggregate", "sync_prepare", "model_materialize", "persist", "store", "rss", "restart")
+COORDINATOR_PHASES = (RECEIVE, AGGREGATE, SYNC_PREPARE, MODEL_MATERIALIZE, PERSIST, STORE)
 COORDINATOR = "coordinator"
 
 

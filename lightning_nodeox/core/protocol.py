@@ -20,6 +20,10 @@ HTTP lives only in the host's client (``host/client.py``) and the coordinator's 
     POST /v1/values/{key}?wait=S&host=H      {"payload": ...} this host's values under key -> ValuesReply once
                                              answered (not within S seconds: post again, idempotent)
 
+With a store (``--store``), a sync or model reply may instead be a :data:`PLACE`: where its parts are in the store
+(``{"size", "complete", "within", "parts": [{"url", "size"}]}``), read in order; ``&direct=1`` on either asks for
+the bytes (the host could not read the store).
+
 Every call but health carries the run's bearer token when one is configured; every call that names a host
 (all but health, status and a first join) also carries that host's credential, which its join returned, in
 ``X-Nodeox-Credential``: a token holder cannot act as another host.
@@ -52,6 +56,7 @@ TIME_HEADER = "X-Nodeox-Time"  # the coordinator's clock, on every response (hos
 CREDENTIAL_HEADER = "X-Nodeox-Credential"  # the host's credential, from its join reply
 COMPLETE_HEADER = "X-Nodeox-Complete"  # "1" on a sync reply: the run completed with this round (or before it)
 OCTETS = "application/octet-stream"
+PLACE = "application/vnd.nodeox.place+json"  # a sync or model reply saying where it is in the run's store
 
 
 class Reason(enum.Enum):

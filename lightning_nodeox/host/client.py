@@ -49,6 +49,7 @@ from ..core.protocol import (
 from ..core.settings import ENV_CA_FILE
 from ..core.transport import delta_outcome, sync_outcome
 from .clock import ClockOffset
+from .placed import PlacedStream
 from .waiting import WaitLine
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ READ_CHUNK = 8 << 20
 LEAVE_WITHIN = 5.0  # seconds of retries for the goodbye (each try waits at most this long for an answer)
 EVENTS_READ_TIMEOUT = 10.0
 HEARTBEAT_TIMEOUT = 5.0
+DIRECT_FOR = 120.0  # seconds a host that could not read the store asks the coordinator for the bytes instead
 SYNC_POLL = 2.0  # seconds a sync long-poll lasts: a cancelled host (SIGTERM) stops waiting within about this
 _REASON_OF_STATUS = {400: Reason.INVALID, 401: Reason.UNAUTHORIZED, 403: Reason.FORBIDDEN, 404: Reason.INVALID,
                      405: Reason.INVALID, 409: Reason.NOT_OPEN, 410: Reason.GONE, 411: Reason.LENGTH_REQUIRED,
@@ -108,6 +110,7 @@ class HttpClient:
         self._verify = ca_file  # given per request: a session-wide setting would lose to REQUESTS_CA_BUNDLE
         self._credential = ""  # this host's, from its join
         self._cancelled = threading.Event()
+        self._direct_until = 0.0  # monotonic time until which payloads are asked for as bytes (the store failed)
 
     @property
     def joined(self) -> bool:
@@ -253,12 +256,13 @@ class HttpClient:
         return sync_outcome(lambda: self._sync_reply(round_, proto.SYNC.format(round=round_), poll, training, sending))
 
     def _sync_reply(self, round_: int, path: str, poll: float, training: bool, sending: bool) -> SyncReply | None:
-        params = {"wait": poll, "host": self.host, **_training(training), **({"sending": "1"} if sending else {})}
+        params = {"wait": poll, "host": self.host, **_training(training), **({"sending": "1"} if sending else {}),
+                  **self._direct()}
         response = self._request("GET", path, params=params, ok=(200, 204), stream=True,
                                  read_timeout=poll + self.read_timeout)
         complete = response.headers.get(proto.COMPLETE_HEADER) == "1"
         if response.status_code == 200:
-            return SyncReady(round_, ResponseStream(response), complete)
+            return SyncReady(round_, self._payload(response), complete)
         response.close()
         return RunComplete() if complete else None
 
@@ -279,7 +283,38 @@ class HttpClient:
         return self._request("GET", proto.STATUS).json()
 
     def get_model(self) -> ByteStream:
-        return ResponseStream(self._request("GET", proto.MODEL, params={"host": self.host}, stream=True))
+        return self._payload(self._request("GET", proto.MODEL, params={"host": self.host, **self._direct()},
+                                           stream=True))
+
+    # -- payloads in the run's store --------------------------------------------------------------------------
+    def _payload(self, response: requests.Response) -> ByteStream:
+        """A sync's or the model's bytes: the response's own, or read from the run's store where it says."""
+        if response.headers.get("Content-Type", "").split(";")[0] != proto.PLACE:
+            return ResponseStream(response)
+        try:
+            place = response.json()
+        finally:
+            response.close()
+        return PlacedStream(place, self.session_plain, self._store_failed,
+                            timeout=(self.connect_timeout, self.read_timeout))
+
+    def _store_failed(self, problem: str) -> None:
+        """The store could not be read: ask the coordinator for the bytes for the next ``DIRECT_FOR`` seconds."""
+        if time.monotonic() >= self._direct_until:
+            log.warning("nodeox: host %s cannot read the run's store (%s); asking the coordinator for the bytes "
+                        "for %.0f s", self.host, problem, DIRECT_FOR)
+        self._direct_until = time.monotonic() + DIRECT_FOR
+
+    def _direct(self) -> dict[str, str]:
+        return {"direct": "1"} if time.monotonic() < self._direct_until else {}
+
+    @property
+    def session_plain(self) -> requests.Session:
+        """A session without the coordinator's token (the store's URLs carry their own signature)."""
+        s = getattr(self._local, "plain", None)
+        if s is None:
+            s = self._local.plain = requests.Session()
+        return s
 
     def post_events(self, records: list[dict], *, retry_for: float = 0.0) -> None:
         self._request("POST", proto.EVENTS, params={"host": self.host}, json={"records": records}, retry_for=retry_for,

@@ -29,6 +29,7 @@ from .. import intake
 from ..config import CoordinatorConfig
 from ..lifecycle import CoordinatorRun
 from ..making import SyncBroken, SyncInMaking
+from ..payloads import Place
 from ..deltas import Delta
 from ..uploads import ReceiveBuffers, Uploads
 
@@ -57,7 +58,13 @@ class Body(Protocol):
 
 
 class Sink(Protocol):
-    """Where a transport sends a payload: begun with its size and whether the run completes with it."""
+    """Where a transport sends a payload: begun with its size and whether the run completes with it; or, when
+    ``places`` (the caller reads a store) and the run's store holds the payload, told where it is instead."""
+
+    places: bool
+
+    async def locate(self, place: Place) -> None:
+        """Answer with where the payload is (:class:`~lightning_nodeox.coordinator.payloads.Place`)."""
 
     async def begin(self, size: int, complete: bool) -> None: ...
 
@@ -79,6 +86,7 @@ class CoordinatorService:
         self.uploads = Uploads()
         self._buffers = ReceiveBuffers()
         self._budget = intake.TelemetryBudget()
+        self.sent_bytes = 0  # sync and model bytes this coordinator sent itself (not through the store)
 
     @property
     def config(self) -> CoordinatorConfig:
@@ -122,6 +130,14 @@ class CoordinatorService:
         yet (copy-on-publish) instead of waiting for the download."""
         state, rounds = self._run.state, self._run.rounds
         state.require_model()
+        if self._run.payloads is not None and sink.places:
+            final = state.complete
+            place = await self._run.payloads.model_place()
+            if place is not None:
+                await sink.locate(place)
+                if final:
+                    rounds.served_final(host)
+                return
         await rounds.wait_stable()  # θ is not being changed by a round's close
         if len(rounds.downloads) >= MAX_MODEL_DOWNLOADS:
             raise Refusal(Reason.BUSY, f"{MAX_MODEL_DOWNLOADS} model downloads are in flight; try again shortly")
@@ -133,6 +149,7 @@ class CoordinatorService:
             await sink.begin(stream.size, False)
             for chunk in stream.chunks(READ_CHUNK):
                 await sink.write(chunk)
+                self.sent_bytes += len(chunk)
             await sink.end()
 
         try:
@@ -229,19 +246,23 @@ class CoordinatorService:
             return False
         making = found if isinstance(found, SyncInMaking) else None
         message = found.sync if making is not None else found
+        complete = making.complete if making is not None else run.rounds.is_last(round_)
+        if await self._locate_sync(host, round_, message, making, complete, sink):
+            return True
         model = run.state.model  # None while a resumed run serves its saved sync without a model
         if model is not None:
             model.reading(message, +1)
         try:
-            complete = making.complete if making is not None else run.rounds.is_last(round_)
 
             async def send() -> None:
                 await sink.begin(len(message), complete)
                 if making is None:
                     await sink.write(message.view())
+                    self.sent_bytes += len(message)
                 else:
                     async for part in making.parts():
                         await sink.write(part)
+                        self.sent_bytes += len(part)
                 await sink.end()
 
             await self._within(send(), len(message), f"host {host}'s sync download of round {round_}", sink.cut,
@@ -253,6 +274,24 @@ class CoordinatorService:
         finally:
             if model is not None:
                 model.reading(message, -1)
+        return True
+
+    async def _locate_sync(self, host: str, round_: int, message, making: SyncInMaking | None, complete: bool,
+                           sink: Sink) -> bool:
+        """Tell ``sink`` where round ``round_``'s sync is in the run's store, when it is there (a sync served from
+        the run's saved state is written there first); False: it is sent as bytes."""
+        payloads = self._run.payloads
+        if payloads is None or not sink.places:
+            return False
+        place = payloads.sync_place(round_, message, complete)
+        if place is None and making is None and round_ not in payloads.syncs:
+            payloads.sync_held(round_, message)
+            place = payloads.sync_place(round_, message, complete)
+        if place is None:
+            return False
+        await sink.locate(place)
+        if complete:
+            self._run.rounds.served_final(host)
         return True
 
     # -- outside rounds --------------------------------------------------------------------------------------
@@ -275,7 +314,8 @@ class CoordinatorService:
     def status(self) -> dict:
         """The run at a glance, with what is live now (``GET /v1/status``, the status page, ``nodeox status``)."""
         run = self._run
-        return {**run.status(), "uploads": len(self.uploads.hosts), "live": run.watch.snapshot(self.uploads.hosts)}
+        return {**run.status(), "uploads": len(self.uploads.hosts), "live": run.watch.snapshot(self.uploads.hosts),
+                "sent_bytes": self.sent_bytes}
 
     # -- limits ----------------------------------------------------------------------------------------------
     def transfer_seconds(self, size: int) -> float:

@@ -1,0 +1,48 @@
+"""Syncs and the model through the run's store (``--store``): real coordinator and host processes, the store a
+folder (``file://``) or a real S3-compatible server on 127.0.0.1; hosts read what the coordinator wrote once."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+from helpers import Coordinator, assert_identical, published, read_events, start_host, stop, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def _status(url: str) -> dict:
+    with urllib.request.urlopen(f"{url}/v1/status", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_hosts_read_each_sync_from_the_store_and_end_bit_identical(tmp_path):
+    store = f"file://{tmp_path / 'store'}"
+    coord = Coordinator(tmp_path / "run", 3, "--store", store, "--keep-running")
+    out = tmp_path / "out"
+    procs = [start_host(h, coord.url, out, "--max-steps", "30") for h in "012"]
+    try:
+        for p in procs:
+            assert p.wait(180) == 0
+        wait_for(lambda: _status(coord.url)["complete"], 30, "the run to complete")
+        status = _status(coord.url)
+    finally:
+        stop(procs)
+        coord.stop()
+    final = assert_identical(out, ["0", "1", "2"])
+    rounds = published(coord.run_dir)
+    assert final == rounds[max(rounds)]["model_hash"]
+    events = read_events(coord.run_dir)
+    stored = {e["round"]: e for e in events if e["phase"] == "store" and e["what"] == "sync"}
+    assert sorted(stored) == sorted(rounds)  # every round's sync went to the store, once
+    sync_bytes = {e["round"]: e["bytes"] for e in events if e["phase"] == "download" and e["host"] == "0"}
+    assert all(stored[r]["bytes"] == sync_bytes[r] for r in stored)
+    # the coordinator sent no sync itself: 3 hosts' downloads cost it one upload of each sync
+    assert status["sent_bytes"] == 0
+    models = [e for e in events if e["phase"] == "store" and e["what"] == "model"]
+    assert len({e["round"] for e in models}) == len(models)  # the model written at most once a round
+    assert status["store"]["bytes"] == sum(e["bytes"] for e in [*stored.values(), *models])
+    # objects of rounds no host needs are gone: the last two rounds' syncs are left
+    left = {p.parent.parent.name for p in (tmp_path / "store" / "syncs").glob("*/*/*")}
+    assert left == {str(r) for r in sorted(rounds)[-2:]}
