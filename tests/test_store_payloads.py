@@ -46,3 +46,26 @@ def test_hosts_read_each_sync_from_the_store_and_end_bit_identical(tmp_path):
     # objects of rounds no host needs are gone: the last two rounds' syncs are left
     left = {p.parent.parent.name for p in (tmp_path / "store" / "syncs").glob("*/*/*")}
     assert left == {str(r) for r in sorted(rounds)[-2:]}
+
+
+def test_a_store_that_fails_mid_run_leaves_the_coordinator_sending_the_bytes_itself(tmp_path):
+    store = tmp_path / "store"
+    coord = Coordinator(tmp_path / "run", 2, "--store", f"file://{store}", "--keep-running", "--transfer-timeout", "3")
+    out = tmp_path / "out"
+    procs = [start_host(h, coord.url, out, "--max-steps", "60", "--step-seconds", "0.02") for h in "01"]
+    try:
+        wait_for(lambda: len(published(coord.run_dir)) >= 2, 120, "two rounds published")
+        store.rename(tmp_path / "store-gone")
+        store.write_text("not a folder: every write to the store fails")
+        for p in procs:
+            assert p.wait(180) == 0
+        wait_for(lambda: _status(coord.url)["complete"], 30, "the run to complete")
+        status = _status(coord.url)
+    finally:
+        stop(procs)
+        coord.stop()
+    rounds = published(coord.run_dir)
+    assert assert_identical(out, ["0", "1"]) == rounds[max(rounds)]["model_hash"]
+    assert status["store"]["failing"] and status["sent_bytes"] > 0  # the later syncs went from the coordinator
+    said = coord.log_path.read_text()
+    assert said.count("cannot write to the store") == 1, said[-3000:]

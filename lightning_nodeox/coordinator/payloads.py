@@ -165,7 +165,7 @@ class StorePayloads:
         if held is None or held[0] is not sync or held[1].failed:
             return None
         upload = held[1]
-        within = self.state.config.transfer_timeout + len(sync) / 1e6 + self.state.config.long_poll
+        within = self.state.config.transfer_timeout + len(sync) / 1e6
         return Place(len(sync), self._urls(upload, len(sync)), within, complete)
 
     # -- the model ---------------------------------------------------------------------------------------------

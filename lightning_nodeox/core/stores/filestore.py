@@ -15,7 +15,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from ..files import write_atomic
-from .base import StoreError, StoreMissing
+from .base import StoreError, StoreMissing, StoreUnavailable
 
 LOCK_SUFFIX = ".lock"
 TMP_SUFFIX = ".part"
@@ -32,13 +32,19 @@ class FileWriter:
         self.size = 0
 
     def write(self, data: bytes | memoryview) -> None:
-        self.size += self.file.write(data)
+        try:
+            self.size += self.file.write(data)
+        except OSError as e:
+            raise StoreUnavailable(f"cannot write {self.path}: {e}") from None
 
     def commit(self) -> int:
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
-        os.replace(self.tmp, self.path)
+        try:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
+            os.replace(self.tmp, self.path)
+        except OSError as e:
+            raise StoreUnavailable(f"cannot write {self.path}: {e}") from None
         return self.size
 
     def abort(self) -> None:
@@ -69,12 +75,18 @@ class FileStore:
                              "write to, on a filesystem every machine of the run mounts") from None
 
     def writer(self, key: str) -> FileWriter:
-        return FileWriter(self._path(key))
+        try:
+            return FileWriter(self._path(key))
+        except OSError as e:
+            raise StoreUnavailable(f"cannot write {self.address(key)}: {e}") from None
 
     def put(self, key: str, chunks: Iterable[bytes | memoryview]) -> int:
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return write_atomic(path, chunks, mode=0o644)[0]
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            return write_atomic(path, chunks, mode=0o644)[0]
+        except OSError as e:
+            raise StoreUnavailable(f"cannot write {self.address(key)}: {e}") from None
 
     def get(self, key: str) -> bytes:
         try:
@@ -111,8 +123,11 @@ class FileStore:
         return sorted(found)
 
     def delete(self, keys: Iterable[str]) -> None:
-        for key in keys:
-            self._path(key).unlink(missing_ok=True)
+        try:
+            for key in keys:
+                self._path(key).unlink(missing_ok=True)
+        except OSError as e:
+            raise StoreUnavailable(f"cannot delete from {self.root}: {e}") from None
 
     def get_tagged(self, key: str) -> tuple[bytes, str]:
         data = self.get(key)
