@@ -262,7 +262,7 @@ def test_the_timeline_draws_each_phase_in_its_colour_with_a_legend_entry(tmp_pat
     t = 50.0 * rounds  # after the rounds' records
     records += [rec(P.POLL, t, t + 1, "0", last), rec(P.FOLD, t + 1, t + 2, "0", last),
                 rec(P.PROVIDE_MODEL, -2.0, -1.0, "1", 0), rec(P.FALLBACK_FETCH, t, t + 2, "1", last),
-                rec(P.MODEL_MATERIALIZE, t, t + 2, P.COORDINATOR, last)]
+                rec(P.MODEL_MATERIALIZE, t, t + 2, P.COORDINATOR, last), rec(P.STORE, t + 2, t + 3, P.COORDINATOR, last)]
     png = tmp_path / "t.png"
     legend = timeline.plot(records, png)
     phases = (*P.HOST_PHASES, *P.COORDINATOR_PHASES)

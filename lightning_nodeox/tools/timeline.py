@@ -23,7 +23,7 @@ PHASE_COLOURS = {
     P.DOWNLOAD: "#31a354", P.APPLY: "#74c476", P.VERIFY: "#a1d99b", P.FOLD: "#006d2c", P.PROVIDE_MODEL: "#fdd0a2",
     P.FALLBACK_FETCH: "#de2d26",
     P.RECEIVE: "#756bb1", P.AGGREGATE: "#9e9ac8", P.SYNC_PREPARE: "#3182bd", P.MODEL_MATERIALIZE: "#636363",
-    P.PERSIST: "#8c6d31",
+    P.PERSIST: "#8c6d31", P.STORE: "#e7ba52",
 }
 OTHER = "#000000"  # a phase this version does not know (a newer host's)
 WINDOW = 40  # rounds a timeline shows at most

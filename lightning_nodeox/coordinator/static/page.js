@@ -7,7 +7,7 @@ const PHASE_COLOURS = {
   download: "#31a354", apply: "#74c476", verify: "#a1d99b", fold: "#006d2c", provide_model: "#fdd0a2",
   fallback_fetch: "#de2d26",
   receive: "#756bb1", aggregate: "#9e9ac8", sync_prepare: "#3182bd", model_materialize: "#636363",
-  persist: "#8c6d31",
+  persist: "#8c6d31", store: "#e7ba52",
 };
 const OTHER = "#000000";
 const POLL_MS = 1000;
