@@ -69,3 +69,31 @@ def test_a_store_that_fails_mid_run_leaves_the_coordinator_sending_the_bytes_its
     assert status["store"]["failing"] and status["sent_bytes"] > 0  # the later syncs went from the coordinator
     said = coord.log_path.read_text()
     assert said.count("cannot write to the store") == 1, said[-3000:]
+
+
+def test_the_report_says_what_the_store_cost_per_round(tmp_path):
+    """`nodeox report` of a run with a store: its bytes and requests per round and in all."""
+    import subprocess
+    import sys
+
+    store = f"file://{tmp_path / 'store'}"
+    coord = Coordinator(tmp_path / "run", 2, "--store", store)
+    out = tmp_path / "out"
+    procs = [start_host(h, coord.url, out, "--max-steps", "20") for h in "01"]
+    try:
+        for p in procs:
+            assert p.wait(180) == 0
+        assert coord.wait(60) == 0
+    finally:
+        stop(procs)
+        coord.stop()
+    events = read_events(coord.run_dir)
+    written = sum(e["bytes"] for e in events if e["phase"] == "store")
+    report = subprocess.run([sys.executable, "-m", "lightning_nodeox", "report", str(coord.run_dir), "--json"],
+                            capture_output=True, text=True, timeout=60)
+    summary = json.loads(report.stdout)["summary"]
+    assert summary["store"]["bytes"] == written > 0
+    assert summary["store"]["requests"] == sum(e["requests"] for e in events if e["phase"] == "store")
+    text = subprocess.run([sys.executable, "-m", "lightning_nodeox", "report", str(coord.run_dir)],
+                          capture_output=True, text=True, timeout=60).stdout
+    assert "written in" in text and "store:" in text

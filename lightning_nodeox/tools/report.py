@@ -103,6 +103,7 @@ class _Tally:
         self.bytes_moved = defaultdict(lambda: defaultdict(lambda: {"up": 0, "down": 0}))  # round -> host
         self.coordinator = defaultdict(lambda: defaultdict(float))
         self.receive = defaultdict(dict)
+        self.store = defaultdict(lambda: {"bytes": 0, "requests": 0})  # round -> what was written to the store
         self.last_end: dict[tuple[int, str], float] = {}  # (round, host) -> end of its last phase
         self.rss = []
         for r in records:
@@ -121,6 +122,9 @@ class _Tally:
             if phase == P.RECEIVE:
                 self.receive[rnd][str(r.get("from_host", "?"))] = d
             else:
+                if phase == P.STORE:
+                    self.store[rnd]["bytes"] += r.get("bytes") or 0
+                    self.store[rnd]["requests"] += r.get("requests") or 0
                 self.coordinator[rnd][phase] += d
             return
         self.seconds[rnd][phase][host] += d
@@ -153,6 +157,7 @@ class _Tally:
             "bytes": {h: self.bytes_moved[rnd][h] for h in hosts},
             "wait_share": self._wait_share(rnd, hosts),
             "coordinator_rss_after_bytes": after[0]["rss_bytes"] if after else None,
+            **({"store": dict(self.store[rnd])} if rnd in self.store else {}),
         }
 
     def _aggregation_to_sync(self, rnd: int, hosts: list[str]) -> dict[str, float]:
@@ -206,6 +211,8 @@ def summarize(records: list[dict], rounds: list[dict], rss: list[dict]) -> dict:
                             for h in hosts if any(h in rnd["wait_share"] for rnd in rounds)},
         "coordinator_peak_rss_bytes": max((s.get("peak_rss_bytes", s["rss_bytes"]) for s in rss), default=None),
         "fallback_fetches": sum(1 for r in records if r["phase"] == P.FALLBACK_FETCH),
+        **({"store": {k: sum(rnd["store"][k] for rnd in rounds if "store" in rnd) for k in ("bytes", "requests")}}
+           if any("store" in rnd for rnd in rounds) else {}),
     }
 
 
@@ -240,6 +247,9 @@ def _round_lines(rnd: dict, indent: str = "  ") -> list[str]:
         far, near = rnd["far_bytes"], rnd["site_bytes"]
         lines.append(f"{indent}{'far links / in sites':22} {human_bytes(far['up'])} / {human_bytes(far['down'])} across "
                      f"the links into this coordinator; {human_bytes(near['up'])} / {human_bytes(near['down'])} inside the sites")
+    if "store" in rnd:
+        lines.append(f"{indent}{'written to the store':22} {human_bytes(rnd['store']['bytes'])} in "
+                     f"{rnd['store']['requests']} requests")
     share = ", ".join(f"host {h} {v:.0%}" for h, v in rnd["wait_share"].items())
     lines.append(f"{indent}{'wait share':22} {share or '-'}")
     lines.append(f"{indent}{'coordinator RSS after':22} {human_bytes(rnd['coordinator_rss_after_bytes'])}")
@@ -259,6 +269,9 @@ def totals(report: dict) -> list[str]:
               f"{human_bytes(s['bytes_up'])} up, {human_bytes(s['bytes_down'])} down; "
               f"coordinator peak RSS {human_bytes(s['coordinator_peak_rss_bytes'])}; "
               f"{s['fallback_fetches']} full-model fetches")]
+    if "store" in s:
+        lines.append(f"store: {human_bytes(s['store']['bytes'])} written in {s['store']['requests']} requests "
+                     f"({human_bytes(s['store']['bytes'] / max(s['rounds'], 1))} a round)")
     if "far_bytes" in s:
         lines.append(f"far links: {human_bytes(s['far_bytes']['up'])} up, {human_bytes(s['far_bytes']['down'])} down; inside "
                      f"the sites: {human_bytes(s['site_bytes']['up'])} up, {human_bytes(s['site_bytes']['down'])} down")
