@@ -97,3 +97,28 @@ def test_the_report_says_what_the_store_cost_per_round(tmp_path):
     text = subprocess.run([sys.executable, "-m", "lightning_nodeox", "report", str(coord.run_dir)],
                           capture_output=True, text=True, timeout=60).stdout
     assert "written in" in text and "store:" in text
+
+
+def test_a_relay_with_a_store_of_its_own_serves_its_sites_hosts_through_it(tmp_path):
+    """The root with a store, a relay with another (its own prefix): the relay reads the root's syncs from the
+    root's store, its hosts read the relay's from the relay's; everyone ends on the root's final model."""
+    out, procs = tmp_path / "out", []
+    root = Coordinator(tmp_path / "root", 2, "--store", f"file://{tmp_path / 'store' / 'root'}")
+    relay = Coordinator(tmp_path / "siteA", 2, "--upstream", root.url, "--store",
+                        f"file://{tmp_path / 'store' / 'siteA'}", command="relay")
+    try:
+        procs += [start_host(h, relay.url, out, "--max-steps", "30") for h in ("0", "1")]
+        procs.append(start_host("2", root.url, out, "--max-steps", "30"))
+        for p in procs:
+            assert p.wait(180) == 0
+        assert root.wait(60) == 0 and relay.wait(60) == 0
+    finally:
+        stop(procs)
+        root.stop()
+        relay.stop()
+    synced = published(root.run_dir)
+    assert assert_identical(out, ["0", "1", "2"]) == synced[max(synced)]["model_hash"]
+    for run_dir in (root.run_dir, relay.run_dir):
+        stored = {e["round"] for e in read_events(run_dir) if e["phase"] == "store" and e["what"] == "sync"
+                  and e["host"] == "coordinator"}
+        assert stored == set(synced), run_dir.name  # each wrote every round's sync to its own store
