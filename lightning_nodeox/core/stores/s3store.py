@@ -106,7 +106,10 @@ class S3Writer:
                     s.client.complete_multipart_upload(Bucket=s.bucket, Key=s._key(self.key), UploadId=self.upload,
                                                        MultipartUpload={"Parts": self.parts})
         except BaseException:
-            self.abort()
+            try:
+                self.abort()
+            except StoreError:
+                pass  # the commit's error says more; an upload left behind lasts until a lifecycle rule drops it
             raise
         self.done = True
         self.buffer = bytearray()
@@ -180,7 +183,8 @@ class S3Store:
                 raise StoreError(f"--store {self.url}: {self._no_bucket()}") from None
             if code in REFUSED:
                 raise StoreError(f"--store {self.url}: the S3 service at {self.endpoint} refused these credentials "
-                                 f"({code}); {CREDENTIALS_FIX}") from None
+                                 f"for s3://{self.bucket} ({code}); {CREDENTIALS_FIX} (or, when the bucket is another "
+                                 "account's, fix --store)") from None
             raise StoreError(f"--store {self.url}: {e}") from None
         except NoCredentialsError:
             raise StoreError(f"--store {self.url}: no AWS credentials found; {CREDENTIALS_FIX}") from None
