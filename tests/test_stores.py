@@ -283,7 +283,11 @@ class Relay(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def slow_down(s3_server, monkeypatch) -> Iterator:
-    """``slow_down(refusals)``: an S3 store on a fresh bucket, reached through a :class:`SlowDown` proxy."""
+    """``slow_down(refusals)``: an S3 store on a fresh bucket, reached through a :class:`SlowDown` proxy; the
+    client makes the same tries, without the waits between them (up to 1, 2, 4... s)."""
+    from botocore.retries.standard import ExponentialBackoff
+
+    monkeypatch.setattr(ExponentialBackoff, "delay_amount", lambda self, context: 0)
     proxies: list[SlowDown] = []
 
     def start(refusals: int):
@@ -304,10 +308,7 @@ def test_a_throttled_write_is_retried_until_it_succeeds(slow_down):
     assert store.get("model") == b"weights"
 
 
-def test_a_store_that_keeps_throttling_is_unavailable_after_the_clients_retries(slow_down, monkeypatch):
-    from botocore.retries.standard import ExponentialBackoff
-
-    monkeypatch.setattr(ExponentialBackoff, "delay_amount", lambda self, context: 0)  # the same tries, no waits
+def test_a_store_that_keeps_throttling_is_unavailable_after_the_clients_retries(slow_down):
     store, proxy = slow_down(1000)
     with pytest.raises(StoreUnavailable, match=f"the S3 endpoint {proxy.endpoint} failed.*AWS_ENDPOINT_URL"):
         store.put("model", [b"weights"])
