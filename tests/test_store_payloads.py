@@ -7,6 +7,8 @@ import json
 import urllib.request
 
 import pytest
+
+from lightning_nodeox.core.stores import open_store
 from helpers import Coordinator, assert_identical, published, read_events, start_host, stop, wait_for
 
 pytestmark = pytest.mark.slow
@@ -17,9 +19,14 @@ def _status(url: str) -> dict:
         return json.loads(r.read())
 
 
-def test_hosts_read_each_sync_from_the_store_and_end_bit_identical(tmp_path):
-    store = f"file://{tmp_path / 'store'}"
-    coord = Coordinator(tmp_path / "run", 3, "--store", store, "--keep-running")
+@pytest.fixture(params=["file", "s3"])
+def store_url(request, tmp_path) -> str:
+    """A store for the run: a folder, or a bucket of a real S3-compatible server on 127.0.0.1."""
+    return f"file://{tmp_path / 'store'}" if request.param == "file" else request.getfixturevalue("s3_url")
+
+
+def test_hosts_read_each_sync_from_the_store_and_end_bit_identical(tmp_path, store_url):
+    coord = Coordinator(tmp_path / "run", 3, "--store", store_url, "--keep-running")
     out = tmp_path / "out"
     procs = [start_host(h, coord.url, out, "--max-steps", "30") for h in "012"]
     try:
@@ -39,13 +46,13 @@ def test_hosts_read_each_sync_from_the_store_and_end_bit_identical(tmp_path):
     sync_bytes = {e["round"]: e["bytes"] for e in events if e["phase"] == "download" and e["host"] == "0"}
     assert all(stored[r]["bytes"] == sync_bytes[r] for r in stored)
     # the coordinator sent no sync itself: 3 hosts' downloads cost it one upload of each sync
-    assert status["sent_bytes"] == 0
+    assert status["sent_bytes"] == {"sync": 0, "model": 0}
     models = [e for e in events if e["phase"] == "store" and e["what"] == "model"]
     assert len({e["round"] for e in models}) == len(models)  # the model written at most once a round
     assert status["store"]["bytes"] == sum(e["bytes"] for e in [*stored.values(), *models])
     # objects of rounds no host needs are gone: the last two rounds' syncs are left
-    left = {p.parent.parent.name for p in (tmp_path / "store" / "syncs").glob("*/*/*")}
-    assert left == {str(r) for r in sorted(rounds)[-2:]}
+    store = open_store(store_url)
+    assert {key.split("/")[1] for key in store.keys("syncs/")} == {str(r) for r in sorted(rounds)[-2:]}
 
 
 def test_a_store_that_fails_mid_run_leaves_the_coordinator_sending_the_bytes_itself(tmp_path):
@@ -66,7 +73,7 @@ def test_a_store_that_fails_mid_run_leaves_the_coordinator_sending_the_bytes_its
         coord.stop()
     rounds = published(coord.run_dir)
     assert assert_identical(out, ["0", "1"]) == rounds[max(rounds)]["model_hash"]
-    assert status["store"]["failing"] and status["sent_bytes"] > 0  # the later syncs went from the coordinator
+    assert status["store"]["failing"] and status["sent_bytes"]["sync"] > 0  # later syncs went from the coordinator
     said = coord.log_path.read_text()
     assert said.count("cannot write to the store") == 1, said[-3000:]
 
@@ -122,3 +129,40 @@ def test_a_relay_with_a_store_of_its_own_serves_its_sites_hosts_through_it(tmp_p
         stored = {e["round"] for e in read_events(run_dir) if e["phase"] == "store" and e["what"] == "sync"
                   and e["host"] == "coordinator"}
         assert stored == set(synced), run_dir.name  # each wrote every round's sync to its own store
+
+
+def _eight_hosts(tmp_path, name: str, *store: str) -> tuple[dict, dict, list[dict]]:
+    """8 digits hosts, 3 rounds; the coordinator's status at the end, its published rounds and its records."""
+    coord = Coordinator(tmp_path / name, 8, *store, "--keep-running")
+    out = tmp_path / f"{name}-out"
+    procs = [start_host(str(h), coord.url, out, "--max-steps", "30") for h in range(8)]
+    try:
+        for p in procs:
+            assert p.wait(300) == 0
+        wait_for(lambda: _status(coord.url)["complete"], 30, "the run to complete")
+        status = _status(coord.url)
+    finally:
+        stop(procs)
+        coord.stop()
+    rounds = published(coord.run_dir)
+    assert assert_identical(out, [str(h) for h in range(8)]) == rounds[max(rounds)]["model_hash"]
+    return status, rounds, read_events(coord.run_dir)
+
+
+def test_eight_hosts_cost_the_coordinator_one_sync_a_round_with_a_store_and_eight_without(tmp_path, s3_url):
+    """The coordinator's sync bytes out per round (sent itself, and written to the store): at most 1.5x one sync
+    with the store (8 hosts read it there), about 8x without; and the model the 7 joining hosts fetched at once was
+    written to the store once."""
+    with_store, rounds, events = _eight_hosts(tmp_path, "store", "--store", s3_url)
+    without, rounds_plain, _ = _eight_hosts(tmp_path, "plain")
+    sync = {r: e["bytes"] for e in events if e["phase"] == "download" and e["host"] == "0" for r in [e["round"]]}
+    one_sync = max(sync.values())
+    stored = sum(e["bytes"] for e in events if e["phase"] == "store" and e["what"] == "sync")
+    out_with = (with_store["sent_bytes"]["sync"] + stored) / len(rounds)
+    out_without = without["sent_bytes"]["sync"] / len(rounds_plain)
+    assert out_with <= 1.5 * one_sync, (out_with, one_sync)
+    assert out_without >= 7.5 * one_sync, (out_without, one_sync)
+    models = [e for e in events if e["phase"] == "store" and e["what"] == "model"]
+    fetched = [e for e in events if e["phase"] == "fallback_fetch" and e["round"] == 0]
+    assert len(fetched) == 7 and [m["round"] for m in models] == [0]  # 7 hosts joined on one upload
+    assert with_store["sent_bytes"]["model"] == 0 and without["sent_bytes"]["model"] >= 7 * models[0]["bytes"]

@@ -86,7 +86,7 @@ class CoordinatorService:
         self.uploads = Uploads()
         self._buffers = ReceiveBuffers()
         self._budget = intake.TelemetryBudget()
-        self.sent_bytes = 0  # sync and model bytes this coordinator sent itself (not through the store)
+        self.sent_bytes = {"sync": 0, "model": 0}  # what this coordinator sent itself (not through the store)
 
     @property
     def config(self) -> CoordinatorConfig:
@@ -149,7 +149,7 @@ class CoordinatorService:
             await sink.begin(stream.size, False)
             for chunk in stream.chunks(READ_CHUNK):
                 await sink.write(chunk)
-                self.sent_bytes += len(chunk)
+                self.sent_bytes["model"] += len(chunk)
             await sink.end()
 
         try:
@@ -258,11 +258,11 @@ class CoordinatorService:
                 await sink.begin(len(message), complete)
                 if making is None:
                     await sink.write(message.view())
-                    self.sent_bytes += len(message)
+                    self.sent_bytes["sync"] += len(message)
                 else:
                     async for part in making.parts():
                         await sink.write(part)
-                        self.sent_bytes += len(part)
+                        self.sent_bytes["sync"] += len(part)
                 await sink.end()
 
             await self._within(send(), len(message), f"host {host}'s sync download of round {round_}", sink.cut,
@@ -315,7 +315,7 @@ class CoordinatorService:
         """The run at a glance, with what is live now (``GET /v1/status``, the status page, ``nodeox status``)."""
         run = self._run
         return {**run.status(), "uploads": len(self.uploads.hosts), "live": run.watch.snapshot(self.uploads.hosts),
-                "sent_bytes": self.sent_bytes}
+                "sent_bytes": dict(self.sent_bytes)}
 
     # -- limits ----------------------------------------------------------------------------------------------
     def transfer_seconds(self, size: int) -> float:
