@@ -4,16 +4,20 @@ and points boto3 at the server (``AWS_ENDPOINT_URL``, test credentials); ``s3_se
 process a test starts (a coordinator).
 
 moto compares and writes a conditional put in two steps with no lock between; S3 does both at once. The server
-hands moto one request at a time, so racing ``create()`` calls see S3's rule (exactly one wins)."""
+hands moto one request at a time, so racing ``create()`` calls see S3's rule (exactly one wins). :class:`S3Proxy`
+stands in front of it to refuse chosen requests (throttling, expired URLs)."""
 
 from __future__ import annotations
 
 import functools
+import http.client
+import http.server
 import os
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -105,3 +109,64 @@ def s3_url(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
     """``s3://<fresh bucket>/run`` on the session's server, with boto3 pointed at it."""
     use(s3_server, monkeypatch)
     return f"s3://{new_bucket(s3_server)}/run"
+
+
+class S3Proxy(http.server.ThreadingHTTPServer):
+    """An HTTP proxy in front of the S3 server: ``refuse(method, path)`` says a status to answer a request with
+    instead (503: S3's SlowDown; others: AccessDenied), or None to forward it as it is. Counts both."""
+
+    def __init__(self, upstream: str, refuse: Callable[[str, str], int | None]) -> None:
+        self.upstream = urlsplit(upstream).netloc
+        self.refuse = refuse
+        self.refused = 0
+        self.forwarded = 0
+        self.lock = threading.Lock()
+        super().__init__(("127.0.0.1", 0), _Relay)
+        self.endpoint = f"http://127.0.0.1:{self.server_port}"
+        threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def stop(self) -> None:
+        self.shutdown()
+        self.server_close()
+
+
+ERRORS = {503: b"<Code>SlowDown</Code><Message>Please reduce your request rate.</Message>",
+          403: b"<Code>AccessDenied</Code><Message>Request has expired</Message>"}
+
+
+class _Relay(http.server.BaseHTTPRequestHandler):
+    server: S3Proxy
+    protocol_version = "HTTP/1.1"  # answers botocore's Expect: 100-continue at once (1.0 leaves it waiting 1 s)
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def relay(self) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        with self.server.lock:
+            status = self.server.refuse(self.command, self.path)
+            self.server.refused += status is not None
+            self.server.forwarded += status is None
+        if status is not None:
+            error = b'<?xml version="1.0" encoding="UTF-8"?>\n<Error>' + ERRORS.get(status, ERRORS[403]) + b"</Error>"
+            self.send_response(status)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(error)))
+            self.end_headers()
+            self.wfile.write(error)
+            return
+        upstream = http.client.HTTPConnection(self.server.upstream, timeout=30)
+        upstream.request(self.command, self.path, body=body, headers=dict(self.headers))
+        reply = upstream.getresponse()
+        data = reply.read()
+        self.send_response(reply.status)
+        for name, value in reply.getheaders():
+            if name.lower() not in ("transfer-encoding", "connection", "content-length", "server", "date"):
+                self.send_header(name, value)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+        upstream.close()
+
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = relay

@@ -166,3 +166,31 @@ def test_eight_hosts_cost_the_coordinator_one_sync_a_round_with_a_store_and_eigh
     fetched = [e for e in events if e["phase"] == "fallback_fetch" and e["round"] == 0]
     assert len(fetched) == 7 and [m["round"] for m in models] == [0]  # 7 hosts joined on one upload
     assert with_store["sent_bytes"]["model"] == 0 and without["sent_bytes"]["model"] >= 7 * models[0]["bytes"]
+
+
+def test_a_host_whose_store_urls_are_refused_asks_the_coordinator_for_the_bytes(tmp_path, s3_server, monkeypatch):
+    """Every presigned read refused (403, as for an expired URL), the coordinator's own writes let through: hosts
+    say so and take the syncs and the model from the coordinator, and end bit-identical on its final model."""
+    from s3server import S3Proxy, new_bucket, use
+
+    proxy = S3Proxy(s3_server.endpoint, lambda method, path: 403 if "X-Amz-Signature" in path else None)
+    use(s3_server, monkeypatch, proxy.endpoint)
+    coord = Coordinator(tmp_path / "run", 2, "--store", f"s3://{new_bucket(s3_server)}/run", "--keep-running")
+    out = tmp_path / "out"
+    procs = [start_host(h, coord.url, out, "--max-steps", "30") for h in "01"]
+    try:
+        for p in procs:
+            assert p.wait(180) == 0
+        wait_for(lambda: _status(coord.url)["complete"], 30, "the run to complete")
+        status = _status(coord.url)
+    finally:
+        stop(procs)
+        coord.stop()
+        proxy.stop()
+    rounds = published(coord.run_dir)
+    assert assert_identical(out, ["0", "1"]) == rounds[max(rounds)]["model_hash"]
+    assert proxy.refused > 0 and proxy.forwarded > 0
+    assert status["sent_bytes"]["sync"] > 0 and status["sent_bytes"]["model"] > 0
+    for h in "01":
+        said = (out / f"host{h}-0.log").read_text()
+        assert "cannot read the run's store" in said and "HTTP 403" in said, said[-2000:]

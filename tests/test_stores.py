@@ -4,8 +4,6 @@ throttling (503 SlowDown) retried."""
 
 from __future__ import annotations
 
-import http.client
-import http.server
 import os
 import socket
 import threading
@@ -15,7 +13,7 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 import requests
-from s3server import S3Server, new_bucket, use
+from s3server import S3Proxy, S3Server, new_bucket, use
 
 from lightning_nodeox.core.stores import Store, StoreError, StoreMissing, StoreUnavailable, open_store
 
@@ -222,77 +220,20 @@ def test_an_operation_on_a_missing_bucket_names_the_fix(s3_url):
         open_store("s3://no-such-bucket/run").put("a", [b"x"])
 
 
-class SlowDown(http.server.ThreadingHTTPServer):
-    """An HTTP proxy in front of the S3 server that answers its first ``refusals`` requests with 503 SlowDown (as
-    S3 does when throttling), then forwards each request as it is."""
-
-    SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
-                 b"<Message>Please reduce your request rate.</Message></Error>")
-
-    def __init__(self, upstream: str, refusals: int) -> None:
-        self.upstream = urlsplit(upstream).netloc
-        self.refusals = refusals
-        self.refused = 0
-        self.forwarded = 0
-        self.lock = threading.Lock()
-        super().__init__(("127.0.0.1", 0), Relay)
-        self.endpoint = f"http://127.0.0.1:{self.server_port}"
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-    def stop(self) -> None:
-        self.shutdown()
-        self.server_close()
-
-
-class Relay(http.server.BaseHTTPRequestHandler):
-    server: SlowDown
-    protocol_version = "HTTP/1.1"  # answers botocore's Expect: 100-continue at once (1.0 leaves it waiting 1 s)
-
-    def log_message(self, *args) -> None:
-        pass
-
-    def relay(self) -> None:
-        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        with self.server.lock:
-            refuse = self.server.refused < self.server.refusals
-            self.server.refused += refuse
-            self.server.forwarded += not refuse
-        if refuse:
-            self.send_response(503)
-            self.send_header("Content-Type", "application/xml")
-            self.send_header("Content-Length", str(len(SlowDown.SLOW_DOWN)))
-            self.end_headers()
-            self.wfile.write(SlowDown.SLOW_DOWN)
-            return
-        upstream = http.client.HTTPConnection(self.server.upstream, timeout=30)
-        upstream.request(self.command, self.path, body=body, headers=dict(self.headers))
-        reply = upstream.getresponse()
-        data = reply.read()
-        self.send_response(reply.status)
-        for name, value in reply.getheaders():
-            if name.lower() not in ("transfer-encoding", "connection", "content-length", "server", "date"):
-                self.send_header(name, value)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
-        upstream.close()
-
-    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = relay
-
-
 @pytest.fixture
 def slow_down(s3_server, monkeypatch) -> Iterator:
-    """``slow_down(refusals)``: an S3 store on a fresh bucket, reached through a :class:`SlowDown` proxy; the
+    """``slow_down(refusals)``: an S3 store on a fresh bucket, reached through a proxy that answers the first
+    ``refusals`` requests with 503 SlowDown (as S3 does when throttling) and forwards the rest; the
     client makes the same tries, without the waits between them (up to 1, 2, 4... s)."""
     from botocore.retries.standard import ExponentialBackoff
 
     monkeypatch.setattr(ExponentialBackoff, "delay_amount", lambda self, context: 0)
-    proxies: list[SlowDown] = []
+    proxies: list[S3Proxy] = []
 
     def start(refusals: int):
         bucket = new_bucket(s3_server)
-        proxies.append(proxy := SlowDown(s3_server.endpoint, refusals))
+        proxies.append(proxy := S3Proxy(s3_server.endpoint, lambda method, path: 503 if proxy.refused < refusals
+                                        else None))
         use(s3_server, monkeypatch, proxy.endpoint)
         return open_store(f"s3://{bucket}/run"), proxy
 
