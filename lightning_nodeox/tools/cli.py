@@ -102,6 +102,7 @@ def _serving_options(p: argparse.ArgumentParser, *, bind: str) -> None:
     p.add_argument("--store", metavar="URL", help="the run's object store, s3://bucket/prefix (any S3-compatible "
                    "service; AWS_ENDPOINT_URL for one other than AWS) or file:///path (a shared filesystem): syncs and "
                    "the model go through it once, and the run's state is copied there (docs/clusters.md)")
+    p.add_argument("--store-lease", type=float, default=run["store_lease"], help=argparse.SUPPRESS)
 
 
 def _coordinator_options(p: argparse.ArgumentParser, *, bind: str) -> None:
@@ -166,7 +167,7 @@ def _config(args: argparse.Namespace) -> CoordinatorConfig:
             no_hosts_timeout=args.no_hosts_timeout, final_wait=args.final_wait,
             snapshot_every=args.snapshot_every, transfer_timeout=args.transfer_timeout, fresh=args.fresh,
             idle_timeout=args.idle_timeout, max_connections=args.max_connections, gpu_hour_price=args.gpu_hour_price,
-            store=args.store,
+            store=args.store, store_lease=args.store_lease,
             outer=OuterSettings(args.outer_optimizer, args.outer_lr, args.outer_momentum)
             if "outer_optimizer" in args else OuterSettings())  # nor outer-optimizer flags: it never steps
     except ValueError as e:
