@@ -1,11 +1,14 @@
 """A coordinator's run from its start to its end, whatever transport carries the protocol (HTTP in
 :mod:`~lightning_nodeox.coordinator.server`, in-process in the tests).
 
-Start: a saved, unfinished run in the run directory is resumed (its model from its snapshot, or given back by a
-host that rejoins, :mod:`~lightning_nodeox.coordinator.recovery`); else ``--initial-model`` is loaded when given;
+Start: with ``--store``, the store is checked and the run's lease taken, and the run's state is taken up from the
+store when the run directory holds none (:mod:`~lightning_nodeox.coordinator.claim`). A saved, unfinished run in
+the run directory is resumed (its model from its snapshot, or given back by a host that rejoins,
+:mod:`~lightning_nodeox.coordinator.recovery`); else ``--initial-model`` is loaded when given;
 else the first host to join provides the model.
 
-While it runs, four times a second: hosts whose lease expired are dropped, a round whose ``--round-timeout``
+While it runs, four times a second: the run's lease in the store is renewed when due (every third of its length,
+on a thread), hosts whose lease expired are dropped, a round whose ``--round-timeout``
 passed closes, a save that failed is tried again (every ``Recovery.RETRY_S``), a resumed run whose model no host gave back in time falls back to its snapshot, whom an open round
 waits for is logged every ``status_interval`` seconds, and memory is sampled every ``--rss-interval``.
 
@@ -15,7 +18,8 @@ counts as gone once it left (it has the final model), or ``--final-wait`` second
 host paused past its lease still gets the final model when it resumes. The transport
 stops first, then a round that is closing publishes (no other starts), and the run's state is written with a
 snapshot of the model; the exit status is 0 for a completed run, 1 for one stopped before, 2 for one that could
-not start.
+not start. A coordinator whose lease in the store is lost stops at once, its transport first, and saves nothing
+(status 1): the run may be another coordinator's now.
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ state whole; files that ``run.json`` no longer names are removed once it is repl
 the next round's sync and outer state (written before that sync was published) whole beside it (:meth:`RunStore.interrupted_sync` and
 :meth:`RunStore.outer_of` find them). A save that fails changes nothing the store holds (:attr:`RunStore.last`
 is what ``run.json`` says). Nothing is pickled: JSON and safetensors (q4 messages are safetensors files too).
+With ``--store``, a copier is told of each file written and removed, and copies them to the run's object store
+(:mod:`~lightning_nodeox.coordinator.statecopy`).
 """
 
 from __future__ import annotations
