@@ -9,12 +9,14 @@ import json
 import os
 import socket
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from lightning_nodeox.coordinator.config import OuterSettings
+from lightning_nodeox.coordinator.claim import claim_store
+from lightning_nodeox.coordinator.config import CoordinatorConfig, OuterSettings
 from lightning_nodeox.coordinator.lease import LEASE_KEY, Holder, Lease, LeaseKeeper, LeaseLost, LeaseRefused
 from lightning_nodeox.coordinator.state import RunStore, SavedRun, tensor_chunks
 from lightning_nodeox.coordinator.statecopy import PREFIX, StateCopy
@@ -240,3 +242,29 @@ def test_a_damaged_file_in_the_store_is_refused_at_take_up_naming_fresh_and_fres
         taken.check(taken.load())
     assert StateCopy(store, tmp_path / "fresh" / "state", NAME).clear() == 3
     assert store.keys(PREFIX) == [] and StateCopy(store, tmp_path / "other" / "state", NAME).fetch() is None
+
+
+# -- a coordinator's start on the store ---------------------------------------------------------------------------
+
+
+def test_a_store_that_cannot_be_written_refuses_the_start_naming_it(tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    config = CoordinatorConfig(hosts=1, run_dir=tmp_path / "run", store=f"file://{tmp_path / 'file' / 'store'}")
+    with pytest.raises(ValueError, match=f"--store file://{tmp_path}/file/store: cannot write to"):
+        claim_store(config)
+
+
+def test_a_run_directory_behind_the_store_is_refused_and_fresh_removes_the_stores_state(store_url, tmp_path,
+                                                                                        capsys):
+    store = open_store(store_url)
+    save(RunStore(tmp_path / "elsewhere", StateCopy(store, tmp_path / "elsewhere" / "state", NAME)), 4)
+    save(RunStore(tmp_path / "old"), 2)  # this machine's own state stopped at round 2
+    config = CoordinatorConfig(hosts=1, run_dir=tmp_path / "old", store=store_url)
+    with pytest.raises(ValueError, match="holds the run's state at round 4, later than .* \\(round 2\\).*--fresh"):
+        claim_store(config)
+    assert store.keys() == ["state/model-4.safetensors", "state/outer-4.safetensors", "state/run.json"]  # released
+    claim = claim_store(replace(config, fresh=True))
+    assert "--fresh: removed the earlier run's state" in capsys.readouterr().out
+    assert store.keys() == ["lease.json"]
+    claim.release()
+    assert store.keys() == []
