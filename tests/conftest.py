@@ -144,3 +144,10 @@ def local_coordinator(tmp_path):
     yield start
     for c in started:
         c.close()
+
+
+@pytest.fixture(params=["file"])
+def store_url(request, tmp_path) -> str:
+    """The URL of an empty object store for a run (``--store``): a folder under tmp_path (``file://``). Every test
+    of the store's rules takes it, so another kind of store is tested by adding its parameter here."""
+    return f"file://{tmp_path / 'store'}"

@@ -77,6 +77,9 @@ class CoordinatorConfig:
             so that a coordinator on another machine takes the run up (:mod:`lightning_nodeox.core.stores`).
         store_own_credentials: hosts read the store's objects with credentials of their own (their addresses,
             ``s3://...``) instead of presigned URLs.
+        store_lease: seconds the run's lease in ``store`` lasts unrenewed (renewed every third of it): a coordinator
+            killed with its machine is followed by another this long after, at most
+            (:mod:`lightning_nodeox.coordinator.lease`).
         name: what the run's log lines start with (a site relay's: ``nodeox relay ID``, set by ``nodeox relay``).
     """
 
@@ -110,6 +113,7 @@ class CoordinatorConfig:
     gpu_hour_price: float | None = None
     store: str | None = None
     store_own_credentials: bool = False
+    store_lease: float = 30.0
     name: str = NAME
 
     def __post_init__(self) -> None:
@@ -140,6 +144,8 @@ class CoordinatorConfig:
                              f"{self.gpu_hour_price}")
         if self.initial_model is not None and not Path(self.initial_model).is_file():
             raise ValueError(f"--initial-model {self.initial_model} is not a file; pass a safetensors file")
+        if not self.store_lease > 0:
+            raise ValueError(f"--store-lease must be positive seconds, got {self.store_lease}")
         if self.store is not None:
             open_store(self.store)  # a URL of a known kind, its client installed (no call to it yet)
         host, _ = parse_bind(self.bind)

@@ -1,11 +1,14 @@
 """A coordinator's run from its start to its end, whatever transport carries the protocol (HTTP in
 :mod:`~lightning_nodeox.coordinator.server`, in-process in the tests).
 
-Start: a saved, unfinished run in the run directory is resumed (its model from its snapshot, or given back by a
-host that rejoins, :mod:`~lightning_nodeox.coordinator.recovery`); else ``--initial-model`` is loaded when given;
+Start: with ``--store``, the store is checked and the run's lease taken, and the run's state is taken up from the
+store when the run directory holds none (:mod:`~lightning_nodeox.coordinator.claim`). A saved, unfinished run in
+the run directory is resumed (its model from its snapshot, or given back by a host that rejoins,
+:mod:`~lightning_nodeox.coordinator.recovery`); else ``--initial-model`` is loaded when given;
 else the first host to join provides the model.
 
-While it runs, four times a second: hosts whose lease expired are dropped, a round whose ``--round-timeout``
+While it runs, four times a second: the run's lease in the store is renewed when due (every third of its length,
+on a thread), hosts whose lease expired are dropped, a round whose ``--round-timeout``
 passed closes, a save that failed is tried again (every ``Recovery.RETRY_S``), a resumed run whose model no host gave back in time falls back to its snapshot, whom an open round
 waits for is logged every ``status_interval`` seconds, and memory is sampled every ``--rss-interval``.
 
@@ -15,12 +18,14 @@ counts as gone once it left (it has the final model), or ``--final-wait`` second
 host paused past its lease still gets the final model when it resumes. The transport
 stops first, then a round that is closing publishes (no other starts), and the run's state is written with a
 snapshot of the model; the exit status is 0 for a completed run, 1 for one stopped before, 2 for one that could
-not start.
+not start. A coordinator whose lease in the store is lost stops at once, its transport first, and saves nothing
+(status 1): the run may be another coordinator's now.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import sys
@@ -37,6 +42,7 @@ from ..core.modelfile import read_named_model
 from ..core.phases import COORDINATOR, RESTART, PhaseRecord
 from ..core.pool import WorkerPool
 from ..core.stores import open_store
+from .claim import Claim, claim_store
 from .config import CoordinatorConfig
 from .lock import RunDirLock
 from .membership import Membership
@@ -65,17 +71,19 @@ class CoordinatorRun:
     values exchanged outside rounds (``values``) and what survives a restart (``recovery``); a transport calls
     these, and this class starts, ticks and ends them. ``store`` None: nothing is saved (nor resumed). ``site``: the
     run's rounds close upstream (a site relay, :mod:`~lightning_nodeox.coordinator.link`), acting on the run through
-    ``controls(run)``."""
+    ``controls(run)``. ``claim``: what it holds in the run's object store (its lease is renewed by the ticks)."""
 
     def __init__(self, config: CoordinatorConfig, runlog: RunLog, pool: WorkerPool, store: RunStore | None = None,
                  before_publish: BeforePublish | None = None, *, site: SiteLink | None = None,
-                 controls: SiteControls | None = None) -> None:
+                 controls: SiteControls | None = None, claim: Claim | None = None) -> None:
         self.state = RunState(config, runlog, pool)
+        self.claim = claim  # the run's lease and state copy in its object store (--store), None without one
         self.log = Named(log, config.name)
         self.recovery = Recovery(self.state, store)
         self.rounds = Rounds(self.state, self.recovery, before_publish, None if site is None else UpstreamClose(site))
         self.payloads = None if config.store is None else StorePayloads(
-            open_store(config.store), self.state, self.rounds, own_credentials=config.store_own_credentials)
+            claim.copy.store if claim is not None else open_store(config.store), self.state, self.rounds,
+            own_credentials=config.store_own_credentials)
         self.rounds.payloads = self.payloads
         self.membership = Membership(self.state, self.recovery, self.rounds, site)
         self.values = ValueExchanges(self.state, self.rounds, site)
@@ -124,6 +132,8 @@ class CoordinatorRun:
     # -- while it runs --------------------------------------------------------------------------------------
     async def tick(self) -> None:
         """The periodic work, once (see the module's docstring)."""
+        if self.claim is not None:
+            await self.claim.keeper.tick()
         await self.membership.check_leases()
         self.rounds.check_finished()  # a completed run's --final-wait may have passed
         await self.rounds.maybe_close()  # rounds whose timeout has passed
@@ -201,6 +211,8 @@ class Opened:
         self.run.close()
         self._pool.close()
         self._runlog.close()
+        if self.run.claim is not None:
+            self.run.claim.release()
         if self._lock is not None:
             self._lock.release()
 
@@ -211,18 +223,22 @@ async def open_run(config: CoordinatorConfig, *, keep_state: bool = True, before
     its state is saved there (and one coordinator holds the directory), else nothing is saved nor resumed; ``site``
     and ``controls``: see :class:`CoordinatorRun`. Raises ValueError (or OSError) saying why it cannot start."""
     run_dir = Path(config.run_dir)
-    lock, saved, store = None, None, None
+    lock, saved, store, claim = None, None, None, None
     if keep_state:
         lock = RunDirLock(run_dir)  # one coordinator per run directory, held until the run is closed
         try:
+            claim = None if config.store is None else claim_store(config)  # one coordinator per run, across machines
             config, saved = take_up(config)
         except BaseException:
+            if claim is not None:
+                claim.release()
             lock.release()
             raise
-        store = RunStore(run_dir)
+        store = RunStore(run_dir, None if claim is None else claim.copy)
     pool = WorkerPool(config.codec, "cpu", choose_threads(config.threads, purpose="coordinator codec"))
     runlog = RunLog(run_dir, config.name)
-    coordinator = CoordinatorRun(config, runlog, pool, store, before_publish, site=site, controls=controls)
+    coordinator = CoordinatorRun(config, runlog, pool, store, before_publish, site=site, controls=controls,
+                                 claim=claim)
     opened = Opened(coordinator, pool, runlog, lock)
     try:
         await coordinator.start(saved)
@@ -230,6 +246,14 @@ async def open_run(config: CoordinatorConfig, *, keep_state: bool = True, before
         opened.close()
         raise
     return opened
+
+
+def _address(run_dir: Path) -> str | None:
+    """The URL the transport wrote into ``RUN_DIR/coordinator.json`` (None: none written)."""
+    try:
+        return str(json.loads((Path(run_dir) / "coordinator.json").read_text())["url"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 async def run(config: CoordinatorConfig, listen: Listen, *, before_publish: BeforePublish | None = None,
@@ -246,6 +270,9 @@ async def run(config: CoordinatorConfig, listen: Listen, *, before_publish: Befo
     coordinator = opened.run
     config = coordinator.config  # as taken up: a resumed run's settings
     stop_listening = await listen(coordinator)
+    claim = coordinator.claim
+    if claim is not None and (url := _address(config.run_dir)) is not None:
+        claim.keeper.announce(url)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -258,11 +285,19 @@ async def run(config: CoordinatorConfig, listen: Listen, *, before_publish: Befo
     finished = asyncio.ensure_future(coordinator.state.finished.wait())
     stopped = asyncio.ensure_future(stop.wait())
     given_up = asyncio.ensure_future(coordinator.state.given_up.wait())
-    await asyncio.wait({stopped, given_up} | ({finished} if config.exit_when_done else set()),
+    lost = asyncio.ensure_future(claim.keeper.lost.wait() if claim is not None else asyncio.Event().wait())
+    await asyncio.wait({stopped, given_up, lost} | ({finished} if config.exit_when_done else set()),
                        return_when=asyncio.FIRST_COMPLETED)
     tick_task.cancel()
-    for task in (finished, stopped, given_up):
+    for task in (finished, stopped, given_up, lost):
         task.cancel()
+    if claim is not None and claim.keeper.lost.is_set():  # the run may be another's: not a byte more to the store
+        claim.copy.stop()
+        await stop_listening()
+        opened.close()
+        print(f"{config.name}: stopped: the run's lease in {config.store} is lost (see above); the run is not saved "
+              "here", file=sys.stderr, flush=True)
+        return 1
     await stop_listening()
     await coordinator.save_at_shutdown()
     state = coordinator.state

@@ -26,6 +26,8 @@ state whole; files that ``run.json`` no longer names are removed once it is repl
 the next round's sync and outer state (written before that sync was published) whole beside it (:meth:`RunStore.interrupted_sync` and
 :meth:`RunStore.outer_of` find them). A save that fails changes nothing the store holds (:attr:`RunStore.last`
 is what ``run.json`` says). Nothing is pickled: JSON and safetensors (q4 messages are safetensors files too).
+With ``--store``, a copier is told of each file written and removed, and copies them to the run's object store
+(:mod:`~lightning_nodeox.coordinator.statecopy`).
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ import logging
 import shutil
 import time
 import zlib
+from collections.abc import Collection, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -120,12 +124,23 @@ def tensor_chunks(named: list[tuple[str, torch.Tensor]], round_: int, model_hash
     return views
 
 
-class RunStore:
-    """Reads and writes ``DIR/state/``; moves a finished run's records aside."""
+class Copier(Protocol):
+    """Told of every file :class:`RunStore` writes or removes, on the saving thread (a copy elsewhere: the run's
+    object store, :mod:`~lightning_nodeox.coordinator.statecopy`); it never raises."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def wrote(self, name: str, crc: int, names: Collection[str] = (), *, copy: bool = True) -> None: ...
+
+    def removed(self, names: Iterable[str]) -> None: ...
+
+
+class RunStore:
+    """Reads and writes ``DIR/state/``; moves a finished run's records aside. ``copier``: told of each file
+    written (``run.json`` with the files it names) and removed."""
+
+    def __init__(self, run_dir: Path, copier: Copier | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.dir = self.run_dir / STATE_DIR
+        self.copier = copier
         self.last: SavedRun | None = None  # what run.json holds (a resumed run's, or the last save that worked)
         self.outer_ahead: tuple[int, str] | None = None  # (round, model hash) of the outer state last written
         self._outer_crc = 0  # CRC-32 of that file's bytes
@@ -201,7 +216,7 @@ class RunStore:
             saved.snapshot_round, saved.snapshot_hash = self.last.snapshot_round, self.last.snapshot_hash
         written = 0
         if sync is not None:
-            written += write_atomic(self.dir / f"sync-{r}.q4", [sync.view()])[0]
+            written += self._write(f"sync-{r}.q4", [sync.view()])
             saved.files["sync"] = f"sync-{r}.q4"
         else:
             saved.files.pop("sync", None)
@@ -213,14 +228,16 @@ class RunStore:
             saved.files.pop("outer", None)
             saved.outer_crc = None
         if model_chunks is not None:
-            written += write_atomic(self.dir / f"model-{r}.safetensors", model_chunks)[0]
+            written += self._write(f"model-{r}.safetensors", model_chunks)
             saved.files["model"] = f"model-{r}.safetensors"
             saved.snapshot_round, saved.snapshot_hash = r, saved.model_hash
         written += self._write_run(saved)
         keep = set(saved.files.values()) | {RUN_FILE}
-        for path in self.dir.iterdir():
-            if path.name not in keep:
-                path.unlink(missing_ok=True)
+        removed = [path.name for path in self.dir.iterdir() if path.name not in keep]
+        for name in removed:
+            (self.dir / name).unlink(missing_ok=True)
+        if removed and self.copier is not None:
+            self.copier.removed(removed)
         return written
 
     def save_outer(self, outer: dict[str, torch.Tensor], round_: int, model_hash: str) -> int:
@@ -229,8 +246,10 @@ class RunStore:
         round names it without writing it again. Returns the bytes written."""
         self.dir.mkdir(parents=True, exist_ok=True)
         self.outer_ahead = None
-        size, self._outer_crc = write_atomic(self.dir / f"outer-{round_}.safetensors",
-                                             tensor_chunks(sorted(outer.items()), round_, model_hash))
+        name = f"outer-{round_}.safetensors"
+        size, self._outer_crc = write_atomic(self.dir / name, tensor_chunks(sorted(outer.items()), round_, model_hash))
+        if self.copier is not None:  # copied with the save that names it: the publish waits for this write
+            self.copier.wrote(name, self._outer_crc, copy=False)
         self.outer_ahead = (round_, model_hash)
         return size
 
@@ -242,8 +261,15 @@ class RunStore:
         return self._write_run(replace(self.last, hosts=hosts, files=dict(self.last.files)))
 
     def _write_run(self, saved: SavedRun) -> int:
-        size = write_atomic(self.dir / RUN_FILE, [json.dumps(saved.to_json(), indent=1).encode()])[0]
+        size = self._write(RUN_FILE, [json.dumps(saved.to_json(), indent=1).encode()], saved.files.values())
         self.last = saved
+        return size
+
+    def _write(self, name: str, chunks: Iterable[bytes | memoryview], names: Collection[str] = ()) -> int:
+        """Write ``state/<name>`` and tell the copier (``names``: the files it names); returns its size."""
+        size, crc = write_atomic(self.dir / name, chunks)
+        if self.copier is not None:
+            self.copier.wrote(name, crc, names)
         return size
 
     def interrupted_sync(self, saved: SavedRun) -> Message | None:

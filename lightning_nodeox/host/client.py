@@ -3,7 +3,8 @@
 Every HTTP detail of the host side is here: statuses and headers are turned into the protocol's outcomes
 (:mod:`lightning_nodeox.core.protocol`), so the host's round logic never sees them. Connection errors and
 5xx (and 408, a transfer cut off as too slow) are retried with exponential backoff for up to ``retry_for``
-seconds, so a host rides out a coordinator restart; a refusal raises at once, and so does a TLS mistake
+seconds (600 by default), so a host rides out a coordinator restart, or its move to another machine: the first
+failure is said, then every 30 s whom the host waits for; a refusal raises at once, and so does a TLS mistake
 (:class:`~lightning_nodeox.core.protocol.TlsMismatch`: the URL's scheme is not what the coordinator speaks, or its
 certificate is not trusted), which no retry mends: a connection that fails in a way such a mistake could explain
 is checked with one probe of the coordinator's port (does it complete a TLS handshake, does it answer plain HTTP).
@@ -50,6 +51,7 @@ from ..core.settings import ENV_CA_FILE
 from ..core.transport import delta_outcome, sync_outcome
 from .clock import ClockOffset
 from .placed import PlacedStream
+from .settings import RETRY_FOR
 from .waiting import WaitLine
 
 log = logging.getLogger(__name__)
@@ -96,7 +98,7 @@ class HttpClient:
     CHECK = "Check NODEOX_COORDINATOR_URL and that `nodeox coordinator` is running there."
 
     def __init__(self, url: str, *, host: str, token: str | None = None, ca_file: str | None = None,
-                 connect_timeout: float = 5.0, read_timeout: float = 120.0, retry_for: float = 60.0,
+                 connect_timeout: float = 5.0, read_timeout: float = 120.0, retry_for: float = RETRY_FOR,
                  clock: ClockOffset | None = None, check: str = CHECK) -> None:
         self.url = url.rstrip("/")
         self.check = check
@@ -147,6 +149,7 @@ class HttpClient:
             headers[proto.CREDENTIAL_HEADER] = self._credential
         deadline = time.monotonic() + (self.retry_for if retry_for is None else retry_for)
         delay, attempt = 0.2, 0
+        waiting = WaitLine(f"host {self.host} waits for the coordinator at {self.url} to answer {method} {path}")
         while True:
             attempt += 1
             if cancellable and self._cancelled.is_set():
@@ -179,7 +182,11 @@ class HttpClient:
                 raise Unreachable(
                     f"coordinator at {self.url} did not answer {method} {path} after {attempt} tries "
                     f"({problem}). {self.check}")
-            log.warning("nodeox: %s %s failed (%s); retrying in %.1fs", method, path, problem, delay)
+            if attempt == 1:
+                log.warning("nodeox: %s %s failed (%s); retrying for up to %.0f s", method, path, problem,
+                            deadline - time.monotonic())
+            else:
+                waiting.still(problem)
             time.sleep(delay)
             delay = min(delay * 2, 5.0)
 

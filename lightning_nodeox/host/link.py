@@ -24,7 +24,7 @@ from .ending import completed_at, note_completed, run_not_completed
 from .heartbeat import Heartbeat
 from .progress import RoundProgress
 from .round import HostRound
-from .settings import Connection, HostSettings
+from .settings import RETRY_FOR, Connection, HostSettings
 from .signals import SigtermHandler
 from .standing import RoundResult
 from .telemetry import TelemetryShipper
@@ -61,7 +61,7 @@ class RunLink:
 
     def __init__(self, conn: Connection, round_: HostRound, sigterm: SigtermHandler,
                  listeners: list[Callable[[PhaseRecord], None]], telemetry: HostClient,
-                 retry_for: float = 60.0) -> None:
+                 retry_for: float = RETRY_FOR) -> None:
         self.connection = conn
         self.retry_for = retry_for  # how long values are posted again to a coordinator that restarted
         self.round = round_

@@ -22,6 +22,9 @@ from ..core.settings import (
 )
 
 
+RETRY_FOR = 600.0  # seconds a host retries a coordinator that does not answer (one moved to another machine too)
+
+
 class Overlap(enum.Enum):
     """What training does while a round's exchange is in flight (``NodeoxStrategy(overlap=...)``)."""
 
@@ -53,7 +56,7 @@ class HostSettings:
     error_feedback: bool = True
     codec_threads: int | None = None
     request_timeout: float = 120.0
-    retry_for: float = 60.0
+    retry_for: float = RETRY_FOR
     overlap: Overlap = Overlap.OFF
     round_seconds: float | None = None
     fragments: int = 1

@@ -40,7 +40,7 @@ from .devices import OneDevice, SeveralDevices, devices_of
 from .lightning_private import value_being_reduced
 from .metric_states import MetricStates
 from .session import HostSession, SessionReadings
-from .settings import Connection
+from .settings import RETRY_FOR, Connection
 from .signals import exit_code_for
 from .standing import RoundResult
 from .stopping import ends_after_this_batch, steps_taken
@@ -78,7 +78,8 @@ class NodeoxStrategy(SessionReadings, DDPStrategy):
         telemetry_url: where phase records go (default: the coordinator; ``NODEOX_TELEMETRY_URL``).
         request_timeout: seconds to wait for one answer from the coordinator; raise it for very large models
             on slow links.
-        retry_for: seconds to keep retrying while the coordinator does not answer.
+        retry_for: seconds to keep retrying while the coordinator does not answer (default 600: a coordinator
+            restarted, or moved to another machine, within ten minutes is waited for).
         overlap: keep training while a round's exchange is in flight. ``True`` (or ``"eager"``): training goes on
             from this host's own result, and when the sync arrives the live model becomes the new shared model
             plus the progress made since the boundary. ``"delayed"``: training goes on from the round's shared
@@ -117,7 +118,7 @@ class NodeoxStrategy(SessionReadings, DDPStrategy):
         cpu_threads: int | None = None,
         telemetry_url: str | None = None,
         request_timeout: float = 120.0,
-        retry_for: float = 60.0,
+        retry_for: float = RETRY_FOR,
         overlap: bool | str = False,
         round_seconds: float | None = None,
         fragments: int = 1,

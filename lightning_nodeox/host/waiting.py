@@ -1,6 +1,6 @@
 """A host never waits silently: a wait that lasts says what it waits for, and says it again every
 :data:`SAY_EVERY` seconds while it goes on (the model while another host provides it, a round's sync, values of
-the other hosts). A coordinator that does not answer is said by each retry already (host/client.py)."""
+the other hosts, and a coordinator that does not answer, in host/client.py's retries)."""
 
 from __future__ import annotations
 

@@ -104,6 +104,7 @@ def _serving_options(p: argparse.ArgumentParser, *, bind: str) -> None:
                    "the model go through it once, and the run's state is copied there (docs/clusters.md)")
     p.add_argument("--store-own-credentials", action="store_true", help="hosts read the store with credentials of "
                    "their own (its s3:// addresses) instead of presigned URLs")
+    p.add_argument("--store-lease", type=float, default=run["store_lease"], help=argparse.SUPPRESS)
 
 
 def _coordinator_options(p: argparse.ArgumentParser, *, bind: str) -> None:
@@ -168,7 +169,7 @@ def _config(args: argparse.Namespace) -> CoordinatorConfig:
             no_hosts_timeout=args.no_hosts_timeout, final_wait=args.final_wait,
             snapshot_every=args.snapshot_every, transfer_timeout=args.transfer_timeout, fresh=args.fresh,
             idle_timeout=args.idle_timeout, max_connections=args.max_connections, gpu_hour_price=args.gpu_hour_price,
-            store=args.store, store_own_credentials=args.store_own_credentials,
+            store=args.store, store_own_credentials=args.store_own_credentials, store_lease=args.store_lease,
             outer=OuterSettings(args.outer_optimizer, args.outer_lr, args.outer_momentum)
             if "outer_optimizer" in args else OuterSettings())  # nor outer-optimizer flags: it never steps
     except ValueError as e:
