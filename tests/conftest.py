@@ -146,8 +146,9 @@ def local_coordinator(tmp_path):
         c.close()
 
 
-@pytest.fixture(params=["file"])
+@pytest.fixture(params=["file", "s3"])
 def store_url(request, tmp_path) -> str:
-    """The URL of an empty object store for a run (``--store``): a folder under tmp_path (``file://``). Every test
-    of the store's rules takes it, so another kind of store is tested by adding its parameter here."""
-    return f"file://{tmp_path / 'store'}"
+    """The URL of an empty object store for a run (``--store``): a folder under tmp_path (``file://``), or a fresh
+    bucket of a real S3-compatible server on 127.0.0.1 (tests/s3server.py). Every test of the store's rules takes
+    it."""
+    return f"file://{tmp_path / 'store'}" if request.param == "file" else request.getfixturevalue("s3_url")

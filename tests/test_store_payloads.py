@@ -19,12 +19,6 @@ def _status(url: str) -> dict:
         return json.loads(r.read())
 
 
-@pytest.fixture(params=["file", "s3"])
-def store_url(request, tmp_path) -> str:
-    """A store for the run: a folder, or a bucket of a real S3-compatible server on 127.0.0.1."""
-    return f"file://{tmp_path / 'store'}" if request.param == "file" else request.getfixturevalue("s3_url")
-
-
 def test_hosts_read_each_sync_from_the_store_and_end_bit_identical(tmp_path, store_url):
     coord = Coordinator(tmp_path / "run", 3, "--store", store_url, "--keep-running")
     out = tmp_path / "out"
