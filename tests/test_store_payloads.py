@@ -188,3 +188,15 @@ def test_a_host_whose_store_urls_are_refused_asks_the_coordinator_for_the_bytes(
     for h in "01":
         said = (out / f"host{h}-0.log").read_text()
         assert "cannot read the run's store" in said and "HTTP 403" in said, said[-2000:]
+
+
+def test_a_bucket_that_does_not_exist_stops_the_coordinator_at_start_naming_the_fix(tmp_path, s3_url):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "lightning_nodeox", "coordinator", "--hosts", "1", "--run-dir",
+                           str(tmp_path / "run"), "--bind", "127.0.0.1:0", "--store", "s3://no-such-bucket/run"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "no-such-bucket" in done.stderr and "create it: aws s3 mb s3://no-such-bucket" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "run" / "coordinator.json").exists()  # never listened

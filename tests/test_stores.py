@@ -254,3 +254,19 @@ def test_a_store_that_keeps_throttling_is_unavailable_after_the_clients_retries(
     with pytest.raises(StoreUnavailable, match=f"the S3 endpoint {proxy.endpoint} failed.*AWS_ENDPOINT_URL"):
         store.put("model", [b"weights"])
     assert (proxy.refused, proxy.forwarded) == (9, 0)  # botocore's max_attempts 8 counts retries: 9 tries
+
+
+def test_an_s3_store_without_its_client_names_the_extra_to_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "boto3", None)  # as if not installed
+    monkeypatch.delitem(sys.modules, "lightning_nodeox.core.stores.s3store", raising=False)
+    with pytest.raises(ValueError, match=r'needs the S3 client: pip install "lightning-nodeox\[store\]"'):
+        open_store("s3://bucket/run")
+
+
+@pytest.mark.parametrize("url, fix", [("gs://bucket", "starts with s3://"), ("file://relative/path", "three slashes"),
+                                      ("s3:///run", "s3://bucket or s3://bucket/prefix")])
+def test_a_store_url_of_no_known_kind_names_the_form_to_write(url, fix):
+    with pytest.raises(ValueError, match=re.escape(fix)):
+        open_store(url)
