@@ -5,6 +5,7 @@ throttling (503 SlowDown) retried."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import threading
 import time
