@@ -19,22 +19,31 @@ def _status(url: str) -> dict:
         return json.loads(r.read())
 
 
-def test_hosts_read_each_sync_from_the_store_and_end_bit_identical(tmp_path, store_url):
-    coord = Coordinator(tmp_path / "run", 3, "--store", store_url, "--keep-running")
-    out = tmp_path / "out"
-    procs = [start_host(h, coord.url, out, "--max-steps", "30") for h in "012"]
+def _run(tmp_path, name: str, hosts: int, *args: str, steps: tuple[str, ...] = ("--max-steps", "30"),
+         during=None) -> tuple[dict, dict, list[dict], Coordinator]:
+    """A run of ``hosts`` digits hosts under a coordinator with ``args`` (kept running at the end, so that its status
+    is read): its status, published rounds and records, once every host ended bit-identical on its final model.
+    ``during(coordinator)`` is called once the hosts are started."""
+    coord = Coordinator(tmp_path / name, hosts, *args, "--keep-running")
+    out = tmp_path / f"{name}-out"
+    procs = [start_host(str(h), coord.url, out, *steps) for h in range(hosts)]
     try:
+        if during is not None:
+            during(coord)
         for p in procs:
-            assert p.wait(180) == 0
+            assert p.wait(300) == 0
         wait_for(lambda: _status(coord.url)["complete"], 30, "the run to complete")
         status = _status(coord.url)
     finally:
         stop(procs)
         coord.stop()
-    final = assert_identical(out, ["0", "1", "2"])
     rounds = published(coord.run_dir)
-    assert final == rounds[max(rounds)]["model_hash"]
-    events = read_events(coord.run_dir)
+    assert assert_identical(out, [str(h) for h in range(hosts)]) == rounds[max(rounds)]["model_hash"]
+    return status, rounds, read_events(coord.run_dir), coord
+
+
+def test_hosts_read_each_sync_from_the_store_and_end_bit_identical(tmp_path, store_url):
+    status, rounds, events, _ = _run(tmp_path, "run", 3, "--store", store_url)
     stored = {e["round"]: e for e in events if e["phase"] == "store" and e["what"] == "sync"}
     assert sorted(stored) == sorted(rounds)  # every round's sync went to the store, once
     sync_bytes = {e["round"]: e["bytes"] for e in events if e["phase"] == "download" and e["host"] == "0"}
@@ -51,22 +60,14 @@ def test_hosts_read_each_sync_from_the_store_and_end_bit_identical(tmp_path, sto
 
 def test_a_store_that_fails_mid_run_leaves_the_coordinator_sending_the_bytes_itself(tmp_path):
     store = tmp_path / "store"
-    coord = Coordinator(tmp_path / "run", 2, "--store", f"file://{store}", "--keep-running", "--transfer-timeout", "3")
-    out = tmp_path / "out"
-    procs = [start_host(h, coord.url, out, "--max-steps", "60", "--step-seconds", "0.02") for h in "01"]
-    try:
+
+    def fail(coord: Coordinator) -> None:
         wait_for(lambda: len(published(coord.run_dir)) >= 2, 120, "two rounds published")
         store.rename(tmp_path / "store-gone")
         store.write_text("not a folder: every write to the store fails")
-        for p in procs:
-            assert p.wait(180) == 0
-        wait_for(lambda: _status(coord.url)["complete"], 30, "the run to complete")
-        status = _status(coord.url)
-    finally:
-        stop(procs)
-        coord.stop()
-    rounds = published(coord.run_dir)
-    assert assert_identical(out, ["0", "1"]) == rounds[max(rounds)]["model_hash"]
+
+    status, _, _, coord = _run(tmp_path, "run", 2, "--store", f"file://{store}", "--transfer-timeout", "3",
+                               steps=("--max-steps", "60", "--step-seconds", "0.02"), during=fail)
     assert status["store"]["failing"] and status["sent_bytes"]["sync"] > 0  # later syncs went from the coordinator
     said = coord.log_path.read_text()
     assert said.count("cannot write to the store") == 1, said[-3000:]
@@ -125,30 +126,12 @@ def test_a_relay_with_a_store_of_its_own_serves_its_sites_hosts_through_it(tmp_p
         assert stored == set(synced), run_dir.name  # each wrote every round's sync to its own store
 
 
-def _eight_hosts(tmp_path, name: str, *store: str) -> tuple[dict, dict, list[dict]]:
-    """8 digits hosts, 3 rounds; the coordinator's status at the end, its published rounds and its records."""
-    coord = Coordinator(tmp_path / name, 8, *store, "--keep-running")
-    out = tmp_path / f"{name}-out"
-    procs = [start_host(str(h), coord.url, out, "--max-steps", "30") for h in range(8)]
-    try:
-        for p in procs:
-            assert p.wait(300) == 0
-        wait_for(lambda: _status(coord.url)["complete"], 30, "the run to complete")
-        status = _status(coord.url)
-    finally:
-        stop(procs)
-        coord.stop()
-    rounds = published(coord.run_dir)
-    assert assert_identical(out, [str(h) for h in range(8)]) == rounds[max(rounds)]["model_hash"]
-    return status, rounds, read_events(coord.run_dir)
-
-
 def test_eight_hosts_cost_the_coordinator_one_sync_a_round_with_a_store_and_eight_without(tmp_path, s3_url):
     """The coordinator's sync bytes out per round (sent itself, and written to the store): at most 1.5x one sync
     with the store (8 hosts read it there), about 8x without; and the model the 7 joining hosts fetched at once was
     written to the store once."""
-    with_store, rounds, events = _eight_hosts(tmp_path, "store", "--store", s3_url)
-    without, rounds_plain, _ = _eight_hosts(tmp_path, "plain")
+    with_store, rounds, events, _ = _run(tmp_path, "store", 8, "--store", s3_url)
+    without, rounds_plain, _, _ = _run(tmp_path, "plain", 8)
     sync = {r: e["bytes"] for e in events if e["phase"] == "download" and e["host"] == "0" for r in [e["round"]]}
     one_sync = max(sync.values())
     stored = sum(e["bytes"] for e in events if e["phase"] == "store" and e["what"] == "sync")
@@ -169,24 +152,14 @@ def test_a_host_whose_store_urls_are_refused_asks_the_coordinator_for_the_bytes(
 
     proxy = S3Proxy(s3_server.endpoint, lambda method, path: 403 if "X-Amz-Signature" in path else None)
     use(s3_server, monkeypatch, proxy.endpoint)
-    coord = Coordinator(tmp_path / "run", 2, "--store", f"s3://{new_bucket(s3_server)}/run", "--keep-running")
-    out = tmp_path / "out"
-    procs = [start_host(h, coord.url, out, "--max-steps", "30") for h in "01"]
     try:
-        for p in procs:
-            assert p.wait(180) == 0
-        wait_for(lambda: _status(coord.url)["complete"], 30, "the run to complete")
-        status = _status(coord.url)
+        status, _, _, _ = _run(tmp_path, "run", 2, "--store", f"s3://{new_bucket(s3_server)}/run")
     finally:
-        stop(procs)
-        coord.stop()
         proxy.stop()
-    rounds = published(coord.run_dir)
-    assert assert_identical(out, ["0", "1"]) == rounds[max(rounds)]["model_hash"]
     assert proxy.refused > 0 and proxy.forwarded > 0
     assert status["sent_bytes"]["sync"] > 0 and status["sent_bytes"]["model"] > 0
     for h in "01":
-        said = (out / f"host{h}-0.log").read_text()
+        said = (tmp_path / "run-out" / f"host{h}-0.log").read_text()
         assert "cannot read the run's store" in said and "HTTP 403" in said, said[-2000:]
 
 

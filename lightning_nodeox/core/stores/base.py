@@ -84,3 +84,14 @@ class Store(Protocol):
     def address(self, key: str) -> str:
         """The object's own address (``s3://bucket/prefix/key``, ``file:///path/key``), read with the reader's own
         credentials."""
+
+
+def write_whole(writer: ObjectWriter, chunks: Iterable[bytes | memoryview]) -> int:
+    """Write ``chunks`` through ``writer`` and commit (abort on any error); returns the object's size."""
+    try:
+        for chunk in chunks:
+            writer.write(chunk)
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.commit()

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from urllib.parse import quote
 
-from .base import StoreError, StoreMissing, StoreUnavailable
+from .base import StoreError, StoreMissing, StoreUnavailable, write_whole
 
 LOCK_SUFFIX = ".lock"
 TMP_SUFFIX = ".part"
@@ -81,14 +81,7 @@ class FileStore:
             raise StoreUnavailable(f"cannot write {self.address(key)}: {e}") from None
 
     def put(self, key: str, chunks: Iterable[bytes | memoryview]) -> int:
-        w = self.writer(key)  # a temporary name of its own: puts of one key at once do not collide
-        try:
-            for chunk in chunks:
-                w.write(chunk)
-        except BaseException:
-            w.abort()
-            raise
-        return w.commit()
+        return write_whole(self.writer(key), chunks)  # a temporary name of its own: puts of one key at once do not collide
 
     def get(self, key: str) -> bytes:
         try:

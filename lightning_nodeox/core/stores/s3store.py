@@ -19,7 +19,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError, NoCredentialsError
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
-from .base import StoreError, StoreMissing, StoreUnavailable
+from .base import StoreError, StoreMissing, StoreUnavailable, write_whole
 
 PART = 8 << 20  # a multipart upload's part (S3's least is 5 MiB, except the last)
 PARTS_PER_STEP = 1000  # each 1000 parts the part grows by PART: S3's 10000 parts then hold 440 GiB
@@ -210,14 +210,7 @@ class S3Store:
         return S3Writer(self, key)
 
     def put(self, key: str, chunks: Iterable[bytes | memoryview]) -> int:
-        w = self.writer(key)
-        try:
-            for chunk in chunks:
-                w.write(chunk)
-        except BaseException:
-            w.abort()
-            raise
-        return w.commit()
+        return write_whole(self.writer(key), chunks)
 
     def get(self, key: str) -> bytes:
         return self.get_tagged(key)[0]
