@@ -268,3 +268,15 @@ def test_a_run_directory_behind_the_store_is_refused_and_fresh_removes_the_store
     assert store.keys() == ["lease.json"]
     claim.release()
     assert store.keys() == []
+
+
+def test_a_renewal_whose_retried_write_had_gone_through_keeps_the_lease(store_url):
+    """The store's client retried a conditional write that had succeeded: the retry finds the condition changed.
+    The lease is still this coordinator's (it wrote it), so it keeps it."""
+    store = open_store(store_url)
+    lease = Lease(store, 30.0)
+    lease.acquire()
+    first = lease._tag
+    store.replace(LEASE_KEY, lease._mine(), first)  # the first try of the renewal, gone through unseen
+    lease.renew()  # its retry: the tag it expected is gone, the holder is this coordinator
+    assert lease.held and store.get_tagged(LEASE_KEY)[1] == lease._tag != first

@@ -102,6 +102,8 @@ class Lease:
         mine = self._mine()
         tag = self.store.create(LEASE_KEY, mine)
         if tag is None:
+            tag = self._ours()[0]
+        if tag is None:
             try:
                 data, old = self.store.get_tagged(LEASE_KEY)
             except StoreMissing:  # released between the two calls: try once more
@@ -121,11 +123,24 @@ class Lease:
             raise LeaseLost("this coordinator holds no lease")
         tag = self.store.replace(LEASE_KEY, self._mine(), self._tag)
         if tag is None:
+            tag, holder = self._ours()
+        if tag is None:
             self._tag = None
-            holder = self._holder()
             raise LeaseLost("the lease was deleted" if holder is None else f"another coordinator took the run over: "
                                                                            f"{holder.describe()}")
         self._tag = tag
+
+    def _ours(self) -> tuple[str | None, Holder | None]:
+        """The lease's tag if it is this coordinator's after all (a write the client retried had gone through
+        the first time, so the retry found its condition changed), and its holder."""
+        try:
+            data, tag = self.store.get_tagged(LEASE_KEY)
+        except StoreMissing:
+            return None, None
+        holder = Holder.from_bytes(data)
+        mine = holder is not None and (holder.pid, holder.host, holder.started) == (os.getpid(), socket.gethostname(),
+                                                                                     self.started)
+        return (tag if mine else None), holder
 
     def release(self) -> None:
         """Delete the lease if it is still ours (a successor need not wait for it to expire)."""
