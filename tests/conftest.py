@@ -18,6 +18,7 @@ torch.set_num_threads(1)
 
 from helpers import Coordinator, terminate  # noqa: E402 - after the path that finds it
 from restarts import run  # noqa: E402
+from s3server import s3_server, s3_url  # noqa: E402, F401 - fixtures: S3 in a thread, a bucket per test
 
 from lightning_nodeox.core.phases import PhaseLog  # noqa: E402
 

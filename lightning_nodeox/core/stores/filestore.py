@@ -2,19 +2,19 @@
 machine). Objects are files, written under a temporary name and renamed, so a reader sees none or all of one.
 Conditional writes hold a POSIX lock (``fcntl.lockf``) on the object's ``.lock`` file while they compare and
 write: safe on a local filesystem and on NFSv4 or Lustre mounted with locking (``-o flock``), not on a filesystem
-that ignores locks."""
+that ignores locks. POSIX locks belong to a process, so threads of one process also take a lock of their own."""
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
 import os
+import threading
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from urllib.parse import quote
 
-from ..files import write_atomic
 from .base import StoreError, StoreMissing
 
 LOCK_SUFFIX = ".lock"
@@ -72,9 +72,14 @@ class FileStore:
         return FileWriter(self._path(key))
 
     def put(self, key: str, chunks: Iterable[bytes | memoryview]) -> int:
-        path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return write_atomic(path, chunks, mode=0o644)[0]
+        w = self.writer(key)  # a temporary name of its own: puts of one key at once do not collide
+        try:
+            for chunk in chunks:
+                w.write(chunk)
+        except BaseException:
+            w.abort()
+            raise
+        return w.commit()
 
     def get(self, key: str) -> bytes:
         try:
@@ -148,18 +153,32 @@ class FileStore:
 
 
 class _Lock:
-    """An exclusive POSIX lock on ``path`` for the length of a ``with``."""
+    """An exclusive lock on ``path`` for the length of a ``with``: a thread lock among this process's threads, then
+    a POSIX lock among processes."""
+
+    _threads: dict[Path, threading.Lock] = {}
+    _threads_lock = threading.Lock()
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        with _Lock._threads_lock:
+            self.thread_lock = _Lock._threads.setdefault(path, threading.Lock())
 
     def __enter__(self) -> None:
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.lockf(self.fd, fcntl.LOCK_EX)
+        self.thread_lock.acquire()
+        try:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.lockf(self.fd, fcntl.LOCK_EX)
+        except BaseException:
+            self.thread_lock.release()
+            raise
 
     def __exit__(self, *exc) -> None:
-        fcntl.lockf(self.fd, fcntl.LOCK_UN)
-        os.close(self.fd)
+        try:
+            fcntl.lockf(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+        finally:
+            self.thread_lock.release()
 
 
 def _tag(data: bytes) -> str:
