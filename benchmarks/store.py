@@ -42,7 +42,9 @@ import sys
 import time
 from pathlib import Path
 
+import common
 from common import (
+    REPO,
     SampleLog,
     add_results_option,
     beside,
@@ -50,7 +52,6 @@ from common import (
     failure_lines,
     interleaved,
     model_shapes,
-    process_env,
     read_events,
     run_async,
     spawn,
@@ -70,6 +71,13 @@ AWS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_
 GOAL_STORM, GOAL_ROUND = 4.0, 3.0  # x shorter with the store
 STAGES = ("ready", "fetched", "rounds")  # where hosts wait for the benchmark's go
 POLL_S = 0.02
+
+
+def process_env(**extra: str) -> dict[str, str]:
+    """`common.process_env` with this checkout first on the path: an editable install elsewhere (another
+    worktree's) must not stand in for the code measured here."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return common.process_env(PYTHONPATH=path, **extra)
 
 
 # -- the synthetic host (its own process) ----------------------------------------------------------------------
@@ -384,7 +392,7 @@ def render(result: dict) -> str:
     for key, label, scale in FIGURES:
         d = [r[key] for r in runs.get("direct", []) if key in r]
         s = [r[key] for r in runs.get("store", []) if key in r]
-        ratio = f"{statistics.median(d) / statistics.median(s):.2f}x" if d and s and statistics.median(s) else "-"
+        ratio = f"{statistics.median(d) / statistics.median(s):.2f}x" if d and s and statistics.median(s) and statistics.median(d) else "-"
         lines.append(f"  {label:36} {cell('direct', key, scale):>22} {cell('store', key, scale):>22} {ratio:>14}")
     lines += failure_lines(result["failed"], result["results"])
     lines += ["", "goals (ratio of medians [range of per-repeat ratios]):"]
@@ -401,6 +409,7 @@ def render(result: dict) -> str:
 
 async def run_all(args: argparse.Namespace, workdir: Path) -> dict:
     log = SampleLog("store", args.results)
+    workdir.mkdir(parents=True, exist_ok=True)
     initial = workdir / "initial.safetensors"
     await asyncio.to_thread(write_initial_model, args.model, initial)
     net = Namespaces(2 + args.hosts, None, PREFIX, SUBNET)
