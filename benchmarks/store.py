@@ -17,6 +17,8 @@ it writes each once, hosts read them there); arms interleaved, ``--repeats`` tim
   ``--rounds`` exchanges; per round the first encode start to the last verify end, and its critical path
   (delta in: last upload end; sync made: the coordinator's last sync piece; sync out: the last host's download
   end; verified: the last verify end), medians over rounds with round 0 left out; each phase's slowest host.
+  Also the time the coordinator took to write the model to the store (its ``store`` record): hosts read it
+  only once it is whole.
 - bytes per round (all rounds, round 0 too: total over the rounds / rounds): the coordinator's link counters
   (out and in, HTTP framing and heartbeats included), its status ``sent_bytes`` (sync and model bytes it sent
   itself) and ``store.bytes`` (what it wrote to the store), and the store link's counters (out: what hosts read).
@@ -275,7 +277,8 @@ async def run_arm(arm: str, rep: int, net: Namespaces, args: argparse.Namespace,
         for h in range(args.hosts):
             procs[f"host{h}"] = spawn(
                 [*net.exec(2 + h), sys.executable, __file__, "--host", "--shapes", str(workdir / "shapes.json"),
-                 "--rounds", str(args.rounds), "--retry-for", str(args.retry_for), "--sync", str(stages.folder), "--out", str(out / f"host{h}.json")],
+                 "--rounds", str(args.rounds), "--retry-for", str(args.retry_for), "--sync", str(stages.folder),
+                 "--out", str(out / f"host{h}.json")],
                 logs / f"host{h}.log", env=process_env(NODEOX_HOST_ID=str(h), NODEOX_COORDINATOR_URL=url, **AWS))
         await stages.all_at("ready", procs, args.timeout, logs)
         t_go = stages.go("ready")
@@ -294,11 +297,13 @@ async def run_arm(arm: str, rep: int, net: Namespaces, args: argparse.Namespace,
         stop(list(procs.values()), grace=10)
     counters.sample()
     records = read_events(run_dir)
+    stored = store_records(records)
     return {"arm": arm, "repeat": rep, "storm_s": t_fetched - t_go,
+            "storm_model_to_store_s": next((r["s"] for r in stored if r["what"] == "model"), None),
             **storm_bytes(counters, t_go, at_fetched, args.hosts),
             **round_figures(records, args.rounds),
             **round_bytes(counters, before, after, t_rounds, t_done, args.rounds, args.hosts),
-            "store_records": store_records(records)}
+            "store_records": stored}
 
 
 def storm_bytes(counters: Counters, start: float, end: float, hosts: int) -> dict:
@@ -355,7 +360,8 @@ def round_figures(records: list[dict], rounds: int) -> dict:
             "payload_bytes": statistics.median(payload.get(r, 0) for r in counted)}
 
 
-FIGURES = (("storm_s", "join storm, s", 1), ("round_s", "round, s", 1), ("delta_in_s", "  delta in, s", 1),
+FIGURES = (("storm_s", "join storm, s", 1), ("storm_model_to_store_s", "  the model written to the store, s", 1),
+           ("round_s", "round, s", 1), ("delta_in_s", "  delta in, s", 1),
            ("sync_made_s", "  sync made, s", 1), ("sync_out_s", "  sync out, s", 1),
            ("verified_s", "  verified, s", 1), ("storm_coordinator_out_bytes", "storm: coordinator out, MB", 1e6),
            ("storm_store_out_bytes", "storm: store out, MB", 1e6),
@@ -393,15 +399,15 @@ def render(result: dict) -> str:
              f"  {'':36} {'direct':>22} {'store':>22} {'direct/store':>14}"]
 
     def cell(arm: str, key: str, scale: float) -> str:
-        values = [r[key] / scale for r in runs.get(arm, []) if key in r]
+        values = [r[key] / scale for r in runs.get(arm, []) if r.get(key) is not None]
         if not values:
             return "-"
         s = spread(values)
         return f"{s['median']:.1f} [{s['min']:.1f}-{s['max']:.1f}]"
 
     for key, label, scale in FIGURES:
-        d = [r[key] for r in runs.get("direct", []) if key in r]
-        s = [r[key] for r in runs.get("store", []) if key in r]
+        d = [r[key] for r in runs.get("direct", []) if r.get(key) is not None]
+        s = [r[key] for r in runs.get("store", []) if r.get(key) is not None]
         md, ms = (statistics.median(d), statistics.median(s)) if d and s else (0, 0)
         ratio = f"{md / ms:.2f}x" if min(md, ms) > 0.01 * max(md, ms) else "-"  # not of a side that is ~0
         lines.append(f"  {label:36} {cell('direct', key, scale):>22} {cell('store', key, scale):>22} {ratio:>14}")
