@@ -11,6 +11,7 @@ one ``put_object`` when smaller than one part. Conditional writes are S3's own: 
 from __future__ import annotations
 
 import uuid
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
@@ -23,6 +24,7 @@ from .base import StoreError, StoreMissing, StoreUnavailable, write_whole
 
 PART = 8 << 20  # a multipart upload's part (S3's least is 5 MiB, except the last)
 PARTS_PER_STEP = 1000  # each 1000 parts the part grows by PART: S3's 10000 parts then hold 440 GiB
+PARTS_IN_FLIGHT = 4  # parts of one object uploaded at once
 MAX_PRESIGN = 7 * 24 * 3600  # SigV4's longest presigned URL
 DELETE_BATCH = 1000  # delete_objects' most keys per call
 
@@ -53,19 +55,20 @@ def _status(e: ClientError) -> int:
 
 class S3Writer:
     """An object written as a multipart upload begun at its first full part, or one ``put_object`` at
-    :meth:`commit` when it never fills one."""
+    :meth:`commit` when it never fills one. Up to :data:`PARTS_IN_FLIGHT` parts go up at once (a link's round
+    trips overlap), so at most that many parts are held beyond the one being filled."""
 
     def __init__(self, store: S3Store, key: str) -> None:
         self.store = store
         self.key = key
         self.buffer = bytearray()
         self.upload: str | None = None
-        self.parts: list[dict] = []
+        self.sending: list[Future] = []  # each part's upload, in order; its result {"PartNumber", "ETag"}
         self.size = 0
         self.done = False
 
     def _part_size(self) -> int:
-        return PART * (1 + len(self.parts) // PARTS_PER_STEP)
+        return PART * (1 + len(self.sending) // PARTS_PER_STEP)
 
     def write(self, data: bytes | memoryview) -> None:
         if self.done:
@@ -75,20 +78,29 @@ class S3Writer:
         sent = 0
         with memoryview(self.buffer) as view:
             while len(view) - sent >= (part := self._part_size()):
-                self._send(view[sent:sent + part])
+                self._send(bytes(view[sent:sent + part]))
                 sent += part
         del self.buffer[:sent]
 
-    def _send(self, data: memoryview) -> None:
+    def _send(self, data: bytes) -> None:
+        s = self.store
+        if self.upload is None:
+            with s._errors(self.key):
+                self.upload = s.client.create_multipart_upload(Bucket=s.bucket, Key=s._key(self.key))["UploadId"]
+        in_flight = [f for f in self.sending if not f.done()]
+        if len(in_flight) >= PARTS_IN_FLIGHT:
+            wait(in_flight, return_when=FIRST_COMPLETED)
+        for f in self.sending:  # a part that failed fails the write now
+            if f.done():
+                f.result()
+        self.sending.append(s.senders.submit(self._part, len(self.sending) + 1, data))
+
+    def _part(self, number: int, data: bytes) -> dict:
         s = self.store
         with s._errors(self.key):
-            if self.upload is None:
-                self.upload = s.client.create_multipart_upload(Bucket=s.bucket, Key=self.store._key(self.key))[
-                    "UploadId"]
-            number = len(self.parts) + 1
             reply = s.client.upload_part(Bucket=s.bucket, Key=s._key(self.key), UploadId=self.upload,
-                                         PartNumber=number, Body=bytes(data))
-        self.parts.append({"PartNumber": number, "ETag": reply["ETag"]})
+                                         PartNumber=number, Body=data)
+        return {"PartNumber": number, "ETag": reply["ETag"]}
 
     def commit(self) -> int:
         if self.done:
@@ -100,11 +112,11 @@ class S3Writer:
                     s.client.put_object(Bucket=s.bucket, Key=s._key(self.key), Body=bytes(self.buffer))
             else:
                 if self.buffer:
-                    with memoryview(self.buffer) as view:
-                        self._send(view)
+                    self._send(bytes(self.buffer))
+                parts = [f.result() for f in self.sending]
                 with s._errors(self.key):
                     s.client.complete_multipart_upload(Bucket=s.bucket, Key=s._key(self.key), UploadId=self.upload,
-                                                       MultipartUpload={"Parts": self.parts})
+                                                       MultipartUpload={"Parts": parts})
         except BaseException:
             try:
                 self.abort()
@@ -118,6 +130,7 @@ class S3Writer:
     def abort(self) -> None:
         self.done = True
         self.buffer = bytearray()
+        wait(self.sending)  # (their errors do not matter now)
         if self.upload is not None:
             upload, self.upload = self.upload, None
             s = self.store
@@ -133,6 +146,7 @@ class S3Store:
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.client = boto3.session.Session().client("s3", config=CLIENT)
+        self.senders = ThreadPoolExecutor(PARTS_IN_FLIGHT * 2, thread_name_prefix="nodeox-store")  # writers' parts
         self.endpoint = self.client.meta.endpoint_url
 
     def _key(self, key: str) -> str:
