@@ -23,9 +23,9 @@ it writes each once, hosts read them there); arms interleaved, ``--repeats`` tim
   (out and in, HTTP framing and heartbeats included), its status ``sent_bytes`` (sync and model bytes it sent
   itself) and ``store.bytes`` (what it wrote to the store), and the store link's counters (out: what hosts read).
 
-Hosts retry the coordinator for ``--retry-for`` seconds (default 600): without a store the coordinator serves 2
-model downloads at once and answers the rest BUSY, and at nodeox's default (60 s) the storm's later hosts give up
-(at ViT-B, 8 hosts, 200 Mbit/s: 4 of 8 failed) before a download slot frees.
+Hosts retry the coordinator for ``--retry-for`` seconds (default 600, nodeox's own default): without a store the
+coordinator serves 2 model downloads at once and answers the rest BUSY, and at the former default of 60 s the
+storm's later hosts gave up (at ViT-B, 8 hosts, 200 Mbit/s: 4 of 8 failed) before a download slot freed.
 
 Goals (issue 28): join storm at least 4x shorter with the store, round at least 3x shorter. Printed: the median
 over repeats of each figure [min-max], and each ratio as the ratio of medians [min-max of the per-repeat
