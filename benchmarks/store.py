@@ -320,7 +320,7 @@ def round_bytes(counters: Counters, before: dict, after: dict, start: float, end
     stored = after.get("store", {}).get("bytes", 0) - before.get("store", {}).get("bytes", 0)
     return {"coordinator_out_bytes": sent_between(counters.up[COORDINATOR], start, end) / rounds,
             "coordinator_in_bytes": sent_between(counters.down[COORDINATOR], start, end) / rounds,
-            "status_sent_bytes": (after["sent_bytes"] - before["sent_bytes"]) / rounds,
+            "status_sent_bytes": (sum(after["sent_bytes"].values()) - sum(before["sent_bytes"].values())) / rounds,
             "status_store_bytes": stored / rounds,
             "store_out_bytes": sent_between(counters.up[STORE], start, end) / rounds,
             "host_in_bytes": sum(sent_between(counters.down[2 + h], start, end) for h in range(hosts)) / hosts / rounds}
