@@ -160,7 +160,7 @@ def test_a_host_whose_store_urls_are_refused_asks_the_coordinator_for_the_bytes(
     assert status["sent_bytes"]["sync"] > 0 and status["sent_bytes"]["model"] > 0
     for h in "01":
         said = (tmp_path / "run-out" / f"host{h}-0.log").read_text()
-        assert "cannot read the run's store" in said and "HTTP 403" in said, said[-2000:]
+        assert "cannot use the run's store" in said and "HTTP 403" in said, said[-2000:]
 
 
 def test_a_bucket_that_does_not_exist_stops_the_coordinator_at_start_naming_the_fix(tmp_path, s3_url):
@@ -173,3 +173,34 @@ def test_a_bucket_that_does_not_exist_stops_the_coordinator_at_start_naming_the_
     assert done.returncode == 2
     assert "no-such-bucket" in done.stderr and "create it: aws s3 mb s3://no-such-bucket" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "run" / "coordinator.json").exists()  # never listened
+
+
+def test_deltas_written_to_the_store_are_read_there_and_the_hosts_end_bit_identical(tmp_path, store_url):
+    """``--store-deltas``: each host writes its delta's parts to the store and posts where they are; the
+    coordinator takes every delta (a receive record each, its bytes those of the parts) and deletes the parts."""
+    status, rounds, events, _ = _run(tmp_path, "run", 2, "--store", store_url, "--store-deltas")
+    received = [e for e in events if e["phase"] == "receive" and e["host"] == "coordinator"]
+    assert sorted((e["round"], e["from_host"]) for e in received) == [(r, h) for r in sorted(rounds) for h in "01"]
+    uploads = {(e["round"], e["host"]): e["bytes"] for e in events if e["phase"] == "upload"}
+    assert all(uploads[(e["round"], e["from_host"])] == e["bytes"] for e in received)
+    assert open_store(store_url).keys("deltas/") == []  # every delta's parts deleted once read
+    assert status["store"]["deltas_read_bytes"] == sum(e["bytes"] for e in received)  # all of them from the store
+
+
+def test_a_host_whose_delta_writes_are_refused_sends_its_deltas_itself(tmp_path, s3_server, monkeypatch):
+    from s3server import S3Proxy, new_bucket, use
+
+    proxy = S3Proxy(s3_server.endpoint, lambda method, path: 403 if method == "PUT" and "X-Amz-Signature" in path
+                    else None)
+    use(s3_server, monkeypatch, proxy.endpoint)
+    try:
+        status, rounds, events, _ = _run(tmp_path, "run", 2, "--store", f"s3://{new_bucket(s3_server)}/run",
+                                         "--store-deltas")
+    finally:
+        proxy.stop()
+    received = [e for e in events if e["phase"] == "receive" and e["host"] == "coordinator"]
+    assert len(received) == 2 * len(rounds) and proxy.refused > 0
+    assert status["store"]["deltas_read_bytes"] == 0  # every delta came over HTTP
+    for h in "01":
+        said = (tmp_path / "run-out" / f"host{h}-0.log").read_text()
+        assert "cannot use the run's store" in said and "HTTP 403" in said, said[-2000:]

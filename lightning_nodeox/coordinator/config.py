@@ -75,6 +75,8 @@ class CoordinatorConfig:
         store: the run's object store (``s3://bucket/prefix`` or ``file:///path``; None: none): each round's sync
             and the model are written there once and hosts read them from it, and the run's state is copied there
             so that a coordinator on another machine takes the run up (:mod:`lightning_nodeox.core.stores`).
+        store_deltas: hosts write their deltas to the store too (a presigned PUT per piece) and the coordinator
+            reads them there, instead of receiving them over HTTP.
         store_own_credentials: hosts read the store's objects with credentials of their own (their addresses,
             ``s3://...``) instead of presigned URLs.
         store_lease: seconds the run's lease in ``store`` lasts unrenewed (renewed every third of it): a coordinator
@@ -113,6 +115,7 @@ class CoordinatorConfig:
     gpu_hour_price: float | None = None
     store: str | None = None
     store_own_credentials: bool = False
+    store_deltas: bool = False
     store_lease: float = 30.0
     name: str = NAME
 
@@ -146,6 +149,9 @@ class CoordinatorConfig:
             raise ValueError(f"--initial-model {self.initial_model} is not a file; pass a safetensors file")
         if not self.store_lease > 0:
             raise ValueError(f"--store-lease must be positive seconds, got {self.store_lease}")
+        if (self.store_deltas or self.store_own_credentials) and self.store is None:
+            flag = "--store-deltas" if self.store_deltas else "--store-own-credentials"
+            raise ValueError(f"{flag} needs --store URL (the store the payloads go through)")
         if self.store is not None:
             open_store(self.store)  # a URL of a known kind, its client installed (no call to it yet)
         host, _ = parse_bind(self.bind)

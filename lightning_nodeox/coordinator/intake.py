@@ -256,3 +256,22 @@ def parse_values(body: bytes) -> object:
     if not isinstance(d, dict) or "payload" not in d:
         raise Refusal(Reason.INVALID, 'values: expected {"payload": ...}')
     return d["payload"]
+
+
+def parse_sizes(body: bytes) -> list[int]:
+    """The part sizes of a delta-place request (``{"sizes": [bytes, ...]}``), or INVALID."""
+    d = decode_json(body, "delta-place")
+    sizes = d.get("sizes") if isinstance(d, dict) else None
+    if not isinstance(sizes, list) or not all(type(n) is int and 0 < n <= MAX_MODEL_BYTES for n in sizes):
+        raise Refusal(Reason.INVALID, 'delta-place: expected {"sizes": [bytes of each part, ...]}')
+    return sizes
+
+
+def parse_place(body: bytes) -> str:
+    """The place id of a delta written to the store (``{"id": ...}``), or INVALID."""
+    d = decode_json(body, "delta")
+    place = d.get("id") if isinstance(d, dict) else None
+    if not isinstance(place, str) or not 0 < len(place) <= MAX_TEXT:
+        raise Refusal(Reason.INVALID, 'a delta in the store is posted as {"id": PLACE_ID}, the id its delta-place '
+                                      "returned")
+    return place

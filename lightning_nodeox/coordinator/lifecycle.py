@@ -47,6 +47,7 @@ from .config import CoordinatorConfig
 from .lock import RunDirLock
 from .membership import Membership
 from .payloads import StorePayloads
+from .storedeltas import StoreDeltas
 from .recovery import Recovery
 from .close import UpstreamClose
 from .link import SiteLink
@@ -81,9 +82,11 @@ class CoordinatorRun:
         self.log = Named(log, config.name)
         self.recovery = Recovery(self.state, store)
         self.rounds = Rounds(self.state, self.recovery, before_publish, None if site is None else UpstreamClose(site))
-        self.payloads = None if config.store is None else StorePayloads(
-            claim.copy.store if claim is not None else open_store(config.store), self.state, self.rounds,
-            own_credentials=config.store_own_credentials)
+        store = None if config.store is None else claim.copy.store if claim is not None else open_store(config.store)
+        self.payloads = None if store is None else StorePayloads(store, self.state, self.rounds,
+                                                                 own_credentials=config.store_own_credentials)
+        self.store_deltas = StoreDeltas(store, self.state, own_credentials=config.store_own_credentials) \
+            if store is not None and config.store_deltas else None
         self.rounds.payloads = self.payloads
         self.membership = Membership(self.state, self.recovery, self.rounds, site)
         self.values = ValueExchanges(self.state, self.rounds, site)
@@ -179,7 +182,9 @@ class CoordinatorRun:
             "received": sorted(self.rounds.received), "peak_rss_bytes": state.peak_rss, "lease": self.config.lease,
             "downloads": len(self.rounds.downloads), "codec": self.config.codec.to_json(),
             **({} if self.site is None else self.site.status()),
-            **({} if self.payloads is None else {"store": self.payloads.status()}),
+            **({} if self.payloads is None else {"store": {
+                **self.payloads.status(), **({} if self.store_deltas is None else
+                                             {"deltas_read_bytes": self.store_deltas.read_bytes})}}),
         }
 
     # -- end ------------------------------------------------------------------------------------------------

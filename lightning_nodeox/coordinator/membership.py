@@ -121,7 +121,8 @@ class Membership:
             await self.recovery.model_arrived(model, "--initial-model")
 
     def _reply(self, **fields) -> JoinReply:
-        return JoinReply(round=self.state.round, codec=self.state.config.codec, **fields)
+        config = self.state.config
+        return JoinReply(round=self.state.round, codec=config.codec, store_deltas=config.store_deltas, **fields)
 
     def _check_admission(self, host: str, credential: str) -> None:
         config = self.state.config

@@ -65,12 +65,6 @@ class Place:
                 "parts": [{"url": url, "size": size} for url, size in self.parts]}
 
 
-def sync_parts(sync: Message) -> list[tuple[int, int]]:
-    """The byte ranges of a sync's objects: its header, each piece, its trailer."""
-    ends = [sync.layout.data_start] + [sync.wire_end(k) for k in range(len(sync.layout.pieces))] + [len(sync)]
-    return [(a, b) for a, b in zip([0] + ends[:-1], ends) if b > a]
-
-
 @dataclass
 class Upload:
     """One payload's objects in the store: their keys and ranges, and how the upload goes."""
@@ -118,7 +112,7 @@ class StorePayloads:
 
     def _start_sync(self, round_: int, sync: Message, making: SyncInMaking | None) -> None:
         prefix = f"syncs/{round_}/{uuid.uuid4().hex[:12]}"
-        ranges = sync_parts(sync)
+        ranges = sync.part_ranges()
         upload = Upload(round_, [f"{prefix}/{i:05d}" for i in range(len(ranges))], ranges)
         self.syncs[round_] = (sync, upload)
         upload.task = asyncio.ensure_future(self._write_sync(sync, upload, making))

@@ -342,8 +342,19 @@ async def get_model(request: web.Request) -> web.StreamResponse:
 
 async def post_delta(request: web.Request) -> web.Response:
     host, round_ = _caller(request), _int(request.match_info["round"], "round")
-    reply = await request.app[SERVICE].receive_delta(host, round_, RequestBody(request), training=_training(request))
+    service = request.app[SERVICE]
+    if request.content_type == proto.PLACE:  # written to the run's store at the place it was given
+        placed = intake.parse_place(await _body(request, intake.MAX_JSON_BYTES))
+        reply = await service.receive_placed_delta(host, round_, placed, training=_training(request))
+    else:
+        reply = await service.receive_delta(host, round_, RequestBody(request), training=_training(request))
     return web.json_response(reply, status=202)
+
+
+async def delta_place(request: web.Request) -> web.Response:
+    host, round_ = _caller(request), _int(request.match_info["round"], "round")
+    sizes = intake.parse_sizes(await _body(request, intake.MAX_JSON_BYTES))
+    return web.json_response(await request.app[SERVICE].delta_place(host, round_, sizes))
 
 
 async def get_sync(request: web.Request) -> web.StreamResponse:
@@ -393,6 +404,7 @@ def make_app(service: CoordinatorService, token: str | None, connections: Connec
     app.router.add_put(proto.MODEL, put_model)
     app.router.add_get(proto.MODEL, get_model)
     app.router.add_post(proto.DELTA, post_delta)
+    app.router.add_post(proto.DELTA_PLACE, delta_place)
     app.router.add_get(proto.SYNC, get_sync)
     app.router.add_post(proto.EVENTS, post_events)
     app.router.add_post(proto.LEAVE, leave)

@@ -22,7 +22,10 @@ HTTP lives only in the host's client (``host/client.py``) and the coordinator's 
 
 With a store (``--store``), a sync or model reply may instead be a :data:`PLACE`: where its parts are in the store
 (``{"size", "complete", "within", "parts": [{"url", "size"}]}``), read in order; ``&direct=1`` on either asks for
-the bytes (the host could not read the store).
+the bytes (the host could not read the store). With ``--store-deltas`` (the join reply's ``store_deltas``) a host
+asks ``POST /v1/rounds/{r}/delta-place?host=H`` ``{"sizes": [...]}`` where to write its delta's parts (header,
+pieces, trailer) -> ``{"id", "parts": [{"url", "size"}]}``, writes them (a PUT each), then posts the delta as a
+:data:`PLACE` body ``{"id"}``; the coordinator reads the parts from the store.
 
 Every call but health carries the run's bearer token when one is configured; every call that names a host
 (all but health, status and a first join) also carries that host's credential, which its join returned, in
@@ -44,6 +47,7 @@ STATUS = f"{API}/status"
 JOIN = f"{API}/join"
 MODEL = f"{API}/model"
 DELTA = API + "/rounds/{round}/delta"
+DELTA_PLACE = API + "/rounds/{round}/delta-place"
 SYNC = API + "/rounds/{round}/sync"
 EVENTS = f"{API}/events"
 LEAVE = API + "/hosts/{host}/leave"
@@ -132,6 +136,7 @@ class JoinReply:
     retry: bool = False
     complete: bool = False
     credential: str = ""
+    store_deltas: bool = False  # write deltas to the run's store (``DELTA_PLACE``) instead of posting their bytes
 
     def to_json(self) -> dict:
         return {**asdict(self), "codec": self.codec.to_json()}
@@ -140,7 +145,8 @@ class JoinReply:
     def from_json(cls, d: dict) -> JoinReply:
         return cls(round=int(d["round"]), model_hash=d.get("model_hash"), codec=settings_from_json(d["codec"]),
                    provide_model=bool(d.get("provide_model")), retry=bool(d.get("retry")),
-                   complete=bool(d.get("complete")), credential=str(d.get("credential") or ""))
+                   complete=bool(d.get("complete")), credential=str(d.get("credential") or ""),
+                   store_deltas=bool(d.get("store_deltas")))
 
 
 class Upload(enum.Enum):

@@ -342,6 +342,11 @@ class Message:
         """Where piece ``k`` (its CRC included) ends in the whole message."""
         return self.layout.data_start + self.layout.pieces[k].end
 
+    def part_ranges(self) -> list[tuple[int, int]]:
+        """The message cut where a store holds it, one object each: its header, each piece, its trailer."""
+        ends = [self.layout.data_start] + [self.wire_end(k) for k in range(len(self.layout.pieces))] + [len(self)]
+        return [(a, b) for a, b in zip([0] + ends[:-1], ends) if b > a]
+
     # -- reading -----------------------------------------------------------------------------------------------
     @classmethod
     def parse(cls, data: torch.Tensor | bytes | bytearray | memoryview) -> Message:

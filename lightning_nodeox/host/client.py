@@ -20,6 +20,7 @@ when given, else the system's store (or ``REQUESTS_CA_BUNDLE``, the requests con
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import ssl
@@ -50,7 +51,7 @@ from ..core.protocol import (
 from ..core.settings import ENV_CA_FILE
 from ..core.transport import delta_outcome, sync_outcome
 from .clock import ClockOffset
-from .placed import PlacedStream
+from .placed import PlacedStream, write_part
 from .settings import RETRY_FOR
 from .waiting import WaitLine
 
@@ -113,6 +114,7 @@ class HttpClient:
         self._credential = ""  # this host's, from its join
         self._cancelled = threading.Event()
         self._direct_until = 0.0  # monotonic time until which payloads are asked for as bytes (the store failed)
+        self._store_deltas = False  # the coordinator takes deltas through its store (its join reply says)
 
     @property
     def joined(self) -> bool:
@@ -226,6 +228,7 @@ class HttpClient:
         reply = JoinReply.from_json(self._request("POST", proto.JOIN, json=body).json())
         if reply.credential:
             self._credential = reply.credential
+        self._store_deltas = reply.store_deltas
         return reply
 
     def put_model(self, body) -> str:
@@ -234,10 +237,40 @@ class HttpClient:
                              headers={"Content-Type": proto.OCTETS}).json()["model_hash"]
 
     def post_delta(self, round_: int, body, *, training: bool = False) -> Upload:
+        """Send round ``round_``'s delta: its bytes, or (``--store-deltas``) its parts written to the run's store
+        and then where they are; a store that cannot be written sends the bytes instead."""
         params = {"host": self.host, **_training(training)}
-        return delta_outcome(lambda: self._request("POST", proto.DELTA.format(round=round_), params=params,
-                                                   data=body, ok=(202,), headers={"Content-Type": proto.OCTETS}),
-                             self.host, round_)
+        path = proto.DELTA.format(round=round_)
+
+        def send() -> None:
+            placed = self._place_delta(round_, body) if self._store_deltas and not self._direct() else None
+            if placed is not None:
+                self._request("POST", path, params=params, data=json.dumps({"id": placed}), ok=(202,),
+                              headers={"Content-Type": proto.PLACE})
+                return
+            self._request("POST", path, params=params, data=body, ok=(202,), headers={"Content-Type": proto.OCTETS})
+
+        return delta_outcome(send, self.host, round_)
+
+    def _place_delta(self, round_: int, body) -> str | None:
+        """Write the delta ``body`` (a message reader) to the run's store where the coordinator places it, a part
+        as soon as it is made; its place's id, or None when it could not be written (it is then sent itself)."""
+        message = getattr(body, "message", None)
+        if message is None:  # a whole message sent again: its bytes
+            return None
+        ranges = message.part_ranges()
+        place = self._request("POST", proto.DELTA_PLACE.format(round=round_), params={"host": self.host},
+                              json={"sizes": [b - a for a, b in ranges]}).json()
+        body.rewind()
+        try:
+            for part, (a, b) in zip(place["parts"], ranges):
+                write_part(self.session_plain, part["url"], _read_exactly(body, b - a),
+                           timeout=(self.connect_timeout, self.read_timeout))
+        except TransferBroken as e:
+            self._store_failed(str(e))
+            body.rewind()
+            return None
+        return str(place["id"])
 
     def wait_sync(self, round_: int, poll: float = SYNC_POLL, *,
                   training: Callable[[], bool] | None = None) -> SyncReply:
@@ -306,9 +339,10 @@ class HttpClient:
                             timeout=(self.connect_timeout, self.read_timeout))
 
     def _store_failed(self, problem: str) -> None:
-        """The store could not be read: ask the coordinator for the bytes for the next ``DIRECT_FOR`` seconds."""
+        """The store could not be read or written: payloads go through the coordinator for the next
+        ``DIRECT_FOR`` seconds."""
         if time.monotonic() >= self._direct_until:
-            log.warning("nodeox: host %s cannot read the run's store (%s); asking the coordinator for the bytes "
+            log.warning("nodeox: host %s cannot use the run's store (%s); its payloads go through the coordinator "
                         "for %.0f s", self.host, problem, DIRECT_FOR)
         self._direct_until = time.monotonic() + DIRECT_FOR
 
@@ -337,6 +371,17 @@ class HttpClient:
         """Say goodbye, whatever the cancel state, within about ``LEAVE_WITHIN`` seconds (plus a connect)."""
         self._request("POST", proto.LEAVE.format(host=self.host), retry_for=LEAVE_WITHIN,
                       read_timeout=LEAVE_WITHIN, cancellable=False)
+
+
+def _read_exactly(body, n: int) -> bytes:
+    """The next ``n`` bytes of a message reader (waiting for its maker)."""
+    out = bytearray()
+    while len(out) < n:
+        chunk = body.read(n - len(out))
+        if not chunk:
+            raise TransferBroken(f"the delta ended {n - len(out)} bytes early")
+        out += chunk
+    return bytes(out)
 
 
 def _training(training: bool) -> dict[str, str]:

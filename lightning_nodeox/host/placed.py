@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from urllib.parse import unquote, urlsplit
@@ -197,3 +198,49 @@ def _bucket(bucket: str):
     from ..core.stores import open_store
 
     return open_store(f"s3://{bucket}")
+
+
+def write_part(session: requests.Session, url: str, data: bytes, timeout: tuple[float, float] = (5.0, 60.0),
+               tries: int = 4) -> None:
+    """Write one part of a delta where the coordinator placed it (``--store-deltas``): a presigned PUT (a busy
+    store asked again, up to ``tries`` times), a file on the shared filesystem (a temporary name, then renamed),
+    or an ``s3://`` address with this host's own credentials. :class:`TransferBroken` when it cannot be written."""
+    scheme = urlsplit(url).scheme
+    if scheme == "file":
+        path = unquote(urlsplit(url).path)
+        tmp = f"{path}.{os.getpid()}.part"
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError as e:
+            raise TransferBroken(f"cannot write {path}: {e}") from None
+        return
+    if scheme == "s3":
+        from ..core.stores import StoreError
+
+        parts = urlsplit(url)
+        try:
+            _bucket(parts.netloc).put(unquote(parts.path.lstrip("/")), [data])
+        except (StoreError, ValueError) as e:
+            raise TransferBroken(f"cannot write {url}: {e}") from None
+        return
+    if scheme not in ("http", "https"):
+        raise TransferBroken(f"the store's part URL has an unknown scheme: {url[:60]}")
+    delay, problem = FIRST_DELAY, ""
+    for _ in range(tries):
+        try:
+            response = session.put(url, data=data, timeout=timeout)
+        except requests.RequestException as e:
+            problem = f"{type(e).__name__}: {e}"
+        else:
+            response.close()
+            if response.status_code == 200:
+                return
+            problem = f"HTTP {response.status_code}"
+            if response.status_code < 500:
+                break
+        time.sleep(delay)
+        delay = min(delay * 4, MAX_DELAY)
+    raise TransferBroken(f"the store refused a part of the delta: {problem}")

@@ -102,6 +102,8 @@ def _serving_options(p: argparse.ArgumentParser, *, bind: str) -> None:
     p.add_argument("--store", metavar="URL", help="the run's object store, s3://bucket/prefix (any S3-compatible "
                    "service; AWS_ENDPOINT_URL for one other than AWS) or file:///path (a shared filesystem): syncs and "
                    "the model go through it once, and the run's state is copied there (docs/clusters.md)")
+    p.add_argument("--store-deltas", action="store_true", help="hosts write their deltas to the store too (a "
+                   "presigned PUT per piece) and the coordinator reads them there, instead of over HTTP")
     p.add_argument("--store-own-credentials", action="store_true", help="hosts read the store with credentials of "
                    "their own (its s3:// addresses) instead of presigned URLs")
     p.add_argument("--store-lease", type=float, default=run["store_lease"], help=argparse.SUPPRESS)
@@ -169,7 +171,8 @@ def _config(args: argparse.Namespace) -> CoordinatorConfig:
             no_hosts_timeout=args.no_hosts_timeout, final_wait=args.final_wait,
             snapshot_every=args.snapshot_every, transfer_timeout=args.transfer_timeout, fresh=args.fresh,
             idle_timeout=args.idle_timeout, max_connections=args.max_connections, gpu_hour_price=args.gpu_hour_price,
-            store=args.store, store_own_credentials=args.store_own_credentials, store_lease=args.store_lease,
+            store=args.store, store_own_credentials=args.store_own_credentials,
+            store_deltas=args.store_deltas, store_lease=args.store_lease,
             outer=OuterSettings(args.outer_optimizer, args.outer_lr, args.outer_momentum)
             if "outer_optimizer" in args else OuterSettings())  # nor outer-optimizer flags: it never steps
     except ValueError as e:

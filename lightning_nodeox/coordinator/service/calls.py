@@ -229,6 +229,25 @@ class CoordinatorService:
             await body.read_into(view[at:])
             await deltas.end_delta(delta)
 
+    async def delta_place(self, host: str, round_: int, sizes: list[int]) -> dict:
+        """Where ``host`` writes its delta of round ``round_`` in the run's store (``--store-deltas``), its parts
+        of ``sizes`` bytes (checked as an upload of their sum would be)."""
+        store_deltas = self._run.store_deltas
+        if store_deltas is None:
+            raise Refusal(Reason.INVALID, "this run takes deltas over HTTP (its coordinator has no --store-deltas)")
+        self._run.rounds.deltas.check_upload(host, round_, sum(sizes))
+        return await store_deltas.place(host, round_, sizes)
+
+    async def receive_placed_delta(self, host: str, round_: int, id_: str, *, training: bool = False) -> dict:
+        """``host``'s delta of round ``round_``, written to the store at its place ``id_``: read from there, then
+        its parts deleted."""
+        store_deltas = self._run.store_deltas
+        if store_deltas is None:
+            raise Refusal(Reason.INVALID, "this run takes deltas over HTTP (its coordinator has no --store-deltas)")
+        reply = await self.receive_delta(host, round_, store_deltas.body(host, round_, id_), training=training)
+        await store_deltas.taken(host)
+        return reply
+
     async def _recycle_after_accumulating(self, buf: torch.Tensor) -> None:
         await self._run.rounds.deltas.accumulated()
         self._buffers.put(buf)

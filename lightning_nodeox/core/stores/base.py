@@ -81,6 +81,10 @@ class Store(Protocol):
         """A URL a host reads ``key`` at for ``seconds`` with no credentials of its own: an ``https://`` (or
         ``http://``) presigned GET, or a ``file://`` path on the shared filesystem."""
 
+    def upload_location(self, key: str, seconds: float) -> str:
+        """A URL a host writes ``key`` at for ``seconds`` with no credentials of its own (one PUT of the whole
+        object: a presigned PUT, or a ``file://`` path on the shared filesystem)."""
+
     def address(self, key: str) -> str:
         """The object's own address (``s3://bucket/prefix/key``, ``file:///path/key``), read with the reader's own
         credentials."""

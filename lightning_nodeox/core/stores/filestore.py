@@ -153,6 +153,9 @@ class FileStore:
     def location(self, key: str, seconds: float) -> str:
         return self.address(key)
 
+    def upload_location(self, key: str, seconds: float) -> str:
+        return self.address(key)
+
     def address(self, key: str) -> str:
         return "file://" + quote(str(self._path(key)))
 

@@ -292,5 +292,13 @@ class S3Store:
                                                                             "Key": self._key(key)},
                                                       ExpiresIn=expires)
 
+    def upload_location(self, key: str, seconds: float) -> str:
+        """A presigned PUT (capped as :meth:`location`)."""
+        expires = max(1, min(int(seconds), MAX_PRESIGN))
+        with self._errors(key):
+            return self.client.generate_presigned_url("put_object", Params={"Bucket": self.bucket,
+                                                                            "Key": self._key(key)},
+                                                      ExpiresIn=expires)
+
     def address(self, key: str) -> str:
         return f"s3://{self.bucket}/{self._key(key)}"
