@@ -56,6 +56,9 @@ def test_hosts_read_each_sync_from_the_store_and_end_bit_identical(tmp_path, sto
     # objects of rounds no host needs are gone: the last two rounds' syncs are left
     store = open_store(store_url)
     assert {key.split("/")[1] for key in store.keys("syncs/")} == {str(r) for r in sorted(rounds)[-2:]}
+    # the run's state in the store names the sync hosts read instead of holding a second copy of it
+    state = store.keys("state/")
+    assert [k for k in state if k.startswith("state/sync-")] == [f"state/sync-{max(rounds) + 1}.q4.link"], state
 
 
 def test_a_store_that_fails_mid_run_leaves_the_coordinator_sending_the_bytes_itself(tmp_path):

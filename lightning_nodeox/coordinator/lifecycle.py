@@ -87,6 +87,8 @@ class CoordinatorRun:
                                                                  own_credentials=config.store_own_credentials)
         self.store_deltas = StoreDeltas(store, self.state, own_credentials=config.store_own_credentials) \
             if store is not None and config.store_deltas else None
+        if claim is not None and self.payloads is not None:
+            claim.copy.linker = self.payloads.objects_of  # the state's copy names the syncs hosts read, not again
         self.rounds.payloads = self.payloads
         self.membership = Membership(self.state, self.recovery, self.rounds, site)
         self.values = ValueExchanges(self.state, self.rounds, site)

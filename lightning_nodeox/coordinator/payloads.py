@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import threading
 import time
 import uuid
+import zlib
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -77,6 +80,8 @@ class Upload:
     bytes: int = 0
     requests: int = 0
     start: float = field(default_factory=time.time)
+    crc: int = 0  # CRC-32 of the payload's bytes, once written
+    finished: threading.Event = field(default_factory=threading.Event)  # written (or failed): another thread waits
 
 
 class StorePayloads:
@@ -95,6 +100,7 @@ class StorePayloads:
         self.models: dict[tuple[int, str], Upload] = {}
         self._uploading = asyncio.Semaphore(UPLOADS_AT_ONCE)
         self.written = {"bytes": 0, "requests": 0}  # over the run, of the uploads that completed
+        self._snapshot: Upload | None = None  # the model object the run's state names as its snapshot
 
     def status(self) -> dict:
         """The store at a glance: its URL, and the bytes and requests of the uploads done so far."""
@@ -129,6 +135,7 @@ class StorePayloads:
                     await making.reach(b)
                 writes.append(asyncio.ensure_future(self._put(upload, key, view[a:b])))
             await asyncio.gather(*writes)
+            upload.crc = await asyncio.to_thread(zlib.crc32, view)
             self.trouble.ok()
         except SyncBroken:
             upload.failed = True
@@ -138,6 +145,7 @@ class StorePayloads:
         finally:
             if model is not None:
                 model.reading(sync, -1)
+            upload.finished.set()
         if not upload.failed:
             self._record(upload, "sync")
 
@@ -192,6 +200,7 @@ class StorePayloads:
                 for chunk in stream.chunks(MODEL_CHUNK):  # copied from θ on the loop, written off it
                     await asyncio.to_thread(writer.write, chunk)
                     upload.bytes += len(chunk)
+                    upload.crc = zlib.crc32(chunk, upload.crc)
                 await asyncio.to_thread(writer.commit)
             except BaseException:
                 await asyncio.to_thread(writer.abort)
@@ -204,6 +213,28 @@ class StorePayloads:
             self.trouble.failed(e)
         finally:
             self.rounds.downloads.discard(stream)
+            upload.finished.set()
+
+    # -- the run's state, sharing what is written already -----------------------------------------------------
+    def objects_of(self, name: str, crc: int, timeout: float) -> list[str] | None:
+        """The keys of the payload objects whose bytes, in order, are the state file ``name``'s (CRC-32 ``crc``):
+        round R-1's sync for ``sync-R.q4``, round R's model for ``model-R.safetensors``, once written (an upload in
+        flight is waited for, at most ``timeout`` seconds; none is started). None when no payload holds them. Called
+        from the state's save thread (:mod:`~lightning_nodeox.coordinator.statecopy`), so that the state in the
+        store costs no second upload of what hosts read."""
+        sync, model = re.fullmatch(r"sync-(\d+)\.q4", name), re.fullmatch(r"model-(\d+)\.safetensors", name)
+        if sync is not None:
+            held = self.syncs.get(int(sync[1]) - 1)
+            upload = None if held is None else held[1]
+        elif model is not None:
+            upload = next((u for (r, _), u in list(self.models.items()) if r == int(model[1])), None)
+        else:
+            return None
+        if upload is None or not upload.finished.wait(timeout) or upload.failed or upload.crc != crc:
+            return None
+        if model is not None:
+            self._snapshot = upload  # kept (not trimmed) while the state's snapshot is it
+        return list(upload.keys)
 
     # -- after a publish ---------------------------------------------------------------------------------------
     async def trim(self, published_round: int) -> None:
@@ -211,7 +242,8 @@ class StorePayloads:
         rounds before the latest model written."""
         old = [r for r in self.syncs if r < published_round - 1]
         latest = max((r for r, _ in self.models), default=None)
-        models = [k for k in self.models if latest is not None and k[0] < latest and self.models[k].task.done()]
+        models = [k for k, u in self.models.items() if latest is not None and k[0] < latest and u.task.done()
+                  and u is not self._snapshot]
         keys = [k for r in old for k in self.syncs[r][1].keys] + [k for m in models for k in self.models[m].keys]
         for r in old:
             self.syncs.pop(r)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from pathlib import Path
 
 from ..core.files import write_atomic
@@ -28,6 +28,8 @@ from .state import RUN_FILE, STATE_DIR
 
 PREFIX = f"{STATE_DIR}/"
 CHUNK = 8 << 20
+LINK = ".link"  # state/<name>.link: the file is the payload objects it lists, end to end (no second upload)
+LINK_WAIT = 120.0  # seconds a save waits for the payload upload of the same bytes before uploading them itself
 
 
 class StateCopy:
@@ -44,6 +46,8 @@ class StateCopy:
         self._written: dict[str, int] = {}  # name -> CRC-32 of the file written here by this process
         self._stale: set[str] = set()  # removed here, still in the store
         self._current = False  # whether the store's run.json is the one written here last
+        # the payload objects holding a state file's bytes already (coordinator/payloads.py), or None
+        self.linker: Callable[[str, int, float], list[str] | None] | None = None
 
     # -- copying -----------------------------------------------------------------------------------------------
     def wrote(self, name: str, crc: int, names: Collection[str] = (), *, copy: bool = True) -> None:
@@ -89,7 +93,7 @@ class StateCopy:
         if self._held is not None:
             return
         here = {p.name for p in self.dir.iterdir()} if self.dir.is_dir() else set()
-        self._stale |= {key.removeprefix(PREFIX) for key in self.store.keys(PREFIX)} - here
+        self._stale |= {_name(key) for key in self.store.keys(PREFIX)} - here
         self._held = {}
 
     def _copy(self, name: str) -> None:
@@ -97,13 +101,19 @@ class StateCopy:
         crc = self._written[name] if name in self._written else _crc(self.dir / name)
         if self._held.get(name) == crc:
             return
-        with open(self.dir / name, "rb") as f:
-            self.store.put(PREFIX + name, iter(lambda: f.read(CHUNK), b""))
+        keys = None if self.linker is None else self.linker(name, crc, LINK_WAIT)
+        if keys is not None:  # hosts' payload objects hold these bytes: name them
+            self.store.put(PREFIX + name + LINK, [json.dumps({"keys": keys, "crc": crc}).encode()])
+            self.store.delete([PREFIX + name])
+        else:
+            with open(self.dir / name, "rb") as f:
+                self.store.put(PREFIX + name, iter(lambda: f.read(CHUNK), b""))
+            self.store.delete([PREFIX + name + LINK])
         self._held[name] = crc
 
     def _prune(self) -> None:
         if self._stale:
-            self.store.delete([PREFIX + name for name in sorted(self._stale)])
+            self.store.delete([PREFIX + name + end for name in sorted(self._stale) for end in ("", LINK)])
             for name in self._stale:
                 self._held.pop(name, None)
             self._stale.clear()
@@ -132,7 +142,7 @@ class StateCopy:
                     raise ValueError(f"{self.store.address(key)} names {name!r}, not a file of the run's state; "
                                      "start with --fresh to begin a new run")
                 try:
-                    held[name] = write_atomic(self.dir / name, self.store.stream(PREFIX + name, CHUNK))[1]
+                    held[name] = write_atomic(self.dir / name, self._read(name))[1]
                 except StoreMissing:  # a file it names that is missing is refused with the others at resume
                     (self.dir / f"{name}.tmp").unlink(missing_ok=True)
             held[RUN_FILE] = write_atomic(self.dir / RUN_FILE, [data])[1]
@@ -142,9 +152,27 @@ class StateCopy:
             for tmp in self.dir.glob("*.tmp"):
                 tmp.unlink()
             raise
-        self._stale |= {k.removeprefix(PREFIX) for k in self.store.keys(PREFIX)} - set(held)
+        self._stale |= {_name(k) for k in self.store.keys(PREFIX)} - set(held)
         self._held, self._current = held, True
         return round_
+
+    def _read(self, name: str) -> Iterator[bytes]:
+        """``state/<name>``'s bytes: the object, or the payload objects its link names (their CRC checked)."""
+        try:
+            size = self.store.size(PREFIX + name)
+        except StoreMissing:
+            size = None
+        if size is not None:
+            yield from self.store.stream(PREFIX + name, CHUNK)
+            return
+        link = json.loads(self.store.get(PREFIX + name + LINK))
+        crc = 0
+        for key in link["keys"]:
+            for chunk in self.store.stream(key, CHUNK):
+                crc = zlib.crc32(chunk, crc)
+                yield chunk
+        if crc != link["crc"]:
+            raise StoreMissing(f"the objects {PREFIX + name + LINK} names no longer hold its bytes")
 
     def clear(self) -> int:
         """Remove the store's copy; returns how many objects it held."""
@@ -152,6 +180,11 @@ class StateCopy:
         self.store.delete(keys)
         self._held, self._stale, self._current = {}, set(), False
         return len(keys)
+
+
+def _name(key: str) -> str:
+    """The state file a key of the copy holds (its own bytes, or a link to them)."""
+    return key.removeprefix(PREFIX).removesuffix(LINK)
 
 
 def _crc(path: Path) -> int:
