@@ -101,6 +101,10 @@ class StorePayloads:
         self._uploading = asyncio.Semaphore(UPLOADS_AT_ONCE)
         self.written = {"bytes": 0, "requests": 0}  # over the run, of the uploads that completed
         self._snapshot: Upload | None = None  # the model object the run's state names as its snapshot
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()  # the run's (the save thread's calls)
+        except RuntimeError:
+            self._loop = None
 
     def status(self) -> dict:
         """The store at a glance: its URL, and the bytes and requests of the uploads done so far."""
@@ -176,6 +180,16 @@ class StorePayloads:
         it was by copy-on-publish while it is written), awaited by the others; None when the store failed (the
         caller sends the model itself)."""
         await self.rounds.wait_stable()  # θ is not being changed by a round's close
+        upload = self._model_upload()
+        await asyncio.shield(upload.task)
+        if upload.failed:
+            return None
+        size = upload.ranges[0][1]
+        return Place(size, self._urls(upload, size), self.state.config.transfer_timeout)
+
+    def _model_upload(self) -> Upload:
+        """The upload of the model as it is now (started unless one is under way or done; on the loop, while θ
+        does not change)."""
         state = self.state
         model = state.require_model()
         key = (state.round, model.hash)
@@ -186,11 +200,12 @@ class StorePayloads:
                             [(0, stream.size)])
             self.models[key] = upload
             upload.task = asyncio.ensure_future(self._write_model(upload, stream))
-        await asyncio.shield(upload.task)
-        if upload.failed:
-            return None
-        size = upload.ranges[0][1]
-        return Place(size, self._urls(upload, size), state.config.transfer_timeout)
+        return upload
+
+    async def _snapshot_upload(self, round_: int) -> Upload | None:
+        """The model's upload for the state's snapshot of round ``round_`` (a save holds θ as it is meanwhile)."""
+        state = self.state
+        return self._model_upload() if state.model is not None and state.round == round_ else None
 
     async def _write_model(self, upload: Upload, stream: ModelStream) -> None:
         self.rounds.downloads.add(stream)
@@ -219,7 +234,8 @@ class StorePayloads:
     def objects_of(self, name: str, crc: int, timeout: float) -> list[str] | None:
         """The keys of the payload objects whose bytes, in order, are the state file ``name``'s (CRC-32 ``crc``):
         round R-1's sync for ``sync-R.q4``, round R's model for ``model-R.safetensors``, once written (an upload in
-        flight is waited for, at most ``timeout`` seconds; none is started). None when no payload holds them. Called
+        flight is waited for, at most ``timeout`` seconds; a model's is started if none is, so that hosts fetching
+        it in the same round read that one upload). None when no payload holds them. Called
         from the state's save thread (:mod:`~lightning_nodeox.coordinator.statecopy`), so that the state in the
         store costs no second upload of what hosts read."""
         sync, model = re.fullmatch(r"sync-(\d+)\.q4", name), re.fullmatch(r"model-(\d+)\.safetensors", name)
@@ -228,6 +244,8 @@ class StorePayloads:
             upload = None if held is None else held[1]
         elif model is not None:
             upload = next((u for (r, _), u in list(self.models.items()) if r == int(model[1])), None)
+            if upload is None and self._loop is not None:  # written once, for hosts and the state alike
+                upload = asyncio.run_coroutine_threadsafe(self._snapshot_upload(int(model[1])), self._loop).result()
         else:
             return None
         if upload is None or not upload.finished.wait(timeout) or upload.failed or upload.crc != crc:
