@@ -45,7 +45,8 @@ MIN_URL_SECONDS = 3600.0  # a presigned URL lives at least this long (a host tha
 
 
 class Theta(Protocol):
-    """What keeps θ as it was for a model being written (the run's :class:`~lightning_nodeox.coordinator.rounds.Rounds`)."""
+    """What keeps θ as it was for a model being written (the run's
+    :class:`~lightning_nodeox.coordinator.rounds.Rounds`)."""
 
     downloads: set[ModelStream]  # full-model transfers in flight, kept by copy-on-publish
 
@@ -85,8 +86,8 @@ class Upload:
 
 
 class StorePayloads:
-    """The run's payloads in ``store``, for the run whose rounds are ``rounds``; ``own_credentials``: hosts read the objects' own addresses with their own
-    credentials instead of presigned URLs."""
+    """The run's payloads in ``store``, for the run whose rounds are ``rounds``; ``own_credentials``: hosts read
+    the objects' own addresses with credentials of their own instead of presigned URLs."""
 
     def __init__(self, store: Store, state: RunState, rounds: Theta, *, own_credentials: bool = False) -> None:
         self.store = store
@@ -102,7 +103,7 @@ class StorePayloads:
         self.written = {"bytes": 0, "requests": 0}  # over the run, of the uploads that completed
         self._snapshot: Upload | None = None  # the model object the run's state names as its snapshot
         try:
-            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()  # the run's (the save thread's calls)
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()  # for the save thread's calls
         except RuntimeError:
             self._loop = None
 

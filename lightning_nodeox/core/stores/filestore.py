@@ -81,7 +81,7 @@ class FileStore:
             raise StoreUnavailable(f"cannot write {self.address(key)}: {e}") from None
 
     def put(self, key: str, chunks: Iterable[bytes | memoryview]) -> int:
-        return write_whole(self.writer(key), chunks)  # a temporary name of its own: puts of one key at once do not collide
+        return write_whole(self.writer(key), chunks)  # a temporary name of its own: puts of one key never collide
 
     def get(self, key: str) -> bytes:
         try:
