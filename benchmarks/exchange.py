@@ -53,7 +53,7 @@ from common import (
     wait_ready,
 )
 from netns import Loopback, Namespaces, Net, netns_missing
-from peers_figures import FLOOR_AT_MBIT, GOAL_FLOOR, host_payload
+from peers_figures import FLOOR_AT_MBIT, GOAL_FLOOR, critical_path, host_payload
 
 PREFIX, SUBNET = "nxex", "10.79.0"  # not benchmarks/peers.py's or sites.py's: they can run side by side
 PHASES = ("encode", "upload", "aggregate", "sync_prepare", "download", "apply", "verify")
@@ -175,21 +175,6 @@ def run(model: str, rounds: int, save: bool, workdir: Path, net: Net, overlap: b
     hosts = {h: json.loads((out / f"host{h}.json").read_text()) for h in ("0", "1")}
     return {"model": model, "save_every_round": save, "mbit": net.mbit, "wall_s": time.time() - started,
             **summarize(events, hosts, rounds), "round": judge_round(events, rounds, net.mbit)}
-
-
-def critical_path(events: list[dict], r: int) -> dict[str, float]:
-    """Round ``r`` cut where its last delta was in, its sync's last piece made and its sync's last byte at the last
-    host: each part is the time the round still waited on that stage once the one before had ended; with the round
-    (first encode start to last verify end), they add up to it."""
-
-    def last(phase: str, host=str.isdigit) -> float:
-        return max(e["end"] for e in events if e["round"] == r and e["phase"] == phase and host(str(e["host"])))
-
-    start = min(e["start"] for e in events if e["round"] == r and e["phase"] == "encode")
-    delta_in, sync_made = last("upload"), last("sync_prepare", lambda h: h == "coordinator")
-    sync_out, verified = last("download"), last("verify")
-    return {"round": verified - start, "delta_in": delta_in - start, "sync_made": sync_made - delta_in,
-            "sync_out": sync_out - sync_made, "verified": verified - sync_out}
 
 
 def judge_round(events: list[dict], rounds: int, mbit: float | None) -> dict:

@@ -55,6 +55,21 @@ def host_payload(records: list[dict]) -> dict[int, int]:
     return out
 
 
+def critical_path(events: list[dict], r: int) -> dict[str, float]:
+    """Round ``r`` cut where its last delta was in, its sync's last piece made and its sync's last byte at the last
+    host: each part is the time the round still waited on that stage once the one before had ended; with the round
+    (first encode start to last verify end), they add up to it."""
+
+    def last(phase: str, host=str.isdigit) -> float:
+        return max(e["end"] for e in events if e["round"] == r and e["phase"] == phase and host(str(e["host"])))
+
+    start = min(e["start"] for e in events if e["round"] == r and e["phase"] == "encode")
+    delta_in, sync_made = last("upload"), last("sync_prepare", lambda h: h == "coordinator")
+    sync_out, verified = last("download"), last("verify")
+    return {"round": verified - start, "delta_in": delta_in - start, "sync_made": sync_made - delta_in,
+            "sync_out": sync_out - sync_made, "verified": verified - sync_out}
+
+
 def phase_figures(runs: list[dict]) -> dict[str, dict]:
     """Over runs: median and range of each phase's run median (phases every run has)."""
     phases = [p for p in (*HOST_PHASES, *COORDINATOR_PHASES) if runs and all(p in run["phases"] for run in runs)]

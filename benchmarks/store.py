@@ -66,7 +66,7 @@ from common import (
     wait_ready,
 )
 from netns import SAMPLE_S, Counters, Namespaces, netns_missing, sh
-from peers_figures import host_payload, slowest_phases
+from peers_figures import critical_path, host_payload, slowest_phases
 from site_figures import PlacementFailed, sent_between, spread
 
 PREFIX, SUBNET = "nxst", "10.81.0"  # not another benchmark's: they can run side by side
@@ -335,25 +335,11 @@ def store_records(records: list[dict]) -> list[dict]:
 # -- figures -----------------------------------------------------------------------------------------------------
 
 
-def critical_path(records: list[dict], r: int) -> dict[str, float]:
-    """Round ``r`` cut at its last delta in, its sync's last piece made and its last host's download end; the parts
-    add up to the round (first encode start to last verify end)."""
-
-    def last(phase: str, who=str.isdigit) -> float:
-        return max(e["end"] for e in records if e["round"] == r and e["phase"] == phase and who(str(e["host"])))
-
-    start = min(e["start"] for e in records if e["round"] == r and e["phase"] == "encode")
-    delta_in, sync_made = last("upload"), last("sync_prepare", lambda h: h == "coordinator")
-    sync_out, verified = last("download"), last("verify")
-    return {"round_s": verified - start, "delta_in_s": delta_in - start, "sync_made_s": sync_made - delta_in,
-            "sync_out_s": sync_out - sync_made, "verified_s": verified - sync_out}
-
-
 def round_figures(records: list[dict], rounds: int) -> dict:
     """Medians over rounds (round 0 left out when there are more) of the round and its critical path; the
     slowest host's phases; the sync's size."""
     counted = range(1, rounds) if rounds > 1 else range(rounds)
-    paths = [critical_path(records, r) for r in counted]
+    paths = [{f"{part}_s": s for part, s in critical_path(records, r).items()} for r in counted]
     payload = host_payload(records)
     return {**{k: statistics.median(p[k] for p in paths) for k in paths[0]},
             "rounds": paths, "phases": slowest_phases(records),

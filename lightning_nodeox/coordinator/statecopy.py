@@ -48,6 +48,7 @@ class StateCopy:
         self._current = False  # whether the store's run.json is the one written here last
         # the payload objects holding a state file's bytes already (coordinator/payloads.py), or None
         self.linker: Callable[[str, int, float], list[str] | None] | None = None
+        self._linked: set[str] = set()  # names this process holds in the store as links
 
     # -- copying -----------------------------------------------------------------------------------------------
     def wrote(self, name: str, crc: int, names: Collection[str] = (), *, copy: bool = True) -> None:
@@ -104,11 +105,15 @@ class StateCopy:
         keys = None if self.linker is None else self.linker(name, crc, LINK_WAIT)
         if keys is not None:  # hosts' payload objects hold these bytes: name them
             self.store.put(PREFIX + name + LINK, [json.dumps({"keys": keys, "crc": crc}).encode()])
-            self.store.delete([PREFIX + name])
         else:
             with open(self.dir / name, "rb") as f:
                 self.store.put(PREFIX + name, iter(lambda: f.read(CHUNK), b""))
-            self.store.delete([PREFIX + name + LINK])
+        if name in self._held and (name in self._linked) != (keys is not None):  # the other form is left
+            self.store.delete([PREFIX + name + ("" if keys is not None else LINK)])
+        if keys is not None:
+            self._linked.add(name)
+        else:
+            self._linked.discard(name)
         self._held[name] = crc
 
     def _prune(self) -> None:

@@ -165,12 +165,8 @@ def _file_chunks(f) -> Iterator[bytes]:
 def _open_s3(url: str, size: int) -> Iterator[bytes]:
     from ..core.stores import StoreError, StoreMissing
 
-    parts = urlsplit(url)
-    try:
-        store = _bucket(parts.netloc)
-    except ValueError as e:
-        raise TransferBroken(str(e)) from None
-    chunks = store.stream(unquote(parts.path.lstrip("/")), READ_CHUNK)
+    store, key = _s3_object(url)
+    chunks = store.stream(key, READ_CHUNK)
     try:
         first = next(chunks)
     except StopIteration:
@@ -190,6 +186,16 @@ def _prepend(first: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
         yield from rest
     except StoreError as e:
         raise TransferBroken(f"a read from the store broke off: {e}") from None
+
+
+def _s3_object(url: str):
+    """The store of an ``s3://bucket/key`` address's bucket (read and written with this host's own credentials),
+    and its key."""
+    parts = urlsplit(url)
+    try:
+        return _bucket(parts.netloc), unquote(parts.path.lstrip("/"))
+    except ValueError as e:  # the store extra is not installed here
+        raise TransferBroken(str(e)) from None
 
 
 @functools.lru_cache(maxsize=8)
@@ -220,10 +226,10 @@ def write_part(session: requests.Session, url: str, data: bytes, timeout: tuple[
     if scheme == "s3":
         from ..core.stores import StoreError
 
-        parts = urlsplit(url)
+        store, key = _s3_object(url)
         try:
-            _bucket(parts.netloc).put(unquote(parts.path.lstrip("/")), [data])
-        except (StoreError, ValueError) as e:
+            store.put(key, [data])
+        except StoreError as e:
             raise TransferBroken(f"cannot write {url}: {e}") from None
         return
     if scheme not in ("http", "https"):
