@@ -16,6 +16,7 @@ unit's span and of 10k positions, and LedgerSampler's cost per sample.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -113,6 +114,29 @@ def one_round(ledger: DataLedger, hosts: list[SimHost], clock: dict, r: int, rng
     return ledger
 
 
+class Collections:
+    """The process's full (generation 2) garbage collections while it is on, and what each took: a full
+    collection walks every object of the process (torch's too), so it can land on any call measured."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if info["generation"] == 2:
+            if phase == "start":
+                self._start = time.perf_counter()
+            else:
+                self.times.append(time.perf_counter() - self._start)
+
+    def __enter__(self) -> Collections:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self)
+
+
 def run_epoch(samples: int, host_count: int, unit_size: int, traced: bool) -> dict:
     """One epoch through the ledger; with ``traced``, under tracemalloc (its memory: the times are then not
     kept, tracemalloc slows every allocation)."""
@@ -125,13 +149,15 @@ def run_epoch(samples: int, host_count: int, unit_size: int, traced: bool) -> di
         tracemalloc.start()
     ledger = DataLedger(DataOrder(samples, seed=1), unit_size=unit_size)
     peak_ledger, rounds, start = ledger_bytes() if traced else 0, 0, time.perf_counter()
-    while clock.get("ended") is None:
-        ledger = one_round(ledger, hosts, clock, rounds, rng)
-        rounds += 1
-        if traced and rounds % 50 == 0:
-            peak_ledger = max(peak_ledger, ledger_bytes())
+    with Collections() as collections:
+        while clock.get("ended") is None:
+            ledger = one_round(ledger, hosts, clock, rounds, rng)
+            rounds += 1
+            if traced and rounds % 50 == 0:
+                peak_ledger = max(peak_ledger, ledger_bytes())
     if not traced:
-        return {"samples": samples, "hosts": host_count, "unit_size": unit_size, "units": ledger.units,
+        return {"full_collections": len(collections.times), "full_collection_max_s": max(collections.times, default=0),
+                "samples": samples, "hosts": host_count, "unit_size": unit_size, "units": ledger.units,
                 "rounds": rounds, "epoch_s": time.perf_counter() - start, "rss_growth_bytes": rss() - rss_before,
                 "saved_bytes_max": max(clock["saved_bytes"]),
                 **{f"{k}_s": quantiles(clock[k]) for k in ("lease", "covered", "publish", "save", "restore")}}
@@ -185,7 +211,8 @@ def report(r: dict) -> None:
         goal = f" (goal < 5 ms: {'MET' if q['max'] < LEASE_GOAL_S else 'MISSED'})" if key == "lease" else ""
         print(f"  {key:8} n={q['n']:6}  median {q['median'] * ms:.4f} ms  p99 {q['p99'] * ms:.4f} ms  "
               f"max {q['max'] * ms:.4f} ms{goal}")
-    print(f"  saved state at most {r['saved_bytes_max']:,} bytes")
+    print(f"  saved state at most {r['saved_bytes_max']:,} bytes; the process's full garbage collections during "
+          f"the timed epoch: {r['full_collections']}, the longest {r['full_collection_max_s'] * ms:.1f} ms")
     for key in ("order_unit_s", "order_10k_s"):
         q = r[key]
         print(f"  host: {key[:-2]:11} median {q['median'] * ms:.4f} ms  p99 {q['p99'] * ms:.4f} ms")
