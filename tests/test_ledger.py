@@ -289,6 +289,17 @@ def test_a_sampler_drops_what_it_holds_when_its_lease_is_void():
     assert sampler.take_covered(35) == Covered(0, 1, (Span(0, 0, 5),))
 
 
+def test_a_pass_cut_short_reads_again_what_it_read_but_did_not_report():
+    led = ledger()
+    sampler = LedgerSampler(Source(led, "a").for_rank(0), led.order, pause=block)
+    it = iter(sampler)
+    [next(it) for _ in range(30)]  # 30 read (a loader prefetching), 20 trained, then the loop stops
+    assert sampler.take_covered(20).spans == (Span(0, 0, 20),)
+    again = iter(sampler)
+    assert [next(again) for _ in range(3)] == led.order.epoch(0).indices(20, 23).tolist()
+    assert sampler.take_covered(3).spans == (Span(0, 20, 23),)
+
+
 # ---- the invariants, over any run ----
 
 class Run:

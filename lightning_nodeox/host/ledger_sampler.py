@@ -22,7 +22,9 @@ samples, as :class:`~torch.utils.data.DistributedSampler` does; either way its p
 What a delta carries (:meth:`LedgerSampler.take_covered`): yielded is not trained (a DataLoader prefetches), so
 the strategy says how far training got: ``trained``, the samples of this pass its training steps consumed on this
 rank (one per row); at the end of a pass (the loop ran out of data), ``pass_ended=True`` counts everything the
-pass read, a last partial batch a DataLoader dropped included, as a DistributedSampler's epoch does. A lease of a
+pass read, a last partial batch a DataLoader dropped included, as a DistributedSampler's epoch does. The strategy
+reports at each pass's end (Lightning's epoch end): what a pass read but did not report (a pass cut short, as by
+``limit_train_batches``, its prefetched batches never trained) is read again by the next pass. A lease of a
 newer generation (after :class:`LeaseVoid`), :meth:`LedgerSampler.void` or an EpochEnd drops what the sampler
 holds: those positions are the ledger's again.
 
@@ -83,6 +85,7 @@ class LedgerSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         self._rows = 0
+        self._yielded = self._reported  # read but not reported: a pass cut short (prefetched, never trained)
         self._anchor = (0, self._yielded)
         while True:
             if not self._fill():
