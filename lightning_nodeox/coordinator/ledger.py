@@ -19,64 +19,27 @@ memory grows with the units, not the samples.
 - :meth:`DataLedger.refused` (a delta of the host refused or cut from its round) and :meth:`DataLedger.gone`
   (the host left, or was cut off) void the host's lease: every unit it holds goes back, with what it reported
   but was not published, and its later reports raise :class:`LeaseVoid` until it leases again.
-- :meth:`DataLedger.to_dict` / :meth:`DataLedger.from_dict`: the ledger as the round's saved state holds it
-  (JSON, O(units held or given back)). A restored ledger voids every lease (the leases made after the save are
-  unknown to it), so after a coordinator restart every host leases again: at most a round's training is lost,
-  and nothing is counted twice.
+- :meth:`DataLedger.to_dict` / :meth:`DataLedger.from_dict`: saved with the round's state, restored with every
+  lease void (:mod:`~lightning_nodeox.coordinator.ledger_saved`): after a restart every host leases again.
 
-A relay uses the same class for its site (:meth:`DataLedger.below`): it leases a block of units upstream as one
-host, gives them to its own ledger, whose hosts lease them; its own round's publish commits them below, and what
-it published (:attr:`Published.spans`) it reports upstream as its delta's :class:`Covered`."""
+A relay uses the same class for its site (:meth:`DataLedger.below`)."""
 
 from __future__ import annotations
 
 import json
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..core.ledger_order import DataOrder
 from ..core.ledger_terms import Covered, EpochEnd, Lease, LeaseReply, LeaseVoid, Span, Wait
+from . import ledger_saved
+from .ledger_hosts import FREE, HostCounts, HostEntry, Published
 
 # the default unit: small enough that an epoch's tail (hosts waiting on the last units) and what a host that dies
 # takes with it stay short (8 steps of 32 samples), large enough that a host leases every few steps at most
 DEFAULT_UNIT_SIZE = 256
-FREE = -1
-
-
-@dataclass
-class HostCounts:
-    """One host's samples over the run: leased, committed, returned (given back uncommitted)."""
-
-    leased: int = 0
-    committed: int = 0
-    returned: int = 0
-
-    @property
-    def in_flight(self) -> int:
-        return self.leased - self.committed - self.returned
-
-
-@dataclass
-class _Host:
-    slot: int
-    generation: int = 0
-    present: bool = True
-    held: int = 0  # units held now
-    pending: deque[tuple[int, tuple[Span, ...]]] = field(default_factory=deque)  # (delta, spans) not yet decided
-    counts: HostCounts = field(default_factory=HostCounts)
-
-
-@dataclass(frozen=True)
-class Published:
-    """What a publish committed: ``samples``; ``spans``, one per unit it moved, in unit order (a relay reports
-    them upstream as its own delta's :class:`Covered`); ``epoch_ended``: the epoch it ended, or None."""
-
-    samples: int
-    spans: tuple[Span, ...]
-    epoch_ended: int | None
 
 
 class DataLedger:
@@ -95,7 +58,7 @@ class DataLedger:
         self.units = -(-order.samples // unit_size)
         self._starts = np.arange(self.units, dtype=np.int64) * unit_size
         self._ends = np.minimum(self._starts + unit_size, order.samples)
-        self._hosts: dict[str, _Host] = {}
+        self._hosts: dict[str, HostEntry] = {}
         self._names: list[str] = []
         self._own = True  # the ledger's own epoch: every unit is its own (a relay's ledger: only those given)
         self._begin(0)
@@ -103,7 +66,8 @@ class DataLedger:
     @classmethod
     def below(cls, order: DataOrder, *, unit_size: int = DEFAULT_UNIT_SIZE) -> DataLedger:
         """A relay's ledger for its site: it holds no unit of its own; the relay gives it (:meth:`give`) the
-        leases it takes upstream (as one host) when its hosts find nothing free (:class:`Wait`); its hosts lease and report as from the root's, its rounds'
+        leases it takes upstream (as one host) when its hosts find nothing free (:class:`Wait`); its hosts lease
+        and report as from the root's, its rounds'
         :attr:`Published.spans` go upstream as the relay's :class:`Covered`, and upstream's :class:`EpochEnd`
         moves it on (:meth:`advance`). Upstream's :class:`LeaseVoid` for the relay voids every lease below
         (:meth:`refused` for each host of the site)."""
@@ -150,15 +114,15 @@ class DataLedger:
             raise ValueError(f"this host's dataset has {samples} samples but the run's has {self.order.samples}: "
                              "every host must load the same dataset (same split, same filtering)")
 
-    def _host(self, host: str) -> _Host:
+    def _host(self, host: str) -> HostEntry:
         h = self._hosts.get(host)
         if h is None:
-            h = self._hosts[host] = _Host(len(self._names))
+            h = self._hosts[host] = HostEntry(len(self._names))
             self._names.append(host)
         h.present = True
         return h
 
-    def _known(self, host: str) -> _Host:
+    def _known(self, host: str) -> HostEntry:
         h = self._hosts.get(host)
         if h is None:
             raise ValueError(f"host {host} never leased from the data ledger: lease before reporting")
@@ -213,7 +177,7 @@ class DataLedger:
             self._reported[s.unit] = s.end
         h.pending.append((delta, report.spans))
 
-    def _check(self, host: str, h: _Host, s: Span, reading: dict[int, int]) -> int:
+    def _check(self, host: str, h: HostEntry, s: Span, reading: dict[int, int]) -> int:
         u = s.unit
         if not 0 <= u < self.units:
             raise ValueError(f"host {host} reports unit {u}, not a unit of this epoch (0 to {self.units - 1})")
@@ -254,7 +218,7 @@ class DataLedger:
             self._begin(self.epoch + 1)
         return Published(samples, spans, ended)
 
-    def _commit(self, h: _Host, spans: tuple[Span, ...], moved: dict[int, list[int]]) -> int:
+    def _commit(self, h: HostEntry, spans: tuple[Span, ...], moved: dict[int, list[int]]) -> int:
         samples = 0
         for s in spans:
             moved.setdefault(s.unit, [s.start, s.end])[1] = s.end
@@ -281,7 +245,7 @@ class DataLedger:
         h.present = False
         return self._void(h)
 
-    def _void(self, h: _Host) -> list[int]:
+    def _void(self, h: HostEntry) -> list[int]:
         if h.held:
             for u in np.flatnonzero(self._holder == h.slot).tolist():
                 h.counts.returned += int(self._ends[u] - self._cursor[u])
@@ -299,67 +263,35 @@ class DataLedger:
     def counts(self, host: str) -> HostCounts:
         return self._known(host).counts
 
+    @property
+    def units_free(self) -> int:
+        return len(self._returned) + self.units - self._fresh
+
     def status(self) -> dict:
         """For the status page and the report: the epoch's progress and each host's counts."""
-        free = len(self._returned) + self.units - self._fresh
-        hosts = {name: {"present": h.present, "generation": h.generation, "units_held": h.held,
-                        "leased": h.counts.leased, "committed": h.counts.committed,
-                        "in_flight": h.counts.in_flight, "returned": h.counts.returned,
-                        "undecided_deltas": len(h.pending)} for name, h in self._hosts.items()}
-        return {**self.summary(), "samples": self.order.samples, "unit_size": self.unit_size,
-                "units": self.units, "units_free": free, "hosts": hosts}
+        return {**self.summary(), "samples": self.order.samples, "unit_size": self.unit_size, "units": self.units,
+                "units_free": self.units_free, "hosts": {name: h.status() for name, h in self._hosts.items()}}
 
     def summary(self) -> dict:
         """A flat record for events.jsonl (one per published round)."""
-        free = len(self._returned) + self.units - self._fresh
         return {"epoch": self.epoch, "epoch_committed_samples": self._committed,
                 "epoch_committed_fraction": self._committed / self.order.samples,
-                "units_committed": self._done, "units_held": self.units - self._done - free}
+                "units_committed": self._done, "units_held": self.units - self._done - self.units_free}
 
     # ---- saved with the round ----
 
     def to_dict(self) -> dict:
-        """The ledger for the round's saved state: O(units held or given back), not O(units)."""
-        offsets = self._cursor - self._starts
-        usual = np.where(np.arange(self.units) < self._fresh, self._ends - self._starts, 0)
-        partial = np.flatnonzero(offsets != usual)
-        held = np.flatnonzero(self._holder != FREE)
-        return {"order": {"samples": self.order.samples, "seed": self.order.seed, "shuffle": self.order.shuffle},
-                "unit_size": self.unit_size, "epoch": self.epoch, "fresh": self._fresh,
-                "committed": self._committed, "returned": list(self._returned),
-                "partial": [[int(u), int(offsets[u])] for u in partial],
-                "held": [[int(u), int(self._holder[u])] for u in held],
-                "own": self._own,
-                "hosts": {name: {"slot": h.slot, "generation": h.generation, "present": h.present, "leased": h.counts.leased,
-                                 "committed": h.counts.committed, "returned": h.counts.returned}
-                          for name, h in self._hosts.items()}}
+        """The ledger for the round's saved state: O(units held or given back), not O(units)
+        (:mod:`~lightning_nodeox.coordinator.ledger_saved`)."""
+        return ledger_saved.to_dict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> DataLedger:
         """A ledger saved by :meth:`to_dict`, every lease of it void (see the module's doc)."""
         make = cls if d.get("own", True) else cls.below
         ledger = make(DataOrder(**d["order"]), unit_size=d["unit_size"])
-        ledger._restore(d)
+        ledger_saved.restore(ledger, d)
         return ledger
-
-    def _restore(self, d: dict) -> None:
-        self._begin(d["epoch"])
-        self._fresh, self._committed = d["fresh"], d["committed"]
-        self._cursor[: self._fresh] = self._ends[: self._fresh]
-        for u, offset in d["partial"]:
-            self._cursor[u] = self._starts[u] + offset
-        self._reported[:] = self._cursor
-        self._returned.extend(d["returned"])
-        for name, saved in sorted(d["hosts"].items(), key=lambda item: item[1]["slot"]):
-            h = self._host(name)
-            h.generation, h.present = saved["generation"] + 1, saved["present"]
-            h.counts = HostCounts(saved["leased"], saved["committed"], saved["returned"])
-        for u, slot in d["held"]:
-            self._hosts[self._names[slot]].counts.returned += int(self._ends[u] - self._cursor[u])
-            self._returned.append(u)
-        given_back = np.zeros(self.units, dtype=bool)
-        given_back[list(self._returned)] = True
-        self._done = int(np.count_nonzero((self._cursor == self._ends) & ~given_back))
 
     def to_bytes(self) -> bytes:
         return json.dumps(self.to_dict(), separators=(",", ":")).encode()

@@ -19,6 +19,15 @@ HTTP lives only in the host's client (``host/client.py``) and the coordinator's 
     POST /v1/hosts/{h}/heartbeat             the host is alive -> {"lease": seconds}
     POST /v1/values/{key}?wait=S&host=H      {"payload": ...} this host's values under key -> ValuesReply once
                                              answered (not within S seconds: post again, idempotent)
+    POST /v1/data/lease?host=H               {"epoch": E or null, "units": K} -> a ledger reply (lease, wait or
+                                             epoch_end: core.ledger_terms), for a host that declared its data
+
+The data ledger (docs/ledger.md): a host that lets the coordinator share out its epochs declares its data at
+join (``"data": DataSpec.to_json()``; every host of a run must declare the same); the run's unit size is the
+coordinator's ``--data-unit``, not the host's (spans carry their positions, so a host never needs it). A delta
+of such a host says what it trained in its metadata (``covered``: :class:`~.ledger_terms.Covered`, optional).
+A covered report under a void lease is refused as ``LEASE_VOID`` (the host drops its spans and leases again);
+a report that names a unit never leased to it, or one already committed, as ``INVALID``.
 
 With a store (``--store``), a sync or model reply may instead be a :data:`PLACE`: where its parts are in the store
 (``{"size", "complete", "within", "parts": [{"url", "size"}]}``), read in order; ``&direct=1`` on either asks for
@@ -53,6 +62,7 @@ EVENTS = f"{API}/events"
 LEAVE = API + "/hosts/{host}/leave"
 HEARTBEAT = API + "/hosts/{host}/heartbeat"
 VALUES = API + "/values/{key}"
+DATA_LEASE = f"{API}/data/lease"
 VALUES_KEY = re.compile(r"[A-Za-z0-9_.:=-]{1,200}")  # what a values key may be (it travels in a path)
 MAX_VALUES_BYTES = 1 << 20  # one host's values payload, as JSON
 
@@ -86,6 +96,7 @@ class Reason(enum.Enum):
     LENGTH_REQUIRED = "length_required"
     TOO_LARGE = "too_large"
     RATE_LIMITED = "rate_limited"  # over a budget (telemetry bytes per minute): send less, later
+    LEASE_VOID = "lease_void"  # the delta's data lease is void (core.ledger_terms.LeaseVoid): drop it, lease again
 
 
 HTTP_STATUS = {
@@ -94,6 +105,7 @@ HTTP_STATUS = {
     Reason.STALE_BASE: 409, Reason.DUPLICATE: 409, Reason.GONE: 410, Reason.LENGTH_REQUIRED: 411,
     Reason.TOO_LARGE: 413, Reason.NO_DELTA: 409, Reason.BUSY: 503, Reason.TOO_SLOW: 408,
     Reason.FORBIDDEN: 403, Reason.ID_IN_USE: 409, Reason.FULL: 409, Reason.RATE_LIMITED: 429,
+    Reason.LEASE_VOID: 409,
 }
 
 
@@ -149,12 +161,39 @@ class JoinReply:
                    store_deltas=bool(d.get("store_deltas")))
 
 
+@dataclass(frozen=True)
+class DataSpec:
+    """The data a host trains on, declared at join when the coordinator shares out its epochs (the data ledger):
+    the dataset's length, the order's seed, whether it is shuffled. Every host of a run declares the same."""
+
+    samples: int
+    seed: int = 0
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.samples, bool) or not isinstance(self.samples, int) or not 0 < self.samples < 2**62:
+            raise ValueError(f"a dataset's length must be a positive integer, got {self.samples!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"the data order's seed must be an integer in [0, 2^63), got {self.seed!r}")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: object) -> DataSpec:
+        if not isinstance(d, dict) or "samples" not in d:
+            raise ValueError('data must be {"samples": N, "seed": S, "shuffle": true|false}')
+        return cls(samples=d["samples"], seed=d.get("seed", 0), shuffle=bool(d.get("shuffle", True)))
+
+
 class Upload(enum.Enum):
-    """What became of a delta."""
+    """What became of a delta. Every outcome but ``TAKEN`` also voids the host's data lease, if it holds one (the
+    coordinator gave its units back): the host drops its spans and leases again."""
 
     TAKEN = "taken"  # part of the round (also a retry of a delta already taken)
     LATE = "late"  # the round closed without it; its sync can still be applied
     STALE_BASE = "stale_base"  # computed against another model: the host must fetch the model
+    LEASE_VOID = "lease_void"  # it reported data under a void lease: refused; its sync can still be applied
 
 
 class ByteStream(Protocol):

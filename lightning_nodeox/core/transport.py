@@ -13,11 +13,13 @@ import logging
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
-from .protocol import ByteStream, JoinReply, Reason, Refusal, SyncGone, SyncReply, Upload, ValuesReply
+from .ledger_terms import LeaseReply
+from .protocol import ByteStream, DataSpec, JoinReply, Reason, Refusal, SyncGone, SyncReply, Upload, ValuesReply
 
 log = logging.getLogger(__name__)
 
-UPLOAD_OUTCOMES = {Reason.DUPLICATE: Upload.TAKEN, Reason.LATE: Upload.LATE, Reason.STALE_BASE: Upload.STALE_BASE}
+UPLOAD_OUTCOMES = {Reason.DUPLICATE: Upload.TAKEN, Reason.LATE: Upload.LATE, Reason.STALE_BASE: Upload.STALE_BASE,
+                   Reason.LEASE_VOID: Upload.LEASE_VOID}
 
 
 def delta_outcome(send: Callable[[], object], host: str, round_: int) -> Upload:
@@ -62,6 +64,7 @@ class HostClient(Protocol):
     host: str  # the host this client acts for
     clock: Clock  # aligns the host's phase records to the coordinator's clock
     credential: str  # this host's, from its last join ("" before one)
+    data: DataSpec | None  # declared with every join: the coordinator's data ledger shares out its epochs
 
     @property
     def joined(self) -> bool:
@@ -92,6 +95,11 @@ class HostClient(Protocol):
                   sending: bool = False) -> SyncReply | None:
         """One wait for round ``round_``'s sync (None: not ready yet); ``sending``: this host's delta of the round
         is still on its way, so the coordinator does not refuse the poll for want of it."""
+        ...
+
+    def lease(self, epoch: int | None, units: int = 1) -> LeaseReply:
+        """Up to ``units`` units of ledger epoch ``epoch`` (None: the ledger's current one) for this host, which
+        declared its :attr:`data` at join: a ``Lease``, ``Wait`` or ``EpochEnd`` (:mod:`~.ledger_terms`)."""
         ...
 
     def get_model(self) -> ByteStream:

@@ -27,6 +27,10 @@ An optional ``metrics`` key holds values logged with ``self.log(..., sync_dist=T
 The header reserves :data:`METRICS_BYTES` for it, so every message of one set of tensors keeps one layout;
 :func:`fit_metrics` says which values fit. Readers that do not know the key ignore it.
 
+An optional ``covered`` key (a delta of a host that leases its data: :class:`~.ledger_terms.Covered`, as JSON)
+says which positions of the epoch the delta trained. It shares the metrics' reserved room (so no layout changes):
+:func:`covered_room` is what it leaves the metrics.
+
 Every problem with a received message raises :class:`PayloadError`, whose message names the problem.
 """
 
@@ -45,6 +49,7 @@ from . import safetensors
 from .codecs import codec_for
 from .codecs.base import Codec
 from .codecs.settings import CodecSettings, Q4Settings, settings_from_json, settings_from_old_keys
+from .ledger_terms import Covered
 from .specs import PayloadError, TensorSpec, specs_from_json
 
 FORMAT = "nodeox-q4"
@@ -72,13 +77,31 @@ def metrics_json(metrics: dict) -> str:
     return json.dumps(metrics, separators=(",", ":"))
 
 
-def fit_metrics(metrics: dict) -> tuple[dict, list[str]]:
-    """The metrics that fit in a message's header (in order), and the names of those that do not."""
+def covered_json(covered: Covered) -> str:
+    return json.dumps(covered.to_dict(), separators=(",", ":"))
+
+
+def covered_room(covered: Covered | None) -> int:
+    """The room a delta's ``covered`` leaves its metrics; a Covered too large for the header is refused, naming
+    the fix."""
+    if covered is None:
+        return METRICS_BYTES
+    used = len(json.dumps(covered_json(covered))) + len(',"covered":')
+    if used > METRICS_BYTES // 2:
+        raise ValueError(f"a delta's covered data ({len(covered.spans)} spans) takes {used} bytes of its header, "
+                         f"more than {METRICS_BYTES // 2}: lease fewer units per round, or start the coordinator "
+                         "with a larger --data-unit")
+    return METRICS_BYTES - used
+
+
+def fit_metrics(metrics: dict, room: int = METRICS_BYTES) -> tuple[dict, list[str]]:
+    """The metrics that fit in a message's header (in ``room`` bytes: less beside a ``covered``, see
+    :func:`covered_room`), in order, and the names of those that do not."""
     kept: dict = {}
     dropped = []
     for name, value in metrics.items():
         trial = {**kept, name: value}
-        if len(json.dumps(metrics_json(trial))) <= METRICS_BYTES:
+        if len(json.dumps(metrics_json(trial))) <= room:
             kept = trial
         else:
             dropped.append(name)
@@ -110,6 +133,7 @@ class MessageMeta:
     metrics: dict[str, list] = field(default_factory=dict)  # {name: [value, reduction]} (see fit_metrics)
     piece_bytes: int = PIECE_BYTES
     capacity: int | None = None  # a codec of varying size: entries a chunk (see the codec); None: fixed size
+    covered: Covered | None = None  # delta: the epoch's positions it trained (a host leasing its data)
 
     def metadata(self, crc: str) -> dict[str, str]:
         md = {
@@ -124,6 +148,8 @@ class MessageMeta:
             md["capacity"] = str(self.capacity)
         if self.metrics:
             md["metrics"] = metrics_json(self.metrics)
+        if self.covered is not None:
+            md["covered"] = covered_json(self.covered)
         md["crc32"] = crc
         return md
 
@@ -377,7 +403,8 @@ class Message:
             meta = MessageMeta(kind=md["kind"], round=int(md["round"]), host=str(md["host"]),
                           base_hash=str(md["base_hash"]), samples=int(md["samples"]), final=md["final"] == "1",
                           codec=settings, tensors=specs, metrics=_parse_metrics(md.get("metrics") or "{}"),
-                          piece_bytes=piece_bytes)
+                          piece_bytes=piece_bytes,
+                          covered=Covered.from_dict(json.loads(md["covered"])) if "covered" in md else None)
             crc_text = str(md["crc32"])
             expected_crc = int(crc_text, 16)
             capacity = int(md["capacity"]) if "capacity" in md else None
