@@ -258,8 +258,6 @@ class DataLedger:
         h.generation += 1
         return void
 
-    # ---- what it tells ----
-
     def counts(self, host: str) -> HostCounts:
         return self._known(host).counts
 
@@ -277,8 +275,6 @@ class DataLedger:
         return {"epoch": self.epoch, "epoch_committed_samples": self._committed,
                 "epoch_committed_fraction": self._committed / self.order.samples,
                 "units_committed": self._done, "units_held": self.units - self._done - self.units_free}
-
-    # ---- saved with the round ----
 
     def to_dict(self) -> dict:
         """The ledger for the round's saved state: O(units held or given back), not O(units)
