@@ -10,7 +10,8 @@ Coordinator phases: ``receive`` (per host), ``aggregate``, ``sync_prepare`` (out
 hash), ``model_materialize`` (serving the full model on demand), ``persist`` (writing the run's state after
 a round, off the critical path) and ``store`` (with ``--store``: a sync or model written to the store, its bytes
 and requests). ``rss`` records are memory samples (with the coordinator's CPU seconds so
-far); a ``restart`` record marks where a coordinator resumed the run.
+far); a ``restart`` record marks where a coordinator resumed the run; a ``data`` record (no duration) says
+where the data ledger stands after a published round (its epoch, samples committed: docs/ledger.md).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ TRAIN, ENCODE, UPLOAD, WAIT, POLL, DOWNLOAD, APPLY, VERIFY, FOLD, PROVIDE_MODEL,
 HOST_PHASES = (TRAIN, ENCODE, UPLOAD, WAIT, POLL, DOWNLOAD, APPLY, VERIFY, FOLD, PROVIDE_MODEL, FALLBACK_FETCH)
 SYNC_PARTS = (DOWNLOAD, APPLY, VERIFY)
 
-RECEIVE, AGGREGATE, SYNC_PREPARE, MODEL_MATERIALIZE, PERSIST, STORE, RSS, RESTART = (
-    "receive", "aggregate", "sync_prepare", "model_materialize", "persist", "store", "rss", "restart")
+RECEIVE, AGGREGATE, SYNC_PREPARE, MODEL_MATERIALIZE, PERSIST, STORE, RSS, RESTART, DATA = (
+    "receive", "aggregate", "sync_prepare", "model_materialize", "persist", "store", "rss", "restart", "data")
 COORDINATOR_PHASES = (RECEIVE, AGGREGATE, SYNC_PREPARE, MODEL_MATERIALIZE, PERSIST, STORE)
 COORDINATOR = "coordinator"
 
