@@ -82,6 +82,9 @@ class CoordinatorConfig:
         store_lease: seconds the run's lease in ``store`` lasts unrenewed (renewed every third of it): a coordinator
             killed with its machine is followed by another this long after, at most
             (:mod:`lightning_nodeox.coordinator.lease`).
+        data_unit: samples per unit of the data ledger (``--data-unit``, default 256), for hosts that declare their
+            data at join (docs/ledger.md): smaller shortens an epoch's tail and what a lost host takes with it,
+            larger makes leases rarer. The run's, not a host's: every host leases from one ledger.
         name: what the run's log lines start with (a site relay's: ``nodeox relay ID``, set by ``nodeox relay``).
     """
 
@@ -117,6 +120,7 @@ class CoordinatorConfig:
     store_own_credentials: bool = False
     store_deltas: bool = False
     store_lease: float = 30.0
+    data_unit: int = 256
     name: str = NAME
 
     def __post_init__(self) -> None:
@@ -147,6 +151,8 @@ class CoordinatorConfig:
                              f"{self.gpu_hour_price}")
         if self.initial_model is not None and not Path(self.initial_model).is_file():
             raise ValueError(f"--initial-model {self.initial_model} is not a file; pass a safetensors file")
+        if isinstance(self.data_unit, bool) or not isinstance(self.data_unit, int) or self.data_unit < 1:
+            raise ValueError(f"--data-unit must be at least 1 sample, got {self.data_unit}")
         if not self.store_lease > 0:
             raise ValueError(f"--store-lease must be positive seconds, got {self.store_lease}")
         if (self.store_deltas or self.store_own_credentials) and self.store is None:

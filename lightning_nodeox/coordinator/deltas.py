@@ -44,6 +44,7 @@ class Delta:
     queued: int = 0  # pieces handed to the accumulator
     taken: int = 0  # pieces accumulated
     cut: str = ""  # why the rest of it is dropped ("" while it goes on)
+    covered: bool = False  # it reported data (noted by the run's data ledger before it was taken)
 
     @property
     def done(self) -> bool:
@@ -83,6 +84,11 @@ class RoundDeltas:
     def received(self) -> dict[str, int]:
         """The round's deltas: host -> samples."""
         return {h: d.samples for h, d in self.by_host.items()}
+
+    def taken(self, round_: int) -> list[tuple[str, int]]:
+        """The ``(host, round)`` of the round's deltas that reported data and were taken whole (the data ledger
+        commits those at publish)."""
+        return [(h, round_) for h, d in self.by_host.items() if d.covered and not d.cut]
 
     @property
     def training(self) -> set[str]:
@@ -166,11 +172,13 @@ class RoundDeltas:
             raise Refusal(Reason.STALE_BASE, f"delta of host {host} was computed against model {meta.base_hash}, but "
                                              f"round {round_} started from {model.hash}; fetch the model and rejoin",
                           model_hash=model.hash)
+        if meta.covered is not None:  # noted before the delta is taken: a refusal here changes nothing
+            state.data.covered(host, round_, meta.covered)
         self.final = self.final or meta.final
         entry = state.hosts[host]
         entry.state = HostState.FINISHED if meta.final else HostState.TRAINING
         delta = self.by_host[host] = Delta(host, message, model.begin_delta(message, meta.samples), meta.samples,
-                                           meta.metrics, received_at, training)
+                                           meta.metrics, received_at, training, covered=meta.covered is not None)
         await state.notify()
         asyncio.ensure_future(self.on_change())
         return delta
@@ -213,6 +221,8 @@ class RoundDeltas:
         it), and the host is told so as a late delta: it applies the round's sync. Returns the error to raise."""
         if self.by_host.get(delta.host) is not delta or delta.cut:
             return why
+        if delta.covered:  # not taken whole: the data it trained goes back (its host leases again)
+            self.state.data.refused(delta.host)
         pieces = len(delta.message.layout.pieces)
         if delta.queued == 0:
             del self.by_host[delta.host]

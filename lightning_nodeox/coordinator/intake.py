@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from ..core.logs import Named
 from ..core.phases import COORDINATOR_PHASES, HOST_PHASES, RESTART, RSS, PhaseRecord
-from ..core.protocol import MAX_VALUES_BYTES, VALUES_KEY, Reason, Refusal
+from ..core.protocol import MAX_VALUES_BYTES, VALUES_KEY, DataSpec, Reason, Refusal
 from ..core.settings import check_host_id
 from ..core.specs import PayloadError, TensorSpec, specs_from_json
 from .config import NAME
@@ -99,6 +99,38 @@ def parse_join(body: bytes) -> tuple[str, tuple[TensorSpec, ...], tuple[str | No
         return host, specs, (model_hash, None if round_ is None else _int(round_, "join: round"))
     except ValueError as e:
         raise Refusal(Reason.INVALID, str(e)) from None
+
+
+def parse_join_data(body: bytes) -> DataSpec | None:
+    """The data a joining host declares (``"data"``: :class:`~lightning_nodeox.core.protocol.DataSpec`), or None."""
+    value = decode_json(body, "join")
+    data = value.get("data") if isinstance(value, dict) else None
+    if data is None:
+        return None
+    try:
+        return DataSpec.from_json(data)
+    except ValueError as e:
+        raise Refusal(Reason.INVALID, f"join: {e}") from None
+
+
+MAX_LEASE_UNITS = 1024  # units one lease call may ask for
+
+
+def parse_lease(body: bytes) -> tuple[int | None, int]:
+    """A lease call's ``{"epoch": E or null, "units": K}`` (K: 1 when absent)."""
+    value = decode_json(body or b"{}", "lease")
+    usage = 'a lease needs a JSON body {"epoch": E (the ledger epoch the host reads; null: the current one), "units": K}'
+    if not isinstance(value, dict):
+        raise Refusal(Reason.INVALID, usage)
+    epoch, units = value.get("epoch"), value.get("units", 1)
+    try:
+        epoch = None if epoch is None else _int(epoch, "lease: epoch")
+        units = _int(units, "lease: units")
+    except ValueError as e:
+        raise Refusal(Reason.INVALID, f"{e}; {usage}") from None
+    if not 1 <= units <= MAX_LEASE_UNITS:
+        raise Refusal(Reason.INVALID, f"lease: units must be 1 to {MAX_LEASE_UNITS}, got {units}")
+    return epoch, units
 
 
 def _int(value: object, what: str) -> int:

@@ -184,6 +184,7 @@ class CoordinatorRun:
             "received": sorted(self.rounds.received), "peak_rss_bytes": state.peak_rss, "lease": self.config.lease,
             "downloads": len(self.rounds.downloads), "codec": self.config.codec.to_json(),
             **({} if self.site is None else self.site.status()),
+            **({} if state.data.ledger is None else {"data": state.data.status()}),
             **({} if self.payloads is None else {"store": {
                 **self.payloads.status(), **({} if self.store_deltas is None else
                                              {"deltas_read_bytes": self.store_deltas.read_bytes})}}),

@@ -32,7 +32,7 @@ import torch
 
 from ..core.logs import Named
 from ..core.modelfile import arrange, model_header, read_model
-from ..core.protocol import JoinReply, Reason, Refusal
+from ..core.protocol import DataSpec, JoinReply, Reason, Refusal
 from ..core.specs import PayloadError, TensorSpec, check_same_model
 from .hosts import Host, HostState
 from .intake import model_bytes
@@ -62,15 +62,21 @@ class Membership:
 
     # -- joining --------------------------------------------------------------------------------------------
     async def join(self, host: str, specs: tuple[TensorSpec, ...], credential: str = "",
-                   model_hash: str | None = None, round_: int | None = None) -> JoinReply:
+                   model_hash: str | None = None, round_: int | None = None,
+                   data: DataSpec | None = None) -> JoinReply:
         """Admit a host (see the module's rules on ids); tell it the round, the model hash and its credential, or
         that it must provide the model. A host that rejoins a resumed run says which model and round it holds
         (``model_hash``, ``round_``), so that it can give the model back. A host whose model does not fit the run
-        is refused and not registered."""
+        is refused and not registered, and so is one whose ``data`` is not the run's (:mod:`.data`)."""
         state, recovery = self.state, self.recovery
         if self.site is not None and state.model is None and recovery.resumed is None:
             await self.site.before_join(specs)
         self._check_admission(host, credential)
+        if data is not None:
+            if self.site is not None:
+                raise Refusal(Reason.INVALID, f"host {host} declares its data, but a site relay does not share out "
+                                              "data yet: connect hosts that use the data ledger to the coordinator")
+            state.data.declare(host, data)
         if state.model is None and self.initial is not None:
             await self._take_initial_model(host, specs)
         if state.model is None:
@@ -212,6 +218,7 @@ class Membership:
         entry = self.state.hosts.get(host)
         if entry is not None:
             entry.state = HostState.LEFT
+        self.state.data.gone(host)
         await self.rounds.maybe_close()
         self.rounds.check_finished()
         await self.state.notify()
@@ -219,7 +226,10 @@ class Membership:
     async def check_leases(self) -> None:
         """Drop training hosts not heard from within the lease (rounds stop waiting for them); the run may have
         finished (every host gone), or have had no live host for ``--no-hosts-timeout`` (it gives up)."""
-        if self.state.hosts.expire():
+        expired = self.state.hosts.expire()
+        for entry in expired:
+            self.state.data.gone(entry.id)
+        if expired:
             await self.rounds.maybe_close()
             await self.state.notify()
         self.rounds.check_finished()

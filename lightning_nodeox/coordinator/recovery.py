@@ -110,6 +110,7 @@ class Recovery:
         state = self.state
         state.round, state.published_round = saved.round, saved.round - 1
         state.hosts.restore(saved.hosts)
+        state.data.restore(saved.data)  # every data lease void: hosts lease again
         outer = self.store.read_tensors(saved, "outer")
         self.resumed = Resumed(saved, self.store.read_sync(saved),
                                {} if outer is None else {s.name: t for s, t in zip(*outer)}, time.time(),
@@ -248,7 +249,8 @@ class Recovery:
             return
         saved = SavedRun(round=state.round, model_hash=model.hash, complete=state.complete,
                          hosts=state.hosts.saved(),
-                         codec=config.codec, outer=config.outer, specs=[s.as_json() for s in model.specs], stopped=stopped)
+                         codec=config.codec, outer=config.outer, specs=[s.as_json() for s in model.specs], stopped=stopped,
+                         data=state.data.saved())
         last = store.last
         snapshot_round = None if last is None else last.snapshot_round
         due = snapshot or snapshot_round is None or snapshot_round < state.round - state.round % config.snapshot_every

@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from ..core.logs import Named
-from ..core.phases import AGGREGATE, COORDINATOR, PhaseRecord
+from ..core.phases import AGGREGATE, COORDINATOR, DATA, PhaseRecord
 from ..core.protocol import Reason, Refusal
 from ..core.wire import Message, fit_metrics
 from .close import OuterStep, RoundClose
@@ -179,12 +179,16 @@ class Rounds:
             model.publish(closed.sync)
         if closed.complete and not state.complete:
             state.final_members, state.completed_at = set(self.received), time.monotonic()
+        data = state.data.publish(self.deltas.taken(round_))  # the data its deltas trained is committed
         self.deltas.reset()
         state.complete = state.complete or closed.complete
         state.published_round = closed.next_round - 1
         state.round = closed.next_round
         state.round_opened = time.time()
         self.check_finished()
+        if data is not None:
+            now = time.time()
+            state.record(PhaseRecord(round_, COORDINATOR, DATA, now, now, extra=data))
         if state.complete:
             self.log.info("the run completed after round %d; final model %s", state.published_round,
                           model.hash)

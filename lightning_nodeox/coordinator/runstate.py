@@ -22,6 +22,7 @@ from ..core.pool import WorkerPool
 from ..core.protocol import Reason, Refusal
 from ..core.specs import TensorSpec
 from .config import CoordinatorConfig
+from .data import RunData
 from .hosts import Hosts
 from .model import CoordinatorModel
 from .runlog import RunLog, peak_rss_bytes, rss_bytes
@@ -42,6 +43,7 @@ class RunState:
         self.round_opened = time.time()  # when the open round started (or the model arrived)
         self.complete = False  # the round of a final delta is published: the run's end (rounds)
         self.hosts = Hosts(config.lease, config.name)  # who takes part (membership; rounds note uploads and syncs)
+        self.data = RunData(config.data_unit, config.name)  # the data ledger, once a host declares its data
         self.changed = asyncio.Condition()  # notified whenever any of the above changes
         self.final_members: set[str] = set()  # the hosts whose delta was in the final round (rounds)
         self.final_served: set[str] = set()  # the hosts sent the final sync or model whole (service)

@@ -317,9 +317,10 @@ async def status_file(request: web.Request) -> web.Response:
 
 
 async def join(request: web.Request) -> web.Response:
-    host, specs, held = intake.parse_join(await _body(request, intake.MAX_JSON_BYTES))
+    body = await _body(request, intake.MAX_JSON_BYTES)
+    host, specs, held = intake.parse_join(body)
     credential = request.headers.get(proto.CREDENTIAL_HEADER, "")  # a rejoin may present its old one
-    reply = await request.app[SERVICE].join(host, specs, credential, *held)
+    reply = await request.app[SERVICE].join(host, specs, credential, *held, data=intake.parse_join_data(body))
     return web.json_response(reply.to_json())
 
 
@@ -383,6 +384,13 @@ async def exchange_values(request: web.Request) -> web.Response:
     return web.json_response(reply.to_json())
 
 
+async def lease_data(request: web.Request) -> web.Response:
+    """Units of the data ledger's epoch for the calling host (:mod:`~lightning_nodeox.coordinator.data`)."""
+    host = _caller(request)
+    epoch, units = intake.parse_lease(await _body(request, intake.MAX_JSON_BYTES))
+    return web.json_response(await request.app[SERVICE].lease_data(host, epoch, units))
+
+
 async def leave(request: web.Request) -> web.Response:
     host = _caller(request, request.match_info["host"], left_ok=True)
     await request.app[SERVICE].leave(host)
@@ -410,6 +418,7 @@ def make_app(service: CoordinatorService, token: str | None, connections: Connec
     app.router.add_post(proto.LEAVE, leave)
     app.router.add_post(proto.HEARTBEAT, heartbeat)
     app.router.add_post(proto.VALUES, exchange_values)
+    app.router.add_post(proto.DATA_LEASE, lease_data)
     return app
 
 

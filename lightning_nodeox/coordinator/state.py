@@ -84,6 +84,7 @@ class SavedRun:
     specs: list | None = None  # the model's tensor layout (TensorSpec.as_json each); None in older files
     outer_crc: int | None = None  # CRC-32 of the "outer" file's bytes
     stopped: bool = False  # written at shutdown: no round was published after it
+    data: dict | None = None  # the data ledger (DataLedger.to_dict: a few kB), if a host declared its data
 
     def promise(self, model_hash: str | None, round_: int | None) -> tuple[int, str] | None:
         """What a host that rejoins holding ``model_hash`` at ``round_`` can give back: this model, or the next one
@@ -110,7 +111,7 @@ class SavedRun:
                    snapshot_round=d.get("snapshot_round"), snapshot_hash=d.get("snapshot_hash"),
                    specs=None if d.get("specs") is None else list(d["specs"]),
                    outer_crc=None if d.get("outer_crc") is None else int(d["outer_crc"]),
-                   stopped=bool(d.get("stopped", False)))
+                   stopped=bool(d.get("stopped", False)), data=d.get("data"))
 
     def tensor_specs(self) -> tuple[TensorSpec, ...] | None:
         return None if self.specs is None else specs_from_json(self.specs)

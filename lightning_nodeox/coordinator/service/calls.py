@@ -23,7 +23,7 @@ import torch
 from ...core import safetensors
 from ...core.logs import Named
 from ...core.phases import COORDINATOR, MODEL_MATERIALIZE, PhaseRecord
-from ...core.protocol import JoinReply, Reason, Refusal, ValuesReply
+from ...core.protocol import DataSpec, JoinReply, Reason, Refusal, ValuesReply
 from ...core.specs import PayloadError, TensorSpec
 from .. import intake
 from ..config import CoordinatorConfig
@@ -40,6 +40,8 @@ T = TypeVar("T")
 READ_CHUNK = 8 << 20  # bytes of the model read from θ at a time
 MIN_RATE = 1e6  # bytes/s: a transfer slower than this (after --transfer-timeout) is cut off
 MAX_MODEL_DOWNLOADS = 2  # full-model downloads at once (each may keep up to the model's size at a publish)
+# refusals of a delta the round will not take (a retry would not be either): its host's data lease is void
+DROPPED = frozenset({Reason.LATE, Reason.STALE_BASE, Reason.INVALID, Reason.LEASE_VOID})
 
 
 class Body(Protocol):
@@ -104,8 +106,9 @@ class CoordinatorService:
         return self._run.membership.authenticate(intake.host_id(host), credential, left_ok=left_ok).id
 
     async def join(self, host: str, specs: tuple[TensorSpec, ...], credential: str = "",
-                   model_hash: str | None = None, round_: int | None = None) -> JoinReply:
-        return await self._run.membership.join(host, specs, credential, model_hash, round_)
+                   model_hash: str | None = None, round_: int | None = None,
+                   data: DataSpec | None = None) -> JoinReply:
+        return await self._run.membership.join(host, specs, credential, model_hash, round_, data)
 
     async def heartbeat(self, host: str) -> dict:
         return await self._run.membership.heartbeat(host)
@@ -169,6 +172,14 @@ class CoordinatorService:
         scales) and handed to the accumulator while the next one is still on the way. A buffer is taken only for
         a host the round expects with no upload of its own in flight (else ``BUSY``); at most ``MAX_UPLOADS`` bodies
         are read at once (the others wait their turn, unread). ``training``: the host trains on meanwhile."""
+        try:
+            return await self._receive_delta(host, round_, body, training)
+        except Refusal as e:
+            if e.reason in DROPPED:  # the round will not take it: the data it trained goes back
+                self._run.state.data.refused(host)
+            raise
+
+    async def _receive_delta(self, host: str, round_: int, body: Body, training: bool) -> dict:
         deltas = self._run.rounds.deltas
         start = time.time()
         await deltas.wait_open(round_)  # (a host back from the round closing, whose sync it took as it streamed)
@@ -325,6 +336,11 @@ class CoordinatorService:
         batch = intake.parse_records(await body.read(), host, self.config.name)
         self._run.state.record(*batch.records)
         return batch.answer()
+
+    async def lease_data(self, host: str, epoch: int | None, units: int = 1) -> dict:
+        """Up to ``units`` units of the data ledger's epoch ``epoch`` for ``host`` (:mod:`..data`), as a dict."""
+        self._run.state.hosts.known(host)
+        return self._run.state.data.lease(host, epoch, units).to_dict()
 
     async def exchange_values(self, host: str, key: str, payload: object, wait: float) -> ValuesReply | None:
         """A host's values under ``key``; None when not answered within ``wait`` seconds (the host asks again)."""

@@ -1,0 +1,113 @@
+"""The run's data ledger (:class:`~lightning_nodeox.coordinator.ledger.DataLedger`) as the rest of the coordinator
+uses it, in protocol terms: the rules of docs/ledger.md ("the wiring's contract") written once here.
+
+- A host that declares its data at join (:class:`~lightning_nodeox.core.protocol.DataSpec`) makes the run have a
+  ledger (the first such join, with the coordinator's ``--data-unit``); a later join declaring another dataset
+  (length, seed or shuffle) is refused naming both. Hosts that declare nothing never touch it.
+- :meth:`RunData.lease`: a host's lease call; :meth:`RunData.covered`: a delta's ``covered`` noted before the
+  delta is taken into its round (bad input: ``INVALID``; a void lease: ``LEASE_VOID``).
+- :meth:`RunData.refused` for every delta the round will not take (refused, cut, late), :meth:`RunData.gone` for
+  a host that left or whose lease expired: its uncommitted units go back.
+- :meth:`RunData.publish` with the ``(host, round)`` of the deltas a published round took.
+- :meth:`RunData.saved` / :meth:`RunData.restore`: the ledger in the round's saved state (``run.json``'s
+  ``data``), restored with every lease void.
+
+A ledger error at publish never stops a round: it is logged, and the ledger is left as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ..core.ledger_order import DataOrder
+from ..core.ledger_terms import Covered, LeaseReply, LeaseVoid
+from ..core.logs import Named
+from ..core.protocol import DataSpec, Reason, Refusal
+from .ledger import DataLedger
+
+log = logging.getLogger(__name__)
+
+
+class RunData:
+    """The run's data ledger, if a host declared its data (None until then)."""
+
+    def __init__(self, unit_size: int, name: str) -> None:
+        self.unit_size = unit_size
+        self.ledger: DataLedger | None = None
+        self.log = Named(log, name)
+
+    def declare(self, host: str, spec: DataSpec) -> None:
+        """A joining host's data: the run's ledger is made for it (the first), or it must be the run's."""
+        ledger = self.ledger
+        if ledger is None:
+            self.ledger = DataLedger(DataOrder(spec.samples, spec.seed, spec.shuffle), unit_size=self.unit_size)
+            self.log.info("data ledger: %d samples in units of %d (seed %d, %s), declared by host %s", spec.samples,
+                          self.unit_size, spec.seed, "shuffled" if spec.shuffle else "in order", host)
+            return
+        try:
+            ledger.check_length(spec.samples)
+        except ValueError as e:
+            raise Refusal(Reason.INVALID, f"host {host} cannot join: {e}") from None
+        order = ledger.order
+        if (spec.seed, spec.shuffle) != (order.seed, order.shuffle):
+            raise Refusal(Reason.INVALID, f"host {host} cannot join: its data order is seed {spec.seed}, shuffle "
+                                          f"{spec.shuffle} but the run's is seed {order.seed}, shuffle "
+                                          f"{order.shuffle}: start every host with the same seed and shuffle")
+
+    def _ledger(self, host: str) -> DataLedger:
+        if self.ledger is None:
+            raise Refusal(Reason.INVALID, f"host {host} asks for data but no host declared its data at join: join "
+                                          'with "data": {"samples": N, "seed": S, "shuffle": true|false}')
+        return self.ledger
+
+    def lease(self, host: str, epoch: int | None, units: int = 1) -> LeaseReply:
+        try:
+            return self._ledger(host).lease(host, units, epoch=epoch)
+        except ValueError as e:
+            raise Refusal(Reason.INVALID, str(e)) from None
+
+    def covered(self, host: str, round_: int, report: Covered) -> None:
+        """Note what ``host``'s delta of round ``round_`` trained, before the delta is taken."""
+        try:
+            self._ledger(host).covered(host, report, delta=round_)
+        except LeaseVoid as e:
+            raise Refusal(Reason.LEASE_VOID, f"delta rejected: {e} (drop the spans held; their training is not "
+                                             "taken)") from None
+        except ValueError as e:
+            raise Refusal(Reason.INVALID, f"delta rejected: {e}") from None
+
+    def refused(self, host: str) -> None:
+        """A delta of ``host`` will not be taken (refused, cut or late): its lease is void, its units go back."""
+        if self.ledger is not None:
+            self.ledger.refused(host)
+
+    def gone(self, host: str) -> None:
+        """``host`` left or its lease expired: its units go back."""
+        if self.ledger is not None:
+            self.ledger.gone(host)
+
+    def publish(self, taken: list[tuple[str, int]]) -> dict | None:
+        """Commit the reports of the deltas ``(host, round)`` a published round took; the ledger's summary for
+        the round's record (None: no ledger)."""
+        ledger = self.ledger
+        if ledger is None:
+            return None
+        try:
+            published = ledger.publish(taken)
+        except ValueError:  # a bug: the round is published regardless; the units stay uncommitted
+            self.log.exception("the data ledger could not commit the round's reports %s", taken)
+            return ledger.summary()
+        if published.epoch_ended is not None:
+            self.log.info("data ledger: epoch %d ended (every sample committed once)", published.epoch_ended)
+        return {**ledger.summary(), "published_samples": published.samples,
+                "epoch_ended": published.epoch_ended}
+
+    def status(self) -> dict | None:
+        return None if self.ledger is None else self.ledger.status()
+
+    def saved(self) -> dict | None:
+        return None if self.ledger is None else self.ledger.to_dict()
+
+    def restore(self, saved: dict | None) -> None:
+        """A resumed run's ledger (every lease void: its hosts lease again)."""
+        self.ledger = None if saved is None else DataLedger.from_dict(saved)
