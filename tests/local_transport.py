@@ -13,7 +13,9 @@ from pathlib import Path
 
 from lightning_nodeox.coordinator.config import CoordinatorConfig
 from lightning_nodeox.coordinator.service import CoordinatorService, Embedded, embed
-from lightning_nodeox.core.protocol import JoinReply, Reason, Refusal, RunComplete, SyncReady, SyncReply, Upload, ValuesReply
+from lightning_nodeox.core.ledger_terms import LeaseReply, reply_from_dict
+from lightning_nodeox.core.protocol import (DataSpec, JoinReply, Reason, Refusal, RunComplete, SyncReady, SyncReply, Upload,
+                                           ValuesReply)
 from lightning_nodeox.core.specs import specs_from_json
 from lightning_nodeox.core.transport import delta_outcome, sync_outcome
 from lightning_nodeox.host.clock import ClockOffset
@@ -136,9 +138,10 @@ class LocalClient:
 
     url = "local://coordinator"
 
-    def __init__(self, coordinator: LocalCoordinator, host: str) -> None:
+    def __init__(self, coordinator: LocalCoordinator, host: str, data: DataSpec | None = None) -> None:
         self.coordinator = coordinator  # another one: the host's coordinator restarted
         self.host = host
+        self.data = data  # declared with every join (the data ledger)
         self.break_next_sync = False
         self.credential = ""
         self.clock = ClockOffset()  # one process, one clock: offset 0
@@ -161,7 +164,8 @@ class LocalClient:
         return self.service.authenticate(self.host, self.credential, left_ok=left_ok)
 
     def join(self, tensors: list, *, model_hash: str | None = None, round_: int | None = None) -> JoinReply:
-        reply = self._call(self.service.join(self.host, specs_from_json(tensors), self.credential, model_hash, round_))
+        reply = self._call(self.service.join(self.host, specs_from_json(tensors), self.credential, model_hash, round_,
+                                             data=self.data))
         self.credential = reply.credential or self.credential
         return reply
 
@@ -202,6 +206,9 @@ class LocalClient:
             reply = self._call(self.service.exchange_values(self._me(), key, payload, poll))
             if reply is not None:
                 return reply
+
+    def lease(self, epoch: int | None, units: int = 1) -> LeaseReply:
+        return reply_from_dict(self._call(self.service.lease_data(self._me(), epoch, units)))
 
     def get_model(self) -> BytesBody:
         sink = MemorySink()

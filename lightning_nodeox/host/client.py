@@ -33,9 +33,11 @@ import requests
 from urllib3.exceptions import HTTPError as Urllib3Error
 
 from ..core import protocol as proto
+from ..core.ledger_terms import LeaseReply, reply_from_dict
 from ..core.protocol import (
     ByteStream,
     Cancelled,
+    DataSpec,
     JoinReply,
     Reason,
     Refusal,
@@ -100,8 +102,9 @@ class HttpClient:
 
     def __init__(self, url: str, *, host: str, token: str | None = None, ca_file: str | None = None,
                  connect_timeout: float = 5.0, read_timeout: float = 120.0, retry_for: float = RETRY_FOR,
-                 clock: ClockOffset | None = None, check: str = CHECK) -> None:
+                 clock: ClockOffset | None = None, check: str = CHECK, data: DataSpec | None = None) -> None:
         self.url = url.rstrip("/")
+        self.data = data  # declared with every join: the coordinator's data ledger shares out its epochs
         self.check = check
         self.host = host
         self.connect_timeout = connect_timeout
@@ -223,6 +226,8 @@ class HttpClient:
         so that a restarted coordinator can take its model back from it); later calls carry the credential
         returned."""
         body = {"host": self.host, "tensors": tensors}
+        if self.data is not None:
+            body["data"] = self.data.to_json()
         if model_hash:
             body.update(model_hash=model_hash, round=round_)
         reply = JoinReply.from_json(self._request("POST", proto.JOIN, json=body).json())
@@ -316,6 +321,12 @@ class HttpClient:
             if response.status_code == 200:
                 return ValuesReply.from_json(response.json())
             waiting.still("not every host still in the run has posted them")
+
+    def lease(self, epoch: int | None, units: int = 1) -> LeaseReply:
+        """Up to ``units`` units of the data ledger's epoch ``epoch`` (None: its current one): a ``Lease``,
+        ``Wait`` or ``EpochEnd``."""
+        body = {"epoch": epoch, "units": units}
+        return reply_from_dict(self._request("POST", proto.DATA_LEASE, params={"host": self.host}, json=body).json())
 
     def status(self) -> dict:
         """The coordinator's run at a glance (``GET /v1/status``: its round, codec, hosts); a site relay asks it of

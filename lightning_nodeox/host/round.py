@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from ..core.ledger_terms import Covered
 from ..core.logs import Named
 from ..core.phases import PhaseLog
 from ..core.protocol import Upload, ValuesReply
@@ -110,17 +111,21 @@ class HostRound:
         self.joining.fetch_model(into)
 
     # -- a round --------------------------------------------------------------------------------------------------
-    def run_round(self, samples: int, final: bool, metrics: dict[str, list] | None = None) -> RoundResult:
+    def run_round(self, samples: int, final: bool, metrics: dict[str, list] | None = None,
+                  covered: Covered | None = None) -> RoundResult:
         """One whole exchange while training waits: encode, upload, then sync (following later rounds if this
-        is the final one). ``metrics``: this host's latest sync_dist values, ``{name: [value, reduction]}``."""
+        is the final one). ``metrics``: this host's latest sync_dist values, ``{name: [value, reduction]}``;
+        ``covered``: the data the round trained, for the coordinator's data ledger (the result's ``lease_void``
+        says when that lease is void)."""
         self.tensors.boundary(self.round, final=final)
-        message = self.encode(self.tensors.live, self.uploads.weight(samples), final, metrics)
+        message = self.encode(self.tensors.live, self.uploads.weight(samples), final, metrics, covered)
         return self.finish_round(message, final, Into.LIVE)
 
-    def run_overlapped(self, samples: int, delayed: bool, metrics: dict[str, list] | None = None) -> RoundResult:
+    def run_overlapped(self, samples: int, delayed: bool, metrics: dict[str, list] | None = None,
+                       covered: Covered | None = None) -> RoundResult:
         """One exchange while training goes on: the delta is the snapshot's, and the sync goes into ``base``
         only; the training side folds it into the live model (:meth:`HostTensors.fold`)."""
-        reader = self.encode(self.tensors.snapshot, self.uploads.weight(samples), False, metrics)
+        reader = self.encode(self.tensors.snapshot, self.uploads.weight(samples), False, metrics, covered)
         if delayed:
             reader.join()  # the snapshot becomes θ_r only once the delta is encoded from it
             self.tensors.snapshot_base()
@@ -131,6 +136,7 @@ class HostRound:
         arrive while the upload still goes on (:meth:`Downloads.while_uploading`); sending it again after a
         failure is harmless (a delta taken already is ``TAKEN``)."""
         self.uploads.final = final
+        self.uploads.lease_void = False
         uploading = Uploading(self.uploads, reader, into)
         early = self.downloads.while_uploading(uploading, into)
         outcome = uploading.outcome()
@@ -144,11 +150,13 @@ class HostRound:
             self.uploads.send_empty(final=True, into=into)  # so the coordinator knows this host has finished
             result = self.synchronize(follow_to_end=True, into=into)
         result.contributed = outcome is Upload.TAKEN and result.contributed
+        result.lease_void = self.uploads.lease_void
         return result
 
-    def encode(self, source, samples: int, final: bool, metrics: dict[str, list] | None = None) -> MessageReader:
+    def encode(self, source, samples: int, final: bool, metrics: dict[str, list] | None = None,
+               covered: Covered | None = None) -> MessageReader:
         """Start encoding this round's delta (:meth:`Uploads.encode`)."""
-        return self.uploads.encode(source, samples, final, metrics)
+        return self.uploads.encode(source, samples, final, metrics, covered)
 
     def upload(self, reader: MessageReader, *, into: Into = Into.LIVE) -> Upload:
         """Send the delta (each piece as it is encoded) and act on the outcome (:meth:`Uploads.upload`)."""

@@ -29,6 +29,7 @@ class RoundResult:
     complete: bool  # the run has completed: no more rounds
     contributed: bool  # this host's delta was part of the round
     metrics: dict[str, list] = field(default_factory=dict)  # the sync's sync_dist values, reduced across hosts
+    lease_void: bool = False  # a delta of the round was not taken: the host's data lease is void (lease again)
 
 
 class Standing:

@@ -3,6 +3,9 @@
 - ``LATE``: it arrived after its round closed and is dropped; the round's sync is applied as usual;
 - ``STALE_BASE``: it was computed against another model, so this host missed a sync: it fetches the model and
   takes part in the current round with an empty delta;
+- ``LEASE_VOID``: it reported data (its ``covered``) under a data lease the coordinator voided: its training is
+  not taken, and the host takes part in the round with an empty delta (as after ``STALE_BASE``). Every outcome but ``TAKEN`` voids the host's data lease (:attr:`Uploads.lease_void` says so
+  until the round's result takes it: the host drops its spans and leases again);
 - a coordinator that holds no delta of this host for the round it waits on (``NO_DELTA``: it restarted) gets
   the round's delta again (still in its buffer), or an empty one if there is none to resend (:meth:`Uploads.resend`).
 """
@@ -17,7 +20,8 @@ from ..core import phases as P
 from ..core.phases import PhaseRecord
 from ..core.protocol import Upload
 from ..core.streaming import MessageReader
-from ..core.wire import Message, MessageMeta
+from ..core.ledger_terms import Covered
+from ..core.wire import Message, MessageMeta, covered_room, fit_metrics
 from .joining import Joining
 from .standing import Into, Standing
 
@@ -33,6 +37,7 @@ class Uploads:
         self._sent: Message | None = None  # the last delta uploaded
         self._seed = int.from_bytes(standing.host.encode()[:8].ljust(8, b"\0"), "little")
         self._trained: deque[int] = deque()  # the samples of the last rounds, one per fragment
+        self.lease_void = False  # a delta of this round was not taken: the coordinator voided the data lease
 
     def weight(self, samples: int) -> int:
         """A delta's samples from the ``samples`` trained in the round closing now: with fragments, what the round's
@@ -42,16 +47,21 @@ class Uploads:
             self._trained.popleft()
         return sum(self._trained)
 
-    def encode(self, source, samples: int, final: bool, metrics: dict[str, list] | None = None) -> MessageReader:
+    def encode(self, source, samples: int, final: bool, metrics: dict[str, list] | None = None,
+               covered: Covered | None = None) -> MessageReader:
         """Start encoding this round's delta, piece by piece (:meth:`HostTensors.encode`); its upload sends each
-        piece as it is sealed."""
+        piece as it is sealed. ``covered``: the data it trained (a host leasing its data), in its metadata."""
         s = self.standing
+        if covered is not None and metrics:  # they share the header's room
+            metrics, dropped = fit_metrics(metrics, covered_room(covered))
+            if dropped:
+                s.log.warning("host %s: no room beside the delta's covered data for metrics %s", s.host, dropped)
         tensors = s.tensors
         error = tensors.estimate_error(source) if samples > 0 else None
         seed = None if self.rounding == "nearest" else hash((self._seed, s.round)) & (2**62 - 1)
         start = time.time()
         reader = tensors.encode(source, MessageMeta("delta", s.round, s.host, s.model_hash, samples=samples,
-                                                    final=final, metrics=metrics or {}), seed)
+                                                    final=final, metrics=metrics or {}, covered=covered), seed)
         reader.record = PhaseRecord(s.round, s.phases.host, P.ENCODE, start, start, len(reader),
                                     {"samples": samples, "q4_rel_error": error})
         return reader
@@ -71,8 +81,9 @@ class Uploads:
     def upload(self, reader: MessageReader, *, into: Into = Into.LIVE) -> Upload:
         """Send the delta (each piece as it is encoded). ``TAKEN``; ``LATE``: the round closed without it (or
         without part of it), but its sync can be applied; or ``STALE_BASE``, after which this host has fetched the
-        model (``into``) and taken part in the current round anew (with an empty delta). Unless taken, this
-        round's local work is dropped."""
+        model (``into``) and taken part in the current round anew (with an empty delta); ``LEASE_VOID``: refused
+        for its data (see the module's rules), the host took part with an empty delta. Unless taken, this round's
+        local work is dropped."""
         s = self.standing
         message = reader.message
         self._sent = message
@@ -83,10 +94,12 @@ class Uploads:
                                             training=s.training(into))
                 if outcome is not Upload.TAKEN:
                     rec.extra["rejected"] = outcome.value
+                    self.lease_void = True
         finally:
             self._encoded(reader)
         if outcome is Upload.STALE_BASE:
             self.joining.fetch_model(into)
+        if outcome in (Upload.STALE_BASE, Upload.LEASE_VOID):
             self.send_empty(message.meta.final, into=into)
         return outcome
 
@@ -116,8 +129,10 @@ class Uploads:
             rec.bytes = len(sent)
             outcome = self.joining.call(s.client.post_delta, s.round, sent.view(), into=into,
                                         training=s.training(into))
+        self.lease_void = self.lease_void or outcome is not Upload.TAKEN
         if outcome is Upload.STALE_BASE:
             self.joining.fetch_model(into)
+        if outcome in (Upload.STALE_BASE, Upload.LEASE_VOID):
             self.send_empty(self.final, into=into)
 
 
