@@ -5,18 +5,13 @@ committed offset), ``held`` (leased, given back on restore) or ``returned``. A r
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from .ledger_hosts import FREE, HostCounts
 
-if TYPE_CHECKING:
-    from .ledger import DataLedger
 
-
-def to_dict(ledger: DataLedger) -> dict:
-    """The ledger for the round's saved state: O(units held or given back), not O(units)."""
+def to_dict(ledger) -> dict:
+    """A :class:`~lightning_nodeox.coordinator.ledger.DataLedger` as the round's saved state holds it."""
     offsets = ledger._cursor - ledger._starts
     usual = np.where(np.arange(ledger.units) < ledger._fresh, ledger._ends - ledger._starts, 0)
     partial = np.flatnonzero(offsets != usual)
@@ -32,7 +27,7 @@ def to_dict(ledger: DataLedger) -> dict:
                       for name, h in ledger._hosts.items()}}
 
 
-def restore(ledger: DataLedger, d: dict) -> None:
+def restore(ledger, d: dict) -> None:
     """Take up the state ``d`` into a new ``ledger`` of the same order and unit size: every lease void."""
     ledger._begin(d["epoch"])
     ledger._fresh, ledger._committed = d["fresh"], d["committed"]
