@@ -2,7 +2,7 @@
 their data at join lease units over HTTP, their deltas carry what they trained (``covered``), the coordinator
 commits it when the round is published, gives it back when a delta is refused or a host leaves, and keeps it
 across a restart. Hosts are driven with the real client (HttpClient, HostRound) against a coordinator process;
-their "training" is a nudge of the tensors."""
+their "training" is a nudge of the tensors. (The tests that start a coordinator are slow: conftest marks them.)"""
 
 from __future__ import annotations
 
@@ -12,18 +12,20 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from helpers import model, read_events, train, wait_for
+import torch
+from helpers import SPECS, encoded, model, read_events, train, wait_for
+
+from lightning_nodeox.coordinator import intake
 
 from lightning_nodeox.core.ledger_order import DataOrder
 from lightning_nodeox.core.ledger_terms import Covered, EpochEnd, Lease, Span, Wait
 from lightning_nodeox.core.phases import PhaseLog
 from lightning_nodeox.core.protocol import DataSpec, Reason, Refusal, Upload
+from lightning_nodeox.core.wire import METRICS_BYTES, Message, MessageMeta, covered_room, fit_metrics
 from lightning_nodeox.host.client import HttpClient
 from lightning_nodeox.host.round import HostRound
 from lightning_nodeox.host.standing import Into
 from lightning_nodeox.host.tensors import HostTensors
-
-pytestmark = pytest.mark.slow
 
 SAMPLES, UNIT, SEED = 1000, 100, 7
 DATA = DataSpec(SAMPLES, seed=SEED, shuffle=True)
@@ -95,6 +97,34 @@ def assert_every_index_once(spans: list[Span], epoch: int = 0) -> None:
     order = DataOrder(SAMPLES, SEED, True).epoch(epoch)
     indices = np.concatenate([order.indices(s.start, s.end) for s in spans])
     assert sorted(indices.tolist()) == list(range(SAMPLES))
+
+
+def test_a_delta_carries_what_it_trained_in_its_metadata_beside_its_metrics() -> None:
+    covered = Covered(3, 2, (Span(4, 410, 500), Span(9, 900, 1000)))
+    metrics, dropped = fit_metrics({f"m{i}": [float(i), "mean"] for i in range(400)}, covered_room(covered))
+    assert dropped and covered_room(covered) < METRICS_BYTES  # the two share the header's room
+    message = encoded([torch.zeros(s.shape) for s in SPECS], SPECS)
+    message.write_header(MessageMeta("delta", 5, "h", "f" * 32, samples=200, metrics=metrics, covered=covered))
+    back = Message.parse(bytes(message.view()))
+    assert back.meta.covered == covered and back.meta.metrics == metrics
+    plain = encoded([torch.zeros(s.shape) for s in SPECS], SPECS)
+    plain.write_header(MessageMeta("delta", 5, "h", "f" * 32, samples=200))
+    assert Message.parse(bytes(plain.view())).meta.covered is None  # hosts without a ledger send none
+    assert len(plain) == len(message)  # no layout changed
+
+
+def test_a_covered_too_large_for_the_header_and_bad_lease_calls_are_refused_naming_the_fix() -> None:
+    with pytest.raises(ValueError, match="larger --data-unit"):
+        covered_room(Covered(0, 0, tuple(Span(u, u * 256, u * 256 + 256) for u in range(40000, 40100))))
+    assert intake.parse_lease(b"") == (None, 1) and intake.parse_lease(b'{"epoch": 2, "units": 3}') == (2, 3)
+    for body in (b'{"epoch": -1}', b'{"units": 0}', b'{"units": "a"}', b"[1]"):
+        with pytest.raises(Refusal) as refused:
+            intake.parse_lease(body)
+        assert refused.value.reason is Reason.INVALID and "lease" in str(refused.value)
+    with pytest.raises(Refusal, match="dataset's length must be a positive integer"):
+        intake.parse_join_data(b'{"host": "a", "tensors": [], "data": {"samples": 0}}')
+    assert intake.parse_join_data(b'{"host": "a", "tensors": []}') is None
+    assert intake.parse_join_data(b'{"data": {"samples": 5, "seed": 1, "shuffle": false}}') == DataSpec(5, 1, False)
 
 
 def test_two_hosts_lease_and_commit_every_index_of_the_epoch_exactly_once(coordinator) -> None:

@@ -107,8 +107,6 @@ def _serving_options(p: argparse.ArgumentParser, *, bind: str) -> None:
     p.add_argument("--store-own-credentials", action="store_true", help="hosts read the store with credentials of "
                    "their own (its s3:// addresses) instead of presigned URLs")
     p.add_argument("--store-lease", type=float, default=run["store_lease"], help=argparse.SUPPRESS)
-    p.add_argument("--data-unit", type=int, default=run["data_unit"], help="samples per unit of the data ledger, "
-                   "which shares out each epoch to hosts that declare their data (default %(default)s)")
 
 
 def _coordinator_options(p: argparse.ArgumentParser, *, bind: str) -> None:
@@ -124,6 +122,9 @@ def _coordinator_options(p: argparse.ArgumentParser, *, bind: str) -> None:
     p.add_argument("--outer-momentum", type=float, default=outer["momentum"],
                    help="outer momentum (nesterov; default %(default)g)")
     p.add_argument("--initial-model", type=Path, help="safetensors file to start from (default: the first host's)")
+    p.add_argument("--data-unit", type=int, default=_defaults(CoordinatorConfig)["data_unit"],
+                   help="samples per unit of the data ledger, which shares out each epoch to hosts that declare their "
+                   "data (default %(default)s)")
 
 
 def _relay_options(p: argparse.ArgumentParser) -> None:
@@ -174,7 +175,8 @@ def _config(args: argparse.Namespace) -> CoordinatorConfig:
             snapshot_every=args.snapshot_every, transfer_timeout=args.transfer_timeout, fresh=args.fresh,
             idle_timeout=args.idle_timeout, max_connections=args.max_connections, gpu_hour_price=args.gpu_hour_price,
             store=args.store, store_own_credentials=args.store_own_credentials,
-            store_deltas=args.store_deltas, store_lease=args.store_lease, data_unit=args.data_unit,
+            store_deltas=args.store_deltas, store_lease=args.store_lease,
+            data_unit=getattr(args, "data_unit", 256),  # a relay shares out no data (it has no such flag)
             outer=OuterSettings(args.outer_optimizer, args.outer_lr, args.outer_momentum)
             if "outer_optimizer" in args else OuterSettings())  # nor outer-optimizer flags: it never steps
     except ValueError as e:
