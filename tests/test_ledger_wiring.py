@@ -16,6 +16,7 @@ import torch
 from helpers import SPECS, encoded, model, read_events, train, wait_for
 
 from lightning_nodeox.coordinator import intake
+from lightning_nodeox.coordinator.data import RunData
 
 from lightning_nodeox.core.ledger_order import DataOrder
 from lightning_nodeox.core.ledger_terms import Covered, EpochEnd, Lease, Span, Wait
@@ -116,7 +117,8 @@ def test_a_delta_carries_what_it_trained_in_its_metadata_beside_its_metrics() ->
 def test_a_covered_too_large_for_the_header_and_bad_lease_calls_are_refused_naming_the_fix() -> None:
     with pytest.raises(ValueError, match="larger --data-unit"):
         covered_room(Covered(0, 0, tuple(Span(u, u * 256, u * 256 + 256) for u in range(40000, 40100))))
-    assert intake.parse_lease(b"") == (None, 1) and intake.parse_lease(b'{"epoch": 2, "units": 3}') == (2, 3)
+    assert intake.parse_lease(b"") == (None, 1, None)
+    assert intake.parse_lease(b'{"epoch": 2, "units": 3, "seq": 4}') == (2, 3, 4)
     for body in (b'{"epoch": -1}', b'{"units": 0}', b'{"units": "a"}', b"[1]"):
         with pytest.raises(Refusal) as refused:
             intake.parse_lease(body)
@@ -125,6 +127,19 @@ def test_a_covered_too_large_for_the_header_and_bad_lease_calls_are_refused_nami
         intake.parse_join_data(b'{"host": "a", "tensors": [], "data": {"samples": 0}}')
     assert intake.parse_join_data(b'{"host": "a", "tensors": []}') is None
     assert intake.parse_join_data(b'{"data": {"samples": 5, "seed": 1, "shuffle": false}}') == DataSpec(5, 1, False)
+
+
+def test_a_retried_lease_call_gets_its_first_reply_and_another_data_order_is_refused_naming_both() -> None:
+    data = RunData(UNIT, "test")
+    data.declare("a", DATA)
+    first = data.lease("a", None, 1, seq=1)
+    assert data.lease("a", None, 1, seq=1) == first  # a retry whose reply was lost leases nothing more
+    assert data.lease("a", None, 1, seq=2).spans[0].unit == first.spans[0].unit + 1
+    assert data.status()["hosts"]["a"]["units_held"] == 2
+    with pytest.raises(Refusal, match="seed 8, shuffle True but the run's is seed 7, shuffle True"):
+        data.declare("b", DataSpec(SAMPLES, seed=SEED + 1))
+    data.gone("a")
+    assert data.lease("a", None, 1, seq=2).spans == first.spans  # the cache went with the lease
 
 
 def test_two_hosts_lease_and_commit_every_index_of_the_epoch_exactly_once(coordinator) -> None:

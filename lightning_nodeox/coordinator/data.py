@@ -4,7 +4,7 @@ uses it, in protocol terms: the rules of docs/ledger.md ("the wiring's contract"
 - A host that declares its data at join (:class:`~lightning_nodeox.core.protocol.DataSpec`) makes the run have a
   ledger (the first such join, with the coordinator's ``--data-unit``); a later join declaring another dataset
   (length, seed or shuffle) is refused naming both. Hosts that declare nothing never touch it.
-- :meth:`RunData.lease`: a host's lease call; :meth:`RunData.covered`: a delta's ``covered`` noted before the
+- :meth:`RunData.lease`: a host's lease call (a retry of one answered already: the same answer); :meth:`RunData.covered`: a delta's ``covered`` noted before the
   delta is taken into its round (bad input: ``INVALID``; a void lease: ``LEASE_VOID``).
 - :meth:`RunData.refused` for every delta the round will not take (refused, cut, late), :meth:`RunData.gone` for
   a host that left or whose lease expired: its uncommitted units go back.
@@ -34,6 +34,7 @@ class RunData:
     def __init__(self, unit_size: int, name: str) -> None:
         self.unit_size = unit_size
         self.ledger: DataLedger | None = None
+        self._answered: dict[str, tuple[int, LeaseReply]] = {}  # host -> its last lease call's (seq, reply)
         self.log = Named(log, name)
 
     def declare(self, host: str, spec: DataSpec) -> None:
@@ -60,11 +61,20 @@ class RunData:
                                           'with "data": {"samples": N, "seed": S, "shuffle": true|false}')
         return self.ledger
 
-    def lease(self, host: str, epoch: int | None, units: int = 1) -> LeaseReply:
+    def lease(self, host: str, epoch: int | None, units: int = 1, seq: int | None = None) -> LeaseReply:
+        """A host's lease call; ``seq`` (the call's number, the same on a retry): a call answered already gets
+        the same answer again (a retried call whose reply was lost leases nothing more)."""
+        ledger = self._ledger(host)
+        last = self._answered.get(host)
+        if seq is not None and last is not None and last[0] == seq:
+            return last[1]
         try:
-            return self._ledger(host).lease(host, units, epoch=epoch)
+            reply = ledger.lease(host, units, epoch=epoch)
         except ValueError as e:
             raise Refusal(Reason.INVALID, str(e)) from None
+        if seq is not None:
+            self._answered[host] = (seq, reply)
+        return reply
 
     def covered(self, host: str, round_: int, report: Covered) -> None:
         """Note what ``host``'s delta of round ``round_`` trained, before the delta is taken."""
@@ -78,11 +88,13 @@ class RunData:
 
     def refused(self, host: str) -> None:
         """A delta of ``host`` will not be taken (refused, cut or late): its lease is void, its units go back."""
+        self._answered.pop(host, None)
         if self.ledger is not None:
             self.ledger.refused(host)
 
     def gone(self, host: str) -> None:
         """``host`` left or its lease expired: its units go back."""
+        self._answered.pop(host, None)
         if self.ledger is not None:
             self.ledger.gone(host)
 

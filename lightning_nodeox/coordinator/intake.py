@@ -116,21 +116,23 @@ def parse_join_data(body: bytes) -> DataSpec | None:
 MAX_LEASE_UNITS = 1024  # units one lease call may ask for
 
 
-def parse_lease(body: bytes) -> tuple[int | None, int]:
-    """A lease call's ``{"epoch": E or null, "units": K}`` (K: 1 when absent)."""
+def parse_lease(body: bytes) -> tuple[int | None, int, int | None]:
+    """A lease call's ``{"epoch": E or null, "units": K, "seq": N}`` (K: 1 when absent; N, the call's number, the
+    same on a retry: optional)."""
     value = decode_json(body or b"{}", "lease")
     usage = 'a lease needs a JSON body {"epoch": E (the ledger epoch the host reads; null: the current one), "units": K}'
     if not isinstance(value, dict):
         raise Refusal(Reason.INVALID, usage)
-    epoch, units = value.get("epoch"), value.get("units", 1)
+    epoch, units, seq = value.get("epoch"), value.get("units", 1), value.get("seq")
     try:
         epoch = None if epoch is None else _int(epoch, "lease: epoch")
         units = _int(units, "lease: units")
+        seq = None if seq is None else _int(seq, "lease: seq")
     except ValueError as e:
         raise Refusal(Reason.INVALID, f"{e}; {usage}") from None
     if not 1 <= units <= MAX_LEASE_UNITS:
         raise Refusal(Reason.INVALID, f"lease: units must be 1 to {MAX_LEASE_UNITS}, got {units}")
-    return epoch, units
+    return epoch, units, seq
 
 
 def _int(value: object, what: str) -> int:

@@ -387,8 +387,8 @@ async def exchange_values(request: web.Request) -> web.Response:
 async def lease_data(request: web.Request) -> web.Response:
     """Units of the data ledger's epoch for the calling host (:mod:`~lightning_nodeox.coordinator.data`)."""
     host = _caller(request)
-    epoch, units = intake.parse_lease(await _body(request, intake.MAX_JSON_BYTES))
-    return web.json_response(await request.app[SERVICE].lease_data(host, epoch, units))
+    epoch, units, seq = intake.parse_lease(await _body(request, intake.MAX_JSON_BYTES))
+    return web.json_response(await request.app[SERVICE].lease_data(host, epoch, units, seq))
 
 
 async def leave(request: web.Request) -> web.Response:

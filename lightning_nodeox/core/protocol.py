@@ -19,8 +19,9 @@ HTTP lives only in the host's client (``host/client.py``) and the coordinator's 
     POST /v1/hosts/{h}/heartbeat             the host is alive -> {"lease": seconds}
     POST /v1/values/{key}?wait=S&host=H      {"payload": ...} this host's values under key -> ValuesReply once
                                              answered (not within S seconds: post again, idempotent)
-    POST /v1/data/lease?host=H               {"epoch": E or null, "units": K} -> a ledger reply (lease, wait or
-                                             epoch_end: core.ledger_terms), for a host that declared its data
+    POST /v1/data/lease?host=H               {"epoch": E or null, "units": K, "seq": N} -> a ledger reply (lease,
+                                             wait or epoch_end: core.ledger_terms), for a host that declared its
+                                             data; N numbers the call (a retry, the same N: the same reply)
 
 The data ledger (docs/ledger.md): a host that lets the coordinator share out its epochs declares its data at
 join (``"data": DataSpec.to_json()``; every host of a run must declare the same); the run's unit size is the

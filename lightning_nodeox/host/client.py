@@ -105,6 +105,7 @@ class HttpClient:
                  clock: ClockOffset | None = None, check: str = CHECK, data: DataSpec | None = None) -> None:
         self.url = url.rstrip("/")
         self.data = data  # declared with every join: the coordinator's data ledger shares out its epochs
+        self._lease_calls = 0  # each lease call's number (a retry of it sends the same)
         self.check = check
         self.host = host
         self.connect_timeout = connect_timeout
@@ -324,8 +325,9 @@ class HttpClient:
 
     def lease(self, epoch: int | None, units: int = 1) -> LeaseReply:
         """Up to ``units`` units of the data ledger's epoch ``epoch`` (None: its current one): a ``Lease``,
-        ``Wait`` or ``EpochEnd``."""
-        body = {"epoch": epoch, "units": units}
+        ``Wait`` or ``EpochEnd``. Each call is numbered: a retry whose first reply was lost gets that reply."""
+        self._lease_calls += 1
+        body = {"epoch": epoch, "units": units, "seq": self._lease_calls}
         return reply_from_dict(self._request("POST", proto.DATA_LEASE, params={"host": self.host}, json=body).json())
 
     def status(self) -> dict:

@@ -337,10 +337,11 @@ class CoordinatorService:
         self._run.state.record(*batch.records)
         return batch.answer()
 
-    async def lease_data(self, host: str, epoch: int | None, units: int = 1) -> dict:
-        """Up to ``units`` units of the data ledger's epoch ``epoch`` for ``host`` (:mod:`..data`), as a dict."""
+    async def lease_data(self, host: str, epoch: int | None, units: int = 1, seq: int | None = None) -> dict:
+        """Up to ``units`` units of the data ledger's epoch ``epoch`` for ``host`` (:mod:`..data`), as a dict;
+        ``seq``: the call's number (a retry gets the same answer)."""
         self._run.state.hosts.known(host)
-        return self._run.state.data.lease(host, epoch, units).to_dict()
+        return self._run.state.data.lease(host, epoch, units, seq).to_dict()
 
     async def exchange_values(self, host: str, key: str, payload: object, wait: float) -> ValuesReply | None:
         """A host's values under ``key``; None when not answered within ``wait`` seconds (the host asks again)."""
