@@ -112,6 +112,17 @@ def test_a_unit_straddling_rounds_is_committed_piece_by_piece():
     assert led.status()["hosts"]["a"]["units_held"] == 0
 
 
+def test_a_withdrawn_report_is_forgotten_so_its_delta_may_be_sent_again():
+    led = ledger()
+    a = led.lease("a", 1)
+    led.covered("a", report(a, (0, 0, 30)), delta=0)
+    led.covered("a", report(a, (0, 30, 50), (0, 50, 60)), delta=1)
+    assert not led.withdraw("a", 0)  # only the latest undecided report (a delta sent again comes last)
+    assert led.withdraw("a", 1)
+    led.covered("a", report(a, (0, 30, 60)), delta=1)  # the delta sent again
+    assert led.publish([("a", 0), ("a", 1)]).spans == (Span(0, 0, 60),)
+
+
 def test_a_refused_delta_voids_the_hosts_lease_and_its_units_go_back_first():
     led = ledger()
     a = led.lease("a", 2)

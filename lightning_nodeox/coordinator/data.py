@@ -7,7 +7,8 @@ uses it, in protocol terms: the rules of docs/ledger.md ("the wiring's contract"
 - :meth:`RunData.lease`: a host's lease call (a retry of one answered already: the same answer); :meth:`RunData.covered`: a delta's ``covered`` noted before the
   delta is taken into its round (bad input: ``INVALID``; a void lease: ``LEASE_VOID``).
 - :meth:`RunData.refused` for every delta the round will not take (refused, cut, late), :meth:`RunData.gone` for
-  a host that left or whose lease expired: its uncommitted units go back.
+  a host that left or whose lease expired: its uncommitted units go back. :meth:`RunData.withdraw` for a delta
+  that is as if never sent (broken off before any piece was taken): its host may send it again.
 - :meth:`RunData.publish` with the ``(host, round)`` of the deltas a published round took.
 - :meth:`RunData.saved` / :meth:`RunData.restore`: the ledger in the round's saved state (``run.json``'s
   ``data``), restored with every lease void.
@@ -91,6 +92,12 @@ class RunData:
         self._answered.pop(host, None)
         if self.ledger is not None:
             self.ledger.refused(host)
+
+    def withdraw(self, host: str, round_: int) -> None:
+        """``host``'s delta of round ``round_`` is as if never sent (it broke off before any of it was taken): its
+        report is forgotten, so the host may send it again."""
+        if self.ledger is not None:
+            self.ledger.withdraw(host, round_)
 
     def gone(self, host: str) -> None:
         """``host`` left or its lease expired: its units go back."""

@@ -221,7 +221,9 @@ class RoundDeltas:
         it), and the host is told so as a late delta: it applies the round's sync. Returns the error to raise."""
         if self.by_host.get(delta.host) is not delta or delta.cut:
             return why
-        if delta.covered:  # not taken whole: the data it trained goes back (its host leases again)
+        if delta.covered and delta.queued == 0:  # as if never sent: its report too (it may be sent again)
+            self.state.data.withdraw(delta.host, self.state.round)
+        elif delta.covered:  # not taken whole: the data it trained goes back (its host leases again)
             self.state.data.refused(delta.host)
         pieces = len(delta.message.layout.pieces)
         if delta.queued == 0:

@@ -65,12 +65,10 @@ class DataLedger:
 
     @classmethod
     def below(cls, order: DataOrder, *, unit_size: int = DEFAULT_UNIT_SIZE) -> DataLedger:
-        """A relay's ledger for its site: it holds no unit of its own; the relay gives it (:meth:`give`) the
-        leases it takes upstream (as one host) when its hosts find nothing free (:class:`Wait`); its hosts lease
-        and report as from the root's, its rounds'
-        :attr:`Published.spans` go upstream as the relay's :class:`Covered`, and upstream's :class:`EpochEnd`
-        moves it on (:meth:`advance`). Upstream's :class:`LeaseVoid` for the relay voids every lease below
-        (:meth:`refused` for each host of the site)."""
+        """A relay's ledger for its site: no unit of its own; the relay gives it (:meth:`give`) the leases it takes
+        upstream (as one host) when its hosts find nothing free; its hosts lease and report as from the root's, its
+        rounds' :attr:`Published.spans` go upstream as its :class:`Covered`, upstream's :class:`EpochEnd` moves it
+        on (:meth:`advance`), upstream's :class:`LeaseVoid` voids every lease below (:meth:`refused` for each)."""
         ledger = cls(order, unit_size=unit_size)
         ledger._own = False
         ledger._begin_below(0)
@@ -106,8 +104,6 @@ class DataLedger:
         self._done = 0
         self._committed = 0  # samples committed this epoch
 
-    # ---- hosts ----
-
     def check_length(self, samples: int) -> None:
         """Refuse a host whose dataset is not the run's (at its join)."""
         if samples != self.order.samples:
@@ -127,8 +123,6 @@ class DataLedger:
         if h is None:
             raise ValueError(f"host {host} never leased from the data ledger: lease before reporting")
         return h
-
-    # ---- leases ----
 
     def lease(self, host: str, k: int = 1, *, epoch: int | None = None) -> LeaseReply:
         """Up to ``k`` units for ``host``, which is in ledger epoch ``epoch`` (None: a host that has none yet,
@@ -159,8 +153,6 @@ class DataLedger:
             self._fresh += 1
             return self._fresh - 1
         return None
-
-    # ---- reports and their outcome ----
 
     def covered(self, host: str, report: Covered, *, delta: int) -> None:
         """Note that ``host``'s delta ``delta`` (its round, say) trained ``report``; nothing changes on error."""
@@ -230,6 +222,16 @@ class DataLedger:
                 self._done += 1
         h.counts.committed += samples
         return samples
+
+    def withdraw(self, host: str, delta: int) -> bool:
+        """Forget ``host``'s report of ``delta`` if it is its latest undecided one (the delta is as if never sent:
+        the host may send it again, reporting the same); False if it is not."""
+        h = self._hosts.get(host)
+        if h is None or not h.pending or h.pending[-1][0] != delta:
+            return False
+        for s in reversed(h.pending.pop()[1]):
+            self._reported[s.unit] = s.start
+        return True
 
     def refused(self, host: str) -> list[int]:
         """A delta of ``host`` was refused or cut: void its lease. Returns the host's undecided deltas, all void
