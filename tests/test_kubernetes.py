@@ -182,9 +182,19 @@ def check(docs: list[dict], secrets: dict[str, dict]) -> list[str]:
                         problems.append(f"{where}: envFrom names a Secret not in secrets.example.yaml: {source}")
                 if c.get("command", [None])[0] == "nodeox":
                     tls |= _check_coordinator(problems, where, pod, c, claims, services, secrets)
+    hosts = next((int(a.split("=")[1]) for d in docs for pod in pod_specs(d) for c in pod["containers"]
+                  for a in c.get("args", []) if a.startswith("--hosts=")), None)
     for doc in docs:
+        count = {"Job": lambda: doc["spec"]["completions"],
+                 "JobSet": lambda: sum(r["replicas"] for r in doc["spec"]["replicatedJobs"])}.get(doc["kind"])
+        if count and hosts is not None and count() != hosts:
+            problems.append(f"{doc['kind']} {doc['metadata']['name']}: {count()} hosts, the coordinator's --hosts={hosts}")
         for pod in pod_specs(doc):
             for c in pod["containers"]:
+                num = next((e.get("value") for e in c.get("env", []) if e["name"] == settings.ENV_NUM_HOSTS), None)
+                if num is not None and count and int(num) != count():
+                    problems.append(f"{doc['kind']} {doc['metadata']['name']}: {settings.ENV_NUM_HOSTS}={num}, "
+                                    f"{count()} hosts")
                 if c.get("command", [None])[0] != "nodeox":
                     _check_host(problems, f"{doc['kind']} {doc['metadata']['name']}", pod, c, services, secrets, tls)
     return problems
@@ -280,11 +290,13 @@ def test_the_checker_names_wrong_paths_ports_and_keys(rendered):
     coordinator["readinessProbe"]["httpGet"]["path"] = "/health"
     coordinator["args"] = [a.replace("0.0.0.0:8470", "0.0.0.0:8471") for a in coordinator["args"]]
     coordinator["args"] = [a.replace("/nodeox/run", "/data/run") for a in coordinator["args"]]
+    next(d for d in docs if d["kind"] == "Job")["spec"]["completions"] = 5
     secrets = example_secrets()
     del secrets["nodeox-tls"]["stringData"]["ca.crt"]
     problems = "\n".join(check(docs, secrets))
     for said in ("readinessProbe path /health", "--bind 0.0.0.0:8471", "--run-dir /data/run",
-                 "NODEOX_CA_FILE /nodeox/tls/ca.crt: Secret nodeox-tls has no key ca.crt"):
+                 "NODEOX_CA_FILE /nodeox/tls/ca.crt: Secret nodeox-tls has no key ca.crt",
+                 "Job nodeox-hosts: 5 hosts, the coordinator's --hosts=4", "NODEOX_NUM_HOSTS=4, 5 hosts"):
         assert said in problems, problems
 
 
