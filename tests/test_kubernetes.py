@@ -88,7 +88,8 @@ def render_here(target: str | Path) -> list[dict]:
     for patch in patches + spec.get("patches", []):
         target_ = patch["target"]
         for doc in docs:
-            if doc["kind"] == target_["kind"] and doc["metadata"]["name"] == target_.get("name", doc["metadata"]["name"]):
+            name = doc["metadata"]["name"]
+            if doc["kind"] == target_["kind"] and name == target_.get("name", name):
                 for op in yaml.safe_load(patch["patch"]):
                     _apply_op(doc, op)
     return docs
@@ -167,7 +168,7 @@ def check(docs: list[dict], secrets: dict[str, dict]) -> list[str]:
     services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
     tls = False
     for doc in docs:
-        claims = {t["metadata"]["name"] for t in doc["spec"].get("volumeClaimTemplates", [])} if "spec" in doc else set()
+        claims = {t["metadata"]["name"] for t in doc.get("spec", {}).get("volumeClaimTemplates", [])}
         for pod in pod_specs(doc):
             for c in pod["containers"]:
                 where = f"{doc['kind']} {doc['metadata']['name']}"
@@ -188,7 +189,8 @@ def check(docs: list[dict], secrets: dict[str, dict]) -> list[str]:
         count = {"Job": lambda: doc["spec"]["completions"],
                  "JobSet": lambda: sum(r["replicas"] for r in doc["spec"]["replicatedJobs"])}.get(doc["kind"])
         if count and hosts is not None and count() != hosts:
-            problems.append(f"{doc['kind']} {doc['metadata']['name']}: {count()} hosts, the coordinator's --hosts={hosts}")
+            problems.append(f"{doc['kind']} {doc['metadata']['name']}: {count()} hosts, "
+                            f"the coordinator's --hosts={hosts}")
         for pod in pod_specs(doc):
             for c in pod["containers"]:
                 num = next((e.get("value") for e in c.get("env", []) if e["name"] == settings.ENV_NUM_HOSTS), None)
@@ -226,7 +228,8 @@ def _check_coordinator(problems, where, pod, c, claims, services, secrets) -> bo
     else:
         for p in service["spec"]["ports"]:
             if ports.get(p["targetPort"], p["targetPort"]) != bind_port:
-                problems.append(f"Service {COORDINATOR_SERVICE}: targetPort {p['targetPort']} is not --bind's {bind_port}")
+                problems.append(f"Service {COORDINATOR_SERVICE}: targetPort {p['targetPort']} is not "
+                                f"--bind's {bind_port}")
     volume, _, _ = _mounted(pod, c, args.run_dir)
     if volume not in claims:
         problems.append(f"{where}: --run-dir {args.run_dir} is not on a volumeClaimTemplate ({sorted(claims)})")
@@ -330,7 +333,8 @@ def test_every_object_loads_into_the_kubernetes_client_models(rendered):
         if obj["kind"] == "JobSet":
             continue
         model, back = _load(MODELS[obj["kind"]], obj)
-        assert back == _quantities_as_text(obj), f"{obj['kind']} {obj['metadata']['name']} lost or changed fields in the client's model"
+        assert back == _quantities_as_text(obj), \
+            f"{obj['kind']} {obj['metadata']['name']} lost or changed fields in the client's model"
         seen.add(obj["kind"])
     assert seen == set(MODELS)
 
