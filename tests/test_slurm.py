@@ -135,7 +135,8 @@ class Cluster:
         self.address_file.write_text(url + "\n")
         self.token_file.write_text(TOKEN)
 
-    def start(self, script: str, nodes: int = 3, gpus: int = 4, node_prefix: str = "gpu", **env: str) -> subprocess.Popen:
+    def start(self, script: str, nodes: int = 3, gpus: int = 4, node_prefix: str = "gpu",
+              **env: str) -> subprocess.Popen:
         """sbatch SCRIPT: a copy in the spool directory, run with the job's environment (and ``env``)."""
         spool = self.root / "spool" / f"job{JOB_ID}-{len(list(self.root.glob('spool/*')))}"
         spool.mkdir(parents=True)
