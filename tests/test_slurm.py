@@ -41,18 +41,29 @@ done
 nodes=""
 for ((i = 0; i < n; i++)); do nodes+="${nodes:+,}$FAKE_NODE_PREFIX$i"; done
 pids=()
+mkdir -p "$FAKE_RECORD/tasks"
 for ((i = 0; i < n; i++)); do
     SLURM_PROCID=$i SLURM_NODEID=$i SLURM_LOCALID=0 SLURM_STEP_NUM_TASKS=$n SLURM_STEP_NUM_NODES=$n \
     SLURM_STEP_NODELIST=$nodes SLURMD_NODENAME=$FAKE_NODE_PREFIX$i SLURM_GPUS_ON_NODE=$FAKE_GPUS "$@" &
     pids+=("$!")
+    touch "$FAKE_RECORD/tasks/$!"  # for scancel, as slurmstepd knows its tasks
 done
-trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
+# a real srun, sent SIGTERM, kills its tasks ("forcing job termination")
+trap 'touch "$FAKE_RECORD/srun.x.$$.term"; kill -KILL "${pids[@]}" 2>/dev/null' TERM
 status=0
 for p in "${pids[@]}"; do
     while kill -0 "$p" 2>/dev/null; do wait "$p"; done
     wait "$p" || status=$?
 done
 exit "$status"
+"""
+
+# scancel --signal=SIG JOBID: SIG to every task of the job's steps (not to the batch script)
+SCANCEL = r"""#!/usr/bin/env bash
+printf '%s\n' "$@" > "$FAKE_RECORD/scancel"
+[[ $1 == --signal=* ]] || exit 1
+for task in "$FAKE_RECORD"/tasks/*; do kill -"${1#--signal=}" "${task##*/}" 2>/dev/null; done
+exit 0
 """
 
 SCONTROL = r"""#!/usr/bin/env bash
@@ -122,8 +133,8 @@ class Cluster:
         self.bin, self.record, self.run_dir = root / "bin", root / "record", root / "run"
         for d in (self.bin, self.record, self.run_dir):
             d.mkdir()
-        for name, text in (("srun", SRUN), ("scontrol", SCONTROL), ("torchrun", TASK), ("python", TASK),
-                           ("nodeox", TASK)):
+        for name, text in (("srun", SRUN), ("scancel", SCANCEL), ("scontrol", SCONTROL), ("torchrun", TASK),
+                           ("python", TASK), ("nodeox", TASK)):
             (self.bin / name).write_text(text)
             (self.bin / name).chmod(0o755)
         self.procs: list[subprocess.Popen] = []
@@ -335,26 +346,39 @@ def test_a_misspelled_nodeox_variable_is_named(tmp_path: Path) -> None:
     assert env_names_not_read(copy) == ["NODEOX_TOKN"]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
-def test_a_signal_to_the_hosts_job_reaches_every_host_as_sigterm(cluster: Cluster, sig: signal.Signals) -> None:
-    """SIGTERM: preemption or scancel (Slurm requeues a preempted job itself); SIGUSR1: the time limit is near,
-    the job requeues itself once its hosts have left."""
+def test_near_the_time_limit_the_hosts_job_stops_every_host_with_sigterm_and_requeues_itself(cluster: Cluster) -> None:
     cluster.ready_coordinator()
     proc = cluster.start("hosts.sbatch", nodes=3, FAKE_TASKS_WAIT="1")
     wait_for(lambda: len(list(cluster.record.glob("torchrun.*.started"))) == 3, WAIT, "3 hosts")
-    proc.send_signal(sig)
+    proc.send_signal(signal.SIGUSR1)  # sbatch --signal=B:USR1@300
+    status, out = finish(proc)
+    assert status == 143, out  # the hosts' status: they left the run
+    assert [c.terminated for c in cluster.calls("torchrun")] == [True] * 3
+    assert (cluster.record / "scancel").read_text().split() == ["--signal=TERM", JOB_ID]  # every step's tasks
+    assert not [c for c in cluster.calls("srun") if c.terminated]  # srun would SIGKILL them
+    assert (cluster.record / "scontrol-requeue").read_text().split() == ["requeue", JOB_ID]
+
+
+def test_a_preempted_or_cancelled_hosts_job_leaves_sigterm_to_slurm_and_does_not_requeue(cluster: Cluster) -> None:
+    """Slurm sends SIGTERM to the batch script and to every task itself (and requeues a preempted job)."""
+    cluster.ready_coordinator()
+    proc = cluster.start("hosts.sbatch", nodes=2, FAKE_TASKS_WAIT="1")
+    wait_for(lambda: len(list(cluster.record.glob("torchrun.*.started"))) == 2, WAIT, "2 hosts")
+    proc.send_signal(signal.SIGTERM)
+    for task in (cluster.record / "tasks").iterdir():
+        os.kill(int(task.name), signal.SIGTERM)  # what slurmstepd does
     status, out = finish(proc)
     assert status == 143, out
-    assert [c.terminated for c in cluster.calls("torchrun")] == [True] * 3
-    requeued = cluster.record / "scontrol-requeue"
-    assert (requeued.read_text().split() == ["requeue", JOB_ID]) if sig == signal.SIGUSR1 else not requeued.exists()
+    assert [c.terminated for c in cluster.calls("torchrun")] == [True] * 2
+    assert not [c for c in cluster.calls("srun") if c.terminated]
+    assert not (cluster.record / "scontrol-requeue").exists() and not (cluster.record / "scancel").exists()
 
 
 def test_the_hetjob_runs_the_coordinator_in_component_0_and_the_hosts_in_component_1(cluster: Cluster) -> None:
     proc = cluster.start("hetjob.sbatch", nodes=3, gpus=2, SLURM_JOB_NUM_NODES_HET_GROUP_1="3",
                          COORDINATOR_HOST="cpu0")
     wait_for(lambda: len(cluster.calls("torchrun")) == 3, WAIT, "3 hosts")
-    proc.send_signal(signal.SIGTERM)  # the hosts have finished; the coordinator (a stand-in) waits until stopped
+    proc.send_signal(signal.SIGUSR1)  # the hosts have finished; the coordinator (a stand-in) runs until stopped
     status, out = finish(proc)
     assert status == 1, out
     sruns = sorted((c.argv for c in cluster.calls("srun")), key=lambda a: a[0])
@@ -368,3 +392,4 @@ def test_the_hetjob_runs_the_coordinator_in_component_0_and_the_hosts_in_compone
     assert all(c.env["NODEOX_COORDINATOR_URL"] == "http://cpu0:8470" and c.env["NODEOX_TOKEN"]
                == cluster.token_file.read_text() and c.argv[:3] == ["--standalone", "--nproc-per-node", "2"]
                for c in hosts)
+    assert (cluster.record / "scontrol-requeue").read_text().split() == ["requeue", JOB_ID]

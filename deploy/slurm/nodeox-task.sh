@@ -5,7 +5,7 @@
 #   nodeox-task.sh host          one Slurm task = one host (one node, or NODES_PER_HOST nodes): wait for the
 #                                coordinator's address, set NODEOX_*, exec torchrun (or python for one GPU)
 #
-# Sourced by the .sbatch scripts for `supervise` (signal forwarding and requeue). Every setting is an environment
+# Sourced by the .sbatch scripts for start_step and wait_all (signals and requeue). Every setting is an environment
 # variable with its default here; sbatch and srun pass the submitting shell's environment on (--export=ALL).
 set -euo pipefail
 
@@ -29,38 +29,51 @@ set -euo pipefail
 say() { echo "nodeox-task: $*" >&2; }
 die() { say "$*"; exit 2; }
 
-# supervise CMD...: run CMD in the background and wait for it, forwarding SIGTERM (preemption, scancel) to it.
-# SIGUSR1 (sbatch --signal=B:USR1@S: the time limit is near) forwards SIGTERM too, then requeues the job once CMD
-# has stopped (Slurm requeues a preempted job by itself, and must not requeue a cancelled one). CMD's status.
-supervise() {
-    _start "$@"
-    _finish
-}
-
-_children=()
+# Signals, while a job's work runs in the background behind start_process / start_step and wait_all:
+# - SIGTERM (preemption, scancel): Slurm signals every step itself; a process of the batch step started here
+#   gets it again, which changes nothing. An srun is never sent SIGTERM: it would SIGKILL its tasks.
+# - SIGUSR1 (sbatch --signal=B:USR1@S: the time limit is near; Slurm signals the batch script alone): SIGTERM to
+#   the processes started here and, through `scancel --signal=TERM JOBID`, to every task of the job's steps; once
+#   they have stopped, the job requeues itself (Slurm requeues a preempted job by itself, and never a cancelled one).
+_processes=()
+_steps=()
 _requeue=0
 
-_start() {  # CMD... in the background (one of _children), SIGTERM and SIGUSR1 forwarded to every child as SIGTERM
+start_process() {  # CMD... in the background, in this job step
     "$@" &
-    _children+=("$!")
-    trap '_forward' TERM
-    trap '_requeue=1; _forward' USR1
+    _processes+=("$!")
+    _traps
 }
 
-_forward() {
-    kill -TERM "${_children[@]}" 2>/dev/null || true
+start_step() {  # srun ... in the background: a job step
+    "$@" &
+    _steps+=("$!")
+    _traps
 }
 
-_finish() {  # wait until every child has ended, requeue if asked; the last failing child's status (else 0)
-    local status=0 child
-    for child in "${_children[@]}"; do
-        while kill -0 "$child" 2>/dev/null; do
-            wait "$child" || true  # returns early when a trapped signal arrives
+_traps() {
+    trap '_stop' TERM
+    trap '_requeue=1; _stop; _stop_steps' USR1
+}
+
+_stop() {
+    (( ${#_processes[@]} == 0 )) || kill -TERM "${_processes[@]}" 2>/dev/null || true
+}
+
+_stop_steps() {
+    (( ${#_steps[@]} == 0 )) || scancel --signal=TERM "$SLURM_JOB_ID" || say "scancel --signal=TERM failed"
+}
+
+wait_all() {  # until everything started has ended, then requeue if asked; the last failing one's status (else 0)
+    local status=0 pid
+    for pid in "${_processes[@]}" "${_steps[@]}"; do
+        while kill -0 "$pid" 2>/dev/null; do
+            wait "$pid" || true  # returns early when a trapped signal arrives
         done
-        wait "$child" || status=$?
+        wait "$pid" || status=$?
     done
     trap - TERM USR1
-    _children=()
+    _processes=() _steps=()
     if [[ $_requeue == 1 && -n ${SLURM_JOB_ID:-} ]]; then
         say "the time limit is near: requeueing job $SLURM_JOB_ID"
         scontrol requeue "$SLURM_JOB_ID" || say "scontrol requeue $SLURM_JOB_ID failed"
@@ -88,8 +101,8 @@ coordinator() {
     local extra
     read -r -a extra <<< "$COORDINATOR_ARGS"
     # started again on the same run directory (a requeue), the coordinator resumes the run by itself
-    _start nodeox "${args[@]}" "${extra[@]}"
-    local pid=${_children[-1]} url=""
+    start_process nodeox "${args[@]}" "${extra[@]}"
+    local pid=${_processes[-1]} url=""
     while kill -0 "$pid" 2>/dev/null && ! url=$(_listening_url "$pid"); do
         sleep 0.2
     done
@@ -100,7 +113,7 @@ coordinator() {
         say "coordinator at $(< "$ADDRESS_FILE") (written to $ADDRESS_FILE)"
     fi
     local status=0
-    _finish || status=$?
+    wait_all || status=$?
     [[ -z $url ]] || rm -f "$ADDRESS_FILE"  # this job's address only (a second coordinator on RUN_DIR exits at once)
     return "$status"
 }
