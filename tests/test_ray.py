@@ -13,7 +13,7 @@ import torch
 
 ray = pytest.importorskip("ray")
 
-from helpers import HOSTS, REPO, assert_identical, bits, load, published, read_events, wait_for  # noqa: E402
+from helpers import HOSTS, REPO, assert_identical, bits, load, published, received, wait_for  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 import lightning_nodeox.ray as nodeox_ray  # noqa: E402
@@ -66,3 +66,60 @@ def test_two_hosts_end_bit_identical_and_the_driver_gets_their_final_model(clust
         assert result.hosts[h].ending is nodeox_ray.Ending.DONE and result.hosts[h].restarts == 0
         assert result.hosts[h].value["model_hash"] == result.model.model_hash
         assert result.hosts[h].value["last_round"] == ROUNDS - 1
+
+
+@pytest.mark.timeout(150)
+def test_a_host_actor_killed_mid_run_is_restarted_and_the_run_ends_bit_identical_in_as_many_rounds(
+        cluster, tmp_path: Path) -> None:
+    """min_hosts=2: no round closes without the killed host, so it rejoins in the round it left."""
+    out, run_dir = tmp_path / "out", tmp_path / "run"
+    started = nodeox_ray.start(ray_digits.train, digits(out, "--step-seconds", "0.05"), hosts=2, run_dir=run_dir,
+                               min_hosts=2, bind_host="127.0.0.1", coordinator_args=FAST, timeout=130)
+    wait_for(lambda: 0 in published(run_dir), 90, "round 0")
+    killed_pid = (out / "host1.pid").read_text()  # the actor is busy training: its pid() call would wait
+    ray.kill(started.host_actor(1), no_restart=False)
+    rounds_at_kill = len(published(run_dir))
+    result = started.wait()
+    assert rounds_at_kill < ROUNDS
+    assert result.hosts[1].restarts == 1 and result.hosts[0].restarts == 0
+    assert (out / "host1.pid").read_text() != killed_pid  # a new process of the same actor trained again
+    assert all(r.ending is nodeox_ray.Ending.DONE for r in result.hosts.values())
+    assert_final_model_is_the_hosts(result, out, ["0", "1"])
+    assert sorted(published(run_dir)) == list(range(ROUNDS))
+    assert result.hosts[1].value["last_round"] == ROUNDS - 1 == result.model.round - 1
+
+
+@pytest.mark.timeout(150)
+def test_a_host_added_when_ray_finds_resources_joins_mid_run_and_ends_bit_identical(cluster, tmp_path: Path) -> None:
+    """Hosts need a "slot": the head has 2; host 2 waits in Ray's queue until a node with a third one joins."""
+    out, run_dir, stop = tmp_path / "out", tmp_path / "run", tmp_path / "stop"
+    started = nodeox_ray.start(ray_digits.train, digits(out, "--max-steps", "100000", "--step-seconds", "0.05",
+                                                        "--stop-file", str(stop)),
+                               hosts=2, max_hosts=3, host_resources={"slot": 1}, run_dir=run_dir,
+                               bind_host="127.0.0.1", coordinator_args=FAST, timeout=130)
+    wait_for(lambda: 0 in published(run_dir), 90, "round 0")
+    assert not (out / "host2.pid").exists()
+    cluster.add_node(num_cpus=2, resources={"slot": 1})
+
+    def rounds_with_host_2() -> list[int]:
+        return sorted({e["round"] for e in received(run_dir) if e["from_host"] == "2"})
+
+    wait_for(lambda: rounds_with_host_2() and rounds_with_host_2()[0] in published(run_dir), 90, "host 2's delta")
+    stop.write_text("")
+    result = started.wait()
+    assert [result.hosts[h].ending for h in (0, 1, 2)] == [nodeox_ray.Ending.DONE] * 3
+    assert_final_model_is_the_hosts(result, out, ["0", "1", "2"])
+    first = rounds_with_host_2()[0]
+    assert first >= 1 and published(run_dir)[first]["model_hash"]
+    assert result.model.round == max(published(run_dir)) + 1
+
+
+@pytest.mark.timeout(150)
+def test_two_relays_of_two_hosts_on_ray_end_bit_identical(cluster, tmp_path: Path) -> None:
+    out, run_dir = tmp_path / "out", tmp_path / "run"
+    result = nodeox_ray.run(ray_digits.train, digits(out), hosts=4, sites=2, run_dir=run_dir, bind_host="127.0.0.1",
+                            coordinator_args=FAST, relay_args=("--threads", "1"), timeout=130)
+    assert_final_model_is_the_hosts(result, out, ["0", "1", "2", "3"])
+    assert sorted(published(run_dir)) == list(range(ROUNDS))
+    assert {e["from_host"] for e in received(run_dir)} == {"site0", "site1"}  # the root heard the relays alone
+    assert all(result.hosts[h].value["model_hash"] == result.model.model_hash for h in range(4))

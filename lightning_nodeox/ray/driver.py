@@ -3,7 +3,7 @@ every host (:mod:`.group`), and :meth:`RayRun.wait` watches them to the run's en
 
 While it waits: a host whose actor died is called again once Ray has brought it back (it rejoins with its id),
 until it has used ``max_restarts``; a server whose actor died is waited on again the same way (its process resumes
-the run). Hosts beyond ``hosts`` (``max_hosts``) wait in Ray's queue for resources and join when they get them.
+the run; Ray retries the wait on the restarted actor). Hosts beyond ``hosts`` (``max_hosts``) wait in Ray's queue for resources and join when they get them.
 The run ends when the coordinator's process ends: status 0, the run completed (hosts still queued are dropped, the
 final model is read); anything else stops every actor and raises (the run is saved, and starting it again on the
 same run directory resumes it).
@@ -41,9 +41,8 @@ class RayRun:
         self.hosts: dict[int, Host] = {}
         self.results: dict[int, HostResult] = {}
         self.pending: dict[ray.ObjectRef, tuple[str, int]] = {}  # a call in flight -> (kind, host or server)
-        self.server_restarts = [0] * len(self.servers.actors)
-        for k, server in enumerate(self.servers.actors):
-            self.pending[server.wait.remote()] = ("server", k)
+        for k, server in enumerate(self.servers.actors):  # retried on the actor Ray restarts, until it gives up
+            self.pending[server.wait.options(max_task_retries=-1).remote()] = ("server", k)
         for i in range(settings.all_hosts):
             url = topology.host_url(i, self.servers.url, self.servers.relay_urls) if i < settings.hosts else \
                 self.servers.url
@@ -78,6 +77,9 @@ class RayRun:
         if kind == "host":
             self._host_call_ended(key, ready[0])
             return None
+        if kind == "revived":
+            self._host_revived(key, ready[0])
+            return None
         return self._server_ended(key, ready[0])
 
     def _host_call_ended(self, i: int, ref: ray.ObjectRef) -> None:
@@ -89,15 +91,10 @@ class RayRun:
         except RayTaskError as e:  # the training function raised
             self._host_done(i, HostResult(i, Ending.FAILED, restarts=host.restarts, error=str(e)))
             return
-        except RayActorError as e:  # the actor died: Ray brings it back, then it is called again
-            refs = host.restart(self.fn, self.config)
-            if refs is None:
-                self._host_done(i, HostResult(i, Ending.FAILED, restarts=host.restarts,
-                                              error=f"its actor died more than max_restarts times: {e}"))
-            else:
-                print(f"nodeox ray: host {i}'s actor died; Ray restarts it (restart {host.restarts} of "
-                      f"{self.settings.max_restarts}) and it rejoins the run", flush=True)
-                self.pending.update((r, ("host", i)) for r in refs)
+        except RayActorError:  # the actor died: Ray brings it back, then it is called again
+            print(f"nodeox ray: host {i}'s actor died; Ray restarts it (restart {host.restarts + 1} of at most "
+                  f"{self.settings.max_restarts}) and it rejoins the run", flush=True)
+            self.pending.update((r, ("revived", i)) for r in host.revive())
             return
         host.ended[host.refs.index(ref)] = (ending, value)
         if len(host.ended) == host.ranks:  # every rank of the host is done: rank 0's value is the host's
@@ -105,25 +102,34 @@ class RayRun:
             self.results[i] = HostResult(i, Ending.DONE if ending == DONE else Ending.LATE,
                                          value=value if ending == DONE else None, restarts=host.restarts)
 
+    def _host_revived(self, i: int, ref: ray.ObjectRef) -> None:
+        """One rank's actor of host ``i`` is back (or gone for good); once all are back, train again."""
+        host = self.hosts[i]
+        if ref not in host.probes:
+            return
+        host.probes.remove(ref)
+        try:
+            ray.get(ref)
+        except RayActorError as e:
+            self._host_done(i, HostResult(i, Ending.FAILED, restarts=host.restarts,
+                                          error=f"its actor died more often than max_restarts allows: {e}"))
+            return
+        if not host.probes:
+            self.pending.update((r, ("host", i)) for r in host.start(self.fn, self.config))
+
     def _host_done(self, i: int, result: HostResult) -> None:
         self.results[i] = result
-        for ref in [r for r, (kind, key) in self.pending.items() if kind == "host" and key == i]:
+        for ref in [r for r, (kind, key) in self.pending.items() if kind in ("host", "revived") and key == i]:
             del self.pending[ref]
-        self.hosts[i].refs = []
+        self.hosts[i].refs, self.hosts[i].probes = [], []
 
     def _server_ended(self, k: int, ref: ray.ObjectRef) -> FinalModel | None:
         name = "coordinator" if k == 0 else f"relay {k - 1}"
         try:
             code, model = ray.get(ref)
         except RayActorError as e:
-            if self.server_restarts[k] >= self.settings.max_restarts:
-                raise RuntimeError(f"the {name}'s actor died more than max_restarts times; the run is saved in "
-                                   f"{self.settings.run_dir}") from e
-            self.server_restarts[k] += 1
-            print(f"nodeox ray: the {name}'s actor died; Ray restarts it on its run directory (restart "
-                  f"{self.server_restarts[k]} of {self.settings.max_restarts})", flush=True)
-            self.pending[self.servers.actors[k].wait.remote()] = ("server", k)
-            return None
+            raise RuntimeError(f"the {name}'s actor died more often than max_restarts allows; the run is saved in "
+                               f"{self.settings.run_dir}") from e
         if code != 0:
             raise RuntimeError(f"the {name} ended with exit status {code} before the run completed (its output "
                                f"says why); the run is saved in {self.settings.run_dir}: start it again to resume")

@@ -3,7 +3,8 @@ that keeps them on one machine, STRICT_PACK), the calls of its training function
 
 Ray brings a dead actor back (``max_restarts``); the driver then calls the training function on it again, and the
 host rejoins the run with its id. For a host of several ranks, one dead rank restarts the whole host (its DDP
-cannot go on without it): the other ranks are killed too, for Ray to bring back, and all are called again.
+cannot go on without it): the other ranks are killed too, for Ray to bring back, and all are called again once
+every rank is back.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class Host:
         self.restarts, self.attempt = 0, 0
         self.refs: list[ray.ObjectRef] = []  # the current attempt's calls, by rank
         self.ended: dict[int, tuple[str, Any]] = {}  # rank -> how its call of the current attempt ended
+        self.probes: list[ray.ObjectRef] = []  # after a death: the calls that return once the actors are back
         bundle = {"CPU": settings.cpus_per_host, **settings.host_resources}
         if settings.gpus_per_host:
             bundle["GPU"] = 1
@@ -59,16 +61,18 @@ class Host:
         """Whether ``ref`` is a call of this host's current attempt (not one a restart gave up)."""
         return ref in self.refs
 
-    def restart(self, fn: Callable[[Any], Any], config: Any) -> list[ray.ObjectRef] | None:
-        """After a rank's actor died: the new attempt's calls, or None when the host has used its restarts."""
-        if self.restarts >= self.settings.max_restarts:
-            return None
+    def revive(self) -> list[ray.ObjectRef]:
+        """After a rank's actor died: calls that return once each rank's actor is back (Ray restarts it; a call
+        made while it restarts would fail, these are retried until it is back), and raise if Ray gave it up
+        (``max_restarts`` used). :meth:`start` follows once all have returned."""
         self.restarts += 1
         self.attempt += 1
+        self.refs, self.ended = [], {}
         if self.ranks > 1:
             for a in self.actors:
                 ray.kill(a, no_restart=False)  # the dead one is restarting already; the others follow
-        return self.start(fn, config)
+        self.probes = [a.pid.options(max_task_retries=-1).remote() for a in self.actors]
+        return self.probes
 
     def stop(self) -> None:
         for a in self.actors:
