@@ -37,6 +37,7 @@ class RayRun:
         self.namespace = f"nodeox-{uuid.uuid4().hex[:8]}"
         self.started = time.monotonic()
         topology = Topology.of(settings.hosts, settings.sites, settings.run_dir)
+        warn_if_too_small(settings, len(topology.relays))
         self.servers: Servers = start_servers(settings, topology, self.namespace)
         self.hosts: dict[int, Host] = {}
         self.results: dict[int, HostResult] = {}
@@ -154,6 +155,18 @@ class RayRun:
         for host in self.hosts.values():
             host.stop()
         self.servers.stop()
+
+
+def warn_if_too_small(settings: RaySettings, relays: int) -> None:
+    """Say so when the cluster has fewer CPUs than the servers and the first hosts reserve: round 0 would wait for
+    hosts Ray cannot start (until an autoscaler adds nodes)."""
+    needed = settings.coordinator_cpus * (1 + relays) + settings.hosts * max(1, settings.gpus_per_host) * \
+        settings.cpus_per_host
+    has = ray.cluster_resources().get("CPU", 0)
+    if has < needed:
+        print(f"nodeox ray: the cluster has {has:g} CPUs, but the coordinator, relays and {settings.hosts} hosts "
+              f"reserve {needed:g}: round 0 waits until Ray can start them all; add nodes, or lower cpus_per_host "
+              "or coordinator_cpus (logical CPUs: ray start --num-cpus N)", flush=True)
 
 
 def start(fn: Callable[[Any], Any], config: Any = None, **settings: Any) -> RayRun:

@@ -15,7 +15,8 @@ from ..core.hashing import model_hash
 
 @dataclass(frozen=True)
 class FinalModel:
-    """The model a completed run ended with: the hosts hold the same bytes (``model_hash`` is theirs too)."""
+    """The model a completed run ended with: the hosts hold the same bytes (``model_hash`` is theirs too).
+    ``round``: the rounds the run published (0 to round - 1); this model is the one the last of them made."""
 
     round: int
     model_hash: str
