@@ -44,13 +44,16 @@ class RayRun:
         self.pending: dict[ray.ObjectRef, tuple[str, int]] = {}  # a call in flight -> (kind, host or server)
         for k, server in enumerate(self.servers.actors):  # retried on the actor Ray restarts, until it gives up
             self.pending[server.wait.options(max_task_retries=-1).remote()] = ("server", k)
-        for i in range(settings.all_hosts):
-            url = topology.host_url(i, self.servers.url, self.servers.relay_urls) if i < settings.hosts else \
-                self.servers.url
-            env = host_variables(i, url, settings.all_hosts, settings.run_dir, self.servers.token)
-            self.hosts[i] = Host(i, env, settings, self.namespace)
-            for ref in self.hosts[i].start(fn, config):
-                self.pending[ref] = ("host", i)
+        try:
+            for i in range(settings.all_hosts):
+                url = topology.host_url(i, self.servers.url, self.servers.relay_urls) if i < settings.hosts else \
+                    self.servers.url
+                env = host_variables(i, url, settings.all_hosts, settings.run_dir, self.servers.token)
+                self.hosts[i] = Host(i, env, settings, self.namespace)
+                self.pending.update((ref, ("host", i)) for ref in self.hosts[i].start(fn, config))
+        except BaseException:
+            self.stop()
+            raise
 
     def host_actor(self, host: int, rank: int = 0) -> ray.actor.ActorHandle:
         """Host ``host``'s actor (of rank ``rank``)."""
