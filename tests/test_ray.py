@@ -1,6 +1,6 @@
-"""lightning_nodeox.ray on a real local Ray cluster (one, shared by the module's tests; the coordinator and relays bind 127.0.0.1): tiny
-digits hosts (tests/hosts/ray_digits.py) trained in their actors, the coordinator and relays as actors supervising
-their processes. Each test checks bit-identity (hashes and bytes) and round counts."""
+"""lightning_nodeox.ray on a real local Ray cluster (one, shared by the module's tests; the coordinator and relays
+bind 127.0.0.1): tiny digits hosts (tests/hosts/ray_digits.py) trained in their actors, the coordinator and relays
+as actors supervising their processes. Each test checks bit-identity (hashes and bytes) and round counts."""
 
 from __future__ import annotations
 
