@@ -4,7 +4,9 @@ every host (:mod:`.group`), and :meth:`RayRun.wait` watches them to the run's en
 While it waits: a host whose actor died is called again once Ray has brought it back (it rejoins with its id),
 until it has used ``max_restarts``; a server whose actor died is waited on again (Ray retries the wait on the
 restarted actor, whose process resumes the run). Hosts beyond ``hosts`` (``max_hosts``) wait in Ray's queue for
-resources and join when they get them. The run ends when the coordinator's process ends: status 0, the run completed (hosts still queued are dropped, the
+resources and join when they get them.
+
+The run ends when the coordinator's process ends: status 0, the run completed (hosts still queued are dropped, the
 final model is read); anything else stops every actor and raises (the run is saved, and starting it again on the
 same run directory resumes it).
 """
