@@ -4,6 +4,7 @@ as actors supervising their processes. Each test checks bit-identity (hashes and
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -69,24 +70,32 @@ def test_two_hosts_end_bit_identical_and_the_driver_gets_their_final_model(clust
 
 
 @pytest.mark.timeout(150)
-def test_a_host_actor_killed_mid_run_is_restarted_and_the_run_ends_bit_identical_in_as_many_rounds(
+def test_a_host_actor_then_the_coordinators_killed_mid_run_come_back_and_the_run_ends_bit_identical_in_as_many_rounds(
         cluster, tmp_path: Path) -> None:
-    """min_hosts=2: no round closes without the killed host, so it rejoins in the round it left."""
+    """min_hosts=2: no round closes without the killed host, so it rejoins in the round it left; the coordinator
+    comes back on the address the hosts were given and resumes the run. 40 steps of 10: 4 rounds, kills or not."""
     out, run_dir = tmp_path / "out", tmp_path / "run"
-    started = nodeox_ray.start(ray_digits.train, digits(out, "--step-seconds", "0.05"), hosts=2, run_dir=run_dir,
-                               min_hosts=2, bind_host="127.0.0.1", coordinator_args=FAST, timeout=130)
+    started = nodeox_ray.start(ray_digits.train, digits(out, "--max-steps", "40", "--step-seconds", "0.05"), hosts=2,
+                               run_dir=run_dir, min_hosts=2, bind_host="127.0.0.1", coordinator_args=FAST, timeout=130)
     wait_for(lambda: 0 in published(run_dir), 90, "round 0")
-    killed_pid = (out / "host1.pid").read_text()  # the actor is busy training: its pid() call would wait
+    host_pid = (out / "host1.pid").read_text()  # the actor is busy training: its pid() call would wait
     ray.kill(started.host_actor(1), no_restart=False)
-    rounds_at_kill = len(published(run_dir))
+    rounds_at_host_kill = len(published(run_dir))
+    wait_for(lambda: 1 in published(run_dir), 90, "round 1, which waits for host 1 to come back")
+    address = (run_dir / ".ray-bind").read_text().split()[1]
+    coordinator_pid = json.loads((run_dir / "coordinator.json").read_text())["pid"]
+    ray.kill(started.servers.coordinator, no_restart=False)
+    rounds_at_coordinator_kill = len(published(run_dir))
     result = started.wait()
-    assert rounds_at_kill < ROUNDS
+    assert 1 <= rounds_at_host_kill <= rounds_at_coordinator_kill < 4  # both mid-run
     assert result.hosts[1].restarts == 1 and result.hosts[0].restarts == 0
-    assert (out / "host1.pid").read_text() != killed_pid  # a new process of the same actor trained again
+    assert (out / "host1.pid").read_text() != host_pid  # a new process of the same actor trained again
+    assert json.loads((run_dir / "coordinator.json").read_text())["pid"] != coordinator_pid  # a new coordinator ...
+    assert (run_dir / ".ray-bind").read_text().split()[1] == address  # ... on the hosts' address
     assert all(r.ending is nodeox_ray.Ending.DONE for r in result.hosts.values())
     assert_final_model_is_the_hosts(result, out, ["0", "1"])
-    assert sorted(published(run_dir)) == list(range(ROUNDS))
-    assert result.hosts[1].value["last_round"] == ROUNDS - 1 == result.model.round - 1
+    assert sorted(published(run_dir)) == list(range(4)) and result.model.round == 4
+    assert result.hosts[1].value["last_round"] == 3
 
 
 @pytest.mark.timeout(150)
@@ -123,3 +132,4 @@ def test_two_relays_of_two_hosts_on_ray_end_bit_identical(cluster, tmp_path: Pat
     assert sorted(published(run_dir)) == list(range(ROUNDS))
     assert {e["from_host"] for e in received(run_dir)} == {"site0", "site1"}  # the root heard the relays alone
     assert all(result.hosts[h].value["model_hash"] == result.model.model_hash for h in range(4))
+

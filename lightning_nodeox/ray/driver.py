@@ -1,5 +1,5 @@
 """A nodeox run on a Ray cluster, driven from the driver: :func:`start` starts the servers (:mod:`.servers`) and
-every host (:mod:`.group`), and :meth:`RayRun.wait` watches them to the run's end.
+every host (:mod:`.group`), and a thread of the driver watches them to the run's end (:meth:`RayRun.wait` for it).
 
 While it waits: a host whose actor died is called again once Ray has brought it back (it rejoins with its id),
 until it has used ``max_restarts``; a server whose actor died is waited on again (Ray retries the wait on the
@@ -13,6 +13,7 @@ same run directory resumes it).
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -56,21 +57,34 @@ class RayRun:
         except BaseException:
             self.stop()
             raise
+        self._outcome: RunResult | BaseException | None = None
+        self._watcher = threading.Thread(target=self._watch, name="nodeox-ray-driver", daemon=True)
+        self._watcher.start()
 
     def host_actor(self, host: int, rank: int = 0) -> ray.actor.ActorHandle:
         """Host ``host``'s actor (of rank ``rank``)."""
         return self.hosts[host].actors[rank]
 
     def wait(self) -> RunResult:
-        """Watch the run to its end; its result, or an error once every actor is stopped."""
+        """Wait for the run's end (it is watched from :func:`start` on, in a thread of this process): its result,
+        or the error that ended it once every actor is stopped."""
+        self._watcher.join()
+        if isinstance(self._outcome, BaseException):
+            raise self._outcome
+        return self._outcome
+
+    def _watch(self) -> None:
+        """Watch the run to its end, restarting calls as actors come back; then stop every actor."""
         model = None
         try:
             while model is None:
                 model = self._next()
             self._settle_hosts()
+            self._outcome = RunResult(dict(sorted(self.results.items())), model, self.settings.run_dir)
+        except BaseException as e:  # handed to wait()
+            self._outcome = e
         finally:
             self.stop()
-        return RunResult(dict(sorted(self.results.items())), model, self.settings.run_dir)
 
     def _next(self) -> FinalModel | None:
         """Take the next call that ended; the final model once the coordinator has ended the run."""

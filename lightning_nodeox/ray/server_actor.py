@@ -2,12 +2,13 @@
 ``relay``) process, the same process ``nodeox launch`` starts (:class:`~lightning_nodeox.tools.supervision.Server`:
 its ready file gives its URL, its output is the actor's, each line prefixed ``[coordinator]``).
 
-A restart keeps the URL. The first start binds a free port and notes it in the run directory (``.ray-bind``); a
-restarted actor (Ray's ``max_restarts``; the driver pins the actor to its node) binds the same address again once
-the process of the previous life is gone (the kernel sends it SIGTERM when the actor dies, so it saves the run;
-its lock on the run directory says when it has gone). Hosts keep retrying the URL they were given (``retry_for``),
-so they need not learn a new one, and the coordinator started again on its run directory (or ``--store``) resumes
-the run as ``nodeox coordinator`` always does.
+A restart keeps the URL. The first start binds a free port and notes it in the run directory (``.ray-bind``, with
+the driver's run id: a later run on the same directory picks a port anew); a restarted actor (Ray's
+``max_restarts``; the driver pins the actor to its node) binds the same address again once the process of its
+previous life is gone (the kernel sends it SIGTERM when the actor dies, so it saves the run; its lock on the run
+directory says when it has gone). Hosts keep retrying the URL they were given (``retry_for``), so they need not
+learn a new one, and the coordinator started again on its run directory (or ``--store``) resumes the run as
+``nodeox coordinator`` always does.
 """
 
 from __future__ import annotations
@@ -58,10 +59,11 @@ class ServerActor:
     directory ``run_dir``, listening on ``bind_host`` (None: this Ray node's address). Made a Ray actor by the
     driver (:mod:`.driver`)."""
 
-    def __init__(self, name: str, args: list[str], run_dir: str, ready_file: str, bind_host: str | None) -> None:
+    def __init__(self, name: str, args: list[str], run_dir: str, ready_file: str, bind_host: str | None,
+                 run_id: str) -> None:
         import ray
 
-        self.name, self.run_dir = name, Path(run_dir)
+        self.name, self.run_dir, self.run_id = name, Path(run_dir), run_id
         self.run_dir.mkdir(parents=True, exist_ok=True)
         bind = self._bind(bind_host or ray.util.get_node_ip_address())
         wait_until_released(self.run_dir / LOCK_FILE)
@@ -71,16 +73,17 @@ class ServerActor:
         if self.server.wait_ready() is None:
             raise RuntimeError(f"the {name} did not start (exit status {self.server.proc.returncode}); its output "
                                f"is above, prefixed [{name}]")
-        (self.run_dir / BIND_FILE).write_text(bind)
+        (self.run_dir / BIND_FILE).write_text(f"{run_id} {bind}")
 
     def __repr__(self) -> str:
         return f"nodeox-{self.name.replace(' ', '-')}"  # Ray's log prefix for this actor
 
     def _bind(self, host: str) -> str:
-        """The address of a previous life of this actor, else ``host`` and a free port."""
+        """The address of a previous life of this actor (in this driver's run), else ``host`` and a free port."""
         path = self.run_dir / BIND_FILE
-        if path.exists() and path.read_text().strip():
-            return path.read_text().strip()
+        noted = path.read_text().split() if path.exists() else []
+        if len(noted) == 2 and noted[0] == self.run_id:
+            return noted[1]
         return f"{host}:{free_port(host)}"
 
     def url(self) -> str:

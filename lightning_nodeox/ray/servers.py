@@ -52,14 +52,15 @@ def start_servers(settings: RaySettings, topology: Topology, namespace: str) -> 
                      list(settings.coordinator_args))]
     coordinator = actor.options(name="nodeox-coordinator", **options).remote(
         COORDINATOR, root_args, str(settings.run_dir), str(settings.run_dir / ".coordinator-url"),
-        settings.bind_host)
+        settings.bind_host, namespace)
     relays: list[ray.actor.ActorHandle] = []
     try:
         url = ray.get(coordinator.url.remote())
         relay_flags = [*settings.relay_args, "--token-file", str(token_file), "--upstream-token-file",
                        str(token_file)]
         relays = [actor.options(name=f"nodeox-relay-{site.index}", **options).remote(
-            site.name, site.args(url, relay_flags), str(site.run_dir), str(site.ready_file), settings.bind_host)
+            site.name, site.args(url, relay_flags), str(site.run_dir), str(site.ready_file), settings.bind_host,
+            namespace)
             for site in topology.relays]
         relay_urls = ray.get([r.url.remote() for r in relays])
     except BaseException:
