@@ -16,7 +16,7 @@ class Ending(str, Enum):
 
     DONE = "done"  # its training function returned (the run completed with it)
     LATE = "late"  # it came after the run had completed (a host grown too late)
-    NOT_STARTED = "not started"  # Ray never found the resources for it before the run completed
+    NOT_STARTED = "not started"  # not running when the run completed: never started, or restarted and not back yet
     FAILED = "failed"  # its function raised, or its actor died more often than max_restarts allows
 
 
