@@ -31,7 +31,7 @@ class Host:
     def __init__(self, host: int, env: dict[str, str], settings: RaySettings, namespace: str) -> None:
         self.host, self.settings = host, settings
         self.ranks = max(1, settings.gpus_per_host)
-        self.restarts, self.attempt = 0, 0
+        self.restarts = 0
         self.refs: list[ray.ObjectRef] = []  # the current attempt's calls, by rank
         self.ended: dict[int, tuple[str, Any]] = {}  # rank -> how its call of the current attempt ended
         self.probes: list[ray.ObjectRef] = []  # after a death: the calls that return once the actors are back
@@ -66,7 +66,6 @@ class Host:
         made while it restarts would fail, these are retried until it is back), and raise if Ray gave it up
         (``max_restarts`` used). :meth:`start` follows once all have returned."""
         self.restarts += 1
-        self.attempt += 1
         self.refs, self.ended = [], {}
         if self.ranks > 1:
             for a in self.actors:
