@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 
 from lightning_nodeox.core.stores import open_store
-from helpers import Coordinator, assert_identical, published, read_events, start_host, stop, wait_for
+from helpers import Coordinator, assert_identical, forked, published, read_events, start_host, stop, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -172,9 +172,9 @@ def test_a_bucket_that_does_not_exist_stops_the_coordinator_at_start_naming_the_
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "lightning_nodeox", "coordinator", "--hosts", "1", "--run-dir",
-                           str(tmp_path / "run"), "--bind", "127.0.0.1:0", "--store", "s3://no-such-bucket/run"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(forked([sys.executable, "-m", "lightning_nodeox", "coordinator", "--hosts", "1",
+                                  "--run-dir", str(tmp_path / "run"), "--bind", "127.0.0.1:0", "--store",
+                                  "s3://no-such-bucket/run"]), capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "no-such-bucket" in done.stderr and "create it: aws s3 mb s3://no-such-bucket" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "run" / "coordinator.json").exists()  # never listened
