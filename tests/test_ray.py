@@ -31,15 +31,21 @@ FAST = ("--threads", "1", "--lease", "4")  # a killed host's lease ends soon
 @pytest.fixture(scope="module")
 def cluster():
     """A Ray cluster of one node (8 logical CPUs, 2 "slot"s for the growth test's hosts), the test hosts' folder on
-    its workers' path; shut down after the module."""
+    its workers' path; shut down after the module, and the environment ray.init changed (PYTHONBREAKPOINT, RAY_*)
+    put back, so that later tests (the zygote's) see the session's."""
+    saved = dict(os.environ)
     path = os.pathsep.join([str(REPO), str(HOSTS), os.environ.get("PYTHONPATH", "")])
     c = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 8, "resources": {"slot": 2}, "include_dashboard": False})
     ray.init(address=c.address, runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}},
              logging_level="WARNING")
-    yield c
-    ray.shutdown()
-    c.shutdown()
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def digits(out: Path, *args: str) -> list[str]:
