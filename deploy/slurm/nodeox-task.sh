@@ -39,16 +39,16 @@ _processes=()
 _steps=()
 _requeue=0
 
-start_process() {  # CMD... in the background, in this job step
+start_process() {  # CMD... in the background, in this job step (the traps first: a signal never finds none)
+    _traps
     "$@" &
     _processes+=("$!")
-    _traps
 }
 
-start_step() {  # srun ... in the background: a job step
+start_step() {  # srun ... in the background: a job step (the traps first, as above)
+    _traps
     "$@" &
     _steps+=("$!")
-    _traps
 }
 
 _traps() {
