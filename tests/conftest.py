@@ -107,10 +107,10 @@ def keep_records(monkeypatch):
     monkeypatch.setattr(PhaseLog, "__init__", init)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def uninterrupted(tmp_path_factory):
     """The final model of a run never interrupted (restarts.run), per outer optimizer, frozen tensors and
-    fragments."""
+    fragments: each run once a session (test_restart, test_persistence and test_store_takeover share them)."""
     hashes = {}
 
     def final(outer: tuple[str, ...], still: tuple[str, ...] = (), fragments: int = 1) -> str:

@@ -15,8 +15,9 @@ COORDINATOR = f"{PACKAGE}.coordinator"
 LOCAL_TRANSPORT = "tests/local_transport.py"
 
 # the rooms (top folders of the package) a room's modules must not import
-FORBIDDEN_ROOMS = {"host": {"coordinator", "relay", "tools"}, "coordinator": {"host", "relay", "tools"},
-                   "core": {"host", "coordinator", "relay", "tools"}, "relay": {"tools"}}
+FORBIDDEN_ROOMS = {"host": {"coordinator", "relay", "tools", "ray"}, "coordinator": {"host", "relay", "tools", "ray"},
+                   "core": {"host", "coordinator", "relay", "tools", "ray"}, "relay": {"tools", "ray"},
+                   "tools": {"ray"}}  # ray/ (a run on Ray) starts what tools/ starts; nothing imports it
 HTTP_LIBRARIES = {"requests", "aiohttp", "urllib3", "http"}
 HTTP_MODULES = {f"{PACKAGE}/host/client.py", f"{PACKAGE}/coordinator/server.py",
                 f"{PACKAGE}/host/placed.py"}  # the host's reads of the run's store (presigned GETs)

@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 
 from lightning_nodeox.core.stores import open_store
-from helpers import Coordinator, assert_identical, published, read_events, start_host, stop, wait_for
+from helpers import Coordinator, assert_identical, forked, published, read_events, start_host, stop, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -135,8 +135,10 @@ def test_eight_hosts_cost_the_coordinator_one_sync_a_round_with_a_store_and_eigh
     """The coordinator's sync bytes out per round (sent itself, and written to the store): at most 1.5x one sync
     with the store (8 hosts read it there), about 8x without; and the model the 7 joining hosts fetched at once was
     written to the store once."""
-    with_store, rounds, events, _ = _run(tmp_path, "store", 8, "--store", s3_url)
-    without, rounds_plain, _, _ = _run(tmp_path, "plain", 8)
+    two_rounds = ("--max-steps", "20")  # a figure per round: the first round's (the model's fetch) and one after it
+    with_store, rounds, events, _ = _run(tmp_path, "store", 8, "--store", s3_url, steps=two_rounds)
+    without, rounds_plain, _, _ = _run(tmp_path, "plain", 8, steps=two_rounds)
+    assert sorted(rounds) == sorted(rounds_plain) == [0, 1]
     sync = {r: e["bytes"] for e in events if e["phase"] == "download" and e["host"] == "0" for r in [e["round"]]}
     one_sync = max(sync.values())
     stored = sum(e["bytes"] for e in events if e["phase"] == "store" and e["what"] == "sync")
@@ -172,9 +174,9 @@ def test_a_bucket_that_does_not_exist_stops_the_coordinator_at_start_naming_the_
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "lightning_nodeox", "coordinator", "--hosts", "1", "--run-dir",
-                           str(tmp_path / "run"), "--bind", "127.0.0.1:0", "--store", "s3://no-such-bucket/run"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(forked([sys.executable, "-m", "lightning_nodeox", "coordinator", "--hosts", "1",
+                                  "--run-dir", str(tmp_path / "run"), "--bind", "127.0.0.1:0", "--store",
+                                  "s3://no-such-bucket/run"]), capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "no-such-bucket" in done.stderr and "create it: aws s3 mb s3://no-such-bucket" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "run" / "coordinator.json").exists()  # never listened

@@ -27,6 +27,11 @@ from lightning_nodeox.host.tensors import HostTensors
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
+# Each test runs on one kind of store, both kinds among them (the store's rules, on both kinds, are test_stores.py's
+# and test_store_state.py's; hosts reading from either, test_store_payloads.py's): each end-to-end run once.
+ON_S3 = pytest.mark.parametrize("store_url", ["s3"], indirect=True)
+ON_FILES = pytest.mark.parametrize("store_url", ["file"], indirect=True)
+
 TTL = 3.0  # --store-lease: how long a coordinator killed with its machine keeps the run from its successor
 LEASED = ("--store-lease", f"{TTL:g}")
 
@@ -76,6 +81,7 @@ def take_over(coordinator, hosts: int, *args: str, run_dir, timeout: float = 60)
             assert time.monotonic() < deadline, "no coordinator took the run over"
 
 
+@ON_S3  # a real conditional put decides whose lease it is
 def test_a_second_coordinator_is_refused_at_once_naming_the_first_and_takes_over_once_it_is_killed(
         coordinator, store_url, tmp_path) -> None:
     store = open_store(store_url)
@@ -110,6 +116,7 @@ def test_a_second_coordinator_is_refused_at_once_naming_the_first_and_takes_over
     assert holder(store) is None, "a clean shutdown releases the lease"
 
 
+@ON_FILES
 def test_a_lost_machine_run_completes_on_another_coordinator_from_the_store_as_if_never_interrupted(
         coordinator, uninterrupted, store_url) -> None:
     """Nesterov (its momentum must come back too): kill -9 mid-round 2 (host a's delta sent), the run directory
@@ -142,6 +149,7 @@ def test_a_lost_machine_run_completes_on_another_coordinator_from_the_store_as_i
     assert published(again.run_dir)[ROUNDS - 1]["model_hash"] == final
 
 
+@ON_S3  # hosts read the syncs through presigned URLs while the store changes hands
 def test_a_lost_machine_run_with_host_processes_completes_on_another_coordinator_bit_identical(
         coordinator, store_url, tmp_path) -> None:
     """Digits hosts (never restarted) train on while the coordinator's machine is lost mid-run and another takes
@@ -172,6 +180,7 @@ def test_a_lost_machine_run_with_host_processes_completes_on_another_coordinator
     assert assert_identical(out, ["0", "1"]) == after[max(after)]["model_hash"]
 
 
+@ON_FILES
 def test_a_coordinator_whose_lease_another_took_stops_at_once_writing_nothing_more_to_the_store(
         coordinator, store_url) -> None:
     store = open_store(store_url)

@@ -66,7 +66,7 @@ def test_a_round_over_tls_with_the_ca_file_or_the_requests_convention(coordinato
 
 
 def nodeox(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lightning_nodeox", *args], capture_output=True, text=True,
+    return subprocess.run(forked([sys.executable, "-m", "lightning_nodeox", *args]), capture_output=True, text=True,
                           timeout=timeout, env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
 

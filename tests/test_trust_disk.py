@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import requests
 import torch
-from helpers import Coordinator, TwoOptimizers, data, model
+from helpers import Coordinator, TwoOptimizers, data, forked, model
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from local_transport import LocalClient
@@ -40,10 +40,10 @@ ENOSPC = OSError(errno.ENOSPC, "No space left on device")
 
 
 def start_coordinator(run_dir: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    """A `nodeox coordinator` expected to refuse (it is not waited for to serve)."""
-    return subprocess.run(
+    """A `nodeox coordinator` expected to refuse (it is not waited for to serve), forked from the zygote."""
+    return subprocess.run(forked(
         [sys.executable, "-m", "lightning_nodeox", "coordinator", "--hosts", "1", "--run-dir", str(run_dir), "--bind",
-         "127.0.0.1:0", "--threads", "1", *args], check=False, capture_output=True, text=True, timeout=timeout,
+         "127.0.0.1:0", "--threads", "1", *args]), check=False, capture_output=True, text=True, timeout=timeout,
         env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
 

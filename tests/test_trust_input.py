@@ -10,7 +10,7 @@ import sys
 import pytest
 import requests
 import torch
-from helpers import SPECS, model_file
+from helpers import SPECS, forked, model_file
 from safetensors.torch import save_file
 
 from lightning_nodeox.core.hashing import model_hash
@@ -120,8 +120,8 @@ def test_an_initial_model_that_lacks_or_adds_tensors_is_refused_naming_them(coor
 def test_an_initial_model_that_is_not_a_model_file_stops_the_coordinator_at_once_naming_it(tmp_path) -> None:
     path = tmp_path / "notes.safetensors"
     path.write_text("not a model")
-    done = subprocess.run([sys.executable, "-m", "lightning_nodeox", "coordinator", "--hosts", "1", "--run-dir",
-                           str(tmp_path / "run"), "--initial-model", str(path)], capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(forked([sys.executable, "-m", "lightning_nodeox", "coordinator", "--hosts", "1", "--run-dir",
+                                  str(tmp_path / "run"), "--initial-model", str(path)]), capture_output=True,
+                          text=True, timeout=60)
     assert done.returncode == 2
     assert "--initial-model is truncated or corrupt" in done.stderr and "Traceback" not in done.stderr + done.stdout

@@ -52,6 +52,15 @@ def cpu_shares(hosts: int) -> list[list[int] | None]:
     return [cpus[i * per : (i + 1) * per] for i in range(hosts)]
 
 
+def host_variables(host: int | str, url: str, hosts: int, run_dir: Path, token: str | None) -> dict[str, str]:
+    """The ``NODEOX_*`` variables of host ``host`` joining at ``url``, in a run of ``hosts`` hosts (also the
+    environment of a host on Ray, :mod:`lightning_nodeox.ray.hosts`)."""
+    env = {ENV_HOST_ID: str(host), ENV_NUM_HOSTS: str(hosts), ENV_URL: url, ENV_RUN_DIR: str(run_dir)}
+    if token:
+        env[ENV_TOKEN] = token
+    return env
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where each host runs on this machine: its GPUs (``CUDA_VISIBLE_DEVICES``) and its CPUs; None: all of them.
@@ -88,10 +97,8 @@ class Environments:
 
     def host(self, host: int, url: str, placement: Placement, *, reaches_the_root: bool) -> dict[str, str]:
         """Host ``host``'s, joining at ``url`` (the coordinator itself when ``reaches_the_root``, else a relay)."""
-        env = {**self._base, ENV_HOST_ID: str(host), ENV_LOCAL_RANK: str(host), ENV_NUM_HOSTS: str(self._hosts),
-               ENV_URL: url, ENV_RUN_DIR: str(self._run_dir)}
-        if self._token:
-            env[ENV_TOKEN] = self._token
+        env = {**self._base, **host_variables(host, url, self._hosts, self._run_dir, self._token),
+               ENV_LOCAL_RANK: str(host)}
         if reaches_the_root:
             env.update(self._ca)
         gpus, cpus = placement.gpus[host], placement.cpus[host]

@@ -71,13 +71,21 @@ def _with_token(config: CoordinatorConfig, coordinator_args: list[str], relay_ar
                 run_dir: Path) -> tuple[CoordinatorConfig, list[str], list[str]]:
     """A launch given no ``--token-file`` makes one (``RUN_DIR/token``, kept for a resume): its coordinator, relays
     and hosts use it, the status page's printed link carries it and ``nodeox status RUN_DIR`` reads it."""
-    path = run_dir / RUN_DIR_TOKEN
-    if not path.exists() or not path.read_text().strip():
-        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            f.write(secrets.token_urlsafe(32))
+    path = run_token(run_dir)
     flags = ["--token-file", str(path)]
     return (replace(config, token=path.read_text().strip()), [*coordinator_args, *flags],
             [*relay_args, *flags, "--upstream-token-file", str(path)])
+
+
+def run_token(run_dir: Path, token: str | None = None) -> Path:
+    """``RUN_DIR/token`` (owner-only), made once and kept for a resume: ``token`` when given, else a new one; a
+    file that holds a token already is left as it is unless ``token`` differs."""
+    path = run_dir / RUN_DIR_TOKEN
+    held = path.read_text().strip() if path.exists() else ""
+    if not held or (token is not None and token != held):
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(token or secrets.token_urlsafe(32))
+    return path
 
 
 def _start_servers(topology: Topology, environments: Environments, coordinator_args: list[str],

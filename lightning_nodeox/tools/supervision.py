@@ -47,14 +47,30 @@ def server_ending(code: int | None) -> str:
     return exit_status(code) if code is not None else "still running"
 
 
+def _dies_with_parent(signum: int | None):
+    """A ``preexec_fn`` that has the kernel send ``signum`` to the child when the thread that started it ends
+    (Linux ``PR_SET_PDEATHSIG``; elsewhere nothing): a child of a process killed -9 (a Ray actor) does not outlive
+    it. None: no ``preexec_fn``."""
+    if signum is None or not sys.platform.startswith("linux"):
+        return None
+
+    def set_death_signal() -> None:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signum))  # 1: PR_SET_PDEATHSIG
+
+    return set_death_signal
+
+
 class Child:
     """A process of the launch, started in a process group of its own (a Ctrl-C in the terminal reaches launch,
     which forwards SIGTERM), pinned to ``cpus`` when given; its stdout and stderr followed, prefixed ``[name]``."""
 
     def __init__(self, name: str, cmd: list[str], env: dict[str, str], console: Console,
-                 cpus: list[int] | None = None) -> None:
+                 cpus: list[int] | None = None, *, parent_death_signal: int | None = None) -> None:
         self.name = name
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, process_group=0)
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, process_group=0,
+                                     preexec_fn=_dies_with_parent(parent_death_signal))
         if cpus:
             try:
                 os.sched_setaffinity(self.proc.pid, cpus)  # before the interpreter has started any thread of its own
@@ -91,11 +107,13 @@ def ready_url(ready: Path) -> str:
 class Server(Child):
     """A coordinator or relay process of the launch; :meth:`wait_ready` until it serves."""
 
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str], ready: Path, console: Console) -> None:
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], ready: Path, console: Console, *,
+                 parent_death_signal: int | None = None) -> None:
         self.ready = ready
         ready.parent.mkdir(parents=True, exist_ok=True)
         ready.unlink(missing_ok=True)
-        super().__init__(name, [*cmd, "--ready-file", str(ready)], env, console)
+        super().__init__(name, [*cmd, "--ready-file", str(ready)], env, console,
+                         parent_death_signal=parent_death_signal)
         self.url: str | None = None
 
     def wait_ready(self, timeout: float = 120) -> str | None:
