@@ -20,6 +20,9 @@ name listed in ``RELIED_ON`` is still there, and that each workaround still find
 3. ``Fabric(strategy=NodeoxStrategy(...))`` failing with an error that names the fix (:func:`refuse_in_fabric`).
    Fabric's connector refuses a Trainer strategy with "invalid strategy name" and offers no hook before it; its
    check is one private method, ``_Connector._check_config_and_set_final_flags``, wrapped once at import.
+4. The train loader before the fit loop asks for it (:func:`train_loader_early`): a host declares its data (the
+   dataset's length) when it joins, at the strategy's ``setup``, but Lightning requests the train loader later
+   (``FitLoop.setup_data``) and offers no public way to reach its source (``fit_loop._data_source``) before.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch
 from lightning.fabric import Fabric
 from lightning.fabric.connector import _Connector
 from lightning.pytorch import Trainer
+from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource
 from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata, _ResultCollection, _ResultMetric
 
 LIGHTNING_VERSIONS = ((2, 4), (2, 7))  # from, up to (not including): the versions this module was checked with
@@ -45,7 +49,8 @@ RELIED_ON: tuple[tuple[type, str], ...] = (  # what the workarounds call, read o
     (_Metadata, "forked_name"), (_Metadata, "is_mean_reduction"), (_Metadata, "reduce_fx"), (_Metadata, "sync"),
     (_Metadata, "on_epoch"), (_Metadata, "add_dataloader_idx"), (_Metadata, "dataloader_idx"),
     (_ResultCollection, "valid_items"), (_ResultCollection, "DATALOADER_SUFFIX"), (Trainer, "_results"),
-    (Fabric, "all_reduce"), (_Connector, "_check_config_and_set_final_flags"),
+    (Fabric, "all_reduce"), (_Connector, "_check_config_and_set_final_flags"), (_DataLoaderSource, "dataloader"),
+    (_DataLoaderSource, "is_defined"),
 )  # a _ResultMetric's own attributes (meta, value, cumulated_batch_size, ...) are checked on a real fit, in the test
 _OUTSIDE_THE_SCRIPT = ("lightning.", "lightning_utilities.")  # frames between a script and the strategy's all_reduce
 
@@ -161,3 +166,14 @@ def refuse_in_fabric(kind: type, error: Callable[[Any], Exception]) -> None:
 
     checked.nodeox = True
     _Connector._check_config_and_set_final_flags = checked
+
+
+# -- 4. the train loader, early -----------------------------------------------------------------------------------
+def train_loader_early(trainer: Trainer) -> object | None:
+    """The loader ``fit`` will train on, as the user gives it (before Lightning adds samplers): the one passed to
+    ``fit``, or what the ``train_dataloader`` hook returns (the hook is then called once more by Lightning, which
+    must give a loader of the same dataset); None when there is none."""
+    source = trainer.fit_loop._data_source
+    if not isinstance(source, _DataLoaderSource) or not source.is_defined():
+        return None
+    return source.dataloader()

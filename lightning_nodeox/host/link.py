@@ -16,6 +16,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 
 from ..core import phases as P
+from ..core.ledger_terms import Covered
 from ..core.phases import PhaseLog, PhaseRecord
 from ..core.protocol import Refusal, Unreachable, ValuesReply
 from ..core.transport import HostClient
@@ -144,9 +145,10 @@ class RunLink:
         """Whether :meth:`leave` ran (this host takes no further part)."""
         return self._left
 
-    def run_round(self, samples: int, final: bool, metrics: dict[str, list]) -> RoundResult:
-        """The whole exchange, while training waits."""
-        return self.wait(self.submit(self.round.run_round, samples, final, metrics))
+    def run_round(self, samples: int, final: bool, metrics: dict[str, list],
+                  covered: Covered | None = None) -> RoundResult:
+        """The whole exchange, while training waits (``covered``: the data it trained, under the data ledger)."""
+        return self.wait(self.submit(self.round.run_round, samples, final, metrics, covered))
 
     def exchange_values(self, key: str, payload: object) -> ValuesReply | None:
         """Values exchanged with the other hosts outside a round (an epoch's values, a torchmetrics state), from the

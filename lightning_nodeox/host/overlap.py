@@ -16,6 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from ..core import phases as P
+from ..core.ledger_terms import Covered
 from .link import RunLink
 from .ranks import HostRanks, OneRank
 from .settings import Overlap
@@ -45,7 +46,7 @@ class InFlight:
         return self._future is not None and self._future.done()
 
     def start(self, samples: int, step: int, *, begin: Callable[[], None],
-              metrics: Callable[[], dict[str, list]]) -> None:
+              metrics: Callable[[], dict[str, list]], covered: Covered | None = None) -> None:
         """Every rank: the round of ``samples`` closed at ``step``; rank 0 runs ``begin`` (its training record), sets
         the snapshot aside and starts the exchange with the sync_dist values ``metrics()`` returns. Under
         ``DELAYED`` every rank then holds θ_r."""
@@ -57,7 +58,7 @@ class InFlight:
             link.round.tensors.take_snapshot(restart_from_base=delayed, round_=link.round.round)
             link.round.trains_on = True  # before the exchange starts: its delta already says so
             self._round = link.round.round
-            self._future = link.submit(link.round.run_overlapped, samples, delayed, metrics())
+            self._future = link.submit(link.round.run_overlapped, samples, delayed, metrics(), covered)
 
         self.ranks.lead(lead, model=delayed)
         self.pending = True

@@ -21,7 +21,8 @@ import torch
 
 from ..core.cpu import choose_threads, granted_cpus
 from ..core.phases import PhaseRecord
-from ..core.protocol import ValuesReply
+from ..core.ledger_terms import Covered
+from ..core.protocol import DataSpec, ValuesReply
 from ..core.transport import HostClient
 from .agreement import FinalHash
 from .link import RunLink, http_client
@@ -65,6 +66,8 @@ class HostSession:
         self.final = FinalHash()  # once the run completed: the hash of the weights held
         self.on_round: OnRound = lambda result, step: None
         self.final_at_end = False  # the final round waits for end(), even on a boundary (weight averaging)
+        self.data: DataSpec | None = None  # declared at join: the coordinator's data ledger shares out the epochs
+        self.covered: Callable[[bool], Covered | None] = lambda pass_ended: None  # a round's data, at its boundary
 
     @classmethod
     def of(cls, *, cpu_threads: int | None = None, client: Callable[[Connection], HostClient] | None = None,
@@ -104,32 +107,39 @@ class HostSession:
         codec_threads = 1 if device.type != "cpu" else choose_threads(self.settings.codec_threads,
                                                                       purpose="host codec")
         tensors = HostTensors.of_module(module, fragments=self.settings.fragments)
-        self.link = RunLink.join(conn, self.client(conn), tensors, self.settings,
+        client = self.client(conn)
+        if self.data is not None:
+            client.data = self.data
+        self.link = RunLink.join(conn, client, tensors, self.settings,
                                  codec_threads=codec_threads, sigterm=self.sigterm,
                                  listeners=[self.phase_records.append], ranks=self.ranks.size)
         self.ranks.changed = self.link.round.tensors.take_changed  # the join's lead sends them all
         return conn, self.link.round.model_hash
 
     # -- round boundaries: when (host/timing.py), and overlapped or not (host/overlap.py) -----------------------
-    def step_ended(self, step: Callable[[], int], final: Callable[[], bool], *, last: bool = False) -> None:
+    def step_ended(self, step: Callable[[], int], final: Callable[[], bool], *, last: bool = False,
+                   pass_ended: bool = False) -> None:
         """Where a batch that stepped may have ended: count it (host/timing.py); fold an arrived sync into the live
         model (overlap); close the round when due (``step()``: where, ``final()``: whether training ends after
         it), or as the final one whether due or not when ``last`` (training ends with this batch). A final round
-        is left to :meth:`end` when ``final_at_end``. On a host of several devices rank 0 decides both for all."""
+        is left to :meth:`end` when ``final_at_end``. ``pass_ended``: the batch was its pass's last under the data
+        ledger: the round closes whether due or not (the others may wait for what this host holds). On a host of
+        several devices rank 0 decides both for all."""
         if self.ranks is None or not self.timing.batch_ended():
             return
         arrived, due = self.ranks.decide(self.overlap.arrived(), self.timing.due())
         if arrived:
             self.took(self.overlap.fold(), self.overlap.step)
-        if due or last:
+        if due or last or pass_ended:
             final_ = last or final()
             if not (final_ and self.final_at_end):
-                self.close_round(step(), final=final_)
+                self.close_round(step(), final=final_, pass_ended=pass_ended)
 
-    def close_round(self, step: int, final: bool = False) -> None:
+    def close_round(self, step: int, final: bool = False, pass_ended: bool = False) -> None:
         """Hand the round that closed at ``step`` to the exchange worker; wait for it unless training overlaps. On
         a host of several devices rank 0 does this, with the samples of all ranks, and the others take its result
-        and model."""
+        and model. Under the data ledger the delta carries what the round trained (``pass_ended``: all the pass
+        read)."""
         if self.overlap.pending:  # the previous round's sync has not been folded in yet
             self.took(self.overlap.fold(wait=True), self.overlap.step)
             if self.complete:
@@ -137,16 +147,17 @@ class HostSession:
         timing = self.timing
         samples = self.ranks.total(timing.samples)
         overlapped = self.overlap.overlaps(final=final, closed_rounds=self.closed_rounds)
+        covered = self.covered(pass_ended)
 
         def trained() -> None:
             self.link.trained(timing.start, timing.steps, samples, self.ranks.size)
 
         if overlapped:
-            self.overlap.start(samples, step, begin=trained, metrics=self.metrics.take)
+            self.overlap.start(samples, step, begin=trained, metrics=self.metrics.take, covered=covered)
         else:
             def exchange() -> RoundResult:
                 trained()
-                return self.link.run_round(samples, final, self.metrics.take())
+                return self.link.run_round(samples, final, self.metrics.take(), covered)
 
             self.took(self.ranks.lead(exchange), step)
         self.closed_rounds += 1

@@ -36,8 +36,9 @@ from ..core.protocol import ValuesReply
 from ..core.transport import HostClient
 from . import eventlogs, machine
 from .agreement import averages_weights, suspects
-from .devices import OneDevice, SeveralDevices, devices_of
-from .lightning_private import value_being_reduced
+from .devices import ONE_DEVICE, OneDevice, SeveralDevices, devices_of
+from .ledger_data import LedgerData, data_spec, shares_out
+from .lightning_private import train_loader_early, value_being_reduced
 from .metric_states import MetricStates
 from .session import HostSession, SessionReadings
 from .settings import RETRY_FOR, Connection
@@ -137,6 +138,8 @@ class NodeoxStrategy(SessionReadings, DDPStrategy):
                                        retry_for=retry_for, overlap=overlap, round_seconds=round_seconds,
                                        fragments=fragments, client=client)
         self._metric_states: MetricStates | None = None  # while training: the module's torchmetrics synced across hosts
+        self._samplers = True  # Trainer(use_distributed_sampler=...), before a host of one device turns it off
+        self._data: LedgerData | None = None  # while fitting under the data ledger (host/ledger_data.py)
 
     # -- devices and ranks: one device plays Lightning's single-device strategy, several its DDP (host/devices.py)
     @property
@@ -169,6 +172,7 @@ class NodeoxStrategy(SessionReadings, DDPStrategy):
         host_id = self._session.connection_settings.resolved_host_id()
         machine.use_run_folder(trainer, host_id)
         machine.keep_loggers_apart(trainer, host_id)
+        self._samplers = trainer._accelerator_connector.use_distributed_sampler
         self._devices.setup_environment(trainer)
         self._session.size_threads(len(self.parallel_devices or ()) or 1, "NodeoxStrategy")  # ranks share the quota
         super().setup_environment()
@@ -235,9 +239,33 @@ class NodeoxStrategy(SessionReadings, DDPStrategy):
         eventlogs.keep_writing_through_disk_failures(trainer.loggers, type(self).__name__)
         devices = self._devices
         devices.setup(self, trainer)
+        self._data = None
         if trainer.state.fn != TrainerFn.FITTING:
             return
+        self._share_out_data(trainer)
         self._session.start(self.lightning_module, self.root_device, devices.ranks, self._took)
+
+    def _share_out_data(self, trainer: Trainer) -> None:
+        """A host of one device whose train loader the data ledger can share out (host/ledger_data.py) declares its
+        data at join, and its loader will get the ledger's sampler. A host of several devices keeps DDP's
+        ``DistributedSampler`` over its own data (the ledger across its ranks is not wired yet)."""
+        if self._devices is not ONE_DEVICE or not self._samplers:
+            return
+        loader = train_loader_early(trainer)
+        if not shares_out(loader, True):
+            return
+        session = self._session
+        self._data = data = LedgerData(data_spec(loader), lambda epoch: session.link.round.client.lease(epoch, 1))
+        session.data = data.spec
+        session.covered = data.covered
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Under the data ledger, the train loader gets the ledger's sampler (as DDP's gets a DistributedSampler)."""
+        trainer = self.lightning_module.trainer
+        if self._data is not None and trainer.training and shares_out(dataloader, True):
+            return self._data.loader(dataloader)
+        return super().process_dataloader(dataloader)
 
     # -- round boundaries: when (host/timing.py), and overlapped or not (host/overlap.py), in host/session.py ---
     @override
@@ -245,7 +273,10 @@ class NodeoxStrategy(SessionReadings, DDPStrategy):
         timing = self._session.timing
         with timing.inside():
             output = super().training_step(*args, **kwargs)
-        timing.add_samples(_batch_size(args[0] if args else kwargs.get("batch")))
+        samples = _batch_size(args[0] if args else kwargs.get("batch"))
+        timing.add_samples(samples)
+        if self._data is not None:
+            self._data.consumed(self.lightning_module.trainer.current_epoch, samples)
         self._at_batch_end()
         return output
 
@@ -260,14 +291,19 @@ class NodeoxStrategy(SessionReadings, DDPStrategy):
 
     def _at_batch_end(self) -> None:
         """Count the optimizer steps of a batch that ended (host/timing.py); fold an arrived sync into the live
-        model (overlap); close the round when due. On a host of several devices rank 0 decides both for all."""
+        model (overlap); close the round when due, or at a pass's last batch under the data ledger. On a host of
+        several devices rank 0 decides both for all."""
         trainer = self.lightning_module.trainer
-        self._session.step_ended(lambda: steps_taken(trainer), lambda: ends_after_this_batch(trainer))
+        pass_ended = self._data is not None and trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        self._session.step_ended(lambda: steps_taken(trainer), lambda: ends_after_this_batch(trainer),
+                                 pass_ended=pass_ended)
 
     def _took(self, result: RoundResult, step: int) -> None:
         """Every rank, once the session took a round's result: show the round's progress line (rank 0; ``step``:
-        where the round closed), and stop when the run is complete."""
+        where the round closed), and stop when the run is complete. A delta not taken voids the data lease."""
         trainer = self.lightning_module.trainer
+        if result.lease_void and self._data is not None:
+            self._data.void()
         link = self._session.link
         if link is not None:
             progress = link.progress

@@ -4,7 +4,10 @@ After every round (and at the end) it writes its exchanged tensors and model has
 check that hosts are bit-identical and agree with the coordinator; after fit, its callback metrics and step.
 Started by `nodeox launch` in tests. With ``--devices K`` (or one K per host id, ``--devices 2,1``) the host runs
 DDP over K CPU ranks (on each of ``--num-nodes`` machines: torchrun --nnodes); the files of a rank other than 0
-are named ``host<id>.rank<k>_*``.
+are named ``host<id>.rank<k>_*``. With ``--ledger`` a host of one device lets the coordinator's data ledger share
+out the data (Lightning's default ``use_distributed_sampler=True``; else each host of one device trains on its own
+shuffle of all of it), and ``--log-indices`` writes the sample indices each training step consumed, with its
+epoch, to ``host<id>_indices.json``.
 """
 
 from __future__ import annotations
@@ -42,11 +45,14 @@ class DigitsNet(LightningModule):
         self.host = host
         self.stop_host = stop_host
         self.fail_at_step = fail_at_step
+        self.indices: list[list[int]] = []  # [epoch, index] of each sample trained (a dataset that gives indices)
 
     def training_step(self, batch, batch_idx):
         if self.global_step == self.fail_at_step:
             raise RuntimeError(f"injected failure in training_step at step {self.global_step}")
-        x, y = batch
+        x, y = batch[:2]
+        if len(batch) > 2:
+            self.indices += [[self.current_epoch, int(i)] for i in batch[2]]
         logits = self.net(x)
         loss = nn.functional.cross_entropy(logits, y)
         self.log("train_loss", loss, on_step=True, prog_bar=False)
@@ -164,6 +170,10 @@ def main() -> None:
     p.add_argument("--num-nodes", default="1", help="machines of the host (torchrun --nnodes), or one per host id")
     p.add_argument("--error-feedback", default="on", help="on or off, or one per host id: on,off")
     p.add_argument("--fragments", type=int, default=1, help="NodeoxStrategy(fragments=F)")
+    p.add_argument("--ledger", action="store_true", help="the coordinator shares out the data (one device: the "
+                   "loader's sampler is the ledger's; the loader keeps its last partial batch)")
+    p.add_argument("--log-indices", action="store_true", help="write the indices each step trained to --out")
+    p.add_argument("--max-epochs", type=int)
     args = p.parse_args()
     torch.set_num_threads(1)
     host = os.environ["NODEOX_HOST_ID"]
@@ -171,9 +181,10 @@ def main() -> None:
     (args.out / f"host{host}.pid").write_text(str(os.getpid()))
     torch.manual_seed(1234 + int(host))  # hosts start different: the run's first host provides the model
     x, y = load_digits(return_X_y=True)
-    data = TensorDataset(torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y))
+    data = TensorDataset(torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y),
+                         *([torch.arange(len(y))] if args.log_indices else []))
     gen = torch.Generator().manual_seed(int(host))
-    loader = DataLoader(data, batch_size=args.batch_size, shuffle=True, generator=gen, drop_last=True)
+    loader = DataLoader(data, batch_size=args.batch_size, shuffle=True, generator=gen, drop_last=not args.ledger)
     fail = args.fail_round * args.local_steps + args.local_steps // 2 if args.fail_round >= 0 and host == "1" else -1
     model = DigitsNet(host=int(host), stop_host=args.stop_host, fail_at_step=fail, epoch_value=args.epoch_value)
     if args.skip_sync_round >= 0 and host == "1":
@@ -209,13 +220,16 @@ def main() -> None:
     num_nodes = machines[int(host)] if len(machines) > 1 else machines[0]
     trainer = Trainer(strategy=strategy, devices=devices, num_nodes=num_nodes,
                       accelerator="cpu" if devices * num_nodes > 1 else "auto",
-                      max_steps=args.max_steps, logger=TensorBoardLogger(args.out / f"tb_host{host}"),
+                      max_steps=args.max_steps, max_epochs=args.max_epochs,
+                      use_distributed_sampler=args.ledger or devices * num_nodes > 1, logger=TensorBoardLogger(args.out / f"tb_host{host}"),
                       callbacks=callbacks, enable_checkpointing=bool(args.checkpoint_every),
                       enable_progress_bar=args.progress_bar, enable_model_summary=False, log_every_n_steps=1)
     trainer.fit(model, loader, ckpt_path=args.resume)
     after = {k: float(v) for k, v in trainer.callback_metrics.items()}
     prefix = f"host{host}" + (f".rank{trainer.global_rank}" if trainer.global_rank else "")
     (args.out / f"{prefix}_counts.json").write_text(json.dumps(model.counts))
+    if args.log_indices:
+        (args.out / f"{prefix}_indices.json").write_text(json.dumps(model.indices))
     (args.out / f"{prefix}_after_fit.json").write_text(json.dumps(
         {"global_step": trainer.global_step, "model_hash": strategy.model_hash, "callback_metrics": after,
          "last_round": strategy.last_result.round if strategy.last_result else -1}))

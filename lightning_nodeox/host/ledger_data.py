@@ -1,0 +1,78 @@
+"""A host's train loader under the coordinator's data ledger (NodeoxStrategy, a host of one device): the loader gets
+a :class:`~lightning_nodeox.host.ledger_sampler.LedgerSampler`, as DDP's gets a ``DistributedSampler``.
+
+- When: ``Trainer(use_distributed_sampler=True)`` (Lightning's default), one train loader (a ``DataLoader``) of a
+  map-style dataset (it has a length) whose sampler is not a ``DistributedSampler`` already. Else nothing changes:
+  an iterable dataset, ``use_distributed_sampler=False``, several train loaders (a ``CombinedLoader``), a host of
+  several devices (a ``DistributedSampler`` splits its own data among its ranks) and Fabric keep today's loaders.
+- Join: the host declares ``DataSpec(samples=len(dataset), seed=<seed_everything's, else 0>, shuffle=<whether the
+  user's loader shuffled>)`` (:func:`data_spec`); every host of a run must declare the same.
+- The loader: Lightning rebuilds it with the sampler (``_update_dataloader``: its batch size, workers, collate_fn
+  and drop_last kept); the sampler leases one unit at a time through the link's client.
+- Each round boundary: the delta carries ``sampler.take_covered(trained)``, ``trained`` the samples this pass's
+  training steps consumed; at a pass's last batch (Lightning's epoch end) the round closes whether due or not,
+  with ``pass_ended=True`` (a pass ends when the ledger has nothing more for the host: the others wait for its delta).
+- A round whose delta was not taken (``RoundResult.lease_void``): ``sampler.void()``; the next lease is fresh.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+from lightning.fabric.utilities.data import has_iterable_dataset
+from lightning.pytorch import Trainer
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.data import _is_dataloader_shuffled, _update_dataloader
+from torch.utils.data import DataLoader, DistributedSampler
+
+from ..core.ledger_order import DataOrder
+from ..core.ledger_terms import Covered, LeaseReply
+from ..core.protocol import DataSpec
+from .ledger_sampler import LedgerSampler
+
+WAIT_SECONDS = 0.25  # between lease calls while the epoch's last units are held by other hosts
+
+
+def shares_out(loader: object, use_distributed_sampler: bool) -> bool:
+    """Whether the ledger shares out this train loader's data (see the module's doc)."""
+    return (use_distributed_sampler and isinstance(loader, DataLoader) and not has_iterable_dataset(loader)
+            and hasattr(loader.dataset, "__len__") and not isinstance(loader.sampler, DistributedSampler))
+
+
+def data_spec(loader: DataLoader) -> DataSpec:
+    """What the host declares at join for ``loader``: its dataset's length, the run's seed, whether it shuffles."""
+    return DataSpec(samples=len(loader.dataset), seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
+                    shuffle=_is_dataloader_shuffled(loader))
+
+
+class LedgerData:
+    """The host's train data under the ledger: the declared spec, the sampler, and this pass's trained samples."""
+
+    def __init__(self, spec: DataSpec, lease: Callable[[int | None], LeaseReply]) -> None:
+        self.spec = spec
+        self.sampler = LedgerSampler(lease, DataOrder(spec.samples, spec.seed, spec.shuffle),
+                                     pause=lambda: time.sleep(WAIT_SECONDS))
+        self.trained = 0  # samples of this pass the training steps consumed
+        self._pass = -1  # Lightning's epoch the count belongs to
+
+    def loader(self, loader: DataLoader) -> DataLoader:
+        """``loader`` rebuilt with the ledger's sampler, as Lightning rebuilds one with a ``DistributedSampler``."""
+        return _update_dataloader(loader, self.sampler, mode=RunningStage.TRAINING)
+
+    def consumed(self, epoch: int, samples: int) -> None:
+        """A training step of Lightning's epoch ``epoch`` consumed ``samples`` samples."""
+        if epoch != self._pass:
+            self._pass, self.trained = epoch, 0
+        self.trained += samples
+
+    def covered(self, pass_ended: bool) -> Covered | None:
+        """What the round's delta trained (every rank, at the boundary); None when it trained no leased sample."""
+        covered = self.sampler.take_covered(self.trained, pass_ended=pass_ended)
+        return covered if covered.spans else None
+
+    def void(self) -> None:
+        """The round's delta was not taken: drop what the sampler holds; the next lease is fresh."""
+        self.sampler.void()
+
