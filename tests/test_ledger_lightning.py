@@ -7,7 +7,16 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import Coordinator, start_host, stop
+from lightning.pytorch import LightningModule, Trainer
+from local_transport import LocalClient
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, RandomSampler
+
+from lightning_nodeox import NodeoxStrategy
+from lightning_nodeox.core.phases import TRAIN
+from lightning_nodeox.host.ledger_sampler import LedgerSampler
 
 SAMPLES = 1797  # scikit-learn's digits
 
@@ -43,3 +52,59 @@ def test_two_hosts_train_every_sample_of_the_first_epoch_once_and_the_coordinato
     assert all(e["epoch"] == 0 for e in records[:ended])
     committed = sum(e["published_samples"] for e in records[: ended + 1])
     assert committed == SAMPLES == len(first)  # the first epoch's samples, each committed once: those trained
+
+
+class Indices(Dataset):
+    """Sample i is (i as a feature, 0.0): the batch says which samples it trained."""
+
+    def __len__(self) -> int:
+        return 100
+
+    def __getitem__(self, i: int):
+        return torch.tensor([float(i)]), torch.tensor([0.0])
+
+
+class Recording(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(1, 1)
+        self.seen: list[tuple[int, int]] = []  # (epoch, index)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.seen += [(self.current_epoch, int(i)) for i in x[:, 0]]
+        return nn.functional.mse_loss(self.net(x * 0.0), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+
+def _fit(local_coordinator, tmp_path, **trainer_args):
+    c = local_coordinator(1, data_unit=30)
+    strategy = NodeoxStrategy(coordinator_url="http://unused.invalid", host_id="solo", local_steps=100,
+                              client=lambda conn: LocalClient(c, conn.host_id))
+    module = Recording()
+    trainer = Trainer(strategy=strategy, default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
+                      enable_checkpointing=False, enable_model_summary=False, max_epochs=2, **trainer_args)
+    trainer.fit(module, DataLoader(Indices(), batch_size=10, shuffle=True))
+    trained = [(r.extra["steps"], r.extra["samples"]) for r in strategy.phase_records if r.phase == TRAIN]
+    return c, trainer, module, trained
+
+
+def test_a_map_style_loader_gets_the_ledgers_sampler_and_each_pass_ends_its_round(local_coordinator,
+                                                                                  tmp_path) -> None:
+    c, trainer, module, trained = _fit(local_coordinator, tmp_path)
+    assert isinstance(trainer.train_dataloader.sampler, LedgerSampler)
+    assert trainer.train_dataloader.batch_size == 10
+    for epoch in (0, 1):  # one host: each Lightning epoch is the ledger's whole epoch, each sample once
+        assert sorted(i for e, i in module.seen if e == epoch) == list(range(100))
+    assert [i for e, i in module.seen if e == 0] != list(range(100))  # shuffled
+    assert trained == [(10, 100), (10, 100)]  # local_steps=100 never came: each pass's end closed its round
+    assert c.state.data.ledger.epoch == 2  # both epochs committed
+
+
+def test_use_distributed_sampler_false_leaves_the_loader_alone(local_coordinator, tmp_path) -> None:
+    c, trainer, module, trained = _fit(local_coordinator, tmp_path, use_distributed_sampler=False)
+    assert isinstance(trainer.train_dataloader.sampler, RandomSampler)
+    assert c.state.data.ledger is None
+    assert trained == [(20, 200)]  # one round, at fit's end

@@ -50,6 +50,7 @@ def fit(local_coordinator, tmp_path, module: LightningModule, local_steps: int, 
     strategy = NodeoxStrategy(coordinator_url="http://unused.invalid", host_id="solo", local_steps=local_steps,
                               client=lambda conn: LocalClient(c, conn.host_id))
     steps = RoundSteps()
+    trainer_args.setdefault("use_distributed_sampler", False)  # the host's own data: rounds close by steps alone
     trainer = Trainer(strategy=strategy, callbacks=[steps], default_root_dir=tmp_path, logger=False,
                       enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False, **trainer_args)
     trainer.fit(module, data())
