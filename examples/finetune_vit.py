@@ -212,6 +212,7 @@ def main() -> None:
     trainer = Trainer(
         strategy=NodeoxStrategy(local_steps=args.local_steps, overlap=False if args.overlap == "off" else args.overlap),
         devices=args.devices,
+        use_distributed_sampler=args.devices > 1,  # each host its own shard; several devices split it (DDP)
         max_steps=args.max_steps,
         precision=args.precision,
         default_root_dir=host_dir,

@@ -33,7 +33,8 @@ class OneDevice:
         strategy._launcher = None  # nothing to start: this process is the host
 
     def setup_environment(self, trainer: Trainer) -> None:
-        # each host loads its own data: no DistributedSampler (Lightning has no public switch)
+        # no DistributedSampler (Lightning has no public switch); the data ledger's sampler instead, when the
+        # Trainer's use_distributed_sampler was on (host/ledger_data.py), else each host loads its own data
         trainer._accelerator_connector.use_distributed_sampler = False
 
     def setup_distributed(self, strategy: DDPStrategy, host_id: str | None) -> None:

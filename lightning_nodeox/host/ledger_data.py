@@ -31,6 +31,8 @@ from ..core.ledger_order import DataOrder
 from ..core.ledger_terms import Covered, LeaseReply
 from ..core.protocol import DataSpec
 from .ledger_sampler import LedgerSampler
+from .lightning_private import train_loader_early
+from .session import HostSession
 
 WAIT_SECONDS = 0.25  # between lease calls while the epoch's last units are held by other hosts
 
@@ -56,6 +58,20 @@ class LedgerData:
                                      pause=lambda: time.sleep(WAIT_SECONDS))
         self.trained = 0  # samples of this pass the training steps consumed
         self._pass = -1  # Lightning's epoch the count belongs to
+
+    @classmethod
+    def of(cls, trainer: Trainer, session: HostSession, *, one_device: bool, samplers: bool) -> LedgerData | None:
+        """Before the join: when the ledger shares out this fit's train loader (``samplers``: the Trainer's
+        ``use_distributed_sampler``), the session declares its data at join and sends what each round trained. A
+        host of several devices keeps DDP's ``DistributedSampler`` over its own data (the ledger across its ranks
+        is not wired yet)."""
+        session.data, session.covered = None, lambda pass_ended: None
+        loader = train_loader_early(trainer) if one_device and samplers else None
+        if not shares_out(loader, True):
+            return None
+        data = cls(data_spec(loader), lambda epoch: session.link.round.client.lease(epoch, 1))
+        session.data, session.covered = data.spec, data.covered
+        return data
 
     def loader(self, loader: DataLoader) -> DataLoader:
         """``loader`` rebuilt with the ledger's sampler, as Lightning rebuilds one with a ``DistributedSampler``."""

@@ -37,8 +37,8 @@ from ..core.transport import HostClient
 from . import eventlogs, machine
 from .agreement import averages_weights, suspects
 from .devices import ONE_DEVICE, OneDevice, SeveralDevices, devices_of
-from .ledger_data import LedgerData, data_spec, shares_out
-from .lightning_private import train_loader_early, value_being_reduced
+from .ledger_data import LedgerData, shares_out
+from .lightning_private import value_being_reduced
 from .metric_states import MetricStates
 from .session import HostSession, SessionReadings
 from .settings import RETRY_FOR, Connection
@@ -232,7 +232,8 @@ class NodeoxStrategy(SessionReadings, DDPStrategy):
     # -- joining the run --------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: Trainer) -> None:
-        """One device: set up as Lightning's single-device strategy does (the loaders keep their own samplers).
+        """One device: set up as Lightning's single-device strategy does (the loaders keep their own samplers, but a
+        map-style train loader gets the data ledger's when ``use_distributed_sampler``: host/ledger_data.py).
         Several: as DDP does (the model wrapped, a DistributedSampler splitting the host's data among its ranks).
         Then, when fitting, rank 0 joins the run and every rank takes its model. A disk that fails never ends
         training through its TensorBoard loggers (:mod:`~lightning_nodeox.host.eventlogs`)."""
@@ -242,22 +243,8 @@ class NodeoxStrategy(SessionReadings, DDPStrategy):
         self._data = None
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        self._share_out_data(trainer)
+        self._data = LedgerData.of(trainer, self._session, one_device=devices is ONE_DEVICE, samplers=self._samplers)
         self._session.start(self.lightning_module, self.root_device, devices.ranks, self._took)
-
-    def _share_out_data(self, trainer: Trainer) -> None:
-        """A host of one device whose train loader the data ledger can share out (host/ledger_data.py) declares its
-        data at join, and its loader will get the ledger's sampler. A host of several devices keeps DDP's
-        ``DistributedSampler`` over its own data (the ledger across its ranks is not wired yet)."""
-        if self._devices is not ONE_DEVICE or not self._samplers:
-            return
-        loader = train_loader_early(trainer)
-        if not shares_out(loader, True):
-            return
-        session = self._session
-        self._data = data = LedgerData(data_spec(loader), lambda epoch: session.link.round.client.lease(epoch, 1))
-        session.data = data.spec
-        session.covered = data.covered
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

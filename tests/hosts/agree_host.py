@@ -96,7 +96,8 @@ def main() -> None:
     callbacks.append(AtFitEnd(args.out / f"host{host}_fit_end.safetensors"))
     strategy = NodeoxStrategy(local_steps=args.local_steps, cpu_threads=1, codec_threads=1)
     logger = CSVLogger(args.csv_logs) if args.csv_logs else False
-    trainer = Trainer(strategy=strategy, max_steps=max_steps, callbacks=callbacks, logger=logger, log_every_n_steps=1,
+    trainer = Trainer(strategy=strategy, max_steps=max_steps, use_distributed_sampler=False,  # each its own data
+                      callbacks=callbacks, logger=logger, log_every_n_steps=1,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     model = Net()
     trainer.fit(model, loader)

@@ -78,7 +78,8 @@ def main() -> None:
     loader = DataLoader(data, batch_size=BATCH, shuffle=True, generator=gen)
     freezing = BackboneFinetuning(unfreeze_backbone_at_epoch=args.unfreeze_at_epoch)
     trainer = Trainer(strategy=NodeoxStrategy(local_steps=SAMPLES // BATCH, cpu_threads=1, codec_threads=1),
-                      max_epochs=args.epochs, callbacks=[freezing, Record(args.out, host)], logger=False,
+                      max_epochs=args.epochs, use_distributed_sampler=False,  # each host its own data
+                      callbacks=[freezing, Record(args.out, host)], logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, loader)
 

@@ -132,7 +132,8 @@ def main() -> None:
         late_overlapped_deltas(2 * args.lag)
     trainer = Trainer(strategy=NodeoxStrategy(local_steps=args.local_steps, cpu_threads=1, codec_threads=1,
                                               overlap=args.overlap),
-                      max_epochs=args.epochs, callbacks=[record, *lag], logger=False, enable_checkpointing=False,
+                      max_epochs=args.epochs, use_distributed_sampler=False,  # uneven data: each host its own
+                      callbacks=[record, *lag], logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=1)
     trainer.fit(model, train, val)
     model.seen["lr"].append(model.optimizers().param_groups[0]["lr"])  # after the last epoch's scheduler step
