@@ -27,15 +27,16 @@ def _trained(out: Path, host: str) -> list[list[int]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("overlap", ["off", "eager"])
 def test_two_hosts_train_every_sample_of_the_first_epoch_once_and_the_coordinator_commits_exactly_those(
-        tmp_path: Path) -> None:
+        tmp_path: Path, overlap: str) -> None:
     """Each host's loader reads the spans the coordinator leases it; a pass ends where the ledger has nothing more
     for the host, and the round closing there reports what it trained. After the run the hosts' first epochs,
     joined, are every index once, and the coordinator committed the epoch's samples exactly once."""
     coord = Coordinator(tmp_path / "run", 2, "--data-unit", "128")
     out = tmp_path / "out"
     procs = [start_host(h, coord.url, out, "--ledger", "--log-indices", "--max-epochs", "2", "--max-steps", "100000",
-                        "--local-steps", "6", "--batch-size", "32") for h in "01"]
+                        "--local-steps", "6", "--batch-size", "32", "--overlap", overlap) for h in "01"]
     try:
         for p in procs:
             assert p.wait(90) == 0, [f.read_text()[-4000:] for f in sorted(out.glob("host*.log"))]

@@ -13,12 +13,15 @@ a :class:`~lightning_nodeox.host.ledger_sampler.LedgerSampler`, as DDP's gets a 
   training steps consumed; at a pass's last batch (Lightning's epoch end) the round closes whether due or not,
   with ``pass_ended=True`` (a pass ends when the ledger has nothing more for the host: the others wait for its delta).
 - A round whose delta was not taken (``RoundResult.lease_void``): ``sampler.void()``; the next lease is fresh.
+- A pass that finds nothing to read (the epoch's last units are the other hosts'): the sampler's ``pause`` is the
+  session's :meth:`~lightning_nodeox.host.session.HostSession.idle_round`: the host sends the round the others
+  wait for (an empty delta) and asks again once it closed; every round needs every host's delta, so a host that
+  only slept would hold the others' round, and they the epoch's end, forever.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 
 from lightning.fabric.utilities.data import has_iterable_dataset
@@ -34,7 +37,6 @@ from .ledger_sampler import LedgerSampler
 from .lightning_private import train_loader_early
 from .session import HostSession
 
-WAIT_SECONDS = 0.25  # between lease calls while the epoch's last units are held by other hosts
 
 
 def shares_out(loader: object, use_distributed_sampler: bool) -> bool:
@@ -52,24 +54,25 @@ def data_spec(loader: DataLoader) -> DataSpec:
 class LedgerData:
     """The host's train data under the ledger: the declared spec, the sampler, and this pass's trained samples."""
 
-    def __init__(self, spec: DataSpec, lease: Callable[[int | None], LeaseReply]) -> None:
+    def __init__(self, spec: DataSpec, lease: Callable[[int | None], LeaseReply], idle: Callable[[], bool]) -> None:
         self.spec = spec
-        self.sampler = LedgerSampler(lease, DataOrder(spec.samples, spec.seed, spec.shuffle),
-                                     pause=lambda: time.sleep(WAIT_SECONDS))
+        self.sampler = LedgerSampler(lease, DataOrder(spec.samples, spec.seed, spec.shuffle), pause=idle)
         self.trained = 0  # samples of this pass the training steps consumed
         self._pass = -1  # Lightning's epoch the count belongs to
 
     @classmethod
-    def of(cls, trainer: Trainer, session: HostSession, *, one_device: bool, samplers: bool) -> LedgerData | None:
+    def of(cls, trainer: Trainer, session: HostSession, *, one_device: bool, samplers: bool,
+           step: Callable[[], int]) -> LedgerData | None:
         """Before the join: when the ledger shares out this fit's train loader (``samplers``: the Trainer's
         ``use_distributed_sampler``), the session declares its data at join and sends what each round trained. A
         host of several devices keeps DDP's ``DistributedSampler`` over its own data (the ledger across its ranks
-        is not wired yet)."""
+        is not wired yet). ``step()``: where an idle round closes."""
         session.data, session.covered = None, lambda pass_ended: None
         loader = train_loader_early(trainer) if one_device and samplers else None
         if not shares_out(loader, True):
             return None
-        data = cls(data_spec(loader), lambda epoch: session.link.round.client.lease(epoch, 1))
+        data = cls(data_spec(loader), lambda epoch: session.link.round.client.lease(epoch, 1),
+                   lambda: session.idle_round(step()))
         session.data, session.covered = data.spec, data.covered
         return data
 

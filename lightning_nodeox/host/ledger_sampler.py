@@ -59,12 +59,14 @@ class LedgerSampler(Sampler[int]):
         order: the run's data order, the coordinator's.
         rank, ranks: this rank and the host's number of ranks.
         drop_last: drop a pass's last row when shorter than ``ranks`` (else repeat its samples to fill it).
-        pause: called before asking again after a :class:`Wait` (default: sleep one second).
+        pause: called before asking again after a :class:`Wait` (default: sleep one second); a true answer ends
+            the pass (the strategy's pause takes part in the round the other hosts wait for, and says whether the
+            run completed).
         block: positions read from the order at once.
     """
 
     def __init__(self, source: LeaseSource, order: DataOrder, *, rank: int = 0, ranks: int = 1,
-                 drop_last: bool = False, pause: Callable[[], None] | None = None, block: int = 4096) -> None:
+                 drop_last: bool = False, pause: Callable[[], bool | None] | None = None, block: int = 4096) -> None:
         if not 0 <= rank < ranks:
             raise ValueError(f"rank {rank} is not one of the host's {ranks} ranks")
         self.source, self.data, self.rank, self.ranks = source, order, rank, ranks
@@ -114,7 +116,8 @@ class LedgerSampler(Sampler[int]):
             elif isinstance(reply, Wait):
                 if self._rows or self._leased > self._reported:
                     return False  # end the pass, so that the host sends what it holds
-                self.pause()
+                if self.pause():
+                    return False  # the pause says the pass ends (the run completed meanwhile)
             else:
                 raise TypeError(f"the ledger's source answered {reply!r}: expected a Lease, Wait or EpochEnd")
         return True

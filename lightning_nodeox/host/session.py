@@ -163,6 +163,14 @@ class HostSession:
         self.closed_rounds += 1
         timing.begin(overlapped=overlapped)
 
+    def idle_round(self, step: int) -> bool:
+        """Under the data ledger, a host with nothing to read while the others finish the epoch's last units: it
+        sends the round they wait for (what it trained since its last boundary: nothing) and waits for it to close,
+        or they would wait for it forever. True when the pass must end: the run completed, or training ended."""
+        if self.ranks is not None and not self.complete:
+            self.close_round(step)
+        return self.ranks is None or self.complete
+
     def exchange_values(self, key: str, payload: object) -> ValuesReply | None:
         """Rank 0 exchanges ``payload`` under ``key`` with the other hosts outside a round
         (:meth:`~lightning_nodeox.host.link.RunLink.exchange_values`), and every rank takes its answer; None before

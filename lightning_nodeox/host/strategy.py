@@ -243,7 +243,8 @@ class NodeoxStrategy(SessionReadings, DDPStrategy):
         self._data = None
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        self._data = LedgerData.of(trainer, self._session, one_device=devices is ONE_DEVICE, samplers=self._samplers)
+        self._data = LedgerData.of(trainer, self._session, one_device=devices is ONE_DEVICE, samplers=self._samplers,
+                                   step=lambda: steps_taken(trainer))
         self._session.start(self.lightning_module, self.root_device, devices.ranks, self._took)
 
     @override
