@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
+from cli_names import NODEOX_VARIABLES, subcommands, unknown_flags
 
 from lightning_nodeox.core import protocol, settings
 from lightning_nodeox.tools import cli
@@ -30,7 +31,6 @@ kubernetes = pytest.importorskip("kubernetes", reason='pip install -e ".[test]" 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
 TARGETS = ["coordinator", "hosts", "hosts-jobset", "overlays/tls", "overlays/tls-store"]
 MODELS = {"Service": "V1Service", "StatefulSet": "V1StatefulSet", "Job": "V1Job", "Secret": "V1Secret"}
-NODEOX_ENV = {value for name, value in vars(settings).items() if name.startswith("ENV_")}
 COORDINATOR_SERVICE = "nodeox-coordinator"
 
 
@@ -115,21 +115,13 @@ def pod_specs(doc: dict) -> list[dict]:
     return []
 
 
-def _subcommands() -> dict[str, argparse.ArgumentParser]:
-    sub = next(a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return dict(sub.choices)
-
-
 def _parse(argv: list[str], problems: list[str]) -> argparse.Namespace | None:
     """``nodeox ARGV`` through the real parser: each unknown flag named, then the whole line parsed."""
-    parsers = _subcommands()
+    parsers = subcommands()
     if not argv or argv[0] not in parsers:
         problems.append(f"nodeox {argv[:1]}: not a nodeox command ({', '.join(parsers)})")
         return None
-    known = {s for a in parsers[argv[0]]._actions for s in a.option_strings}
-    for word in argv[1:]:
-        if word.startswith("--") and word.split("=", 1)[0] not in known:
-            problems.append(f"nodeox {argv[0]}: unknown flag {word.split('=', 1)[0]}")
+    problems += [f"nodeox {argv[0]}: unknown flag {flag}" for flag in unknown_flags(argv)]
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
@@ -173,8 +165,8 @@ def check(docs: list[dict], secrets: dict[str, dict]) -> list[str]:
             for c in pod["containers"]:
                 where = f"{doc['kind']} {doc['metadata']['name']}"
                 for env in c.get("env", []):
-                    if env["name"].startswith("NODEOX_") and env["name"] not in NODEOX_ENV:
-                        problems.append(f"{where}: {env['name']} is not a variable nodeox reads ({sorted(NODEOX_ENV)})")
+                    if env["name"].startswith("NODEOX_") and env["name"] not in NODEOX_VARIABLES:
+                        problems.append(f"{where}: {env['name']} is not a variable nodeox reads ({sorted(NODEOX_VARIABLES)})")
                     ref = env.get("valueFrom", {}).get("secretKeyRef")
                     if ref:
                         _secret_key(problems, secrets, ref["name"], ref["key"], f"{where}: env {env['name']}")

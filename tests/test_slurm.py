@@ -6,7 +6,6 @@ runs from a copy in a spool directory, as under slurmd."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shutil
@@ -18,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from cli_names import NODEOX_VARIABLES, unknown_flags
 from helpers import REPO, wait_for
 
-from lightning_nodeox.core import settings
 from lightning_nodeox.tools.cli import _parser
 
 DEPLOY = REPO / "deploy" / "slurm"
@@ -200,16 +199,14 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
 
 def env_names_not_read(deploy: Path) -> list[str]:
     """Every ``NODEOX_*`` name the scripts use that the code does not read (``ENV_*`` of core/settings.py)."""
-    read = {v for k, v in vars(settings).items() if k.startswith("ENV_")}
     used = {m for p in deploy.iterdir() for m in re.findall(r"\bNODEOX_[A-Z0-9_]+", p.read_text())}
-    return sorted(used - read)
+    return sorted(used - NODEOX_VARIABLES)
 
 
 def unknown_coordinator_flags(argv: list[str]) -> list[str]:
     """The flags of ``nodeox ARGV`` (a `nodeox coordinator` command line) that its parser does not have."""
     assert argv[0] == "coordinator"
-    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["coordinator"]
-    return [a for a in argv[1:] if a.startswith("--") and a.split("=", 1)[0] not in sub._option_string_actions]
+    return unknown_flags(argv)
 
 
 def coordinator_argv(cluster: Cluster, **env: str) -> list[str]:

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from .ports import free_port
 
 DONE, LATE = "done", "late"
 
@@ -61,10 +62,7 @@ class HostActor:
         import ray
 
         address = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return RankInfo(address, port, tuple(str(g) for g in ray.get_gpu_ids()))
+        return RankInfo(address, free_port(""), tuple(str(g) for g in ray.get_gpu_ids()))
 
     def pid(self) -> int:
         return os.getpid()
@@ -84,7 +82,6 @@ class HostActor:
             return LATE, str(e)
         except SIGTERMException:
             print(f"{self.name}: SIGTERM: left the run; ending this actor's process (Ray restarts it)", flush=True)
-            sys.stdout.flush()
             sys.stderr.flush()
             os._exit(128 + signal.SIGTERM)
         finally:

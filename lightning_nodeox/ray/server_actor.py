@@ -16,25 +16,19 @@ from __future__ import annotations
 import fcntl
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
 
+from ..coordinator.lock import LOCK_FILE  # the coordinator's and the relay's lock on their run directory
 from ..tools.console import Console
 from ..tools.supervision import Server
 from .finalmodel import FinalModel
+from .ports import free_port
 
 BIND_FILE = ".ray-bind"
-LOCK_FILE = "coordinator.lock"  # the coordinator's and the relay's lock on their run directory
+COORDINATOR = "coordinator"  # the root server's name (its process ends the run, and hands back the final model)
 GONE_TIMEOUT = 60.0  # seconds a restarted server waits for the process of its previous life to let go
-
-
-def free_port(host: str) -> int:
-    """A port nothing listens on now at ``host``."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def wait_until_released(lock: Path, timeout: float = GONE_TIMEOUT) -> None:
@@ -95,7 +89,7 @@ class ServerActor:
         code = self.server.proc.wait()
         for t in self.server.threads:
             t.join(5)
-        if code != 0 or self.name != "coordinator":
+        if code != 0 or self.name != COORDINATOR:
             return code, None
         return code, FinalModel.read(self.run_dir)
 

@@ -12,10 +12,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..tools.launch import run_token
 from ..tools.topology import Topology
-from .server_actor import ServerActor
+from .server_actor import COORDINATOR, ServerActor
 from .settings import RaySettings
-
-COORDINATOR = "coordinator"
 
 
 @dataclass
