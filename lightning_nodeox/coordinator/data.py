@@ -11,7 +11,8 @@ uses it, in protocol terms: the rules of docs/ledger.md ("the wiring's contract"
   that is as if never sent (broken off before any piece was taken): its host may send it again.
 - :meth:`RunData.publish` with the ``(host, round)`` of the deltas a published round took.
 - :meth:`RunData.saved` / :meth:`RunData.restore`: the ledger in the round's saved state (``run.json``'s
-  ``data``), restored with every lease void.
+  ``data``), restored with every lease void. :meth:`RunData.ahead`: the ledger as it will be after a round's
+  publish, written before its sync goes out (:meth:`~lightning_nodeox.coordinator.recovery.Recovery.save_ahead`).
 
 A ledger error at publish never stops a round: it is logged, and the ledger is left as it was.
 """
@@ -127,6 +128,18 @@ class RunData:
     def saved(self) -> dict | None:
         return None if self.ledger is None else self.ledger.to_dict()
 
+    def ahead(self, taken: list[tuple[str, int]]) -> dict | None:
+        """The saved ledger as it will be once :meth:`publish` commits ``taken`` (None: no ledger, or one that
+        cannot commit them: the publish then logs it and the round's state, saved after it, holds the ledger)."""
+        if self.ledger is None:
+            return None
+        try:
+            return self.ledger.after(taken)
+        except ValueError:
+            return None
+
     def restore(self, saved: dict | None) -> None:
-        """A resumed run's ledger (every lease void: its hosts lease again)."""
+        """A resumed run's ledger (every lease void: its hosts lease again; no answer of the ledger before is
+        given again)."""
         self.ledger = None if saved is None else DataLedger.from_dict(saved)
+        self._answered.clear()

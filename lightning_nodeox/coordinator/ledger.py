@@ -21,11 +21,14 @@ memory grows with the units, not the samples.
   but was not published, and its later reports raise :class:`LeaseVoid` until it leases again.
 - :meth:`DataLedger.to_dict` / :meth:`DataLedger.from_dict`: saved with the round's state, restored with every
   lease void (:mod:`~lightning_nodeox.coordinator.ledger_saved`): after a restart every host leases again.
+  :meth:`DataLedger.after`: the saved state as it will be after a publish, written before that round's sync goes
+  out.
 
 A relay uses the same class for its site (:meth:`DataLedger.below`)."""
 
 from __future__ import annotations
 
+import copy
 import json
 from collections import deque
 from collections.abc import Iterable
@@ -209,6 +212,14 @@ class DataLedger:
             ended = self.epoch
             self._begin(self.epoch + 1)
         return Published(samples, spans, ended)
+
+    def after(self, deltas: Iterable[tuple[str, int]]) -> dict:
+        """The saved state (:meth:`to_dict`) this ledger will have once :meth:`publish` commits ``deltas``; the
+        ledger itself is unchanged (written before the round's sync goes out: a restart that takes that round's
+        model back takes this ledger with it)."""
+        ahead = copy.deepcopy(self)
+        ahead.publish(deltas)
+        return ahead.to_dict()
 
     def _commit(self, h: HostEntry, spans: tuple[Span, ...], moved: dict[int, list[int]]) -> int:
         samples = 0

@@ -4,8 +4,9 @@ taken up again.
 Saving: once the model arrives and after every published round the run's state (the round, the host registry
 with its credentials, the last sync; the model every ``--snapshot-every`` rounds) is written on a thread of its
 own. The outer optimizer's state (Nesterov's momentum) is written earlier, once the round's close has made it and
-before its sync's trailer goes out: a host never holds a model whose momentum is not on disk, so a kill -9 at any
-moment after a publish resumes with that round's momentum (it costs the close one write of the state, 1x the fp32
+before its sync's trailer goes out, with the data ledger as it will be after the publish: a host never holds a
+model whose momentum and ledger are not on disk, so a kill -9 at any moment after a publish resumes with that
+round's momentum and ledger (it costs the close one write of the state, 1x the fp32
 model, where the host waits for the trailer). The rest is written after the publish
 (:mod:`~lightning_nodeox.coordinator.state` writes each file atomically), not awaited: the next round's close
 waits for it before it changes θ again. A credential issued at a join rewrites
@@ -27,8 +28,10 @@ tensors. A restart never goes behind what was published. Its model comes back:
   model is taken. A model given back must have the saved tensor layout and the hash its host said it holds;
 - when no host gave it back within ``provider_timeout`` (5 minutes), or every host of the run joined again
   and none holds it, from the snapshot (the rounds since are lost; hosts fetch it).
-When the model is back, the saved outer-optimizer state (or the one a cut-short save wrote for the next round's
-model) and last sync go with it.
+When the model is back, the saved outer-optimizer state, data ledger (or those a cut-short save wrote for the
+next round's model: both are written before a round's sync goes out, so a model a host holds never lacks its
+ledger on disk) and last sync go with it. Until then the data ledger leases nothing (``NO_MODEL``: the host joins
+again and may give the model back), so no unit is leased from a ledger that model is ahead of.
 """
 
 from __future__ import annotations
@@ -226,6 +229,13 @@ class Recovery:
             outer, behind = (newer, False) if newer is not None else (outer, bool(outer))
         if outer:
             await self.state.in_worker(model.restore_outer, outer)
+        data_behind = False
+        if round_ == saved.round + 1:
+            data = await self.state.in_worker(self.store.data_of, round_, model.hash)
+            if data is not None:
+                self.state.data.restore(data)  # that round's units are in this model: committed, never leased again
+            else:
+                data_behind = self.state.data.ledger is not None
         published = resumed.published
         if model.hash == saved.model_hash and resumed.sync is not None:
             model.adopt_sync(resumed.sync)
@@ -233,8 +243,10 @@ class Recovery:
             model.adopt_sync(published)
         if round_ != saved.round:
             self.log.warning("the saved state was of round %d, hosts were at round %d: going on from "
-                             "theirs%s", saved.round, round_,
-                             " (the outer-optimizer state is one round behind)" if behind else "")
+                             "theirs%s%s", saved.round, round_,
+                             " (the outer-optimizer state is one round behind)" if behind else "",
+                             " (the data ledger is one round behind: that round's units are trained again)"
+                             if data_behind else "")
         self.state.round, self.state.published_round = round_, round_ - 1
         self.resumed = self.wanted = None
 
@@ -270,15 +282,22 @@ class Recovery:
 
         self._persisting = asyncio.ensure_future(self._write(write, done))
 
-    async def save_outer_ahead(self, round_: int, model_hash: str) -> None:
-        """Write the outer state of round ``round_``'s model ``model_hash`` now, before that model's sync is
-        published (see :meth:`RunStore.save_outer`); nothing to write for an outer step without state. A failure
-        is reported and the round goes on (its save after the publish writes it)."""
+    async def save_ahead(self, round_: int, model_hash: str, data: dict | None) -> None:
+        """Write what belongs to round ``round_``'s model ``model_hash`` now, before that model's sync is
+        published: the outer state (:meth:`RunStore.save_outer`; nothing for an outer step without state) and the
+        data ledger as it will be after the publish (``data``, :meth:`RunData.ahead`; None: no ledger). A failure
+        is reported and the round goes on (its save after the publish writes both)."""
         model, store = self.state.model, self.store
-        if store is None or model is None or not model.outer.state:
+        if store is None or model is None:
             return
         outer = dict(model.outer.state)
-        await self._write(lambda: store.save_outer(outer, round_, model_hash), lambda written: None)
+
+        def write() -> int:
+            written = store.save_outer(outer, round_, model_hash) if outer else 0
+            return written + (store.save_data(data, round_, model_hash) if data is not None else 0)
+
+        if outer or data is not None:
+            await self._write(write, lambda written: None)
 
     def save_hosts(self) -> asyncio.Future | None:
         """Write the host registry now (a credential was just issued), after any save in flight; the write's

@@ -234,8 +234,10 @@ class Rounds:
             await self.keep_downloads(None)
 
     async def before_trailer(self, round_: int, model_hash: str) -> None:
-        """The outer state of round ``round_``'s model is on disk before its sync is whole for any host."""
-        await self.recovery.save_outer_ahead(round_, model_hash)
+        """The outer state and data ledger of round ``round_``'s model are on disk before its sync is whole for any
+        host (the ledger as the publish of round ``round_ - 1`` will leave it)."""
+        data = self.state.data.ahead(self.deltas.taken(round_ - 1))
+        await self.recovery.save_ahead(round_, model_hash, data)
 
     async def let_downloads_start(self) -> None:
         """θ stays as it is while the round's close waits (a relay's, for its upstream): full-model downloads may

@@ -12,7 +12,10 @@ sync), the coordinator writes:
 - ``run.json`` last: the open round, the model hash and tensor layout, the host registry (each host's state and
   credential, so hosts keep theirs across a restart), the codec and outer-optimizer settings, the names of the
   files above and the outer state's checksum; ``stopped`` when written at shutdown (nothing was published after
-  it). It only ever names complete files. A credential issued at a join rewrites ``run.json`` at once (only it).
+  it). It only ever names complete files. A credential issued at a join rewrites ``run.json`` at once (only it);
+- ``data-R.json``: the data ledger as it will be after round R-1's publish, written with the outer state before
+  that round's sync goes out, so that a restart taking round R's model back from a host takes this ledger too
+  (``run.json`` of round R holds it itself, and its save removes this file).
 
 Files are created readable by their owner only (``run.json`` holds the hosts' credentials). A ``run.json`` that
 cannot be read, a file it names that is missing, truncated or garbled, or one that holds another round than
@@ -23,8 +26,8 @@ only :data:`RECORDS`, what a run writes; a user's own files in the directory sta
 
 Each file is written under a temporary name, synced and renamed, so a crash at any moment leaves the previous
 state whole; files that ``run.json`` no longer names are removed once it is replaced. A save cut short leaves
-the next round's sync and outer state (written before that sync was published) whole beside it (:meth:`RunStore.interrupted_sync` and
-:meth:`RunStore.outer_of` find them). A save that fails changes nothing the store holds (:attr:`RunStore.last`
+the next round's sync, outer state and data ledger (written before that sync was published) whole beside it
+(:meth:`RunStore.interrupted_sync`, :meth:`RunStore.outer_of` and :meth:`RunStore.data_of` find them). A save that fails changes nothing the store holds (:attr:`RunStore.last`
 is what ``run.json`` says). Nothing is pickled: JSON and safetensors (q4 messages are safetensors files too).
 With ``--store``, a copier is told of each file written and removed, and copies them to the run's object store
 (:mod:`~lightning_nodeox.coordinator.statecopy`).
@@ -253,6 +256,28 @@ class RunStore:
             self.copier.wrote(name, self._outer_crc, copy=False)
         self.outer_ahead = (round_, model_hash)
         return size
+
+    def save_data(self, data: dict, round_: int, model_hash: str) -> int:
+        """Write the data ledger that belongs to round ``round_``'s model ``model_hash`` (``DataLedger.after``:
+        before that round's sync is published, as :meth:`save_outer`): a restart that takes that model back from a
+        host takes this ledger with it, not the one of the round before (whose units that model already trained).
+        ``run.json`` of that round holds the ledger itself; its save removes this file. Returns the bytes written."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        name = f"data-{round_}.json"
+        body = json.dumps({"round": round_, "model_hash": model_hash, "data": data}, separators=(",", ":")).encode()
+        size, crc = write_atomic(self.dir / name, [body])
+        if self.copier is not None:  # a restart from the store's copy resumes from its run.json
+            self.copier.wrote(name, crc, copy=False)
+        return size
+
+    def data_of(self, round_: int, model_hash: str) -> dict | None:
+        """The data ledger a save cut short wrote for round ``round_``'s model ``model_hash``; None when there is
+        none (or it is of another model)."""
+        try:
+            d = json.loads((self.dir / f"data-{round_}.json").read_bytes())
+        except (OSError, ValueError):
+            return None
+        return d.get("data") if (d.get("round"), d.get("model_hash")) == (round_, model_hash) else None
 
     def save_hosts(self, hosts: dict[str, dict]) -> int:
         """Rewrite ``run.json`` with ``hosts`` (credentials just issued), the rest as it was; nothing when no

@@ -5,6 +5,8 @@
 - a coordinator that no longer knows this host or has no model (``NOT_JOINED``, ``NO_MODEL``: it restarted)
   is joined again, telling it which model this host holds: it may ask for that model back (the round's
   base θ_r, which every host holds bit-identical), or the host fetches the coordinator's if it differs;
+- a data lease that a restarted coordinator refuses (``NOT_JOINED``, ``NO_MODEL``: it leases nothing until its
+  model is back) is asked again once this host joined again (:meth:`Joining.lease`);
 - values exchanged outside a round that a restarted coordinator refuses (``NOT_JOINED``) are posted again once
   this host joined again (:meth:`Joining.exchange_values`), so no host falls back to its own values;
 - the full model is fetched when nothing else makes this host's model the run's (:meth:`Joining.fetch_model`);
@@ -17,6 +19,7 @@ import time
 from collections.abc import Callable
 
 from ..core import phases as P
+from ..core.ledger_terms import LeaseReply
 from ..core.protocol import Reason, Refusal, TransferBroken, ValuesReply
 from ..core.codecs import codec_for
 from ..core.specs import ModelMismatchError, PayloadError
@@ -113,9 +116,10 @@ class Joining:
                 raise
             return e.extra.get("model_hash")  # another host gave it back first
 
-    def call(self, fn, *args, into: Into, **kwargs):
+    def call(self, fn, *args, into: Into, fetch: bool = True, **kwargs):
         """A call to the coordinator; if it no longer knows this host or has no model (it restarted), join again
-        (a model fetched meanwhile goes ``into``) and call once more."""
+        (a model fetched meanwhile goes ``into``; ``fetch`` False: none is, see :meth:`rejoin`) and call once
+        more."""
         for attempt in range(1, REJOIN_TRIES + 1):
             try:
                 return fn(*args, **kwargs)
@@ -123,7 +127,14 @@ class Joining:
                 if e.reason not in REJOIN or attempt == REJOIN_TRIES:
                     raise
                 self.standing.log.warning("host %s: %s; joining again", self.standing.host, e)
-                self.rejoin(into)
+                self.rejoin(into, fetch=fetch)
+
+    def lease(self, epoch: int | None, units: int = 1) -> LeaseReply:
+        """Units of the data ledger (:meth:`HttpClient.lease`), mid-round: a restarted coordinator is joined again
+        as by the other calls (this host may give its model back), the model kept (the round's upload finds a base
+        gone stale and fetches it). Its ledger voided every lease: the reply is of a new generation, and the
+        sampler drops what it held (:class:`~lightning_nodeox.host.ledger_sampler.LedgerSampler`)."""
+        return self.call(self.standing.client.lease, epoch, units, into=Into.LIVE, fetch=False)
 
     def exchange_values(self, key: str, payload: object, *, retry_for: float,
                         joins: Callable[[], bool]) -> ValuesReply:

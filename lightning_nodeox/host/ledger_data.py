@@ -8,7 +8,8 @@ a :class:`~lightning_nodeox.host.ledger_sampler.LedgerSampler`, as DDP's gets a 
 - Join: the host declares ``DataSpec(samples=len(dataset), seed=<seed_everything's, else 0>, shuffle=<whether the
   user's loader shuffled>)`` (:func:`data_spec`); every host of a run must declare the same.
 - The loader: Lightning rebuilds it with the sampler (``_update_dataloader``: its batch size, workers, collate_fn
-  and drop_last kept); the sampler leases one unit at a time through the link's client.
+  and drop_last kept); the sampler leases one unit at a time through the link's round (a coordinator that restarted
+  is joined again first, :meth:`~lightning_nodeox.host.joining.Joining.lease`).
 - Each round boundary: the delta carries ``sampler.take_covered(trained)``, ``trained`` the samples this pass's
   training steps consumed; at a pass's last batch (Lightning's epoch end) the round closes whether due or not,
   with ``pass_ended=True`` (a pass ends when the ledger has nothing more for the host: the others wait for its delta).
@@ -71,7 +72,7 @@ class LedgerData:
         loader = train_loader_early(trainer) if one_device and samplers else None
         if not shares_out(loader, True):
             return None
-        data = cls(data_spec(loader), lambda epoch: session.link.round.client.lease(epoch, 1),
+        data = cls(data_spec(loader), lambda epoch: session.link.round.lease(epoch, 1),
                    lambda: session.idle_round(step()))
         session.data, session.covered = data.spec, data.covered
         return data

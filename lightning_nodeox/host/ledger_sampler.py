@@ -25,8 +25,11 @@ rank (one per row); at the end of a pass (the loop ran out of data), ``pass_ende
 pass read, a last partial batch a DataLoader dropped included, as a DistributedSampler's epoch does. The strategy
 reports at each pass's end (Lightning's epoch end): what a pass read but did not report (a pass cut short, as by
 ``limit_train_batches``, its prefetched batches never trained) is read again by the next pass. A lease of a
-newer generation (after :class:`LeaseVoid`), :meth:`LedgerSampler.void` or an EpochEnd drops what the sampler
-holds: those positions are the ledger's again.
+newer generation (after :class:`LeaseVoid`, or from a coordinator that restarted: a restored ledger voids every
+lease), :meth:`LedgerSampler.void` or an EpochEnd drops what the sampler holds: those positions are the ledger's
+again. A new generation or an EpochEnd that finds positions read but not reported (they may be trained into the
+round's delta already) makes the next report carry those under the void lease, so the coordinator refuses that
+delta: its training never reaches the model (the round's work is lost, never counted twice).
 
 It has no length: Lightning then runs each epoch until the sampler stops (a length would end it early)."""
 
@@ -80,6 +83,7 @@ class LedgerSampler(Sampler[int]):
         self._leased = self._yielded = self._reported = 0  # stream positions: all leased, read, reported
         self._anchor = (0, 0)  # (row of this pass, stream position): rows after it are read from there on
         self._rows = 0  # rows read this pass
+        self._stale: Covered | None = None  # read, not reported, of a lease found void since: the next report
 
     def set_epoch(self, epoch: int) -> None:
         """Lightning's epoch (kept; the ledger decides the data's epoch)."""
@@ -109,7 +113,7 @@ class LedgerSampler(Sampler[int]):
             if isinstance(reply, Lease):
                 self._take(reply)
             elif isinstance(reply, EpochEnd):
-                self.void()  # the epoch ended without what this host held: none of it is its own now
+                self._lost()  # the epoch ended without what this host held: none of it is its own now
                 self.epoch = reply.now
                 if self._rows:
                     return False
@@ -134,12 +138,23 @@ class LedgerSampler(Sampler[int]):
 
     def _take(self, lease: Lease) -> None:
         if (lease.epoch, lease.generation) != (self.epoch, self.generation):
-            self.void()  # a new epoch, or a new lease after this one was void: what is held is not ours
+            self._lost()  # a new epoch, or a new lease after this one was void: what is held is not ours
         if self._order is None or self._order.epoch != lease.epoch:
             self._order = self.data.epoch(lease.epoch)
         self.epoch, self.generation = lease.epoch, lease.generation
         self._spans.extend(lease.spans)
         self._leased += sum(len(s) for s in lease.spans)
+
+    def _lost(self) -> None:
+        """What the sampler holds is void, and the coordinator said so only now (a lease of a new generation: it
+        restarted, or cut this host off; an epoch that ended without it). Positions read since the last report may
+        be trained into this round's delta already, and are another host's now: the next report carries them
+        under the void lease, so the coordinator refuses that delta (``LEASE_VOID``) and their training never
+        reaches the model."""
+        if self._yielded > self._reported and self._stale is None:
+            self._stale = Covered(self.epoch if self.epoch is not None else 0, self.generation or 0,
+                                  self._pop(self._yielded))
+        self.void()
 
     def void(self) -> None:
         """Drop every span held, read or not (the host's lease is void: :class:`LeaseVoid`)."""
@@ -154,6 +169,9 @@ class LedgerSampler(Sampler[int]):
         row, position = self._anchor
         upto = self._yielded if pass_ended else min(self._yielded, position + self.ranks * max(trained - row, 0))
         spans = self._pop(max(upto, self._reported))
+        stale, self._stale = self._stale, None
+        if stale is not None:  # positions of a lease found void since (:meth:`_lost`): the whole delta is void
+            return stale
         return Covered(self.epoch if self.epoch is not None else 0, self.generation or 0, spans)
 
     def _pop(self, upto: int) -> tuple[Span, ...]:

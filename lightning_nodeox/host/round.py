@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from ..core.ledger_terms import Covered
+from ..core.ledger_terms import Covered, LeaseReply
 from ..core.logs import Named
 from ..core.phases import PhaseLog
 from ..core.protocol import Upload, ValuesReply
@@ -109,6 +109,10 @@ class HostRound:
     def fetch_model(self, into: Into = Into.LIVE) -> None:
         """Replace this host's model with the coordinator's (:meth:`Joining.fetch_model`)."""
         self.joining.fetch_model(into)
+
+    def lease(self, epoch: int | None, units: int = 1) -> LeaseReply:
+        """Units of the data ledger, joining again if the coordinator restarted (:meth:`Joining.lease`)."""
+        return self.joining.lease(epoch, units)
 
     # -- a round --------------------------------------------------------------------------------------------------
     def run_round(self, samples: int, final: bool, metrics: dict[str, list] | None = None,

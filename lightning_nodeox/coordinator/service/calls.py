@@ -339,9 +339,13 @@ class CoordinatorService:
 
     async def lease_data(self, host: str, epoch: int | None, units: int = 1, seq: int | None = None) -> dict:
         """Up to ``units`` units of the data ledger's epoch ``epoch`` for ``host`` (:mod:`..data`), as a dict;
-        ``seq``: the call's number (a retry gets the same answer)."""
-        self._run.state.hosts.known(host)
-        return self._run.state.data.lease(host, epoch, units, seq).to_dict()
+        ``seq``: the call's number (a retry gets the same answer). None before the run's model is there: a resumed
+        run's ledger is the one of the model that comes back (``NO_MODEL``: the host joins again, and may give it
+        back), so no unit that model trained is leased again."""
+        state = self._run.state
+        state.hosts.known(host)
+        state.require_model()
+        return state.data.lease(host, epoch, units, seq).to_dict()
 
     async def exchange_values(self, host: str, key: str, payload: object, wait: float) -> ValuesReply | None:
         """A host's values under ``key``; None when not answered within ``wait`` seconds (the host asks again)."""
