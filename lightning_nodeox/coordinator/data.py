@@ -106,9 +106,12 @@ class RunData:
         if self.ledger is not None:
             self.ledger.gone(host)
 
-    def publish(self, taken: list[tuple[str, int]]) -> dict | None:
+    def publish(self, taken: list[tuple[str, int]], deltas: dict[str, int] | None = None) -> dict | None:
         """Commit the reports of the deltas ``(host, round)`` a published round took; the ledger's summary for
-        the round's record (None: no ledger)."""
+        the round's record (None: no ledger), with the positions committed (``spans``: ``[unit, start, end]``
+        each, of epoch ``epoch_ended`` when it ended, else ``epoch``), the hosts whose reports they are
+        (``reported``) and the samples of every delta the round took whole (``deltas``, host -> samples): what a
+        published model trained, to check against the hosts' own logs."""
         ledger = self.ledger
         if ledger is None:
             return None
@@ -120,7 +123,8 @@ class RunData:
         if published.epoch_ended is not None:
             self.log.info("data ledger: epoch %d ended (every sample committed once)", published.epoch_ended)
         return {**ledger.summary(), "published_samples": published.samples,
-                "epoch_ended": published.epoch_ended}
+                "epoch_ended": published.epoch_ended, "spans": [[s.unit, s.start, s.end] for s in published.spans],
+                "reported": sorted({h for h, _ in taken}), "deltas": dict(deltas or {})}
 
     def status(self) -> dict | None:
         return None if self.ledger is None else self.ledger.status()

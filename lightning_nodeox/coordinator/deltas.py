@@ -85,6 +85,11 @@ class RoundDeltas:
         """The round's deltas: host -> samples."""
         return {h: d.samples for h, d in self.by_host.items()}
 
+    @property
+    def whole(self) -> dict[str, int]:
+        """The round's deltas taken whole (not cut): host -> samples."""
+        return {h: d.samples for h, d in self.by_host.items() if not d.cut}
+
     def taken(self, round_: int) -> list[tuple[str, int]]:
         """The ``(host, round)`` of the round's deltas that reported data and were taken whole (the data ledger
         commits those at publish)."""

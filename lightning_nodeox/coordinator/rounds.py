@@ -179,7 +179,7 @@ class Rounds:
             model.publish(closed.sync)
         if closed.complete and not state.complete:
             state.final_members, state.completed_at = set(self.received), time.monotonic()
-        data = state.data.publish(self.deltas.taken(round_))  # the data its deltas trained is committed
+        data = state.data.publish(self.deltas.taken(round_), self.deltas.whole)  # what its deltas trained: committed
         self.deltas.reset()
         state.complete = state.complete or closed.complete
         state.published_round = closed.next_round - 1

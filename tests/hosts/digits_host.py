@@ -7,7 +7,9 @@ DDP over K CPU ranks (on each of ``--num-nodes`` machines: torchrun --nnodes); t
 are named ``host<id>.rank<k>_*``. With ``--ledger`` a host of one device lets the coordinator's data ledger share
 out the data (Lightning's default ``use_distributed_sampler=True``; else each host of one device trains on its own
 shuffle of all of it), and ``--log-indices`` writes the sample indices each training step consumed, with its
-epoch, to ``host<id>_indices.json``.
+epoch, to ``host<id>_indices.json``; with ``--ledger`` also, as each step trains, a line of its round, ledger epoch
+and indices to ``host<id>_steps.jsonl`` (kept by a host killed). ``--join-file`` holds the host back until the file
+exists (a host joining mid-run, started ahead).
 """
 
 from __future__ import annotations
@@ -46,6 +48,16 @@ class DigitsNet(LightningModule):
         self.stop_host = stop_host
         self.fail_at_step = fail_at_step
         self.indices: list[list[int]] = []  # [epoch, index] of each sample trained (a dataset that gives indices)
+        self.steps_log: Path | None = None  # each step's indices appended here as it trains (a host killed keeps it)
+
+    def _log_step(self, indices: list[int]) -> None:
+        """One line per training step: the round its training goes into (this host's open round: its delta of that
+        round carries it), the ledger's epoch its samples are of, and their indices."""
+        strategy = self.trainer.strategy
+        sampler = self.trainer.train_dataloader.sampler
+        line = {"round": strategy._session.link.round.round, "epoch": sampler.epoch, "indices": indices}
+        with open(self.steps_log, "a") as f:
+            f.write(json.dumps(line) + "\n")
 
     def training_step(self, batch, batch_idx):
         if self.global_step == self.fail_at_step:
@@ -53,6 +65,8 @@ class DigitsNet(LightningModule):
         x, y = batch[:2]
         if len(batch) > 2:
             self.indices += [[self.current_epoch, int(i)] for i in batch[2]]
+            if self.steps_log is not None:
+                self._log_step([int(i) for i in batch[2]])
         logits = self.net(x)
         loss = nn.functional.cross_entropy(logits, y)
         self.log("train_loss", loss, on_step=True, prog_bar=False)
@@ -174,6 +188,7 @@ def main() -> None:
                    "loader's sampler is the ledger's; the loader keeps its last partial batch)")
     p.add_argument("--log-indices", action="store_true", help="write the indices each step trained to --out")
     p.add_argument("--max-epochs", type=int)
+    p.add_argument("--join-file", type=Path, help="join the run (start fit) only once this file exists")
     args = p.parse_args()
     torch.set_num_threads(1)
     host = os.environ["NODEOX_HOST_ID"]
@@ -224,6 +239,10 @@ def main() -> None:
                       use_distributed_sampler=args.ledger or devices * num_nodes > 1, logger=TensorBoardLogger(args.out / f"tb_host{host}"),
                       callbacks=callbacks, enable_checkpointing=bool(args.checkpoint_every),
                       enable_progress_bar=args.progress_bar, enable_model_summary=False, log_every_n_steps=1)
+    if args.log_indices and args.ledger:
+        model.steps_log = args.out / f"host{host}_steps.jsonl"
+    while args.join_file is not None and not args.join_file.exists():
+        time.sleep(0.05)
     trainer.fit(model, loader, ckpt_path=args.resume)
     after = {k: float(v) for k, v in trainer.callback_metrics.items()}
     prefix = f"host{host}" + (f".rank{trainer.global_rank}" if trainer.global_rank else "")
