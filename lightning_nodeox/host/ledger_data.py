@@ -13,7 +13,10 @@ a :class:`~lightning_nodeox.host.ledger_sampler.LedgerSampler`, as DDP's gets a 
 - Each round boundary: the delta carries ``sampler.take_covered(trained)``, ``trained`` the samples this pass's
   training steps consumed; at a pass's last batch (Lightning's epoch end) the round closes whether due or not,
   with ``pass_ended=True`` (a pass ends when the ledger has nothing more for the host: the others wait for its delta).
-- A round whose delta was not taken (``RoundResult.lease_void``): ``sampler.void()``; the next lease is fresh.
+- A round whose delta was not taken (``RoundResult.lease_void``): ``sampler.void()``; the next lease is fresh. A
+  batch the loader read ahead under the void lease (Lightning fetches one batch ahead) is not trained: its training
+  step is skipped (:meth:`LedgerData.read_under_void`), as it would be in the next round's delta while its units
+  are another host's.
 - A pass that finds nothing to read (the epoch's last units are the other hosts'): the sampler's ``pause`` is the
   session's :meth:`~lightning_nodeox.host.session.HostSession.idle_round`: the host sends the round the others
   wait for (an empty delta) and asks again once it closed; every round needs every host's delta, so a host that
@@ -86,6 +89,13 @@ class LedgerData:
         if epoch != self._pass:
             self._pass, self.trained = epoch, 0
         self.trained += samples
+
+    def read_under_void(self, epoch: int) -> bool:
+        """Whether the batch about to train (of Lightning's epoch ``epoch``) was read under a lease found void since:
+        the loader read it ahead, before the round boundary that voided it (or mid-batch, before a lease of a new
+        generation). Its positions are another host's now, so it is not trained (the step is skipped)."""
+        trained = self.trained if epoch == self._pass else 0
+        return trained < self.sampler.void_rows
 
     def covered(self, pass_ended: bool) -> Covered | None:
         """What the round's delta trained (every rank, at the boundary); None when it trained no leased sample."""

@@ -162,6 +162,12 @@ class LedgerSampler(Sampler[int]):
         self._yielded = self._reported = self._leased
         self._anchor = (self._rows, self._leased)
 
+    @property
+    def void_rows(self) -> int:
+        """The rows of this pass read before its lease was last found void (0: none): those not trained yet must
+        not be (their positions are the ledger's again); one rank trains one sample a row."""
+        return self._anchor[0]
+
     def take_covered(self, trained: int, *, pass_ended: bool = False) -> Covered:
         """The positions trained since the last call, for the round's delta: up to ``trained`` samples of this
         pass on this rank; with ``pass_ended``, all the pass read. Call it on every rank at the same point (each

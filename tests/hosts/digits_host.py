@@ -104,6 +104,8 @@ class DumpRounds(Callback):
                             "round": str(result.round if result else -1)})
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if not outputs:  # a step skipped (a batch read under a data lease found void since)
+            return
         self.losses.append(float(outputs["loss"]))
         self.times.append(time.time())
         self.shared.append(float(trainer.callback_metrics.get("shared_step", math.nan)))
