@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -24,7 +25,7 @@ SAMPLES = 1797  # scikit-learn's digits
 UNIT = 64
 HOST_ARGS = ("--ledger", "--log-indices", "--max-epochs", "2", "--max-steps", "100000", "--local-steps", "4",
              "--batch-size", "16", "--overlap", "off")
-COORDINATOR_ARGS = ("--data-unit", str(UNIT), "--lease", "4")
+COORDINATOR_ARGS = ("--data-unit", str(UNIT), "--lease", "4", "--snapshot-every", "1000")
 
 
 def _data_records(coord: Coordinator) -> list[dict]:
@@ -84,16 +85,59 @@ def check_every_sample_once(run_dir: Path, out: Path) -> list[int]:
     return ended
 
 
+class SavedStates:
+    """Every ``run.json`` the coordinator writes, by round, copied as it appears (a thread polls it)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / "state" / "run.json"
+        self.by_round: dict[int, dict] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(0.005):
+            try:
+                saved = json.loads(self.path.read_text())
+            except (OSError, ValueError):
+                continue
+            self.by_round.setdefault(saved["round"], saved)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def one_round_behind(run_dir: Path, states: SavedStates) -> int:
+    """Make the saved state the one of the round before (as if the coordinator was killed after publishing a round
+    and before saving it), with what it wrote before that round's sync went out beside it: the ledger after the
+    publish, ``data-R.json`` (the run's ``run.json`` of round R holds that ledger). Returns R."""
+    now = json.loads((run_dir / "state" / "run.json").read_text())
+    r = now["round"]
+    assert r - 1 in states.by_round, f"run.json of round {r - 1} was not seen"
+    behind = dict(states.by_round[r - 1], hosts=now["hosts"])  # (credentials issued since: kept, as at a join)
+    behind["files"] = {k: v for k, v in now["files"].items() if k == "model"}  # the sync of round r-2 is gone
+    behind["snapshot_round"], behind["snapshot_hash"] = now["snapshot_round"], now["snapshot_hash"]
+    (run_dir / "state" / f"data-{r}.json").write_text(json.dumps(
+        {"round": r, "model_hash": now["model_hash"], "data": now["data"]}))
+    (run_dir / "state" / "run.json").write_text(json.dumps(behind))
+    return r
+
+
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("how", ["kill", "behind"])
 def test_a_host_killed_a_host_joining_and_the_coordinator_killed_and_restarted_train_every_sample_once(
-        tmp_path: Path) -> None:
+        tmp_path: Path, how: str) -> None:
     """Three hosts share out epoch 0; host 2 is killed -9 once some units are committed, host 3 joins then (its
     units go back when its lease expires); once host 3 trained, the coordinator is killed -9 and started again:
-    its ledger (the saved one, or the one written before the last round's sync went out when that round's model
-    comes back from a host) voids every lease. Every kill lands in epoch 0. The run ends after 2 epochs' passes;
-    each ended epoch is every index once, committed and trained, and nothing is twice in the published model."""
+    its ledger voids every lease. ``behind``: the kill as if between a round's publish and its save: the saved
+    state is the round before's, the hosts give the published round's model back, and the ledger written before
+    that round's sync went out comes with it (the saved one would lease that round's units again). Every kill
+    lands in epoch 0. The run ends after 2 epochs' passes; each ended epoch is every index once, committed and
+    trained, and nothing is twice in the published model."""
     run_dir, out = tmp_path / "run", tmp_path / "out"
     coord = Coordinator(run_dir, 3, "--elastic", *COORDINATOR_ARGS)
+    states = SavedStates(run_dir)
     join = tmp_path / "host3-joins"
     pace = ("--step-seconds", "0.15")
     procs = {h: start_host(h, coord.url, out, *HOST_ARGS, *pace) for h in "012"}
@@ -111,16 +155,22 @@ def test_a_host_killed_a_host_joining_and_the_coordinator_killed_and_restarted_t
         coord.proc.send_signal(signal.SIGKILL)
         assert coord.proc.wait(30) == -signal.SIGKILL
         assert _committed(coord)[0] == 0, "the coordinator's kill did not land in epoch 0: pace the hosts slower"
+        states.stop()
+        behind = one_round_behind(run_dir, states) if how == "behind" else None
         started.append(_restart(coord, 3, "--elastic", *COORDINATOR_ARGS))
         for h in "013":
             assert procs[h].wait(120) == 0, [f.read_text()[-3000:] for f in sorted(out.glob(f"host{h}-*.log"))]
         assert started[0].wait(60) == 0, started[0].log_path.read_text()[-4000:]
     finally:
+        states.stop()
         stop(list(procs.values()))
         coord.stop()
         for c in started:
             c.stop()
     assert [e["round"] for e in started[0].events() if e["phase"] == "restart"]  # it resumed
+    log = started[0].log_path.read_text()
+    assert (f"hosts were at round {behind}" in log) == (how == "behind"), log
+    assert "the data ledger is one round behind" not in log
     ended = check_every_sample_once(run_dir, out)
     assert 0 in ended
 
