@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_nodeox.coordinator.ledger import DataLedger
+from lightning_nodeox.coordinator.ledger_saved import RESTORE_STEP
 from lightning_nodeox.core.ledger_order import DataOrder, EpochOrder
 from lightning_nodeox.core.ledger_terms import (Covered, EpochEnd, Lease, LeaseVoid, Span, Wait, reply_from_dict)
 from lightning_nodeox.host.ledger_sampler import LedgerSampler
@@ -182,7 +183,7 @@ def test_the_saved_ledger_is_small_and_a_restored_one_voids_every_lease():
     with pytest.raises(LeaseVoid):
         back.covered("a", report(leases["a"], (u0.unit, u0.start + 10, u0.start + 20)), delta=1)
     again = back.lease("b", 1)
-    assert again.generation == 1 and again.spans == (Span(u0.unit, u0.start + 10, u0.end),)
+    assert again.generation == RESTORE_STEP and again.spans == (Span(u0.unit, u0.start + 10, u0.end),)
     assert back.status()["epoch_committed_samples"] == 10
     assert back.lease("c", 4).spans[-1].unit == 4  # the given-back units, then fresh ones
 

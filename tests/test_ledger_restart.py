@@ -15,6 +15,7 @@ from local_transport import LocalClient, LocalCoordinator
 
 from lightning_nodeox.coordinator import state as state_module
 from lightning_nodeox.coordinator.ledger import DataLedger
+from lightning_nodeox.coordinator.ledger_saved import RESTORE_STEP
 from lightning_nodeox.coordinator.state import RunStore
 from lightning_nodeox.core.ledger_order import DataOrder
 from lightning_nodeox.core.ledger_terms import Covered, Lease, LeaseVoid, Span
@@ -97,7 +98,7 @@ def test_a_coordinator_killed_between_a_publish_and_its_save_takes_that_rounds_l
         assert isinstance(lease, Lease)
         assert (again.state.round, again.state.model.hash) == (2, hosts[0].model_hash)
         assert again.state.data.ledger.status()["epoch_committed_samples"] == 4 * UNIT
-        assert lease.generation == 1 and lease.spans[0].unit == 4  # units 0-3 committed: the next fresh one
+        assert lease.generation == RESTORE_STEP and lease.spans[0].unit == 4  # units 0-3 committed: the next fresh
     finally:
         again.close()
 
@@ -131,7 +132,7 @@ def test_a_lease_found_void_with_positions_read_but_not_reported_voids_the_round
     source.led = DataLedger.from_dict(led.to_dict())  # the coordinator restarted
     [next(it) for _ in range(UNIT - 30 + 5)]  # unit 0 read to its end, then 5 of a lease of the new generation
     data.consumed(0, 60)  # trained up to 80 of unit 0 meanwhile
-    assert sampler.generation == 1
+    assert sampler.generation == RESTORE_STEP
     stale = data.covered(pass_ended=False)
     assert (stale.generation, stale.spans) == (0, (Span(0, 20, UNIT),))
     with pytest.raises(LeaseVoid):

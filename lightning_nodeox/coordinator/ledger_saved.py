@@ -1,13 +1,18 @@
 """The data ledger's saved state (:meth:`DataLedger.to_dict`, :meth:`DataLedger.from_dict`): O(units held or
 given back), not O(units): the units below ``fresh`` are committed but for those listed as ``partial`` (their
 committed offset), ``held`` (leased, given back on restore) or ``returned``. A restored ledger voids every lease
-(each host's generation moves on), so the leases made after the save, unknown to it, are never reported."""
+(each host's generation moves on by :data:`RESTORE_STEP`, past any the coordinator that saved it may have handed
+out since: each refusal after the save moved it on by one), so the leases made after the save, unknown to it, are
+never reported: a report under one is refused as void, and the host's next lease, of a generation it never held,
+drops what it held."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from .ledger_hosts import FREE, HostCounts
+
+RESTORE_STEP = 1 << 16  # a restored ledger's generations: the saved ones plus this (more than refusals in a round)
 
 
 def to_dict(ledger) -> dict:
@@ -38,7 +43,7 @@ def restore(ledger, d: dict) -> None:
     ledger._returned.extend(d["returned"])
     for name, saved in sorted(d["hosts"].items(), key=lambda item: item[1]["slot"]):
         h = ledger._host(name)
-        h.generation, h.present = saved["generation"] + 1, saved["present"]
+        h.generation, h.present = saved["generation"] + RESTORE_STEP, saved["present"]
         h.counts = HostCounts(saved["leased"], saved["committed"], saved["returned"])
     for u, slot in d["held"]:
         ledger._hosts[ledger._names[slot]].counts.returned += int(ledger._ends[u] - ledger._cursor[u])
