@@ -15,8 +15,8 @@ a :class:`~lightning_nodeox.host.ledger_sampler.LedgerSampler`, as DDP's gets a 
   with ``pass_ended=True`` (a pass ends when the ledger has nothing more for the host: the others wait for its delta).
 - A round whose delta was not taken (``RoundResult.lease_void``): ``sampler.void()``; the next lease is fresh. A
   batch the loader read ahead under the void lease (Lightning fetches one batch ahead) is not trained: its training
-  step is skipped (:meth:`LedgerData.read_under_void`), as it would be in the next round's delta while its units
-  are another host's.
+  step is skipped (:meth:`LedgerData.batch`), else it would be in the next round's delta while its units are
+  another host's.
 - A pass that finds nothing to read (the epoch's last units are the other hosts'): the sampler's ``pause`` is the
   session's :meth:`~lightning_nodeox.host.session.HostSession.idle_round`: the host sends the round the others
   wait for (an empty delta) and asks again once it closed; every round needs every host's delta, so a host that
@@ -83,6 +83,13 @@ class LedgerData:
     def loader(self, loader: DataLoader) -> DataLoader:
         """``loader`` rebuilt with the ledger's sampler, as Lightning rebuilds one with a ``DistributedSampler``."""
         return _update_dataloader(loader, self.sampler, mode=RunningStage.TRAINING)
+
+    def batch(self, epoch: int, samples: int) -> bool:
+        """A batch of ``samples`` of Lightning's epoch ``epoch`` is about to train: counted as consumed; whether it
+        is trained (False: :meth:`read_under_void`)."""
+        train = not self.read_under_void(epoch)
+        self.consumed(epoch, samples)
+        return train
 
     def consumed(self, epoch: int, samples: int) -> None:
         """A training step of Lightning's epoch ``epoch`` consumed ``samples`` samples."""

@@ -260,16 +260,12 @@ class NodeoxStrategy(SessionReadings, DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any):
         timing = self._session.timing
         samples = _batch_size(args[0] if args else kwargs.get("batch"))
-        epoch = self.lightning_module.trainer.current_epoch
-        if self._data is not None and self._data.read_under_void(epoch):  # another host's now: not trained
-            self._data.consumed(epoch, samples)
-            self._at_batch_end()
-            return None
-        with timing.inside():
-            output = super().training_step(*args, **kwargs)
-        timing.add_samples(samples)
-        if self._data is not None:
-            self._data.consumed(epoch, samples)
+        train = self._data is None or self._data.batch(self.lightning_module.trainer.current_epoch, samples)
+        output = None  # not trained: a batch read under a data lease found void since is another host's now
+        if train:
+            with timing.inside():
+                output = super().training_step(*args, **kwargs)
+            timing.add_samples(samples)
         self._at_batch_end()
         return output
 
