@@ -32,7 +32,8 @@ DATA = DataSpec(SAMPLES, seed=3, shuffle=True)
 def test_the_ledger_after_a_publish_is_its_saved_state_once_published_and_leaves_it_unchanged() -> None:
     led = DataLedger(DataOrder(SAMPLES, seed=3), unit_size=UNIT)
     a, b = led.lease("a", 2), led.lease("b")
-    led.covered("a", Covered(0, 0, (a.spans[0], Span(a.spans[1].unit, a.spans[1].start, a.spans[1].start + 10))), delta=0)
+    second = a.spans[1]
+    led.covered("a", Covered(0, 0, (a.spans[0], Span(second.unit, second.start, second.start + 10))), delta=0)
     led.covered("b", Covered(0, 0, b.spans), delta=0)
     before = led.to_dict()
     ahead = led.after([("a", 0), ("b", 0)])

@@ -27,8 +27,9 @@ only :data:`RECORDS`, what a run writes; a user's own files in the directory sta
 Each file is written under a temporary name, synced and renamed, so a crash at any moment leaves the previous
 state whole; files that ``run.json`` no longer names are removed once it is replaced. A save cut short leaves
 the next round's sync, outer state and data ledger (written before that sync was published) whole beside it
-(:meth:`RunStore.interrupted_sync`, :meth:`RunStore.outer_of` and :meth:`RunStore.data_of` find them). A save that fails changes nothing the store holds (:attr:`RunStore.last`
-is what ``run.json`` says). Nothing is pickled: JSON and safetensors (q4 messages are safetensors files too).
+(:meth:`RunStore.interrupted_sync`, :meth:`RunStore.outer_of` and :meth:`RunStore.data_of` find them). A save that
+fails changes nothing the store holds (:attr:`RunStore.last` is what ``run.json`` says). Nothing is pickled: JSON
+and safetensors (q4 messages are safetensors files too).
 With ``--store``, a copier is told of each file written and removed, and copies them to the run's object store
 (:mod:`~lightning_nodeox.coordinator.statecopy`).
 """
