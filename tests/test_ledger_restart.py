@@ -141,3 +141,18 @@ def test_a_lease_found_void_with_positions_read_but_not_reported_voids_the_round
     assert data.read_under_void(0)  # trained 80 of the 100 rows read before: the rest is not trained
     data.consumed(0, UNIT - 80)
     assert not data.read_under_void(0)
+
+
+def test_a_lease_made_after_the_save_under_a_later_generation_is_void_in_the_restored_ledger() -> None:
+    """A host refused after the save leased again under generation 1; the restored ledger's generations move on
+    past any such: its report is refused as void (LEASE_VOID), not as bad input, and its next lease is new to it."""
+    led = DataLedger(DataOrder(SAMPLES, seed=3), unit_size=UNIT)
+    led.lease("a")
+    saved = led.to_dict()
+    led.refused("a")
+    late = led.lease("a")
+    assert late.generation == 1
+    back = DataLedger.from_dict(saved)
+    with pytest.raises(LeaseVoid):
+        back.covered("a", Covered(late.epoch, late.generation, late.spans), delta=0)
+    assert back.lease("a").generation == RESTORE_STEP
