@@ -63,7 +63,8 @@ def test_two_hosts_train_every_sample_of_the_first_epoch_once_and_the_coordinato
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_a_host_of_two_ranks_and_a_host_of_one_device_share_the_epoch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("overlap", ["off", "eager"])
+def test_a_host_of_two_ranks_and_a_host_of_one_device_share_the_epoch(tmp_path: Path, overlap: str) -> None:
     """Host 0 is DDP over 2 CPU ranks (gloo): its rank 0 leases, rank 1 takes the answer, each reads its place in
     rows of 2; host 1 is one device. The first epoch's indices trained across the three ranks are every index
     once (but the pad of a short last row: an odd last unit read in rows of 2 repeats one sample on rank 1, as a
@@ -71,7 +72,7 @@ def test_a_host_of_two_ranks_and_a_host_of_one_device_share_the_epoch(tmp_path: 
     coord = Coordinator(tmp_path / "run", 2, "--data-unit", "128")
     out = tmp_path / "out"
     procs = [start_host(h, coord.url, out, "--ledger", "--log-indices", "--max-epochs", "2", "--max-steps", "100000",
-                        "--local-steps", "6", "--batch-size", "32", "--devices", "2,1") for h in "01"]
+                        "--local-steps", "6", "--batch-size", "32", "--devices", "2,1", "--overlap", overlap) for h in "01"]
     try:
         for p in procs:
             assert p.wait(150) == 0, [f.read_text()[-4000:] for f in sorted(out.glob("host*.log"))]
