@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from helpers import HOSTS, REPO, launch
+from helpers import HOSTS, REPO, launch, read_events
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -215,3 +215,25 @@ def test_the_fabric_example_ends_every_host_on_one_model(tmp_path) -> None:
     ends = dict(re.findall(r"\[host (\d)\] host \d: 20 steps, final model ([0-9a-f]{32})", result.stdout))
     assert sorted(ends) == ["0", "1"] and ends["0"] == ends["1"]
     assert all((tmp_path / "run" / "hosts" / f"host{h}" / "final.ckpt").is_file() for h in "01")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", ["off", "eager"])
+def test_two_fabric_hosts_share_the_epoch_through_the_data_ledger(tmp_path, overlap) -> None:
+    """``fabric.setup_dataloaders(loader)`` gives each host the ledger's sampler; a pass ends where the ledger has
+    nothing more for the host, and its round closes there by itself. The hosts' first passes, joined, are every
+    index once, and the coordinator committed exactly the epoch before it ended."""
+    out, run_dir = tmp_path / "out", tmp_path / "run"
+    result = launch(run_dir, 2, [sys.executable, str(HOSTS / "fabric_host.py"), "--out", str(out), "--ledger",
+                                 "--log-indices", "--passes", "2", "--max-steps", "100000", "--local-steps", "6",
+                                 "--overlap", overlap], "--data-unit", "128", timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    first = {h: [i for p, i in json.loads((out / f"host{h}_indices.json").read_text()) if p == 0] for h in "01"}
+    assert sorted(first["0"] + first["1"]) == list(range(1797))  # none lost, none twice
+    assert first["0"] and first["1"]
+    records = [e for e in read_events(run_dir) if e["phase"] == "data"]
+    ended = next(k for k, e in enumerate(records) if e["epoch_ended"] is not None)
+    assert records[ended]["epoch_ended"] == 0 and all(e["epoch"] == 0 for e in records[:ended])
+    assert sum(e["published_samples"] for e in records[: ended + 1]) == 1797
+    hosts = {h: json.loads((out / f"host{h}.json").read_text()) for h in "01"}
+    assert hosts["0"]["model_hash"] == hosts["1"]["model_hash"]
