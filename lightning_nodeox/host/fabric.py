@@ -165,16 +165,16 @@ class NodeoxFabricStrategy(SessionReadings, SingleDeviceStrategy):
         their order (a DistributedSampler of one replica reads as their own sampler did)."""
         if not fabric_sampled(dataloader) or not dataloader.sampler.shuffle:
             return dataloader
-        if self._data is not None:
-            raise ValueError(
-                "NodeoxFabricStrategy: the coordinator's data ledger shares out one train loader, and one is set up "
-                "already; set up this one with fabric.setup_dataloaders(loader, use_distributed_sampler=False) (each "
-                "host then reads all of it), or the train loader alone with use_distributed_sampler=True")
         if self._session.ranks is not None or self._ended:
             raise ValueError(
                 "NodeoxFabricStrategy: the train loader is set up after this host joined the run (at its first "
                 "optimizer step), so its data can no longer be declared to the coordinator's data ledger: call "
                 "fabric.setup_dataloaders(loader) before the training loop, or pass use_distributed_sampler=False")
+        if self._data is not None:
+            raise ValueError(
+                "NodeoxFabricStrategy: the coordinator's data ledger shares out one train loader, and one is set up "
+                "already; set up this one with fabric.setup_dataloaders(loader, use_distributed_sampler=False) (each "
+                "host then reads all of it), or the train loader alone with use_distributed_sampler=True")
         session = self._session
         self._data = FabricData(dataloader, self._lease, lambda: session.idle_round(self._steps), self._pass_ended)
         session.data, session.covered = self._data.data.spec, self._data.data.covered
