@@ -146,3 +146,24 @@ def test_use_distributed_sampler_false_leaves_the_loader_alone(local_coordinator
     assert isinstance(trainer.train_dataloader.sampler, RandomSampler)
     assert c.state.data.ledger is None
     assert trained == [(20, 200)]  # one round, at fit's end
+
+
+def test_a_pass_end_under_gradient_accumulation_still_ends_its_round(local_coordinator, tmp_path) -> None:
+    """10 batches a pass, accumulated by 3: Lightning steps on a pass's last batch whatever the count (it knows
+    the batch is the last: the loop fetches one ahead), so that batch closes the pass's round."""
+    c, trainer, module, trained = _fit(local_coordinator, tmp_path, accumulate_grad_batches=3)
+    for epoch in (0, 1):
+        assert sorted(i for e, i in module.seen if e == epoch) == list(range(100))
+    assert trained == [(4, 100), (4, 100)]  # steps after batches 3, 6, 9 and the last, 10
+    assert c.state.data.ledger.epoch == 2
+
+
+def test_limit_train_batches_ends_each_pass_and_its_round_and_the_next_pass_reads_on(local_coordinator,
+                                                                                     tmp_path) -> None:
+    """limit_train_batches=4: each pass trains 4 batches, as under DDP, and its end closes a round that reports
+    them, so the next pass reads on (fresh samples); what a pass read ahead but did not train is read again."""
+    c, trainer, module, trained = _fit(local_coordinator, tmp_path, limit_train_batches=4)
+    passes = [[i for e, i in module.seen if e == epoch] for epoch in (0, 1)]
+    assert [len(p) for p in passes] == [40, 40] and len(set(passes[0] + passes[1])) == 80  # none twice
+    assert trained == [(4, 40), (4, 40)]
+    assert c.state.data.ledger.status()["epoch_committed_samples"] == 80
