@@ -72,7 +72,8 @@ def test_a_host_of_two_ranks_and_a_host_of_one_device_share_the_epoch(tmp_path: 
     coord = Coordinator(tmp_path / "run", 2, "--data-unit", "128")
     out = tmp_path / "out"
     procs = [start_host(h, coord.url, out, "--ledger", "--log-indices", "--max-epochs", "2", "--max-steps", "100000",
-                        "--local-steps", "6", "--batch-size", "32", "--devices", "2,1", "--overlap", overlap) for h in "01"]
+                        "--local-steps", "6", "--batch-size", "32", "--devices", "2,1", "--overlap", overlap)
+             for h in "01"]
     try:
         for p in procs:
             assert p.wait(150) == 0, [f.read_text()[-4000:] for f in sorted(out.glob("host*.log"))]

@@ -4,13 +4,15 @@
 lightning_nodeox`` registers it in Fabric's strategy registry), takes NodeoxStrategy's arguments. Fabric has no fit
 loop, so the strategy's hooks are the places where Fabric calls it:
 
-- Joining: at the first optimizer step, so that weights loaded after ``fabric.setup`` (LitGPT loads its
-  pretrained checkpoint after ``fabric.setup_optimizers``; a resumed host its own checkpoint) are in place. The
+- Joining: at the first optimizer step (under the data ledger, at the loop's first read if that comes first), so
+  that weights loaded after ``fabric.setup`` (LitGPT loads its pretrained checkpoint after
+  ``fabric.setup_optimizers``; a resumed host its own checkpoint) are in place. The
   model set up is the one exchanged: the first host to join provides it, the others take it (a first step's
   gradients were computed on the host's own weights, the same as the run's when every host starts alike).
-- Rounds close in ``optimizer.step()``: every ``local_steps`` optimizer steps (or ``round_seconds``); each step
-  weighs as one sample in the mean of the deltas (Fabric never shows the strategy a batch). With ``max_steps``
-  (Fabric has no Trainer to hold it) the round that closes at that step is the host's final one.
+- Rounds close in ``optimizer.step()``: every ``local_steps`` optimizer steps (or ``round_seconds``), and under
+  the data ledger where a pass over the train loader ends; each step weighs as one sample in the mean of the
+  deltas (Fabric never shows the strategy a batch). With ``max_steps`` (Fabric has no Trainer to hold it) the
+  round that closes at that step is the host's final one.
 - Stopping together: ``fabric.strategy.should_stop`` turns True at the round boundary where this host learns that the
   run completed (another host's loop ended, or this host reached ``max_steps``). A loop ends there, or where it
   decides to (early stopping), and then calls ``fabric.strategy.finish()``: the host's final round (what it trained

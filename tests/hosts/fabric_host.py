@@ -5,8 +5,9 @@ round it applied; ``--stop-host H --stop-step S``: host H ends its loop after S 
 one host). With ``--ledger`` the coordinator's data ledger shares out the data (``setup_dataloaders``'s default
 ``use_distributed_sampler=True``; else each host reads all of it in its own order), the loop runs ``--passes``
 passes over the loader (or until ``--max-steps``), and ``--log-indices`` writes each pass's trained sample indices
-to OUT/host<id>_indices.json as [pass, index]. At the end it calls ``fabric.strategy.finish()``, saves its model with ``fabric.save("final.ckpt")``
-(under ``nodeox launch``: in its own run folder) and writes OUT/host<id>.json. Started by `nodeox launch` in tests.
+to OUT/host<id>_indices.json as [pass, index]. At the end it calls ``fabric.strategy.finish()``, saves its model
+with ``fabric.save("final.ckpt")`` (under ``nodeox launch``: in its own run folder) and writes OUT/host<id>.json.
+Started by `nodeox launch` in tests.
 """
 
 from __future__ import annotations
