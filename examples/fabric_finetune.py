@@ -7,8 +7,11 @@ the strategy, a check of ``fabric.strategy.should_stop`` (the run is complete: t
 unless the run is complete already: every host ends on the same model). It stops
 early, on every host alike, when the held-out loss shared across hosts has not improved for --patience evaluations.
 
-Data: scikit-learn's digits (offline), each host its own shard (NODEOX_HOST_ID of NODEOX_NUM_HOSTS, which `nodeox
-launch` sets); model: a small MLP with random weights (the same on every host), or any timm model with --model.
+Data: scikit-learn's digits (offline): ``fabric.setup_dataloaders`` gives the shuffled train loader the coordinator's
+data ledger's sampler, which shares out each epoch among the hosts (each sample once per epoch, as DDP's
+DistributedSampler does; a pass over the loader is this host's share, and its round closes at the pass's end by
+itself); the held-out loader keeps its order (every host evaluates all of it). Model: a small MLP with random
+weights (the same on every host), or any timm model with --model.
 
     nodeox launch --hosts 2 --run-dir runs/fabric -- python examples/fabric_finetune.py
 """
@@ -45,14 +48,14 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def datasets(host: int, hosts: int) -> tuple[TensorDataset, TensorDataset]:
-    """This host's shard of the training digits (every hosts-th of 4/5), and the held-out fifth (shared)."""
+def datasets() -> tuple[TensorDataset, TensorDataset]:
+    """The training digits (4/5, shared out among the hosts by the coordinator), and the held-out fifth."""
     x, y = load_digits(return_X_y=True)
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
     images = torch.tensor(x, dtype=torch.float32)[order].view(-1, 1, 8, 8) / 16.0
     labels = torch.tensor(y)[order]
     held_out = len(y) // 5
-    train = TensorDataset(images[held_out:][host::hosts], labels[held_out:][host::hosts])
+    train = TensorDataset(images[held_out:], labels[held_out:])
     return train, TensorDataset(images[:held_out], labels[:held_out])
 
 
@@ -80,7 +83,7 @@ def validate(fabric: Fabric, model: nn.Module, loader: DataLoader) -> tuple[torc
 
 def main() -> None:
     args = parse_args()
-    host, hosts = int(os.environ.get("NODEOX_HOST_ID", "0")), int(os.environ.get("NODEOX_NUM_HOSTS", "1"))
+    host = int(os.environ.get("NODEOX_HOST_ID", "0"))
     strategy = NodeoxFabricStrategy(local_steps=args.local_steps, max_steps=args.max_steps)  # max_steps: final round
     fabric = Fabric(devices=1, precision=args.precision, strategy=strategy)
     fabric.launch()
@@ -92,7 +95,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.02)
     optimizer = fabric.setup_optimizers(optimizer)  # (load pretrained weights here: the first step joins the run)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / args.warmup_steps))
-    train, held_out = datasets(host, hosts)
+    train, held_out = datasets()
     train_loader, val_loader = fabric.setup_dataloaders(
         DataLoader(train, batch_size=args.batch_size, shuffle=True, drop_last=True),
         DataLoader(held_out, batch_size=256))

@@ -21,11 +21,11 @@ from pathlib import Path
 import timm
 import torch
 from lightning.fabric.utilities import suggested_max_num_workers
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 from lightning_nodeox import NodeoxStrategy, PhaseMonitor
 
@@ -129,9 +129,24 @@ def host_of_run() -> tuple[int, int]:
 def shard(dataset: Dataset, host: int, hosts: int) -> Dataset:
     """This host's share of the training data (every hosts-th sample), disjoint from every other host's.
 
-    A host with several devices needs nothing more: Lightning's DistributedSampler splits the shard among them.
+    A host with several devices splits the shard among them (:class:`ShardLoader`).
     """
     return Subset(dataset, range(host, len(dataset), hosts)) if hosts > 1 else dataset
+
+
+class ShardLoader(LightningDataModule):
+    """The host's shard, shuffled; on a host of several devices split among its ranks by a DistributedSampler of
+    its own (with ``use_distributed_sampler=True`` the coordinator's data ledger would share out the data instead,
+    and hosts declaring shards of different lengths are refused)."""
+
+    def __init__(self, train: Dataset, **loader_args) -> None:
+        super().__init__()
+        self.train, self.loader_args = train, loader_args
+
+    def train_dataloader(self) -> DataLoader:
+        ranks, rank = self.trainer.world_size, self.trainer.global_rank
+        sampler = DistributedSampler(self.train, ranks, rank, shuffle=True) if ranks > 1 else None
+        return DataLoader(self.train, shuffle=sampler is None, sampler=sampler, drop_last=True, **self.loader_args)
 
 
 def parse_args() -> argparse.Namespace:
@@ -212,7 +227,7 @@ def main() -> None:
     trainer = Trainer(
         strategy=NodeoxStrategy(local_steps=args.local_steps, overlap=False if args.overlap == "off" else args.overlap),
         devices=args.devices,
-        use_distributed_sampler=args.devices > 1,  # each host its own shard; several devices split it (DDP)
+        use_distributed_sampler=False,  # each host its own shard (ShardLoader splits it among several devices)
         max_steps=args.max_steps,
         precision=args.precision,
         default_root_dir=host_dir,
@@ -223,7 +238,7 @@ def main() -> None:
         enable_progress_bar=args.progress_bar,  # a bar redraws its line, which `nodeox launch`'s prefixes garble
         log_every_n_steps=min(5, len(train_loader)),
     )
-    trainer.fit(model, train_loader)
+    trainer.fit(model, datamodule=ShardLoader(train, **loader_args))
     if host == 0:  # every host ends on the same model; one copy is enough
         trainer.save_checkpoint(host_dir / "final.ckpt", weights_only=True)
     if trainer.is_global_zero:

@@ -11,16 +11,19 @@ import sys
 
 import pytest
 import torch
-from helpers import HOSTS, REPO, launch
+from helpers import HOSTS, REPO, launch, read_events
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from local_transport import LocalClient, LocalCoordinator
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nodeox import NodeoxFabricStrategy, NodeoxStrategy
 from lightning_nodeox.coordinator.hosts import HostState
 from lightning_nodeox.core.hashing import model_hash
+from lightning_nodeox.core.phases import TRAIN
+from lightning_nodeox.host.ledger_sampler import LedgerSampler
 from lightning_nodeox.host.tensors import shared_tensors
 
 
@@ -97,6 +100,38 @@ def test_a_fabric_loop_closes_rounds_in_optimizer_steps_and_finishes_on_the_run_
         assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
     finally:
         c.close()
+
+
+def test_a_fabric_train_loader_reads_the_ledger_and_each_pass_ends_its_round(local_coordinator, tmp_path,
+                                                                             monkeypatch) -> None:
+    """One host: the shuffled loader set up gets the ledger's sampler, an unshuffled one keeps its order; each pass
+    is the ledger's whole epoch, each sample once, and its end closes a round though local_steps never came."""
+    monkeypatch.setenv("NODEOX_RUN_DIR", str(tmp_path / "run"))
+    c = local_coordinator(1, data_unit=30)
+    fabric, model, optimizer = _fabric(c, local_steps=100)
+    data = TensorDataset(torch.arange(100.0).unsqueeze(1).expand(100, 4).contiguous())
+    train, held_out = fabric.setup_dataloaders(DataLoader(data, batch_size=10, shuffle=True), DataLoader(data, 10))
+    assert isinstance(train.sampler, LedgerSampler) and train.batch_size == 10
+    assert [int(i) for (x,) in held_out for i in x[:, 0]] == list(range(100))  # every host evaluates all of it
+    with pytest.raises(ValueError, match="shares out one train loader.*use_distributed_sampler=False"):
+        fabric.setup_dataloaders(DataLoader(data, batch_size=10, shuffle=True))
+    assert not isinstance(fabric.setup_dataloaders(DataLoader(data, batch_size=10, shuffle=True),
+                                                   use_distributed_sampler=False).sampler, LedgerSampler)
+    seen = []
+    for _ in range(2):
+        seen.append([])
+        for (x,) in train:
+            seen[-1] += [int(i) for i in x[:, 0]]
+            fabric.backward(model(x * 0.0).square().mean())
+            optimizer.step()
+            optimizer.zero_grad()
+    assert [sorted(s) for s in seen] == [list(range(100))] * 2 and seen[0] != list(range(100))  # shuffled
+    trained = [(r.extra["steps"], r.extra["samples"]) for r in fabric.strategy.phase_records if r.phase == TRAIN]
+    assert trained == [(10, 10), (10, 10)]  # each pass's end closed its round (a Fabric step weighs as one sample)
+    assert c.state.data.ledger.epoch == 2  # both epochs committed
+    with pytest.raises(ValueError, match="after this host joined the run"):
+        fabric.setup_dataloaders(DataLoader(data, batch_size=10, shuffle=True))
+    fabric.strategy.finish()
 
 
 def test_short_fabric_rounds_fold_their_progress_lines(tmp_path, monkeypatch, caplog) -> None:
@@ -212,6 +247,30 @@ def test_the_fabric_example_ends_every_host_on_one_model(tmp_path) -> None:
     result = launch(tmp_path / "run", 2, [sys.executable, str(REPO / "examples" / "fabric_finetune.py"), "--max-steps",
                                           "20", "--local-steps", "10", "--eval-interval", "20"], timeout=120)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    ends = dict(re.findall(r"\[host (\d)\] host \d: 20 steps, final model ([0-9a-f]{32})", result.stdout))
-    assert sorted(ends) == ["0", "1"] and ends["0"] == ends["1"]
+    ends = {h: (int(n), m) for h, n, m in re.findall(r"\[host (\d)\] host \d: (\d+) steps, final model ([0-9a-f]{32})",
+                                                   result.stdout)}
+    assert sorted(ends) == ["0", "1"] and ends["0"][1] == ends["1"][1]  # one final model
+    assert 20 in (ends["0"][0], ends["1"][0]) and all(n <= 20 for n, _ in ends.values())  # max_steps ended the run
     assert all((tmp_path / "run" / "hosts" / f"host{h}" / "final.ckpt").is_file() for h in "01")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", ["off", "eager"])
+def test_two_fabric_hosts_share_the_epoch_through_the_data_ledger(tmp_path, overlap) -> None:
+    """``fabric.setup_dataloaders(loader)`` gives each host the ledger's sampler; a pass ends where the ledger has
+    nothing more for the host, and its round closes there by itself. The hosts' first passes, joined, are every
+    index once, and the coordinator committed exactly the epoch before it ended."""
+    out, run_dir = tmp_path / "out", tmp_path / "run"
+    result = launch(run_dir, 2, [sys.executable, str(HOSTS / "fabric_host.py"), "--out", str(out), "--ledger",
+                                 "--log-indices", "--passes", "2", "--max-steps", "100000", "--local-steps", "6",
+                                 "--overlap", overlap], "--data-unit", "128", timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    first = {h: [i for p, i in json.loads((out / f"host{h}_indices.json").read_text()) if p == 0] for h in "01"}
+    assert sorted(first["0"] + first["1"]) == list(range(1797))  # none lost, none twice
+    assert first["0"] and first["1"]
+    records = [e for e in read_events(run_dir) if e["phase"] == "data"]
+    ended = next(k for k, e in enumerate(records) if e["epoch_ended"] is not None)
+    assert records[ended]["epoch_ended"] == 0 and all(e["epoch"] == 0 for e in records[:ended])
+    assert sum(e["published_samples"] for e in records[: ended + 1]) == 1797
+    hosts = {h: json.loads((out / f"host{h}.json").read_text()) for h in "01"}
+    assert hosts["0"]["model_hash"] == hosts["1"]["model_hash"]

@@ -76,7 +76,7 @@ class SeveralDevices:
         DDPStrategy._configure_launcher(strategy)
 
     def setup_environment(self, trainer: Trainer) -> None:
-        pass  # a DistributedSampler splits the host's data among its ranks
+        pass  # a DistributedSampler splits the host's data among its ranks (the data ledger's, when it shares out)
 
     def setup_distributed(self, strategy: DDPStrategy, host_id: str | None) -> None:
         DDPStrategy.setup_distributed(strategy)

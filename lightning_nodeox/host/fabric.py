@@ -4,13 +4,15 @@
 lightning_nodeox`` registers it in Fabric's strategy registry), takes NodeoxStrategy's arguments. Fabric has no fit
 loop, so the strategy's hooks are the places where Fabric calls it:
 
-- Joining: at the first optimizer step, so that weights loaded after ``fabric.setup`` (LitGPT loads its
-  pretrained checkpoint after ``fabric.setup_optimizers``; a resumed host its own checkpoint) are in place. The
+- Joining: at the first optimizer step (under the data ledger, at the loop's first read if that comes first), so
+  that weights loaded after ``fabric.setup`` (LitGPT loads its pretrained checkpoint after
+  ``fabric.setup_optimizers``; a resumed host its own checkpoint) are in place. The
   model set up is the one exchanged: the first host to join provides it, the others take it (a first step's
   gradients were computed on the host's own weights, the same as the run's when every host starts alike).
-- Rounds close in ``optimizer.step()``: every ``local_steps`` optimizer steps (or ``round_seconds``); each step
-  weighs as one sample in the mean of the deltas (Fabric never shows the strategy a batch). With ``max_steps``
-  (Fabric has no Trainer to hold it) the round that closes at that step is the host's final one.
+- Rounds close in ``optimizer.step()``: every ``local_steps`` optimizer steps (or ``round_seconds``), and under
+  the data ledger where a pass over the train loader ends; each step weighs as one sample in the mean of the
+  deltas (Fabric never shows the strategy a batch). With ``max_steps`` (Fabric has no Trainer to hold it) the
+  round that closes at that step is the host's final one.
 - Stopping together: ``fabric.strategy.should_stop`` turns True at the round boundary where this host learns that the
   run completed (another host's loop ended, or this host reached ``max_steps``). A loop ends there, or where it
   decides to (early stopping), and then calls ``fabric.strategy.finish()``: the host's final round (what it trained
@@ -24,6 +26,10 @@ loop, so the strategy's hooks are the places where Fabric calls it:
   cross-host value as of the last round (this host's own until the first round shared it), and this host's value
   travels with its next delta. A value is known by the line of the script that calls ``fabric.all_reduce`` (file
   name and line number; inside a collection, its position there), the same on every host running the same script.
+- Data: ``fabric.setup_dataloaders(loader)`` (``use_distributed_sampler=True``, Fabric's default) of a shuffled
+  map-style loader gives it the coordinator's data ledger's sampler, as the Trainer's strategy does (each epoch
+  shared out among the hosts, each sample once); a pass over it ends where the ledger has nothing more for the
+  host, and the round closes there by itself (:mod:`.fabric_data`). Set it up before the training loop starts.
 - ``fabric.barrier()``/``broadcast()`` stay within the host, a world of one; ``fabric.save``/``load`` are this
   host's own: under ``nodeox launch`` a relative path lies in the host's run folder (:mod:`.machine`).
 - SIGTERM: the host leaves the run at its next optimizer step (at once when it waits on the exchange) and the
@@ -49,10 +55,13 @@ import torch
 from lightning.fabric.strategies import STRATEGY_REGISTRY, SingleDeviceStrategy
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.nn import Module
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from . import machine
 from .devices import ONE_DEVICE
+from .fabric_data import FabricData, fabric_sampled
+from .ledger_data import lease_for_ranks
 from .lightning_private import AllReduceCalls, refuse_in_fabric
 from .round import RoundResult
 from .session import HostSession, SessionReadings
@@ -103,6 +112,7 @@ class NodeoxFabricStrategy(SessionReadings, SingleDeviceStrategy):
         self._ended = False  # finish() ran, or the host left the run
         self._warned_complete = False
         self._all_reduce_calls = AllReduceCalls()  # names each value fabric.all_reduce hands over
+        self._data: FabricData | None = None  # the train loader the data ledger shares out (host/fabric_data.py)
 
     # -- what a user reads --------------------------------------------------------------------------------------
     @property
@@ -143,6 +153,49 @@ class NodeoxFabricStrategy(SessionReadings, SingleDeviceStrategy):
                 "Fabric(devices=1, strategy=NodeoxFabricStrategy(...)) and start one host per device (`nodeox launch "
                 "--hosts N` gives each host its own GPU), or the Trainer for a host of several devices: "
                 "Trainer(devices=K, strategy=NodeoxStrategy(...))")
+
+    # -- the data ledger (host/fabric_data.py) ------------------------------------------------------------------
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        """``setup_dataloaders(use_distributed_sampler=True)`` gives a map-style loader a DistributedSampler of this
+        host's one replica: :meth:`process_dataloader` knows the loader so offered by it."""
+        return {"num_replicas": 1, "rank": 0}
+
+    @override
+    def process_dataloader(self, dataloader: DataLoader) -> DataLoader:
+        """The first shuffled loader offered (the train loader) gets the data ledger's sampler; the others keep
+        their order (a DistributedSampler of one replica reads as their own sampler did)."""
+        if not fabric_sampled(dataloader) or not dataloader.sampler.shuffle:
+            return dataloader
+        if self._session.ranks is not None or self._ended:
+            raise ValueError(
+                "NodeoxFabricStrategy: the train loader is set up after this host joined the run (at its first "
+                "optimizer step), so its data can no longer be declared to the coordinator's data ledger: call "
+                "fabric.setup_dataloaders(loader) before the training loop, or pass use_distributed_sampler=False")
+        if self._data is not None:
+            raise ValueError(
+                "NodeoxFabricStrategy: the coordinator's data ledger shares out one train loader, and one is set up "
+                "already; set up this one with fabric.setup_dataloaders(loader, use_distributed_sampler=False) (each "
+                "host then reads all of it), or the train loader alone with use_distributed_sampler=True")
+        session = self._session
+        self._data = FabricData(dataloader, self._lease, lambda: session.idle_round(self._steps), self._pass_ended)
+        session.data, session.covered = self._data.data.spec, self._data.data.covered
+        return self._data.loader
+
+    def _lease(self, epoch: int | None):
+        """The sampler asks for a unit: the host joins first when the loop reads before its first optimizer step."""
+        if self._session.ranks is None and not self._ended:
+            self._join()
+        return lease_for_ranks(self._session, epoch)
+
+    def _pass_ended(self) -> None:
+        """The train loader ran out: the ledger has nothing more for this host now, and the others may wait for
+        what it holds, so its round closes here, whether due or not."""
+        session = self._session
+        if session.ranks is None or session.complete or self._ended:
+            return
+        with self._leaving_on_error():
+            session.close_round(self._steps, pass_ended=True)
 
     # -- joining the run ----------------------------------------------------------------------------------------
     @override
@@ -198,6 +251,8 @@ class NodeoxFabricStrategy(SessionReadings, SingleDeviceStrategy):
         return output
 
     def _took(self, result: RoundResult, step: int) -> None:
+        if result.lease_void and self._data is not None:
+            self._data.data.void()
         link = self._session.link
         line = None if link is None else link.progress.line(result.round, step, result.model_hash, {}, result.complete)
         if line is not None:  # None: folded into a later line (rounds shorter than host/progress.py's EVERY_S)

@@ -1,15 +1,19 @@
-"""A host's train loader under the coordinator's data ledger (NodeoxStrategy, a host of one device): the loader gets
-a :class:`~lightning_nodeox.host.ledger_sampler.LedgerSampler`, as DDP's gets a ``DistributedSampler``.
+"""A host's train loader under the coordinator's data ledger (NodeoxStrategy): the loader gets a
+:class:`~lightning_nodeox.host.ledger_sampler.LedgerSampler`, as DDP's gets a ``DistributedSampler``.
 
 - When: ``Trainer(use_distributed_sampler=True)`` (Lightning's default), one train loader (a ``DataLoader``) of a
   map-style dataset (it has a length) whose sampler is not a ``DistributedSampler`` already. Else nothing changes:
-  an iterable dataset, ``use_distributed_sampler=False``, several train loaders (a ``CombinedLoader``), a host of
-  several devices (a ``DistributedSampler`` splits its own data among its ranks) and Fabric keep today's loaders.
+  an iterable dataset, ``use_distributed_sampler=False`` and several train loaders (a ``CombinedLoader``) keep
+  today's loaders.
+- A host of several devices (K ranks): every rank's loader gets the sampler, rank r of K (in place of the
+  ``DistributedSampler`` Lightning gave it); rank 0 leases, and the other ranks take its answer
+  (:meth:`~lightning_nodeox.host.ranks.HostRanks.lead`): every rank asks at the same row of its stream, so the
+  ranks meet in that broadcast in the same order, and all end a pass on the same batch.
 - Join: the host declares ``DataSpec(samples=len(dataset), seed=<seed_everything's, else 0>, shuffle=<whether the
   user's loader shuffled>)`` (:func:`data_spec`); every host of a run must declare the same.
 - The loader: Lightning rebuilds it with the sampler (``_update_dataloader``: its batch size, workers, collate_fn
-  and drop_last kept); the sampler leases one unit at a time through the link's round (a coordinator that restarted
-  is joined again first, :meth:`~lightning_nodeox.host.joining.Joining.lease`).
+  and drop_last kept); the sampler leases one unit at a time through the link's round, rank 0 for the host's ranks
+  (a coordinator that restarted is joined again first, :meth:`~lightning_nodeox.host.joining.Joining.lease`).
 - Each round boundary: the delta carries ``sampler.take_covered(trained)``, ``trained`` the samples this pass's
   training steps consumed; at a pass's last batch (Lightning's epoch end) the round closes whether due or not,
   with ``pass_ended=True`` (a pass ends when the ledger has nothing more for the host: the others wait for its delta).
@@ -55,33 +59,42 @@ def data_spec(loader: DataLoader) -> DataSpec:
                     shuffle=_is_dataloader_shuffled(loader))
 
 
+def lease_for_ranks(session: HostSession, epoch: int | None) -> LeaseReply:
+    """One unit for the host: rank 0 asks the coordinator, every rank returns its answer (a host of one device: rank
+    0 alone)."""
+    return session.ranks.lead(lambda: session.link.round.lease(epoch, 1), model=False)
+
+
 class LedgerData:
     """The host's train data under the ledger: the declared spec, the sampler, and this pass's trained samples."""
 
-    def __init__(self, spec: DataSpec, lease: Callable[[int | None], LeaseReply], idle: Callable[[], bool]) -> None:
+    def __init__(self, spec: DataSpec, lease: Callable[[int | None], LeaseReply], idle: Callable[[], bool], *,
+                 rank: int = 0, ranks: int = 1) -> None:
         self.spec = spec
-        self.sampler = LedgerSampler(lease, DataOrder(spec.samples, spec.seed, spec.shuffle), pause=idle)
+        self.sampler = LedgerSampler(lease, DataOrder(spec.samples, spec.seed, spec.shuffle), rank=rank, ranks=ranks,
+                                     pause=idle)
         self.trained = 0  # samples of this pass the training steps consumed
         self._pass = -1  # Lightning's epoch the count belongs to
 
     @classmethod
-    def of(cls, trainer: Trainer, session: HostSession, *, one_device: bool, samplers: bool,
+    def of(cls, trainer: Trainer, session: HostSession, *, samplers: bool,
            step: Callable[[], int]) -> LedgerData | None:
-        """Before the join: when the ledger shares out this fit's train loader (``samplers``: the Trainer's
-        ``use_distributed_sampler``), the session declares its data at join and sends what each round trained. A
-        host of several devices keeps DDP's ``DistributedSampler`` over its own data (the ledger across its ranks
-        is not wired yet). ``step()``: where an idle round closes."""
+        """Before the join, on every rank: when the ledger shares out this fit's train loader (``samplers``: the
+        Trainer's ``use_distributed_sampler``), the session declares its data at join and sends what each round
+        trained; the host's ranks read the lease in rows (this rank: ``trainer.global_rank`` of
+        ``trainer.world_size``). ``step()``: where an idle round closes."""
         session.data, session.covered = None, lambda pass_ended: None
-        loader = train_loader_early(trainer) if one_device and samplers else None
+        loader = train_loader_early(trainer) if samplers else None
         if not shares_out(loader, True):
             return None
-        data = cls(data_spec(loader), lambda epoch: session.link.round.lease(epoch, 1),
-                   lambda: session.idle_round(step()))
+        data = cls(data_spec(loader), lambda epoch: lease_for_ranks(session, epoch), lambda: session.idle_round(step()),
+                   rank=trainer.global_rank, ranks=trainer.world_size)
         session.data, session.covered = data.spec, data.covered
         return data
 
     def loader(self, loader: DataLoader) -> DataLoader:
-        """``loader`` rebuilt with the ledger's sampler, as Lightning rebuilds one with a ``DistributedSampler``."""
+        """``loader`` rebuilt with the ledger's sampler, as Lightning rebuilds one with a ``DistributedSampler`` (on a
+        host of several devices, in place of the one it gave)."""
         return _update_dataloader(loader, self.sampler, mode=RunningStage.TRAINING)
 
     def batch(self, epoch: int, samples: int) -> bool:

@@ -30,14 +30,15 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from ..core.protocol import ValuesReply
 from ..core.transport import HostClient
 from . import eventlogs, machine
 from .agreement import averages_weights, suspects
-from .devices import ONE_DEVICE, OneDevice, SeveralDevices, devices_of
-from .ledger_data import LedgerData, shares_out
+from .devices import OneDevice, SeveralDevices, devices_of
+from .ledger_data import LedgerData
 from .lightning_private import value_being_reduced
 from .metric_states import MetricStates
 from .session import HostSession, SessionReadings
@@ -232,9 +233,9 @@ class NodeoxStrategy(SessionReadings, DDPStrategy):
     # -- joining the run --------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: Trainer) -> None:
-        """One device: set up as Lightning's single-device strategy does (the loaders keep their own samplers, but a
-        map-style train loader gets the data ledger's when ``use_distributed_sampler``: host/ledger_data.py).
-        Several: as DDP does (the model wrapped, a DistributedSampler splitting the host's data among its ranks).
+        """One device: set up as Lightning's single-device strategy does (the loaders keep their own samplers). Several:
+        as DDP does (the model wrapped, a DistributedSampler splitting the host's data among its ranks). Either way a
+        map-style train loader gets the data ledger's sampler when ``use_distributed_sampler`` (host/ledger_data.py).
         Then, when fitting, rank 0 joins the run and every rank takes its model. A disk that fails never ends
         training through its TensorBoard loggers (:mod:`~lightning_nodeox.host.eventlogs`)."""
         eventlogs.keep_writing_through_disk_failures(trainer.loggers, type(self).__name__)
@@ -243,15 +244,15 @@ class NodeoxStrategy(SessionReadings, DDPStrategy):
         self._data = None
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        self._data = LedgerData.of(trainer, self._session, one_device=devices is ONE_DEVICE, samplers=self._samplers,
-                                   step=lambda: steps_taken(trainer))
+        self._data = LedgerData.of(trainer, self._session, samplers=self._samplers, step=lambda: steps_taken(trainer))
         self._session.start(self.lightning_module, self.root_device, devices.ranks, self._took)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """Under the data ledger, the train loader gets the ledger's sampler (as DDP's gets a DistributedSampler)."""
+        """Under the data ledger, the train loader gets the ledger's sampler (as DDP's gets a DistributedSampler; on
+        a host of several devices, in place of the DistributedSampler Lightning gave it)."""
         trainer = self.lightning_module.trainer
-        if self._data is not None and trainer.training and shares_out(dataloader, True):
+        if self._data is not None and trainer.training and isinstance(dataloader, DataLoader):
             return self._data.loader(dataloader)
         return super().process_dataloader(dataloader)
 

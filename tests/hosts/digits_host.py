@@ -4,12 +4,13 @@ After every round (and at the end) it writes its exchanged tensors and model has
 check that hosts are bit-identical and agree with the coordinator; after fit, its callback metrics and step.
 Started by `nodeox launch` in tests. With ``--devices K`` (or one K per host id, ``--devices 2,1``) the host runs
 DDP over K CPU ranks (on each of ``--num-nodes`` machines: torchrun --nnodes); the files of a rank other than 0
-are named ``host<id>.rank<k>_*``. With ``--ledger`` a host of one device lets the coordinator's data ledger share
-out the data (Lightning's default ``use_distributed_sampler=True``; else each host of one device trains on its own
-shuffle of all of it), and ``--log-indices`` writes the sample indices each training step consumed, with its
-epoch, to ``host<id>_indices.json``; with ``--ledger`` also, as each step trains, a line of its round, ledger epoch
-and indices to ``host<id>_steps.jsonl`` (kept by a host killed). ``--join-file`` holds the host back until the file
-exists (a host joining mid-run, started ahead).
+are named ``host<id>.rank<k>_*``. With ``--ledger`` the host lets the coordinator's data ledger share out the data
+(Lightning's default ``use_distributed_sampler=True``; on several devices its ranks read the host's leases in rows);
+else each host trains on its own shuffle of all of it (on several devices, split among its ranks by a
+``DistributedSampler`` of its own, as Lightning's would). ``--log-indices`` writes the sample indices each training
+step consumed, with its epoch, to ``host<id>_indices.json``; with ``--ledger`` also, as each step trains, a line of
+its round, ledger epoch and indices to ``host<id>_steps.jsonl`` (kept by a host killed). ``--join-file`` holds the
+host back until the file exists (a host joining mid-run, started ahead).
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ import time
 from pathlib import Path
 
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from safetensors.torch import save_file
 from sklearn.datasets import load_digits
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_nodeox import NodeoxStrategy, PhaseMonitor
@@ -85,6 +86,20 @@ class DigitsNet(LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+class OwnData(LightningDataModule):
+    """A host of several devices without the data ledger: its ranks split the host's own data with a
+    DistributedSampler given to the loader (the one Lightning would make), which the ledger leaves alone."""
+
+    def __init__(self, data: TensorDataset, batch_size: int) -> None:
+        super().__init__()
+        self.data, self.batch_size = data, batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        trainer = self.trainer
+        sampler = DistributedSampler(self.data, trainer.world_size, trainer.global_rank, shuffle=True, seed=0)
+        return DataLoader(self.data, batch_size=self.batch_size, sampler=sampler, drop_last=True)
 
 
 class DumpRounds(Callback):
@@ -245,7 +260,10 @@ def main() -> None:
         model.steps_log = args.out / f"host{host}_steps.jsonl"
     while args.join_file is not None and not args.join_file.exists():
         time.sleep(0.05)
-    trainer.fit(model, loader, ckpt_path=args.resume)
+    if devices * num_nodes > 1 and not args.ledger:
+        trainer.fit(model, datamodule=OwnData(data, args.batch_size), ckpt_path=args.resume)
+    else:
+        trainer.fit(model, loader, ckpt_path=args.resume)
     after = {k: float(v) for k, v in trainer.callback_metrics.items()}
     prefix = f"host{host}" + (f".rank{trainer.global_rank}" if trainer.global_rank else "")
     (args.out / f"{prefix}_counts.json").write_text(json.dumps(model.counts))
