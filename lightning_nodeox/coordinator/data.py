@@ -106,8 +106,9 @@ class RunData:
             self.ledger.gone(host)
 
     def publish(self, taken: list[tuple[str, int]]) -> dict | None:
-        """Commit the reports of the deltas ``(host, round)`` a published round took; the ledger's summary for
-        the round's record (None: no ledger)."""
+        """Commit the reports of the deltas ``(host, round)`` a published round took; the round's ``data`` record
+        (None: no ledger): the ledger's summary, ``published_samples``, ``epoch_ended`` and ``hosts``, each host's
+        samples leased, committed and returned over the run (:meth:`DataLedger.host_counts`)."""
         ledger = self.ledger
         if ledger is None:
             return None
@@ -115,11 +116,11 @@ class RunData:
             published = ledger.publish(taken)
         except ValueError:  # a bug: the round is published regardless; the units stay uncommitted
             self.log.exception("the data ledger could not commit the round's reports %s", taken)
-            return ledger.summary()
+            return {**ledger.summary(), "published_samples": 0, "epoch_ended": None, "hosts": ledger.host_counts()}
         if published.epoch_ended is not None:
             self.log.info("data ledger: epoch %d ended (every sample committed once)", published.epoch_ended)
         return {**ledger.summary(), "published_samples": published.samples,
-                "epoch_ended": published.epoch_ended}
+                "epoch_ended": published.epoch_ended, "hosts": ledger.host_counts()}
 
     def status(self) -> dict | None:
         return None if self.ledger is None else self.ledger.status()
