@@ -13,6 +13,7 @@ A run whose hosts never declared their data has no ``data`` records and no such 
 from __future__ import annotations
 
 from ..core import phases as P
+from .summary import host_key
 
 
 def records_of(records: list[dict]) -> list[dict]:
@@ -28,13 +29,13 @@ def build(records: list[dict]) -> dict | None:
         return None
     epochs, before = [], {}
     for r in data:
-        hosts = r.get("hosts") or {}
+        hosts = _ordered(r.get("hosts") or {})
         if r.get("epoch_ended") is not None:
             epochs.append({"epoch": r["epoch_ended"], "ended_round": r["round"],
                            "committed": _since(hosts, before)})
             before = hosts
     last = data[-1]
-    hosts = last.get("hosts") or {}
+    hosts = _ordered(last.get("hosts") or {})
     return {
         "rounds": len(data),
         "epochs": epochs,
@@ -44,6 +45,10 @@ def build(records: list[dict]) -> dict | None:
                     "committed": _since(hosts, before)},
         "hosts": {h: {**c, "in_flight": c["leased"] - c["committed"] - c["returned"]} for h, c in hosts.items()},
     }
+
+
+def _ordered(hosts: dict[str, dict]) -> dict[str, dict]:
+    return {h: hosts[h] for h in sorted(hosts, key=host_key)}
 
 
 def _since(hosts: dict[str, dict], before: dict[str, dict]) -> dict[str, int]:
@@ -65,7 +70,7 @@ def render(data: dict) -> list[str]:
         lines.append(f"  epoch {e['epoch']:<4} ended at round {e['ended_round']:<6} samples committed: "
                      f"{_per_host(e['committed'])}")
     if any(cur["committed"].values()):
-        lines.append(f"  epoch {cur['epoch']:<4} so far{'':16} samples committed: {_per_host(cur['committed'])}")
+        lines.append(f"  epoch {cur['epoch']:<4} {'so far':<21} samples committed: {_per_host(cur['committed'])}")
     rows = [["host", "leased", "committed", "returned", "in flight"]]
     rows += [[h, *(str(c[k]) for k in ("leased", "committed", "returned", "in_flight"))]
              for h, c in data["hosts"].items()]
