@@ -896,8 +896,8 @@ def main() -> None:
     p.add_argument("--host-steps", help=argparse.SUPPRESS)
     p.add_argument("--num-hosts", type=int, default=HOSTS, help=argparse.SUPPRESS)
     p.add_argument("--host-epochs", type=int, help=argparse.SUPPRESS)  # an epoch mode's host: max_epochs, logged
-    p.add_argument("--ledger", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--join-when", help=argparse.SUPPRESS)  # fit (join the run) once this file exists  # the coordinator shares out the data
+    p.add_argument("--ledger", action="store_true", help=argparse.SUPPRESS)  # the coordinator shares out the data
+    p.add_argument("--join-when", help=argparse.SUPPRESS)  # fit (join the run) once this file exists
     args = p.parse_args()
     if args.host:
         host_main(args)

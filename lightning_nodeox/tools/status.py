@@ -9,9 +9,9 @@ state, round and model hash, the coordinator's memory and link throughput, and p
 last round, wait share, bytes per round, last loss and sync_dist values (and with the coordinator's
 ``--gpu-hour-price``, what its waiting cost). A run whose hosts let the coordinator share out their data adds the
 data ledger (``GET /v1/status``'s ``data``): the epoch and its progress, its units committed, held and free, and per
-host the samples leased, committed, in flight and returned, and the units it holds. ``--watch`` redraws it every ``--interval`` seconds until the run
-completes or fails (Ctrl-C stops watching). The token comes from ``--token-file`` (else ``NODEOX_TOKEN``), a CA
-from ``NODEOX_CA_FILE``.
+host the samples leased, committed, in flight and returned, and the units it holds. ``--watch`` redraws it every
+``--interval`` seconds until the run completes or fails (Ctrl-C stops watching). The token comes from
+``--token-file`` (else ``NODEOX_TOKEN``), a CA from ``NODEOX_CA_FILE``.
 
 Exit status: 0 while the run runs or once it completed, 1 when it failed (every host left before the end, or
 a run directory's run stopped unfinished), 2 when the coordinator cannot be reached or refuses (a wrong token).
