@@ -32,6 +32,16 @@ evaluated on a held-out test split (540 images). Modes:
     q4_average_hH, q4_nesterov_hH   q4 average / Nesterov at H local steps, H in 10, 20, 50, 100
                      (--local-steps-sweep runs these and DDP)
 
+The epoch modes (issue 30; not run by default; without other modes, no DDP run either) train 3 hosts for --epochs
+passes (default 6) over the whole training split at 5 local steps, logging the indices each step trained, and
+print each epoch's samples the published model lost or repeated (benchmarks/epoch_samples.py):
+
+    sharded3         hand-sharded: each host its third of the split, by its id (use_distributed_sampler=False)
+    sharded3_faults  sharded3 with faults: host 1 killed with -9 six steps into epoch 1, and a host 3 joining then
+                     (--elastic), which by its id trains host 0's third again
+    ledger           the coordinator's data ledger shares out each epoch (Lightning's default sampler, units of 32)
+    ledger_faults    ledger with the same faults
+
 The lm workload runs ddp, fp32, bf16, q4, q4_nesterov, q4_no_ef, q2, q2_b256, sparse_d1, sparse_d3 and q4_f4 by
 default (--modes takes any).
 
@@ -42,7 +52,7 @@ Printed per mode: test accuracy (mean and min-max over seeds), its difference to
 bytes sent per host, wall time, each host's wait share, ratios to DDP; then the goals, MET or MISSED.
 
     python benchmarks/convergence.py [--workload digits|lm] [--json] [--seeds 3] [--quick] [--modes ddp,q4,...]
-                                     [--local-steps-sweep] [--results FILE]
+                                     [--local-steps-sweep] [--results FILE] [--epochs 6]
 
 Each seed's run is appended to a JSON-lines file as it ends (``--results``); a run that fails is recorded there
 (and in the table) and the next one runs.
