@@ -776,6 +776,8 @@ def print_table(modes: dict, config: dict, metric: Metric = ACCURACY) -> None:
               f"steps x batch {config['batch_size']} x 128 bytes per host, local_steps={config['local_steps']} "
               f"(unless the mode says), AdamW lr {config['lr']}, validation {config['val_tokens']} bytes, "
               f"seeds {config['seeds']}; val loss in nats per byte (lower is better)")
+    elif all(MODES[name]["kind"] == "epochs" for name in modes):
+        print(f"\nconvergence on digits, the epoch modes (below): {config['epochs']} epochs, seeds {config['seeds']}")
     else:
         print(f"\nconvergence on digits: {config['hosts']} hosts (unless the hosts column says), {config['steps']} "
               f"steps x batch {config['batch_size']} "
@@ -860,17 +862,17 @@ def print_epochs(modes: dict, epochs: int) -> None:
           f"local_steps={EPOCH_LOCAL_STEPS}; faults: host 1 killed with -9 after {KILL_AFTER} steps of epoch 1, "
           f"host {EPOCH_HOSTS} joining then (--elastic).\nSamples of each epoch the published model lost / repeated, "
           "mean over seeds (max):")
-    head = f"{'mode':16} " + " ".join(f"{f'epoch {e}':>22}" for e in range(epochs))
+    head = f"{'epoch':>5} " + " ".join(f"{name:>22}" for name in shown)
     print(head)
     print("-" * len(head))
 
     def cell(row: dict, k: str) -> str:
         mean, top = row[f"{k}_mean"], row[f"{k}_max"]
-        return f"{mean:.0f}" + ("" if top == round(mean) and float(mean).is_integer() else f" ({top})")
+        return f"{mean:.0f}" + ("" if top == mean else f" ({top})")
 
-    for name, s in shown.items():
-        print(f"{name:16} " + " ".join(f"{cell(row, 'lost') + ' / ' + cell(row, 'repeated'):>22}"
-                                       for row in s["epochs"]))
+    for e in range(epochs):
+        print(f"{e:>5} " + " ".join(f"{cell(s['epochs'][e], 'lost') + ' / ' + cell(s['epochs'][e], 'repeated'):>22}"
+                                    for s in shown.values()))
 
 
 def main() -> None:
@@ -995,6 +997,7 @@ def main() -> None:
 
     config = {"workload": args.workload, "hosts": HOSTS, "steps": args.steps, "local_steps": args.local_steps,
               "batch_size": args.batch_size, "lr": args.lr, "slowdown": SLOWDOWN, "seeds": len(seeds),
+              "epochs": args.epochs,
               **({"val_tokens": first("val_tokens")} if args.workload == "lm"
                  else {"hidden": HIDDEN, "test_samples": first("test_samples")})}
     if args.workload == "lm":
