@@ -29,8 +29,8 @@ def test_a_3x_slower_host_takes_a_third_of_the_units_and_both_start_each_epoch_i
     coord = Coordinator(tmp_path / "run", 2, "--data-unit", "32")
     out = tmp_path / "out"
     procs = [start_host(h, coord.url, out, "--ledger", "--log-indices", "--max-epochs", str(EPOCHS + 1),
-                        "--max-steps", "100000", "--batch-size", "16", "--round-seconds", "1.0",
-                        "--step-seconds", "0.03,0.09") for h in "01"]  # host 1 sleeps 3x as long at every step
+                        "--max-steps", "100000", "--batch-size", "16", "--round-seconds", "1.5",
+                        "--step-seconds", "0.1,0.3") for h in "01"]  # host 1 sleeps 3x as long at every step
     try:
         for p in procs:
             assert p.wait(200) == 0, [f.read_text()[-4000:] for f in sorted(out.glob("host*.log"))]
