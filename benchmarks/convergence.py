@@ -33,7 +33,7 @@ evaluated on a held-out test split (540 images). Modes:
                      (--local-steps-sweep runs these and DDP)
 
 The epoch modes (issue 30; not run by default; without other modes, no DDP run either) train 3 hosts for --epochs
-passes (default 6) over the whole training split at 5 local steps, logging the indices each step trained, and
+passes (default 15) over the whole training split at 5 local steps, logging the indices each step trained, and
 print each epoch's samples the published model lost or repeated (benchmarks/epoch_samples.py):
 
     sharded3         hand-sharded: each host its third of the split, by its id (use_distributed_sampler=False)
@@ -52,7 +52,7 @@ Printed per mode: test accuracy (mean and min-max over seeds), its difference to
 bytes sent per host, wall time, each host's wait share, ratios to DDP; then the goals, MET or MISSED.
 
     python benchmarks/convergence.py [--workload digits|lm] [--json] [--seeds 3] [--quick] [--modes ddp,q4,...]
-                                     [--local-steps-sweep] [--results FILE] [--epochs 6]
+                                     [--local-steps-sweep] [--results FILE] [--epochs 15]
 
 Each seed's run is appended to a JSON-lines file as it ends (``--results``); a run that fails is recorded there
 (and in the table) and the next one runs.
@@ -141,7 +141,7 @@ MODES: dict[str, dict] = {
 # by hand (each host its third) or by the coordinator's data ledger; with faults, host 1 killed with -9 mid-way
 # through epoch 1 and a host 3 joining then (--elastic; hand-sharded, it trains host 0's third again)
 EPOCH_HOSTS = 3
-EPOCHS = 6
+EPOCHS = 15
 EPOCH_LOCAL_STEPS = 5
 DATA_UNIT = 32
 KILL_AFTER = 6  # host 1's steps into epoch 1
