@@ -76,6 +76,7 @@ def test_nodeox_report_says_where_each_epoch_ended_and_what_each_host_committed_
     assert lines[at + 3] == "  epoch 2    so far                samples committed: host a 20, host c 10"
     assert re.match(r" +host +leased +committed +returned +in flight$", lines[at + 5])
     assert re.match(r" +b +60 +50 +10 +0$", lines[at + 7])
+    assert lines[at + 1] in report.render_rounds(built).splitlines()  # --rounds ends with it too
     assert "data ledger" not in report.render_summary(_summarized(RECORDS[:1]))  # a run without a ledger
 
 
