@@ -38,7 +38,8 @@ print each epoch's samples the published model lost or repeated (benchmarks/epoc
 
     sharded3         hand-sharded: each host its third of the split, by its id (use_distributed_sampler=False)
     sharded3_faults  sharded3 with faults: host 1 killed with -9 six steps into epoch 1, and a host 3 joining then
-                     (--elastic), which by its id trains host 0's third again
+                     (--elastic), which by its id trains host 0's third again; the coordinator killed with -9 six
+                     steps into host 0's epoch 2 and started again on its run directory (it resumes)
     ledger           the coordinator's data ledger shares out each epoch (Lightning's default sampler, units of 32)
     ledger_faults    ledger with the same faults
 
@@ -78,6 +79,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -139,12 +141,14 @@ MODES: dict[str, dict] = {
 }
 # the epoch modes (issue 30): 3 hosts, --epochs passes over the training split, 5 local steps; the split shared out
 # by hand (each host its third) or by the coordinator's data ledger; with faults, host 1 killed with -9 mid-way
-# through epoch 1 and a host 3 joining then (--elastic; hand-sharded, it trains host 0's third again)
+# through epoch 1 and a host 3 joining then (--elastic; hand-sharded, it trains host 0's third again), and the
+# coordinator killed with -9 mid-way through epoch 2 and started again
 EPOCH_HOSTS = 3
 EPOCHS = 15
 EPOCH_LOCAL_STEPS = 5
 DATA_UNIT = 32
-KILL_AFTER = 6  # host 1's steps into epoch 1
+KILL_AFTER = 6  # host 1's steps into epoch 1 (killed), host 0's into RESTART_EPOCH (the coordinator killed)
+RESTART_EPOCH = 2
 EPOCH_MODES = {"sharded3": {}, "sharded3_faults": {"faults": True}, "ledger": {"ledger": True},
                "ledger_faults": {"ledger": True, "faults": True}}
 MODES.update({m: {"kind": "epochs", "hosts": EPOCH_HOSTS, **spec} for m, spec in EPOCH_MODES.items()})
@@ -323,15 +327,16 @@ def host_main(args: argparse.Namespace) -> None:
             self.last = now
 
     class LogTrained(Callback):
-        """Each step's ``[round, epoch, indices]`` as a line of ``host<id>_trained.jsonl``, flushed: a host killed
-        with -9 leaves what it trained (its round: the one its next delta carries; overlap off)."""
+        """Each step's ``[round, epoch, indices, time]`` as a line of ``host<id>_trained.jsonl``, flushed: a host
+        killed with -9 leaves what it trained (its round: the one its next delta carries, overlap off; its time:
+        before the step)."""
 
         def __init__(self) -> None:
             self.file = open(out / f"host{host}_trained.jsonl", "a")  # noqa: SIM115 - open for the run
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # before the step: its round
             round_ = trainer.strategy._session.link.round.round  # noqa: SLF001 - a benchmark's look inside
-            self.file.write(json.dumps([round_, trainer.current_epoch, batch[2].tolist()]) + "\n")
+            self.file.write(json.dumps([round_, trainer.current_epoch, batch[2].tolist(), time.time()]) + "\n")
             self.file.flush()
 
     count = Count(args.slowdown if host == args.slow_host else 1.0)
@@ -493,7 +498,8 @@ def run_nodeox(args: argparse.Namespace, mode: str, seed: int, workdir: Path, ro
 
 def run_epochs(args: argparse.Namespace, mode: str, seed: int, workdir: Path) -> dict:
     """An epoch mode: a coordinator and 3 hosts of --epochs passes each (with faults: host 1 killed with -9 once it
-    trained KILL_AFTER steps of epoch 1, and host 3 started then); the samples the published model trained, lost or
+    trained KILL_AFTER steps of epoch 1, and host 3 joining then; the coordinator killed with -9 once host 0 trained
+    KILL_AFTER steps of RESTART_EPOCH, and started again); the samples the published model trained, lost or
     repeated per epoch (benchmarks/epoch_samples.py)."""
     import signal
 
@@ -503,9 +509,9 @@ def run_epochs(args: argparse.Namespace, mode: str, seed: int, workdir: Path) ->
     out, run_dir, ready, log = workdir / "out", workdir / "run", workdir / "ready", workdir / "coordinator.log"
     out.mkdir(parents=True)
     faults, ledger = spec.get("faults", False), spec.get("ledger", False)
-    coordinator = spawn(coordinator_command(EPOCH_HOSTS, run_dir, ready, "--threads", "1", "--data-unit",
-                                            str(DATA_UNIT), "--lease", "3", *(["--elastic"] if faults else [])),
-                        log, cwd=REPO)
+    bind = f"127.0.0.1:{_free_port()}"  # the same after a restart: the hosts know its URL
+    options = ["--threads", "1", "--data-unit", str(DATA_UNIT), "--lease", "3", *(["--elastic"] if faults else [])]
+    coordinator = spawn(coordinator_command(EPOCH_HOSTS, run_dir, ready, *options, bind=bind), log, cwd=REPO)
     cmd = _host_args(args, "nodeox", seed, out, [args.steps] * EPOCH_HOSTS, {}, False, EPOCH_LOCAL_STEPS)
     cmd += ["--host-steps", ",".join([str(args.steps)] * (EPOCH_HOSTS + 1)), "--host-epochs", str(args.epochs),
             *(["--ledger"] if ledger else [])]
@@ -524,16 +530,17 @@ def run_epochs(args: argparse.Namespace, mode: str, seed: int, workdir: Path) ->
         if faults:  # the joining host, started now (its imports take seconds), joins once told
             start(EPOCH_HOSTS, "--join-when", str(join))
         if faults:
-            mine = out / "host1_trained.jsonl"
             deadline = time.monotonic() + WORKLOADS[args.workload].timeout
-            while sum(1 for line in (mine.read_text().splitlines() if mine.exists() else [])
-                      if line.startswith("[") and json.loads(line)[1] >= 1) < KILL_AFTER:
-                if time.monotonic() > deadline or hosts[1].poll() is not None:
-                    raise RuntimeError(f"host 1 never reached epoch 1:\n{tail(workdir / 'host1.log', 25)}")
-                time.sleep(0.05)
+            _steps_into(out, 1, 1, hosts[1], deadline)
             hosts[1].send_signal(signal.SIGKILL)
             hosts[1].wait(30)
             join.touch()
+            _steps_into(out, 0, RESTART_EPOCH, hosts[0], deadline)
+            coordinator.send_signal(signal.SIGKILL)  # and started again on its run directory: it resumes
+            coordinator.wait(30)
+            ready, log = workdir / "ready-restarted", workdir / "coordinator-restarted.log"
+            coordinator = spawn(coordinator_command(EPOCH_HOSTS, run_dir, ready, *options, bind=bind), log, cwd=REPO)
+            wait_ready(ready, coordinator, log)
         # the run ends with its first host's last epoch; a host that joined late may still be joining: not waited for
         codes = wait_all([hosts[0], hosts[2], coordinator], WORKLOADS[args.workload].timeout)
     finally:
@@ -547,6 +554,22 @@ def run_epochs(args: argparse.Namespace, mode: str, seed: int, workdir: Path) ->
     return _result(results, {h: nodeox_bytes_sent(r) for h, r in records.items()},
                    {h: wait_share(r) for h, r in records.items()}, time.time() - started, {},
                    {"epochs": epochs, "rounds": max((e["round"] for e in events if "round" in e), default=0)})
+
+
+def _steps_into(out: Path, host: int, epoch: int, proc: subprocess.Popen, deadline: float) -> None:
+    """Wait until ``host`` has trained KILL_AFTER steps of its epoch ``epoch``."""
+    log = out / f"host{host}_trained.jsonl"
+    while sum(1 for line in (log.read_text().splitlines() if log.exists() else [])
+              if line.endswith("]") and json.loads(line)[1] >= epoch) < KILL_AFTER:
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise RuntimeError(f"host {host} never reached epoch {epoch}:\n{tail(out.parent / f'host{host}.log', 25)}")
+        time.sleep(0.05)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _split_size() -> int:
@@ -860,7 +883,8 @@ def print_epochs(modes: dict, epochs: int) -> None:
     print(f"\nepoch modes: {EPOCH_HOSTS} hosts, {epochs} epochs over the training split ({_split_size()} samples), "
           f"shared by hand (sharded3: each host a third, by its id) or by the data ledger (units of {DATA_UNIT}); "
           f"local_steps={EPOCH_LOCAL_STEPS}; faults: host 1 killed with -9 after {KILL_AFTER} steps of epoch 1, "
-          f"host {EPOCH_HOSTS} joining then (--elastic).\nSamples of each epoch the published model lost / repeated, "
+          f"host {EPOCH_HOSTS} joining then (--elastic); the coordinator killed with -9 after host 0's "
+          f"{KILL_AFTER} steps of epoch {RESTART_EPOCH}, and started again.\nSamples of each epoch the published model lost / repeated, "
           "mean over seeds (max):")
     head = f"{'epoch':>5} " + " ".join(f"{name:>22}" for name in shown)
     print(head)
