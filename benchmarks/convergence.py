@@ -32,6 +32,17 @@ evaluated on a held-out test split (540 images). Modes:
     q4_average_hH, q4_nesterov_hH   q4 average / Nesterov at H local steps, H in 10, 20, 50, 100
                      (--local-steps-sweep runs these and DDP)
 
+The epoch modes (issue 30; not run by default; without other modes, no DDP run either) train 3 hosts for --epochs
+passes (default 15) over the whole training split at 5 local steps, logging the indices each step trained, and
+print each epoch's samples the published model lost or repeated (benchmarks/epoch_samples.py):
+
+    sharded3         hand-sharded: each host its third of the split, by its id (use_distributed_sampler=False)
+    sharded3_faults  sharded3 with faults: host 1 killed with -9 six steps into epoch 1, and a host 3 joining then
+                     (--elastic), which by its id trains host 0's third again; the coordinator killed with -9 six
+                     steps into host 0's epoch 2 and started again on its run directory (it resumes)
+    ledger           the coordinator's data ledger shares out each epoch (Lightning's default sampler, units of 32)
+    ledger_faults    ledger with the same faults
+
 The lm workload runs ddp, fp32, bf16, q4, q4_nesterov, q4_no_ef, q2, q2_b256, sparse_d1, sparse_d3 and q4_f4 by
 default (--modes takes any).
 
@@ -42,7 +53,7 @@ Printed per mode: test accuracy (mean and min-max over seeds), its difference to
 bytes sent per host, wall time, each host's wait share, ratios to DDP; then the goals, MET or MISSED.
 
     python benchmarks/convergence.py [--workload digits|lm] [--json] [--seeds 3] [--quick] [--modes ddp,q4,...]
-                                     [--local-steps-sweep] [--results FILE]
+                                     [--local-steps-sweep] [--results FILE] [--epochs 15]
 
 Each seed's run is appended to a JSON-lines file as it ends (``--results``); a run that fails is recorded there
 (and in the table) and the next one runs.
@@ -68,6 +79,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -76,7 +88,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import REPO, SampleLog, add_results_option, process_env, read_events, spawn, stop, tail, wait_all
+from common import (REPO, SampleLog, add_results_option, coordinator_command, process_env, read_events, spawn, stop,
+                    tail, wait_all, wait_ready)
 
 from lightning_nodeox.tools.environments import cpu_shares
 
@@ -126,8 +139,21 @@ MODES: dict[str, dict] = {
     **{f"q4_{outer}_h{h}": {"kind": "nodeox", "local_steps": h, "coordinator": options}
        for outer, options in (("average", ["--outer-optimizer", "average"]), ("nesterov", DILOCO)) for h in SWEEP},
 }
+# the epoch modes (issue 30): 3 hosts, --epochs passes over the training split, 5 local steps; the split shared out
+# by hand (each host its third) or by the coordinator's data ledger; with faults, host 1 killed with -9 mid-way
+# through epoch 1 and a host 3 joining then (--elastic; hand-sharded, it trains host 0's third again), and the
+# coordinator killed with -9 mid-way through epoch 2 and started again
+EPOCH_HOSTS = 3
+EPOCHS = 15
+EPOCH_LOCAL_STEPS = 5
+DATA_UNIT = 32
+KILL_AFTER = 6  # host 1's steps into epoch 1 (killed), host 0's into RESTART_EPOCH (the coordinator killed)
+RESTART_EPOCH = 2
+EPOCH_MODES = {"sharded3": {}, "sharded3_faults": {"faults": True}, "ledger": {"ledger": True},
+               "ledger_faults": {"ledger": True, "faults": True}}
+MODES.update({m: {"kind": "epochs", "hosts": EPOCH_HOSTS, **spec} for m, spec in EPOCH_MODES.items()})
 SWEEP_MODES = [m for m in MODES if MODES[m].get("local_steps")]
-DEFAULT_MODES = [m for m in MODES if m not in ("bf16", "q2_b256", *SWEEP_MODES)]
+DEFAULT_MODES = [m for m in MODES if m not in ("bf16", "q2_b256", *SWEEP_MODES, *EPOCH_MODES)]
 LM_MODES = ["ddp", "fp32", "bf16", "q4", "q4_nesterov", "q4_no_ef", "q2", "q2_b256", "sparse_d1", "sparse_d3",
             "q4_f4"]
 
@@ -228,9 +254,11 @@ def digits_workload(args: argparse.Namespace, host: int):
 
     x, y = load_digits(return_X_y=True)
     x_train, x_test, y_train, y_test = train_test_split(x / 16.0, y, test_size=TEST_SIZE, random_state=0, stratify=y)
-    x_train = torch.tensor(x_train, dtype=torch.float32)[host :: args.num_hosts]  # this host's share of the split
-    y_train = torch.tensor(y_train)[host :: args.num_hosts]
-    loader = DataLoader(TensorDataset(x_train, y_train), batch_size=args.batch_size, shuffle=True, drop_last=True,
+    x_train, y_train = torch.tensor(x_train, dtype=torch.float32), torch.tensor(y_train)
+    index = torch.arange(len(y_train))  # each sample's index in the split (the epoch modes log what they trained)
+    share = slice(None) if args.ledger else slice(host % args.num_hosts, None, args.num_hosts)  # by hand: its share
+    loader = DataLoader(TensorDataset(x_train[share], y_train[share], index[share]), batch_size=args.batch_size,
+                        shuffle=True, drop_last=args.host_epochs is None,
                         generator=torch.Generator().manual_seed(1000 * args.seed + host))
 
     class Net(LightningModule):
@@ -242,7 +270,7 @@ def digits_workload(args: argparse.Namespace, host: int):
                 nn.Linear(HIDDEN, 10))
 
         def training_step(self, batch, batch_idx):
-            xb, yb = batch
+            xb, yb = batch[0], batch[1]
             return nn.functional.cross_entropy(self.net(xb), yb)
 
         def configure_optimizers(self):
@@ -298,10 +326,25 @@ def host_main(args: argparse.Namespace) -> None:
             time.sleep(self.slept)
             self.last = now
 
+    class LogTrained(Callback):
+        """Each step's ``[round, epoch, indices, time]`` as a line of ``host<id>_trained.jsonl``, flushed: a host
+        killed with -9 leaves what it trained (its round: the one its next delta carries, overlap off; its time:
+        before the step)."""
+
+        def __init__(self) -> None:
+            self.file = open(out / f"host{host}_trained.jsonl", "a")  # noqa: SIM115 - open for the run
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # before the step: its round
+            round_ = trainer.strategy._session.link.round.round  # noqa: SLF001 - a benchmark's look inside
+            self.file.write(json.dumps([round_, trainer.current_epoch, batch[2].tolist(), time.time()]) + "\n")
+            self.file.flush()
+
     count = Count(args.slowdown if host == args.slow_host else 1.0)
-    common = {"max_steps": steps, "accelerator": "cpu", "devices": 1, "logger": False,
+    length = {"max_steps": steps} if args.host_epochs is None else {"max_epochs": args.host_epochs, "max_steps": -1}
+    common = {**length, "accelerator": "cpu", "devices": 1, "logger": False,
               "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False,
-              "use_distributed_sampler": False, "callbacks": [count]}
+              "use_distributed_sampler": args.ledger,
+              "callbacks": [count, *([LogTrained()] if args.host_epochs is not None else [])]}
     if nodeox:
         from lightning_nodeox import NodeoxStrategy
 
@@ -327,6 +370,9 @@ def host_main(args: argparse.Namespace) -> None:
 
         trainer = Trainer(strategy=FileStoreDDP(process_group_backend="gloo", timeout=timedelta(seconds=60)),
                           num_nodes=args.num_hosts, **common)
+    if args.join_when is not None:  # a host that joins later: started (imports done), it joins once told
+        while not Path(args.join_when).exists():
+            time.sleep(0.05)
     start = time.time()
     trainer.fit(model, loader)
     fit_wall = time.time() - start
@@ -450,6 +496,92 @@ def run_nodeox(args: argparse.Namespace, mode: str, seed: int, workdir: Path, ro
                     "final_bytes": statistics.mean(p[1] for p in peaks.values())})
 
 
+def run_epochs(args: argparse.Namespace, mode: str, seed: int, workdir: Path) -> dict:
+    """An epoch mode: a coordinator and 3 hosts of --epochs passes each (with faults: host 1 killed with -9 once it
+    trained KILL_AFTER steps of epoch 1, and host 3 joining then; the coordinator killed with -9 once host 0 trained
+    KILL_AFTER steps of RESTART_EPOCH, and started again); the samples the published model trained, lost or
+    repeated per epoch (benchmarks/epoch_samples.py)."""
+    import signal
+
+    import epoch_samples
+
+    spec = MODES[mode]
+    out, run_dir, ready, log = workdir / "out", workdir / "run", workdir / "ready", workdir / "coordinator.log"
+    out.mkdir(parents=True)
+    faults, ledger = spec.get("faults", False), spec.get("ledger", False)
+    bind = f"127.0.0.1:{_free_port()}"  # the same after a restart: the hosts know its URL
+    options = ["--threads", "1", "--data-unit", str(DATA_UNIT), "--lease", "3", *(["--elastic"] if faults else [])]
+    coordinator = spawn(coordinator_command(EPOCH_HOSTS, run_dir, ready, *options, bind=bind), log, cwd=REPO)
+    cmd = _host_args(args, "nodeox", seed, out, [args.steps] * EPOCH_HOSTS, {}, False, EPOCH_LOCAL_STEPS)
+    cmd += ["--host-steps", ",".join([str(args.steps)] * (EPOCH_HOSTS + 1)), "--host-epochs", str(args.epochs),
+            *(["--ledger"] if ledger else [])]
+    hosts: dict[int, subprocess.Popen] = {}
+    started = time.time()
+    try:
+        url = wait_ready(ready, coordinator, log)
+
+        def start(h: int, *extra: str) -> None:
+            env = process_env(NODEOX_HOST_ID=str(h), NODEOX_COORDINATOR_URL=url)
+            hosts[h] = spawn([*cmd, *extra], workdir / f"host{h}.log", env=env, cwd=REPO)
+
+        for h in range(EPOCH_HOSTS):
+            start(h)
+        join = workdir / "join"
+        if faults:  # the joining host, started now (its imports take seconds), joins once told
+            start(EPOCH_HOSTS, "--join-when", str(join))
+        if faults:
+            deadline = time.monotonic() + WORKLOADS[args.workload].timeout
+            _steps_into(out, 1, 1, hosts[1], deadline)
+            hosts[1].send_signal(signal.SIGKILL)
+            hosts[1].wait(30)
+            join.touch()
+            _steps_into(out, 0, RESTART_EPOCH, hosts[0], deadline)
+            coordinator.send_signal(signal.SIGKILL)  # and started again on its run directory: it resumes
+            coordinator.wait(30)
+            ready, log = workdir / "ready-restarted", workdir / "coordinator-restarted.log"
+            coordinator = spawn(coordinator_command(EPOCH_HOSTS, run_dir, ready, *options, bind=bind), log, cwd=REPO)
+            wait_ready(ready, coordinator, log)
+        # the run ends with its first host's last epoch; a host that joined late may still be joining: not waited for
+        codes = wait_all([hosts[0], hosts[2], coordinator], WORKLOADS[args.workload].timeout)
+    finally:
+        stop([*hosts.values(), coordinator])
+    if any(codes):
+        raise RuntimeError(f"an epoch run exited with {codes}:\n{tail(log, 25)}\n{tail(workdir / 'host0.log', 25)}")
+    results = _read_hosts(out, EPOCH_HOSTS + 1)
+    events = read_events(run_dir)
+    records = {h: host_records(events, h) for h in results}
+    epochs = epoch_samples.per_epoch(out, events, _split_size(), ledger, args.epochs)
+    return _result(results, {h: nodeox_bytes_sent(r) for h, r in records.items()},
+                   {h: wait_share(r) for h, r in records.items()}, time.time() - started, {},
+                   {"epochs": epochs, "rounds": max((e["round"] for e in events if "round" in e), default=0)})
+
+
+def _steps_into(out: Path, host: int, epoch: int, proc: subprocess.Popen, deadline: float) -> None:
+    """Wait until ``host`` has trained KILL_AFTER steps of its epoch ``epoch``."""
+    log = out / f"host{host}_trained.jsonl"
+    while sum(1 for line in (log.read_text().splitlines() if log.exists() else [])
+              if line.endswith("]") and json.loads(line)[1] >= epoch) < KILL_AFTER:
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise RuntimeError(f"host {host} never reached epoch {epoch}:\n{tail(out.parent / f'host{host}.log', 25)}")
+        time.sleep(0.05)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _split_size() -> int:
+    """The digits training split's samples (every epoch mode's epoch)."""
+    import math
+
+    from sklearn.datasets import load_digits
+
+    samples = len(load_digits().target)
+    return samples - math.ceil(samples * TEST_SIZE)  # as train_test_split cuts it
+
+
 def _result(hosts: dict, sent: dict, waits: dict, run_wall: float, step_s: dict, extra: dict | None = None) -> dict:
     """One run's figures; its metrics (accuracy, or val_loss and perplexity) are host 0's, with ``KEY_per_host``."""
     same = len({v["param_digest"] for v in hosts.values()}) == 1
@@ -504,6 +636,10 @@ def summarize(runs: list[dict], metric: Metric = ACCURACY) -> dict:
     hosts = sorted(runs[0]["wait_share"])
     waits = {h: [r["wait_share"][h] for r in runs if r["wait_share"].get(h) is not None] for h in hosts}
     extra = {"perplexity_mean": statistics.mean(r["perplexity"] for r in runs)} if "perplexity" in runs[0] else {}
+    if "epochs" in runs[0]:  # an epoch mode: samples lost and repeated per epoch, mean and max over seeds
+        extra["epochs"] = [{"epoch": e, **{f"{k}_{f.__name__}": f(r["epochs"][e][k] for r in runs)
+                                           for k in ("lost", "repeated") for f in (statistics.mean, max)}}
+                           for e in range(len(runs[0]["epochs"]))]
     return {
         "seeds": len(runs), f"{key}_mean": statistics.mean(values), f"{key}_min": min(values),
         f"{key}_max": max(values), f"{key}_stdev": statistics.stdev(values) if len(values) > 1 else 0.0, **extra,
@@ -663,6 +799,8 @@ def print_table(modes: dict, config: dict, metric: Metric = ACCURACY) -> None:
               f"steps x batch {config['batch_size']} x 128 bytes per host, local_steps={config['local_steps']} "
               f"(unless the mode says), AdamW lr {config['lr']}, validation {config['val_tokens']} bytes, "
               f"seeds {config['seeds']}; val loss in nats per byte (lower is better)")
+    elif all(MODES[name]["kind"] == "epochs" for name in modes):
+        print(f"\nconvergence on digits, the epoch modes (below): {config['epochs']} epochs, seeds {config['seeds']}")
     else:
         print(f"\nconvergence on digits: {config['hosts']} hosts (unless the hosts column says), {config['steps']} "
               f"steps x batch {config['batch_size']} "
@@ -705,6 +843,62 @@ def print_table(modes: dict, config: dict, metric: Metric = ACCURACY) -> None:
             print(f"{'':16} {len(m['errors'])} seed(s) failed: {m['errors'][0]}")
 
 
+def epoch_goals(modes: dict) -> list[dict]:
+    """Issue 30's: the ledger runs' accuracy within the seed spread of the fault-free hand-sharded run (their mean at
+    least its mean less its max - min), with no sample of any epoch lost or repeated; the hand-sharded run with
+    faults: what it lost."""
+    base = modes.get("sharded3", {}).get("summary")
+    out = []
+    for mode in ("ledger", "ledger_faults"):
+        if mode not in modes:
+            continue
+        s = modes[mode].get("summary")
+        goal = (f"{mode}: accuracy within sharded3's seed spread (mean >= its mean - (max - min)), no sample of any "
+                "epoch lost or repeated")
+        if s is None or base is None:
+            why = modes[mode].get("reason") if s is None else "sharded3: not run"
+            out.append({"goal": goal, "met": None, "measured": why or "no result"})
+            continue
+        spread = base["accuracy_max"] - base["accuracy_min"]
+        short = base["accuracy_mean"] - s["accuracy_mean"]
+        off = sum(e["lost_max"] + e["repeated_max"] for e in s["epochs"])
+        out.append({"goal": goal, "met": short <= spread and off == 0,
+                    "measured": f"{100 * s['accuracy_mean']:.2f}% against {100 * base['accuracy_mean']:.2f}% "
+                                f"({-100 * short:+.2f} points, spread {100 * spread:.2f}); {off} samples lost or "
+                                "repeated (each epoch's worst seed, summed)"})
+    s = modes.get("sharded3_faults", {}).get("summary")
+    if s is not None:
+        lost, repeated = (sum(e[f"{k}_mean"] for e in s["epochs"]) for k in ("lost", "repeated"))
+        out.append({"goal": "sharded3_faults: what hand-sharding loses to the same faults", "met": True,
+                    "measured": f"{lost:.0f} samples lost and {repeated:.0f} repeated over {len(s['epochs'])} epochs "
+                                f"(mean over seeds); accuracy {100 * s['accuracy_mean']:.2f}%"})
+    return out
+
+
+def print_epochs(modes: dict, epochs: int) -> None:
+    """The epoch modes' samples lost and repeated per epoch (mean over seeds, max in brackets when it differs)."""
+    shown = {name: m["summary"] for name, m in modes.items() if m.get("summary", {}).get("epochs")}
+    if not shown:
+        return
+    print(f"\nepoch modes: {EPOCH_HOSTS} hosts, {epochs} epochs over the training split ({_split_size()} samples), "
+          f"shared by hand (sharded3: each host a third, by its id) or by the data ledger (units of {DATA_UNIT}); "
+          f"local_steps={EPOCH_LOCAL_STEPS}; faults: host 1 killed with -9 after {KILL_AFTER} steps of epoch 1, "
+          f"host {EPOCH_HOSTS} joining then (--elastic); the coordinator killed with -9 after host 0's "
+          f"{KILL_AFTER} steps of epoch {RESTART_EPOCH}, and started again.\nSamples of each epoch the published model lost / repeated, "
+          "mean over seeds (max):")
+    head = f"{'epoch':>5} " + " ".join(f"{name:>22}" for name in shown)
+    print(head)
+    print("-" * len(head))
+
+    def cell(row: dict, k: str) -> str:
+        mean, top = row[f"{k}_mean"], row[f"{k}_max"]
+        return f"{mean:.0f}" + ("" if top == mean else f" ({top})")
+
+    for e in range(epochs):
+        print(f"{e:>5} " + " ".join(f"{cell(s['epochs'][e], 'lost') + ' / ' + cell(s['epochs'][e], 'repeated'):>22}"
+                                    for s in shown.values()))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
@@ -723,6 +917,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, help=f"inner learning rate (default: digits {LR}, lm {WORKLOADS['lm'].lr:g})")
     p.add_argument("--round-seconds", type=float,
                    help="uneven_budget's round_seconds (default: host 0's measured time for local_steps steps)")
+    p.add_argument("--epochs", type=int, default=EPOCHS, help=f"the epoch modes' passes (default {EPOCHS})")
     p.add_argument("--keep", type=Path, help="keep every run's directory under this folder")
     add_results_option(p)
     # the host, started by this script (DDP) or by `nodeox launch`
@@ -736,6 +931,9 @@ def main() -> None:
     p.add_argument("--slowdown", type=float, default=SLOWDOWN, help=argparse.SUPPRESS)
     p.add_argument("--host-steps", help=argparse.SUPPRESS)
     p.add_argument("--num-hosts", type=int, default=HOSTS, help=argparse.SUPPRESS)
+    p.add_argument("--host-epochs", type=int, help=argparse.SUPPRESS)  # an epoch mode's host: max_epochs, logged
+    p.add_argument("--ledger", action="store_true", help=argparse.SUPPRESS)  # the coordinator shares out the data
+    p.add_argument("--join-when", help=argparse.SUPPRESS)  # fit (join the run) once this file exists
     args = p.parse_args()
     if args.host:
         host_main(args)
@@ -752,7 +950,8 @@ def main() -> None:
     unknown = [m for m in wanted if m not in MODES]
     if unknown:
         p.error(f"unknown modes {unknown}; choose from {list(MODES)}")
-    order = ["ddp"] + [m for m in MODES if m in wanted and m != "ddp"]
+    # ddp first (the ratios are to it), unless every mode asked for is an epoch mode (compared with each other)
+    order = (["ddp"] if not set(wanted) <= set(EPOCH_MODES) else []) + [m for m in MODES if m in wanted and m != "ddp"]
     seeds = list(range(1 if args.quick else args.seeds))
 
     def say(msg: str) -> None:
@@ -785,7 +984,9 @@ def main() -> None:
                 say(f"{mode} seed {seed} ...")
                 try:
                     with log.sample({"mode": mode, "seed": seed}, unless=(Unavailable,)) as taken:
-                        taken.result = (run_ddp(args, seed, workdir) if MODES[mode]["kind"] == "ddp"
+                        kind = MODES[mode]["kind"]
+                        taken.result = (run_ddp(args, seed, workdir) if kind == "ddp"
+                                        else run_epochs(args, mode, seed, workdir) if kind == "epochs"
                                         else run_nodeox(args, mode, seed, workdir, round_seconds))
                         if metric.key not in taken.result:
                             raise KeyError(f"the hosts' results have no {metric.key}")
@@ -820,13 +1021,20 @@ def main() -> None:
 
     config = {"workload": args.workload, "hosts": HOSTS, "steps": args.steps, "local_steps": args.local_steps,
               "batch_size": args.batch_size, "lr": args.lr, "slowdown": SLOWDOWN, "seeds": len(seeds),
+              "epochs": args.epochs,
               **({"val_tokens": first("val_tokens")} if args.workload == "lm"
                  else {"hidden": HIDDEN, "test_samples": first("test_samples")})}
-    result_goals = lm_goals(modes) if args.workload == "lm" else goals(modes, args.local_steps)
+    if args.workload == "lm":
+        result_goals = lm_goals(modes)
+    elif set(wanted) <= set(EPOCH_MODES):
+        result_goals = epoch_goals(modes)
+    else:
+        result_goals = goals(modes, args.local_steps) + epoch_goals(modes)
     if args.json:
         print(json.dumps({"config": config, "modes": modes, "goals": result_goals}, indent=2))
         return
     print_table(modes, config, metric)
+    print_epochs(modes, args.epochs)
     print("\ngoals:")
     for g in result_goals:
         status = "NOT RUN" if g["met"] is None else "MET" if g["met"] else "MISSED"

@@ -107,11 +107,12 @@ class RunData:
             self.ledger.gone(host)
 
     def publish(self, taken: list[tuple[str, int]], deltas: dict[str, int] | None = None) -> dict | None:
-        """Commit the reports of the deltas ``(host, round)`` a published round took; the ledger's summary for
-        the round's record (None: no ledger), with the positions committed (``spans``: ``[unit, start, end]``
-        each, of epoch ``epoch_ended`` when it ended, else ``epoch``), the hosts whose reports they are
-        (``reported``) and the samples of every delta the round took whole (``deltas``, host -> samples): what a
-        published model trained, to check against the hosts' own logs."""
+        """Commit the reports of the deltas ``(host, round)`` a published round took; the round's ``data`` record
+        (None: no ledger): the ledger's summary, ``published_samples``, ``epoch_ended``, ``hosts`` (each host's
+        samples leased, committed and returned over the run, :meth:`DataLedger.host_counts`), the positions
+        committed (``spans``: ``[unit, start, end]`` each, of epoch ``epoch_ended`` when it ended, else ``epoch``),
+        the hosts whose reports they are (``reported``) and the samples of every delta the round took whole
+        (``deltas``, host -> samples): what a published model trained, to check against the hosts' own logs."""
         ledger = self.ledger
         if ledger is None:
             return None
@@ -119,11 +120,12 @@ class RunData:
             published = ledger.publish(taken)
         except ValueError:  # a bug: the round is published regardless; the units stay uncommitted
             self.log.exception("the data ledger could not commit the round's reports %s", taken)
-            return ledger.summary()
+            return {**ledger.summary(), "published_samples": 0, "epoch_ended": None, "hosts": ledger.host_counts()}
         if published.epoch_ended is not None:
             self.log.info("data ledger: epoch %d ended (every sample committed once)", published.epoch_ended)
         return {**ledger.summary(), "published_samples": published.samples,
-                "epoch_ended": published.epoch_ended, "spans": [[s.unit, s.start, s.end] for s in published.spans],
+                "epoch_ended": published.epoch_ended, "hosts": ledger.host_counts(),
+                "spans": [[s.unit, s.start, s.end] for s in published.spans],
                 "reported": sorted({h for h, _ in taken}), "deltas": dict(deltas or {})}
 
     def status(self) -> dict | None:

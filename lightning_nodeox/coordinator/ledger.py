@@ -289,6 +289,12 @@ class DataLedger:
                 "epoch_committed_fraction": self._committed / self.order.samples,
                 "units_committed": self._done, "units_held": self.units - self._done - self.units_free}
 
+    def host_counts(self) -> dict[str, dict]:
+        """Each host's samples over the run, for the record of each published round: leased, committed, returned
+        (given back uncommitted: the host left, or a delta of its was refused or cut)."""
+        return {name: {"leased": h.counts.leased, "committed": h.counts.committed, "returned": h.counts.returned}
+                for name, h in self._hosts.items()}
+
     def to_dict(self) -> dict:
         """The ledger for the round's saved state: O(units held or given back), not O(units)
         (:mod:`~lightning_nodeox.coordinator.ledger_saved`)."""

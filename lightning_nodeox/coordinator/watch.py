@@ -81,7 +81,7 @@ class RunWatch:
         if r.phase == P.RSS:
             self.memory = {k: r.extra.get(k) for k in ("rss_bytes", "peak_rss_bytes", "cpu_s")}
             return
-        if r.phase == P.RESTART or "/" in r.host:  # a site's records: its relay's page shows them
+        if r.phase in (P.RESTART, P.DATA) or "/" in r.host:  # a site's records: its relay's page shows them
             return
         if r.host == P.COORDINATOR:
             self.coordinator.round(r.round).phases.append([r.phase, r.start, r.end])

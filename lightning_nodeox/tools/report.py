@@ -13,6 +13,10 @@ a report of their own (the same tables, nested sites too) under ``sites`` of eac
 relay itself (host ``SITE``, its upload, wait and sync) is a row of the root's tables, and the bytes over the links
 into the root (``far_bytes``: the relays' and any host's straight to the root) stand apart from those inside the
 sites (``site_bytes``).
+
+A run whose hosts let the coordinator share out their data has the ledger's part (``summary["data"]``,
+:mod:`~lightning_nodeox.tools.ledger_report`): where each epoch ended, what each host committed in it, and each
+host's samples leased, committed, returned and in flight.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..core import phases as P
-from . import summary, timeline
+from . import ledger_report, summary, timeline
 from .columns import HOST_COLUMNS, SYNC, host_columns, human_bytes  # noqa: F401 - host_columns: part of what report offers
 
 
@@ -116,6 +120,8 @@ class _Tally:
         if phase == P.RSS:
             self.rss.append(r)
             return
+        if phase in (P.DATA, P.RESTART):  # marks, not timed phases (the data ledger's: ledger_report)
+            return
         d = r["end"] - r["start"]
         self.first.setdefault((rnd, host, phase), r)
         if host == P.COORDINATOR:
@@ -184,7 +190,11 @@ def _build(records: list[dict]) -> dict:
     """The report of one coordinator's records (a flat run's, or the root's or one site's own)."""
     tally = _Tally(records)
     rounds = [tally.round(rnd) for rnd in tally.rounds()]
-    return {"rounds": rounds, "summary": summarize(records, rounds, tally.rss)}
+    summary = summarize(records, rounds, tally.rss)
+    data = ledger_report.build(records)
+    if data is not None:
+        summary["data"] = data
+    return {"rounds": rounds, "summary": summary}
 
 
 def summarize(records: list[dict], rounds: list[dict], rss: list[dict]) -> dict:
@@ -297,12 +307,17 @@ def render_rounds(report: dict) -> str:
     lines += summary.overlap_note([v for rnd in report["rounds"] for (_, what), _, v in summary.samples(rnd)
                                    if what == "aggregation-to-sync"])
     lines.append("mean wait share: " + (", ".join(f"host {h} {v:.0%}" for h, v in s["mean_wait_share"].items()) or "-"))
+    if "data" in s:
+        lines += ledger_report.render(s["data"])
     return "\n".join(lines)
 
 
 def render_summary(report: dict) -> str:
-    """The summary (the default; :mod:`~lightning_nodeox.tools.summary`), once :func:`summary.extend` added to it."""
-    return summary.render(report, totals(report), size=human_bytes)
+    """The summary (the default; :mod:`~lightning_nodeox.tools.summary`), once :func:`summary.extend` added to it;
+    then the data ledger's part (:mod:`~lightning_nodeox.tools.ledger_report`), if the run had one."""
+    text = summary.render(report, totals(report), size=human_bytes)
+    data = report["summary"].get("data")
+    return text if data is None else "\n".join([text, "", *ledger_report.render(data)])
 
 
 def parse_window(text: str) -> tuple[int | None, int | None]:

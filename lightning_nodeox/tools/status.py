@@ -7,9 +7,11 @@ line (exit 0), a run stopped before its end too, with how to resume it (exit 1).
 One table from ``GET /v1/status`` (its ``live`` part, :mod:`lightning_nodeox.coordinator.watch`): the run's
 state, round and model hash, the coordinator's memory and link throughput, and per host its state, lease age,
 last round, wait share, bytes per round, last loss and sync_dist values (and with the coordinator's
-``--gpu-hour-price``, what its waiting cost). ``--watch`` redraws it every ``--interval`` seconds until the run
-completes or fails (Ctrl-C stops watching). The token comes from ``--token-file`` (else ``NODEOX_TOKEN``), a CA
-from ``NODEOX_CA_FILE``.
+``--gpu-hour-price``, what its waiting cost). A run whose hosts let the coordinator share out their data adds the
+data ledger (``GET /v1/status``'s ``data``): the epoch and its progress, its units committed, held and free, and per
+host the samples leased, committed, in flight and returned, and the units it holds. ``--watch`` redraws it every
+``--interval`` seconds until the run completes or fails (Ctrl-C stops watching). The token comes from
+``--token-file`` (else ``NODEOX_TOKEN``), a CA from ``NODEOX_CA_FILE``.
 
 Exit status: 0 while the run runs or once it completed, 1 when it failed (every host left before the end, or
 a run directory's run stopped unfinished), 2 when the coordinator cannot be reached or refuses (a wrong token).
@@ -61,10 +63,29 @@ def render(status: dict) -> str:
                      "-" if h["wait_share"] is None else f"{h['wait_share']:.0%}", human_bytes(h["bytes_per_round"]),
                      _value(h["loss"]), *([f"{h['wait_cost']:.2f}"] if priced else []),
                      ", ".join(f"{k} {_value(v)}" for k, v in h["metrics"].items()) or "-"])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines.append("")
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines += _table(rows)
+    if status.get("data"):
+        lines += ["", *render_data(status["data"])]
     return "\n".join(lines)
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def render_data(data: dict) -> list[str]:
+    """The data ledger's lines (``GET /v1/status``'s ``data``, ``DataLedger.status()``): the epoch's progress, then
+    a row per host, its counts in samples over the run."""
+    lines = [f"data: epoch {data['epoch']}, {data['epoch_committed_samples']} of {data['samples']} samples committed "
+             f"({data['epoch_committed_fraction']:.0%}); units of {data['unit_size']}: {data['units_committed']} "
+             f"committed, {data['units_held']} held, {data['units_free']} free of {data['units']}"]
+    rows = [["data host", "leased", "committed", "in flight", "returned", "units held"]]
+    for name, h in data["hosts"].items():
+        rows.append([name if h["present"] else f"{name} (gone)", *(str(h[k]) for k in (
+            "leased", "committed", "in_flight", "returned", "units_held"))])
+    return lines + _table(rows)
 
 
 def main(target: str, *, token: str | None = None, watch: bool = False, interval: float = 2.0) -> int:

@@ -39,7 +39,7 @@ def plot(records: list[dict], path: Path, *, window: tuple[int | None, int | Non
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    timed = [r for r in records if r["phase"] != P.RSS]
+    timed = [r for r in records if r["phase"] not in (P.RSS, P.DATA)]  # data: the ledger's marks (no duration)
     if not timed:
         raise ValueError("no phase records to plot")
     rounds = sorted({r["round"] for r in timed})

@@ -10,7 +10,10 @@ else each host trains on its own shuffle of all of it (on several devices, split
 ``DistributedSampler`` of its own, as Lightning's would). ``--log-indices`` writes the sample indices each training
 step consumed, with its epoch, to ``host<id>_indices.json``; with ``--ledger`` also, as each step trains, a line of
 its round, ledger epoch and indices to ``host<id>_steps.jsonl`` (kept by a host killed). ``--join-file`` holds the
-host back until the file exists (a host joining mid-run, started ahead).
+host back until the file exists (a host joining mid-run, started ahead). ``--log-indices`` also writes each
+step's ``[epoch, round, samples]`` to ``host<id>_steps.json`` (its round: the one after the last whose result the
+host took, so without overlap the round it trained in). ``--step-seconds`` paces every step (one value, or one per
+host id: a slow host).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class DigitsNet(LightningModule):
         self.stop_host = stop_host
         self.fail_at_step = fail_at_step
         self.indices: list[list[int]] = []  # [epoch, index] of each sample trained (a dataset that gives indices)
+        self.step_rounds: list[list[int]] = []  # [epoch, round, samples] of each step (with indices; overlap off)
         self.steps_log: Path | None = None  # each step's indices appended here as it trains (a host killed keeps it)
 
     def _log_step(self, indices: list[int]) -> None:
@@ -68,6 +72,8 @@ class DigitsNet(LightningModule):
             self.indices += [[self.current_epoch, int(i)] for i in batch[2]]
             if self.steps_log is not None:
                 self._log_step([int(i) for i in batch[2]])
+            result = self.trainer.strategy.last_result  # the round this step trains in: the one after the last taken
+            self.step_rounds.append([self.current_epoch, -1 if result is None else result.round + 1, len(batch[2])])
         logits = self.net(x)
         loss = nn.functional.cross_entropy(logits, y)
         self.log("train_loss", loss, on_step=True, prog_bar=False)
@@ -184,7 +190,8 @@ def main() -> None:
     p.add_argument("--stall-round", type=int, default=-1, help="--stall-host stalls in this round (--stall-seconds)")
     p.add_argument("--stall-seconds", type=float, default=0.0)
     p.add_argument("--fail-round", type=int, default=-1, help="host 1's training_step raises mid-way through this round")
-    p.add_argument("--step-seconds", type=float, default=0.0, help="sleep this long at every step (pacing)")
+    p.add_argument("--step-seconds", default="0", help="sleep this long at every step (pacing), or one value per "
+                   "host id: 0.02,0.06")
     p.add_argument("--stop-file", type=Path, help="end training once this file exists")
     p.add_argument("--stall-host", default="1")
     p.add_argument("--stop-host", type=int, default=-1,
@@ -232,8 +239,10 @@ def main() -> None:
     callbacks = [PhaseMonitor(), DumpRounds(args.out, host)]
     if args.stall_round >= 0 and host == args.stall_host:
         callbacks.append(Stall(args.stall_round * args.local_steps + 1, args.stall_seconds))
-    if args.step_seconds > 0:
-        callbacks.append(Pace(args.step_seconds))
+    paces = [float(v) for v in args.step_seconds.split(",")]
+    pace = paces[int(host)] if len(paces) > 1 else paces[0]
+    if pace > 0:
+        callbacks.append(Pace(pace))
     if args.stop_file is not None:
         callbacks.append(StopWhen(args.stop_file))
     if args.checkpoint_every:
@@ -269,6 +278,7 @@ def main() -> None:
     (args.out / f"{prefix}_counts.json").write_text(json.dumps(model.counts))
     if args.log_indices:
         (args.out / f"{prefix}_indices.json").write_text(json.dumps(model.indices))
+        (args.out / f"{prefix}_steps.json").write_text(json.dumps(model.step_rounds))
     (args.out / f"{prefix}_after_fit.json").write_text(json.dumps(
         {"global_step": trainer.global_step, "model_hash": strategy.model_hash, "callback_metrics": after,
          "last_round": strategy.last_result.round if strategy.last_result else -1}))

@@ -57,6 +57,30 @@ function drawHosts(live) {
   }
 }
 
+function drawData(data) { // GET /v1/status's "data" (the data ledger), absent until a host declared its data
+  $("data").hidden = !data;
+  if (!data) return;
+  $("data-epoch").textContent = String(data.epoch);
+  $("data-committed").textContent = String(data.epoch_committed_samples);
+  $("data-samples").textContent = String(data.samples);
+  $("data-fraction").textContent = share(data.epoch_committed_fraction);
+  $("data-progress").value = data.epoch_committed_fraction;
+  $("data-unit").textContent = String(data.unit_size);
+  $("data-units-committed").textContent = String(data.units_committed);
+  $("data-units-held").textContent = String(data.units_held);
+  $("data-units-free").textContent = String(data.units_free);
+  $("data-units").textContent = String(data.units);
+  const body = $("data-hosts").tBodies[0];
+  body.replaceChildren();
+  for (const [name, h] of Object.entries(data.hosts)) {
+    const row = body.insertRow();
+    row.className = h.present ? "host" : "host gone";
+    row.dataset.host = name;
+    cell(row, h.present ? name : `${name} (gone)`, "text id");
+    for (const key of ["leased", "committed", "in_flight", "returned", "units_held"]) cell(row, String(h[key]), key);
+  }
+}
+
 function drawTimeline(timeline) {
   const lanes = timeline.lanes; // [[lane, [[phase, start, end, round], ...]], ...], the coordinator's first
   const bars = lanes.flatMap(([, phases]) => phases);
@@ -155,6 +179,7 @@ function draw(status) {
     $("first-round").textContent = String(firstRound);
   }
   drawHosts(live);
+  drawData(status.data);
   drawTimeline(live.timeline);
 }
 
