@@ -2,8 +2,10 @@
 
 Data: Oxford-IIIT Pet through torchvision when --data-dir holds it (37 breeds); otherwise scikit-learn's
 digits, upscaled to RGB images (10 classes, 32x32 by default), which ships offline. Model: any timm name, random
-weights unless --pretrained points at a weights file (nothing is downloaded). Each host trains on its own shard
-of the data (NODEOX_HOST_ID of NODEOX_NUM_HOSTS, which `nodeox launch` sets). See docs/finetune.md.
+weights unless --pretrained points at a weights file (nothing is downloaded). Every host loads the whole training
+set and the coordinator's data ledger shares out each epoch among the hosts, however many come, go or lag; with
+--shard each host trains on its own fixed shard instead (NODEOX_HOST_ID of NODEOX_NUM_HOSTS, which `nodeox launch`
+sets). See docs/finetune.md.
 
     nodeox launch --hosts 2 --run-dir runs/demo -- python examples/finetune_vit.py
     nodeox launch --hosts 2 --run-dir runs/vitb -- python examples/finetune_vit.py --preset vit-b-study \\
@@ -121,7 +123,7 @@ def host_of_run() -> tuple[int, int]:
     """This host's number and the number of hosts: NODEOX_HOST_ID of NODEOX_NUM_HOSTS, 0 of 1 when unset."""
     host, hosts = os.environ.get("NODEOX_HOST_ID", "0"), os.environ.get("NODEOX_NUM_HOSTS", "1")
     if not (host.isdigit() and hosts.isdigit() and int(host) < int(hosts)):
-        raise SystemExit(f"finetune_vit.py shards its data by host number: set NODEOX_HOST_ID to 0..N-1 and "
+        raise SystemExit(f"finetune_vit.py --shard shards its data by host number: set NODEOX_HOST_ID to 0..N-1 and "
                          f"NODEOX_NUM_HOSTS=N (got NODEOX_HOST_ID={host!r}, NODEOX_NUM_HOSTS={hosts!r})")
     return int(host), int(hosts)
 
@@ -135,9 +137,8 @@ def shard(dataset: Dataset, host: int, hosts: int) -> Dataset:
 
 
 class ShardLoader(LightningDataModule):
-    """The host's shard, shuffled; on a host of several devices split among its ranks by a DistributedSampler of
-    its own (with ``use_distributed_sampler=True`` the coordinator's data ledger would share out the data instead,
-    and hosts declaring shards of different lengths are refused)."""
+    """``--shard``: the host's shard, shuffled; on a host of several devices split among its ranks by a
+    DistributedSampler of its own (the Trainer's ``use_distributed_sampler=False`` leaves it as given)."""
 
     def __init__(self, train: Dataset, **loader_args) -> None:
         super().__init__()
@@ -171,6 +172,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--workers", type=int, help="data loader processes per device (default: 0 on the in-memory "
                    f"digits, else the CPUs this process may use less one, at most {MAX_WORKERS})")
     p.add_argument("--progress-bar", action="store_true", help="show Lightning's progress bar")
+    p.add_argument("--shard", action="store_true", help="each host trains on its own fixed shard (NODEOX_HOST_ID of "
+                   "NODEOX_NUM_HOSTS) instead of the share the coordinator's data ledger gives it")
     preset = p.parse_known_args()[0].preset
     if preset:
         p.set_defaults(**PRESETS[preset])
@@ -199,7 +202,7 @@ def quiet_lightning(in_memory_data: bool) -> None:
 
 def main() -> None:
     args = parse_args()
-    host, hosts = host_of_run()
+    host, hosts = host_of_run() if args.shard else (os.environ.get("NODEOX_HOST_ID", "0"), 1)
     run_dir = Path(os.environ.get("NODEOX_RUN_DIR", "runs/finetune"))
     quiet_lightning(in_memory_data=args.data_dir is None)
     torch.manual_seed(0)  # the same initial weights on every host: none has to fetch the model at the start
@@ -208,17 +211,18 @@ def main() -> None:
         train, test, classes = pet_datasets(args.data_dir, args.image_size)
     else:
         train, test, classes = digits_datasets(args.image_size)
-    train = shard(train, host, hosts)
+    if args.shard:
+        train = shard(train, host, hosts)
     test_order = torch.randperm(len(test), generator=torch.Generator().manual_seed(0))
     test = Subset(test, test_order[:args.test_images].tolist())
     loader_args = {"batch_size": args.batch_size, "num_workers": args.workers, "persistent_workers": args.workers > 0}
     train_loader = DataLoader(train, shuffle=True, drop_last=True, **loader_args)
     test_loader = DataLoader(test, **loader_args)
     if len(train_loader) == 0:
-        raise SystemExit(f"finetune_vit.py: host {host}'s shard holds {len(train)} images, fewer than one batch of "
-                         f"{args.batch_size}: lower --batch-size or run fewer hosts")
-    print(f"host {host} of {hosts}: {args.model} on {'Pet' if args.data_dir else 'digits'} at {args.image_size}px, "
-          f"{len(train)} training images here, batch {args.batch_size}, {args.local_steps} local steps, "
+        raise SystemExit(f"finetune_vit.py: host {host}'s training data holds {len(train)} images, fewer than one "
+                         f"batch of {args.batch_size}: lower --batch-size or run fewer hosts")
+    print(f"host {host}{f' of {hosts}' if args.shard else ''}: {args.model} on {'Pet' if args.data_dir else 'digits'} at {args.image_size}px, "
+          f"{len(train)} training images {'in its shard' if args.shard else 'shared out by the run'}, batch {args.batch_size}, {args.local_steps} local steps, "
           f"{args.max_steps} steps, {args.precision}", flush=True)
 
     model = ViTClassifier(args.model, classes, args.image_size, args.lr,
@@ -227,7 +231,7 @@ def main() -> None:
     trainer = Trainer(
         strategy=NodeoxStrategy(local_steps=args.local_steps, overlap=False if args.overlap == "off" else args.overlap),
         devices=args.devices,
-        use_distributed_sampler=False,  # each host its own shard (ShardLoader splits it among several devices)
+        use_distributed_sampler=not args.shard,  # True: the data ledger's sampler; --shard: ShardLoader's
         max_steps=args.max_steps,
         precision=args.precision,
         default_root_dir=host_dir,
@@ -238,8 +242,11 @@ def main() -> None:
         enable_progress_bar=args.progress_bar,  # a bar redraws its line, which `nodeox launch`'s prefixes garble
         log_every_n_steps=min(5, len(train_loader)),
     )
-    trainer.fit(model, datamodule=ShardLoader(train, **loader_args))
-    if host == 0:  # every host ends on the same model; one copy is enough
+    if args.shard:
+        trainer.fit(model, datamodule=ShardLoader(train, **loader_args))
+    else:
+        trainer.fit(model, train_loader)
+    if str(host) == "0":  # every host ends on the same model; one copy is enough
         trainer.save_checkpoint(host_dir / "final.ckpt", weights_only=True)
     if trainer.is_global_zero:
         print(f"host {host}: evaluating the final model on {len(test)} held-out images", flush=True)
