@@ -47,15 +47,7 @@ class RunData:
             self.log.info("data ledger: %d samples in units of %d (seed %d, %s), declared by host %s", spec.samples,
                           self.unit_size, spec.seed, "shuffled" if spec.shuffle else "in order", host)
             return
-        try:
-            ledger.check_length(spec.samples)
-        except ValueError as e:
-            raise Refusal(Reason.INVALID, f"host {host} cannot join: {e}") from None
-        order = ledger.order
-        if (spec.seed, spec.shuffle) != (order.seed, order.shuffle):
-            raise Refusal(Reason.INVALID, f"host {host} cannot join: its data order is seed {spec.seed}, shuffle "
-                                          f"{spec.shuffle} but the run's is seed {order.seed}, shuffle "
-                                          f"{order.shuffle}: start every host with the same seed and shuffle")
+        check_same_data(host, spec, ledger.order)
 
     def _ledger(self, host: str) -> DataLedger:
         if self.ledger is None:
@@ -77,6 +69,10 @@ class RunData:
         if seq is not None:
             self._answered[host] = (seq, reply)
         return reply
+
+    async def lease_call(self, host: str, epoch: int | None, units: int = 1, seq: int | None = None) -> LeaseReply:
+        """A host's lease call as the service makes it (:meth:`lease`; a site relay's may ask upstream first)."""
+        return self.lease(host, epoch, units, seq)
 
     def covered(self, host: str, round_: int, report: Covered) -> None:
         """Note what ``host``'s delta of round ``round_`` trained, before the delta is taken."""
@@ -149,3 +145,15 @@ class RunData:
         given again)."""
         self.ledger = None if saved is None else DataLedger.from_dict(saved)
         self._answered.clear()
+
+
+def check_same_data(host: str, spec: DataSpec, order: DataOrder) -> None:
+    """Refuse a joining host whose data is not the run's (``order``), naming both."""
+    if spec.samples != order.samples:
+        raise Refusal(Reason.INVALID, f"host {host} cannot join: this host's dataset has {spec.samples} samples but "
+                                      f"the run's has {order.samples}: every host must load the same dataset (same "
+                                      "split, same filtering)")
+    if (spec.seed, spec.shuffle) != (order.seed, order.shuffle):
+        raise Refusal(Reason.INVALID, f"host {host} cannot join: its data order is seed {spec.seed}, shuffle "
+                                      f"{spec.shuffle} but the run's is seed {order.seed}, shuffle "
+                                      f"{order.shuffle}: start every host with the same seed and shuffle")

@@ -69,9 +69,10 @@ class DataLedger:
     @classmethod
     def below(cls, order: DataOrder, *, unit_size: int = DEFAULT_UNIT_SIZE) -> DataLedger:
         """A relay's ledger for its site: no unit of its own; the relay gives it (:meth:`give`) the leases it takes
-        upstream (as one host) when its hosts find nothing free; its hosts lease and report as from the root's, its
-        rounds' :attr:`Published.spans` go upstream as its :class:`Covered`, upstream's :class:`EpochEnd` moves it
-        on (:meth:`advance`), upstream's :class:`LeaseVoid` voids every lease below (:meth:`refused` for each)."""
+        upstream (as one host) when its hosts find nothing free; its hosts lease and report as from the root's, what
+        its round's deltas report (:meth:`carried`, what :meth:`publish` commits) goes upstream as its
+        :class:`Covered`, upstream's :class:`EpochEnd` moves it on (:meth:`advance`), its delta refused upstream
+        gives every unit back (:meth:`take_back`). (Wired in :mod:`lightning_nodeox.relay.data`.)"""
         ledger = cls(order, unit_size=unit_size)
         ledger._own = False
         ledger._begin_below(0)
@@ -87,10 +88,28 @@ class DataLedger:
             self._cursor[s.unit] = self._reported[s.unit] = s.start
             self._returned.append(s.unit)
 
-    def advance(self, epoch: int) -> None:
-        """Upstream is at ``epoch``: begin it (a relay's ledger only; its hosts' older epochs end)."""
-        if not self._own and epoch > self.epoch:
-            self._begin_below(epoch)
+    def advance(self, epoch: int) -> list[tuple[str, int]]:
+        """Upstream is at ``epoch``: begin it (a relay's ledger only; its hosts' older epochs end, every lease of
+        them void). Returns the ``(host, delta)`` of the reports voided (none may be published)."""
+        if self._own or epoch <= self.epoch:
+            return []
+        void = self.void_all()
+        self._begin_below(epoch)
+        return void
+
+    def take_back(self) -> list[tuple[str, int]]:
+        """Upstream voided the relay's lease: no unit given is the site's any more (a relay's ledger only). Every
+        lease below is void; returns the ``(host, delta)`` of the reports voided (none may be published)."""
+        if self._own:
+            raise ValueError("only a relay's ledger (DataLedger.below) gives its units back upstream")
+        void, committed = self.void_all(), self._committed
+        self._begin_below(self.epoch)
+        self._committed = committed
+        return void
+
+    def void_all(self) -> list[tuple[str, int]]:
+        """Void every host's lease (:meth:`refused` for each); returns the ``(host, delta)`` of the reports voided."""
+        return [(name, d) for name, h in self._hosts.items() for d in self._void(h)]
 
     def _begin_below(self, epoch: int) -> None:
         self._begin(epoch)
@@ -221,6 +240,16 @@ class DataLedger:
         ahead.publish(deltas)
         return ahead.to_dict()
 
+    def carried(self, deltas: Iterable[tuple[str, int]]) -> tuple[Span, ...]:
+        """What :meth:`publish` of ``deltas`` would commit, one span per unit in unit order (a relay's delta reports
+        it upstream as its own); nothing changes."""
+        moved: dict[int, list[int]] = {}
+        for host, delta in deltas:
+            for d, spans in self._known(host).pending:
+                for s in spans if d == delta else ():
+                    moved.setdefault(s.unit, [s.start, s.end])[1] = s.end
+        return tuple(Span(u, *moved[u]) for u in sorted(moved))
+
     def _commit(self, h: HostEntry, spans: tuple[Span, ...], moved: dict[int, list[int]]) -> int:
         samples = 0
         for s in spans:
@@ -273,6 +302,11 @@ class DataLedger:
 
     def counts(self, host: str) -> HostCounts:
         return self._known(host).counts
+
+    @property
+    def hosts_present(self) -> int:
+        """Hosts that leased and have not left."""
+        return sum(h.present for h in self._hosts.values())
 
     @property
     def units_free(self) -> int:

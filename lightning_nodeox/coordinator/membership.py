@@ -69,14 +69,11 @@ class Membership:
         (``model_hash``, ``round_``), so that it can give the model back. A host whose model does not fit the run
         is refused and not registered, and so is one whose ``data`` is not the run's (:mod:`.data`)."""
         state, recovery = self.state, self.recovery
+        self._check_admission(host, credential)
+        if data is not None:  # (a site relay's first: before it joins upstream, which it declares the data to)
+            state.data.declare(host, data)
         if self.site is not None and state.model is None and recovery.resumed is None:
             await self.site.before_join(specs)
-        self._check_admission(host, credential)
-        if data is not None:
-            if self.site is not None:
-                raise Refusal(Reason.INVALID, f"host {host} declares its data, but a site relay does not share out "
-                                              "data yet: connect hosts that use the data ledger to the coordinator")
-            state.data.declare(host, data)
         if state.model is None and self.initial is not None:
             await self._take_initial_model(host, specs)
         if state.model is None:

@@ -25,15 +25,17 @@ from ..core.phases import COORDINATOR, SYNC_PREPARE, PhaseRecord
 from ..core.streaming import MessageReader
 from ..core.wire import Message
 from ..host.round import Into
+from .data import SiteData
 from .upstream import Upstream
 
 
 class UpstreamClose:
     """A site relay's round close (:meth:`~lightning_nodeox.relay.run.Site.close_round`)."""
 
-    def __init__(self, upstream: Upstream, control: SiteControl) -> None:
+    def __init__(self, upstream: Upstream, control: SiteControl, data: SiteData) -> None:
         self.upstream = upstream
         self.control = control
+        self.data = data
         self._pending: tuple[int, MessageReader, bool] | None = None  # (round, delta, final) encoded, not yet through
 
     async def close(self, round_: int, since: float) -> Published:
@@ -45,16 +47,18 @@ class UpstreamClose:
             # upstream moved on): the site's deltas were against the θ before; dropped, as the upstream would a
             # host's stale delta, and its hosts fetch θ
             await control.in_worker(model.end_round)
+            self.data.not_sent()  # the data they trained goes back to the site's block
             upstream.log.info("round %d's deltas were of the model before %s moved on to round %d: not sent; the "
                               "site's hosts fetch its model", round_, upstream.url, hr.round)
             return Published(None, hr.complete, hr.round)
         if self._pending is None or self._pending[0] != round_:
             final = control.final
             samples, metrics = model.weight, control.round_metrics()
+            covered = self.data.carried(control.taken(round_))  # what the site's taken deltas trained
 
             def encode() -> MessageReader:
                 hr.tensors.take_round()
-                return hr.encode(hr.tensors.live, samples, final, metrics)
+                return hr.encode(hr.tensors.live, samples, final, metrics, covered)
 
             self._pending = (round_, await control.in_worker(encode), final)
         _, reader, final = self._pending
@@ -67,6 +71,8 @@ class UpstreamClose:
             if passing.passed is not None and not passing.passed.whole:
                 passing.passed.fail()  # the relay fetched the model instead: the site's hosts ask again
         self._pending = None
+        if result.lease_void:  # the root did not take it: the site's units went back there
+            self.data.upstream_void()
         upstream.keep_credential()  # the exchange joined again if the upstream had restarted
         sync = hr.tensors.last_sync
         if sync is None or sync.meta.round != hr.round - 1 or sync.meta.model_hash != hr.model_hash:

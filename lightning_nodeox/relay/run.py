@@ -19,10 +19,11 @@ from ..coordinator.config import CoordinatorConfig
 from ..coordinator.service import Published, SiteControl
 from ..core.transport import HostClient
 from ..host.client import HttpClient
-from ..core.protocol import ValuesReply
+from ..core.protocol import Refusal, ValuesReply
 from ..core.specs import TensorSpec
 from .close import UpstreamClose
 from .config import RelayConfig
+from .data import SiteData
 from .membership import SiteModel
 from .upstream import Upstream
 from .values import flatten, site_payload
@@ -45,7 +46,9 @@ class Site:
         upstream = self.upstream
         self.control = control
         self.model = SiteModel(upstream, control)
-        self._close = UpstreamClose(upstream, control)
+        self.data = SiteData(upstream, control.config.name)
+        control.use_data(self.data)  # its hosts lease from the run's ledger through the relay
+        self._close = UpstreamClose(upstream, control, self.data)
         loop = asyncio.get_running_loop()  # the upstream's records come from its thread; the run log is the loop's
         upstream.phases.listeners.append(lambda record: loop.call_soon_threadsafe(control.record, record))
         control.listen(upstream.forward)  # its site's records, upstream
@@ -61,7 +64,11 @@ class Site:
             self._joining = asyncio.ensure_future(self.model.join_upstream_with_model())
 
     async def before_join(self, specs: tuple[TensorSpec, ...]) -> None:
-        await self.model.before_join(specs)
+        try:
+            await self.model.before_join(specs)
+        except Refusal:
+            self.data.join_refused()  # (the site's data, say): the next host's is declared upstream
+            raise
 
     async def close_round(self, round_: int, since: float) -> Published:
         return await self._close.close(round_, since)

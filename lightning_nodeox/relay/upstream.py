@@ -86,6 +86,7 @@ class Upstream:
         self._holding = threading.Lock()  # forwarded on the loop, released after a join on the upstream thread
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="nodeox-upstream")
         self._values = ThreadPoolExecutor(1, thread_name_prefix="nodeox-upstream-values")  # never holds a round
+        self._data = ThreadPoolExecutor(1, thread_name_prefix="nodeox-upstream-data")  # leases: never behind a round
 
     @property
     def url(self) -> str:
@@ -98,6 +99,11 @@ class Upstream:
     async def call_values(self, fn: Callable[..., T], *args) -> T:
         """Run a blocking values exchange upstream on a thread of its own (it may wait long: never behind it)."""
         return await asyncio.get_running_loop().run_in_executor(self._values, fn, *args)
+
+    async def call_data(self, fn: Callable[..., T], *args) -> T:
+        """Run a blocking data ledger call upstream (a lease) on a thread of its own: the site's hosts lease while
+        the relay's round waits upstream."""
+        return await asyncio.get_running_loop().run_in_executor(self._data, fn, *args)
 
     def forward(self, record: PhaseRecord) -> None:
         """A record of the relay's site (its hosts', its own coordinator side's) goes upstream as ``RELAY/HOST``,
@@ -199,3 +205,4 @@ class Upstream:
             self.round.close()
         self._thread.shutdown(wait=False)
         self._values.shutdown(wait=False, cancel_futures=True)
+        self._data.shutdown(wait=False, cancel_futures=True)

@@ -345,7 +345,7 @@ class CoordinatorService:
         state = self._run.state
         state.hosts.known(host)
         state.require_model()
-        return state.data.lease(host, epoch, units, seq).to_dict()
+        return (await state.data.lease_call(host, epoch, units, seq)).to_dict()
 
     async def exchange_values(self, host: str, key: str, payload: object, wait: float) -> ValuesReply | None:
         """A host's values under ``key``; None when not answered within ``wait`` seconds (the host asks again)."""

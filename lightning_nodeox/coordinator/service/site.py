@@ -18,6 +18,7 @@ from ...core.specs import TensorSpec
 from ...core.wire import Message
 from ..close import Published
 from ..config import CoordinatorConfig
+from ..data import RunData
 from ..making import SyncInMaking
 from ..model import CoordinatorModel
 from ..recovery import Recovery
@@ -117,6 +118,14 @@ class SiteControl:
 
     def round_metrics(self) -> dict[str, list]:
         return self._rounds.round_metrics()
+
+    def taken(self, round_: int) -> list[tuple[str, int]]:
+        """The ``(host, round)`` of the round's deltas that reported data and were taken whole."""
+        return self._rounds.deltas.taken(round_)
+
+    def use_data(self, data: RunData) -> None:
+        """The run's data ledger is the site's (:class:`~lightning_nodeox.relay.data.SiteData`)."""
+        self._state.data = data
 
     # -- work and records --------------------------------------------------------------------------------------
     async def in_worker(self, fn: Callable[..., T], *args) -> T:
