@@ -186,7 +186,27 @@ def test_a_site_refuses_a_host_whose_data_is_not_its_own_naming_both() -> None:
     site.join("x")
     with pytest.raises(Refusal, match="has 999 samples but the run's has 1000"):
         site.data.declare("y", DataSpec(999, seed=3, shuffle=True))
+    other = SiteData(RootUpstream(site.root), "relay B")  # another relay, its site of another order
+    other.declare("z", DataSpec(SAMPLES, seed=4, shuffle=True))
+    with pytest.raises(Refusal, match="seed 4, shuffle True but the run's is seed 3, shuffle True"):
+        other.upstream.client.join()  # the root refuses the relay's join, naming both
+    other.join_refused()  # (Site.before_join) the next host's data is declared upstream instead
+    assert other.spec is None and other.upstream.client.data is None
     fresh = SiteData(RootUpstream(RunData(UNIT, "root")), "relay")
     fresh.upstream.client.joined = True  # joined upstream before any of its hosts declared data
     with pytest.raises(Refusal, match="joined http://root.invalid without any"):
         fresh.declare("x", DATA)
+
+
+def test_the_site_moves_on_to_the_next_epoch_once_it_published_its_last_reports_as_the_root_did() -> None:
+    site = Site()
+    site.join("x")
+    assert len(site.lease("x", 10).spans) == 10  # the whole epoch, in one block
+    site.data.covered("x", 0, site.report("x"))
+    taken = [("x", 0)]
+    site.root.covered(RELAY, 0, site.data.carried(taken))
+    assert site.root.publish([(RELAY, 0)])["epoch_ended"] == 0
+    assert site.lease("x") == Wait(0)  # the root's epoch ended, but the site's last round is not published yet
+    assert site.data.ledger.epoch == 0 and site.data.publish(taken)["published_samples"] == SAMPLES
+    assert site.lease("x") == EpochEnd(0, 1) and site.data.ledger.epoch == 1
+    assert site.data.status()["hosts"]["x"]["committed"] == SAMPLES

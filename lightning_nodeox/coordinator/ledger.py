@@ -304,6 +304,11 @@ class DataLedger:
         return self._known(host).counts
 
     @property
+    def undecided(self) -> int:
+        """Reports noted and not yet published nor void."""
+        return sum(len(h.pending) for h in self._hosts.values())
+
+    @property
     def hosts_present(self) -> int:
         """Hosts that leased and have not left."""
         return sum(h.present for h in self._hosts.values())
@@ -321,7 +326,7 @@ class DataLedger:
         """A flat record for events.jsonl (one per published round)."""
         return {"epoch": self.epoch, "epoch_committed_samples": self._committed,
                 "epoch_committed_fraction": self._committed / self.order.samples,
-                "units_committed": self._done, "units_held": self.units - self._done - self.units_free}
+                "units_committed": self._done, "units_held": int(np.count_nonzero(self._holder != FREE))}
 
     def host_counts(self) -> dict[str, dict]:
         """Each host's samples over the run, for the record of each published round: leased, committed, returned

@@ -95,6 +95,8 @@ class SiteData(RunData):
         block = units * max(1, ledger.hosts_present)
         reply = await self.upstream.call_data(self.upstream.client.lease, ledger.epoch, block)
         if isinstance(reply, EpochEnd):
+            if ledger.undecided:  # the root published the site's last reports; the site has not yet: wait for it
+                return False
             self._voided.update(ledger.advance(reply.now))
         elif isinstance(reply, Lease):
             if self.generation is not None and reply.generation != self.generation:

@@ -1,0 +1,54 @@
+"""The data ledger through site relays, end to end: `nodeox launch --hosts 4 --sites 2` of digits hosts whose
+loaders get the ledger's sampler; each relay leases blocks of units from the root and shares them out to its two
+hosts (lightning_nodeox/relay/data.py)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from helpers import DIGITS, launch, read_events
+
+SAMPLES = 1797  # scikit-learn's digits
+HOSTS = ("0", "1", "2", "3")
+WHOLE = (0, 1)  # the epochs the run trains whole (its last, the third, ends at the first host's final delta)
+
+
+def _trained(out: Path, host: str) -> list[list[int]]:
+    return json.loads((out / f"host{host}_indices.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("overlap", ["off", "eager"])
+def test_two_sites_of_two_hosts_train_every_index_of_each_epoch_once_and_the_root_commits_each_epoch_whole(
+        tmp_path: Path, overlap: str) -> None:
+    """Three epochs (the run ends at the first final delta, mid-way through the last): across the four hosts (two
+    behind each relay) each whole epoch's trained indices are every index once; the root's data records commit
+    exactly the dataset's length for each, and each site's ledger committed what its hosts trained."""
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    result = launch(run_dir, 4, [*DIGITS, "--out", str(out), "--ledger", "--log-indices", "--max-epochs", "3",
+                                 "--max-steps", "100000", "--local-steps", "6", "--batch-size", "32", "--overlap", overlap],
+                    "--sites", "2", "--data-unit", "128", timeout=360)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    trained = {h: _trained(out, h) for h in HOSTS}
+    for epoch in WHOLE:  # none lost, none twice, across both sites
+        indices = [i for h in HOSTS for e, i in trained[h] if e == epoch]
+        assert sorted(indices) == list(range(SAMPLES)), (epoch, len(indices), Counter(indices).most_common(3))
+
+    root = [e for e in read_events(run_dir) if e["phase"] == "data" and e["host"] == "coordinator"]
+    ends = [k for k, e in enumerate(root) if e["epoch_ended"] is not None]
+    assert [root[k]["epoch_ended"] for k in ends] == list(WHOLE)
+    for epoch, (start, end) in enumerate(zip([-1, *ends], ends)):  # each epoch committed whole, once
+        assert sum(e["published_samples"] for e in root[start + 1: end + 1]) == SAMPLES
+        assert all(e["epoch"] == epoch for e in root[start + 1: end])
+
+    for k, hosts in enumerate((("0", "1"), ("2", "3"))):  # each site's ledger: what its hosts trained, committed
+        site = [e for e in read_events(run_dir / "sites" / f"site{k}") if e["phase"] == "data"
+                and e["host"] == "coordinator"]
+        for epoch in WHOLE:
+            mine = sum(1 for h in hosts for e, _ in trained[h] if e == epoch)
+            assert 0 < mine < SAMPLES  # both sites took part
+            assert sum(e["published_samples"] for e in site if e["epoch"] == epoch) == mine
