@@ -24,8 +24,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 
-from ..coordinator.data import RunData, check_same_data
-from ..coordinator.ledger import DataLedger
+from ..coordinator.service import DataLedger, RunData, check_same_data
 from ..core.ledger_order import DataOrder
 from ..core.ledger_terms import Covered, EpochEnd, Lease, LeaseReply, Wait
 from ..core.protocol import DataSpec, Reason, Refusal
