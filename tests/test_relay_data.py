@@ -157,6 +157,26 @@ def test_a_host_that_leaves_the_site_gives_its_units_back_to_the_sites_block() -
     assert {s.unit for s in got.spans} == {s.unit for s in site.held["x"]}  # the same units, from the site's block
     assert all(s.start == s.unit * UNIT for s in got.spans)  # its unpublished report went back too
     assert site.upstream.client.calls == calls and site.root.status()["hosts"][RELAY]["units_held"] == held
+    with pytest.raises(Refusal) as refused:  # a report of a unit the host does not hold: bad input, as at the root
+        site.data.covered("x", 1, Covered(0, 1, (Span(got.spans[0].unit, got.spans[0].start, got.spans[0].end),)))
+    assert refused.value.reason is Reason.INVALID and "not leased to it" in str(refused.value)
+
+
+def test_a_host_that_leaves_while_its_round_is_upstream_keeps_what_it_reported_until_the_round_is_published() -> None:
+    site = Site()
+    site.join("x", "y")
+    site.lease("x", 2)
+    first, second = site.held["x"]
+    site.held["x"] = [first]
+    site.data.covered("x", 0, site.report("x"))
+    covered = site.data.carried([("x", 0)])
+    site.data.sending()
+    site.data.gone("x")  # it left (its final round, say) as the relay's delta went upstream
+    site.root.covered(RELAY, 0, covered)
+    site.root.publish([(RELAY, 0)])
+    assert site.data.publish([("x", 0)])["published_samples"] == UNIT  # the root took it: the site commits it
+    got = site.lease("y")
+    assert got.spans == (Span(second.unit, second.start, second.end),)  # x's other unit, back in the block
 
 
 def test_a_relay_that_dies_is_gone_at_the_root_and_its_uncommitted_units_go_to_other_hosts() -> None:

@@ -55,6 +55,7 @@ class UpstreamClose:
             final = control.final
             samples, metrics = model.weight, control.round_metrics()
             covered = self.data.carried(control.taken(round_))  # what the site's taken deltas trained
+            self.data.sending()
 
             def encode() -> MessageReader:
                 hr.tensors.take_round()

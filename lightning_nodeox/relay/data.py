@@ -15,8 +15,10 @@
   block back (:meth:`SiteData.upstream_void`), every lease below is void, and the round's reports are not
   committed; its hosts learn it from their next report (``LEASE_VOID``) and lease again. A round whose deltas were
   not sent upstream (:meth:`SiteData.not_sent`) voids the leases below and keeps the block.
-- A host that leaves the site or is refused gives its units back to the block (the site's ledger). A relay that
-  dies is cut off at the root past its lease, which gives back every unit the site had not committed.
+- A host that leaves the site or is refused gives its units back to the block (the site's ledger); one that
+  leaves while the round is upstream (:meth:`SiteData.sending`) once it is published (the root may take what it
+  reported, and the site commits what the root took). A relay that dies is cut off at the root past its lease,
+  which gives back every unit the site had not committed.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class SiteData(RunData):
         self.generation: int | None = None  # the relay's lease upstream (the root's generation of it)
         self._voided: set[tuple[str, int]] = set()  # (host, round) of reports taken but void since
         self._asking = asyncio.Lock()  # one refill upstream at a time
+        self._closing = False  # the round's reports are upstream: what the root takes of them the site commits
+        self._left: set[str] = set()  # hosts gone meanwhile: their units go back once the round is published
 
     # -- joining ------------------------------------------------------------------------------------------------
     def declare(self, host: str, spec: DataSpec) -> None:
@@ -114,6 +118,17 @@ class SiteData(RunData):
             return None
         return Covered(self.ledger.epoch, self.generation, self.ledger.carried(taken))
 
+    def sending(self) -> None:
+        """The round's reports go upstream (:meth:`carried`): until it is published here, a host that leaves keeps
+        them (the root may commit them; so must the site)."""
+        self._closing = True
+
+    def gone(self, host: str) -> None:
+        if self._closing:
+            self._left.add(host)
+        else:
+            super().gone(host)
+
     def upstream_void(self) -> None:
         """The relay's delta was not taken upstream: the root took its lease back (see the module)."""
         self._answered.clear()
@@ -131,7 +146,12 @@ class SiteData(RunData):
         """Commit the round's reports (the root published the relay's delta), but for those void since."""
         taken = [t for t in taken if t not in self._voided]
         self._voided.clear()
-        return super().publish(taken)
+        published = super().publish(taken)
+        self._closing = False
+        for host in sorted(self._left):
+            super().gone(host)
+        self._left.clear()
+        return published
 
     def status(self) -> dict | None:
         status = super().status()
