@@ -5,13 +5,20 @@ hosts (lightning_nodeox/relay/data.py)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from helpers import DIGITS, launch, read_events
+from helpers import DIGITS, Coordinator, launch, read_events, wait_for
+from test_ledger_wiring import SAMPLES as LEDGER_SAMPLES, SEED, UNIT, Host, assert_every_index_once, data_status, exchange
+
+from lightning_nodeox.core.ledger_terms import Lease
+from lightning_nodeox.core.protocol import DataSpec, Refusal
 
 SAMPLES = 1797  # scikit-learn's digits
+SITES = ("siteA", "siteB")
 HOSTS = ("0", "1", "2", "3")
 WHOLE = (0, 1)  # the epochs the run trains whole (its last, the third, ends at the first host's final delta)
 
@@ -53,3 +60,44 @@ def test_two_sites_of_two_hosts_train_every_index_of_each_epoch_once_and_the_roo
             mine = sum(1 for h in hosts for e, _ in trained[h] if e == epoch)
             assert 0 < mine < SAMPLES  # both sites took part
             assert sum(e["published_samples"] for e in site if e["epoch"] == epoch) == mine
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_through_relays_over_http_bad_data_is_refused_naming_both_and_a_killed_relays_units_go_back(
+        tmp_path: Path) -> None:
+    """A root and two relays (processes); hosts driven with the real client (test_ledger_wiring's ``Host``): a
+    relay whose first host declares another dataset is refused upstream naming both, and its next host (the run's
+    data) joins; the two sites' hosts, one unit a round each, commit the epoch's every index once; relay B killed
+    -9 holding a unit is cut off at the root past its lease, and that unit goes to site A."""
+    root = Coordinator(tmp_path / "root", 2, "--data-unit", str(UNIT), "--lease", "3")
+    relays = {name: Coordinator(tmp_path / name, 1, "--upstream", root.url, command="relay") for name in SITES}
+    try:
+        a = Host(relays["siteA"].url, "a")
+        a.round.join()
+        wrong = Host(relays["siteB"].url, "w", DataSpec(LEDGER_SAMPLES + 1, seed=SEED))
+        with pytest.raises(Refusal, match=f"dataset has {LEDGER_SAMPLES + 1} samples but the run's has {LEDGER_SAMPLES}"):
+            wrong.round.join()
+        b = Host(relays["siteB"].url, "b")
+        b.round.join()  # the site's data is now the run's: relay B joins the root with it
+        step = 0
+        while data_status(root.url)["epoch"] == 0 and step < 20:
+            exchange([a, b], step)
+            step += 1
+        assert_every_index_once(a.taken + b.taken)
+        assert step == LEDGER_SAMPLES // UNIT // 2  # one unit each a round
+        for site, host in (("siteA", a), ("siteB", b)):  # each site's ledger committed what its host trained
+            assert data_status(relays[site].url)["hosts"][host.client.host]["committed"] == LEDGER_SAMPLES // 2
+
+        while not isinstance(b.lease(), Lease):  # the epoch's end first, then a unit of epoch 1
+            pass
+        held = b.held.spans[0]
+        os.kill(relays["siteB"].pid, signal.SIGKILL)  # relay B dies holding it
+        wait_for(lambda: not data_status(root.url)["hosts"]["siteB"]["present"], 60, "the root to cut relay B off")
+        assert data_status(root.url)["hosts"]["siteB"]["returned"] == len(held)
+        while not isinstance(a.lease(), Lease):
+            pass
+        assert a.held.spans[0] == held  # given back at the root, leased again through relay A
+    finally:
+        for c in (*relays.values(), root):
+            c.stop()
