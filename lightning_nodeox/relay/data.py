@@ -142,16 +142,19 @@ class SiteData(RunData):
         if self.ledger is not None:
             self._voided.update(self.ledger.void_all())
 
-    def publish(self, taken: list[tuple[str, int]]) -> dict | None:
+    def publish(self, taken: list[tuple[str, int]], deltas: dict[str, int] | None = None) -> dict | None:
         """Commit the round's reports (the root published the relay's delta), but for those void since."""
         taken = [t for t in taken if t not in self._voided]
         self._voided.clear()
-        published = super().publish(taken)
+        published = super().publish(taken, deltas)
         self._closing = False
         for host in sorted(self._left):
             super().gone(host)
         self._left.clear()
         return published
+
+    def ahead(self, taken: list[tuple[str, int]]) -> dict | None:
+        return super().ahead([t for t in taken if t not in self._voided])
 
     def status(self) -> dict | None:
         status = super().status()
