@@ -24,6 +24,7 @@ class RootClient:
 
     def __init__(self, root: RunData) -> None:
         self.root, self.data, self.joined, self.calls = root, None, False, 0
+        self.refuse: Refusal | None = None  # what the root answers a lease with instead (it restarted, say)
 
     def join(self) -> None:  # the root's membership declares the relay's data at its join
         self.root.declare(RELAY, self.data)
@@ -34,6 +35,8 @@ class RootClient:
 
     def lease(self, epoch: int | None, units: int = 1):
         self.calls += 1
+        if self.refuse is not None:
+            raise self.refuse
         return self.root.lease(RELAY, epoch, units)
 
 
@@ -42,6 +45,8 @@ class RootUpstream:
 
     def __init__(self, root: RunData) -> None:
         self.client = RootClient(root)
+        self.ready = asyncio.Event()  # the relay's model is the root's (the root leases nothing before)
+        self.ready.set()
 
     async def call_data(self, fn, *args):
         return fn(*args)
@@ -230,3 +235,19 @@ def test_the_site_moves_on_to_the_next_epoch_once_it_published_its_last_reports_
     assert site.data.ledger.epoch == 0 and site.data.publish(taken)["published_samples"] == SAMPLES
     assert site.lease("x") == EpochEnd(0, 1) and site.data.ledger.epoch == 1
     assert site.data.status()["hosts"]["x"]["committed"] == SAMPLES
+
+
+def test_before_the_root_has_the_model_or_after_it_restarted_the_sites_hosts_wait() -> None:
+    site = Site()
+    site.join("x")
+    site.upstream.ready.clear()  # the site's model is still on its way up (its first host provided it)
+    site.data.patience = 0.05
+    assert site.lease("x") == Wait(0) and site.upstream.client.calls == 0
+    site.upstream.ready.set()
+    site.upstream.client.refuse = Refusal(Reason.NO_MODEL, "the run has no model yet")  # the root restarted
+    assert site.lease("x") == Wait(0)
+    site.upstream.client.refuse = Refusal(Reason.INVALID, "bad")  # anything else is the host's to see
+    with pytest.raises(Refusal, match="bad"):
+        site.lease("x")
+    site.upstream.client.refuse = None
+    assert isinstance(site.lease("x"), Lease)

@@ -36,9 +36,12 @@ from .upstream import Upstream
 class SiteData(RunData):
     """The data ledger of a relay's site (see the module), in the run's place (:attr:`RunState.data`)."""
 
-    def __init__(self, upstream: Upstream, name: str) -> None:
+    def __init__(self, upstream: Upstream, name: str, patience: float = 30.0) -> None:
+        """``patience``: seconds a lease waits for the relay's model to be the upstream's (the run's model may
+        still be on its way up from the site: the root leases nothing before it has it), then answers ``Wait``."""
         super().__init__(0, name)  # the unit size is the root's
         self.upstream = upstream
+        self.patience = patience
         self.spec: DataSpec | None = None  # the site's data, declared upstream with every join of the relay
         self.generation: int | None = None  # the relay's lease upstream (the root's generation of it)
         self._voided: set[tuple[str, int]] = set()  # (host, round) of reports taken but void since
@@ -93,10 +96,20 @@ class SiteData(RunData):
 
     async def _refill(self, units: int) -> bool:
         """Lease a block upstream for the site (its hosts' units each), as one host of the root; False: upstream
-        has nothing free (its other hosts hold the epoch's last units)."""
-        ledger = self.ledger
+        has nothing free (its other hosts hold the epoch's last units), or no model yet (its hosts wait)."""
+        ledger, upstream = self.ledger, self.upstream
+        try:
+            await asyncio.wait_for(upstream.ready.wait(), self.patience)
+        except asyncio.TimeoutError:
+            return False
         block = units * max(1, ledger.hosts_present)
-        reply = await self.upstream.call_data(self.upstream.client.lease, ledger.epoch, block)
+        try:
+            reply = await upstream.call_data(upstream.client.lease, ledger.epoch, block)
+        except Refusal as e:
+            if e.reason not in (Reason.NO_MODEL, Reason.NOT_JOINED):
+                raise
+            self.log.info("data ledger: %s leases nothing now (%s); the site's hosts wait", upstream.url, e)
+            return False  # the upstream restarted: the relay joins it again with its next round
         if isinstance(reply, EpochEnd):
             if ledger.undecided:  # the root published the site's last reports; the site has not yet: wait for it
                 return False

@@ -46,7 +46,7 @@ class Site:
         upstream = self.upstream
         self.control = control
         self.model = SiteModel(upstream, control)
-        self.data = SiteData(upstream, control.config.name)
+        self.data = SiteData(upstream, control.config.name, patience=control.config.long_poll)
         control.use_data(self.data)  # its hosts lease from the run's ledger through the relay
         self._close = UpstreamClose(upstream, control, self.data)
         loop = asyncio.get_running_loop()  # the upstream's records come from its thread; the run log is the loop's

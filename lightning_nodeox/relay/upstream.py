@@ -27,7 +27,7 @@ from ..coordinator.service import RoundMean
 from ..core.files import write_atomic
 from ..core.logs import Named
 from ..core.modelfile import ModelFileReader, model_header
-from ..core.phases import PhaseLog, PhaseRecord
+from ..core.phases import DATA, PhaseLog, PhaseRecord
 from ..core.protocol import JoinReply
 from ..core.codecs.settings import CodecSettings, settings_from_json
 from ..core.specs import TensorSpec
@@ -108,8 +108,9 @@ class Upstream:
     def forward(self, record: PhaseRecord) -> None:
         """A record of the relay's site (its hosts', its own coordinator side's) goes upstream as ``RELAY/HOST``,
         so the root's run directory holds the whole picture (its upstream phases go as they are, by itself); a
-        list (the hosts an aggregate took) goes as text, which is what a record upstream may hold."""
-        if record.host != self.config.relay_id:
+        list (the hosts an aggregate took) goes as text, which is what a record upstream may hold. The site's
+        ledger records (``data``) stay in the relay's run log: the root keeps the run's own."""
+        if record.host != self.config.relay_id and record.phase != DATA:
             extra = {k: ",".join(map(str, v)) if isinstance(v, (list, tuple)) else v for k, v in record.extra.items()}
             self._ship(dataclasses.replace(record, host=f"{self.config.relay_id}/{record.host}", extra=extra))
 
