@@ -98,8 +98,8 @@ class DataLedger:
         return void
 
     def take_back(self) -> list[tuple[str, int]]:
-        """Upstream voided the relay's lease: no unit given is the site's any more (a relay's ledger only). Every
-        lease below is void; returns the ``(host, delta)`` of the reports voided (none may be published)."""
+        """Upstream voided the relay's lease: no unit given is the site's any more, every lease below void (as
+        :meth:`advance`)."""
         if self._own:
             raise ValueError("only a relay's ledger (DataLedger.below) gives its units back upstream")
         void, committed = self.void_all(), self._committed
@@ -304,13 +304,11 @@ class DataLedger:
         return self._known(host).counts
 
     @property
-    def undecided(self) -> int:
-        """Reports noted and not yet published nor void."""
+    def undecided(self) -> int:  # reports noted, not yet published nor void
         return sum(len(h.pending) for h in self._hosts.values())
 
     @property
-    def hosts_present(self) -> int:
-        """Hosts that leased and have not left."""
+    def hosts_present(self) -> int:  # hosts that leased and have not left
         return sum(h.present for h in self._hosts.values())
 
     @property
