@@ -304,14 +304,6 @@ class DataLedger:
         return self._known(host).counts
 
     @property
-    def undecided(self) -> int:  # reports noted, not yet published nor void
-        return sum(len(h.pending) for h in self._hosts.values())
-
-    @property
-    def hosts_present(self) -> int:  # hosts that leased and have not left
-        return sum(h.present for h in self._hosts.values())
-
-    @property
     def units_free(self) -> int:
         return len(self._returned) + self.units - self._fresh
 

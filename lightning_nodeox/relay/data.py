@@ -102,7 +102,7 @@ class SiteData(RunData):
             await asyncio.wait_for(upstream.ready.wait(), self.patience)
         except asyncio.TimeoutError:
             return False
-        block = units * max(1, ledger.hosts_present)
+        block = units * max(1, sum(h["present"] for h in _hosts(ledger)))  # a unit for each host leasing here
         try:
             reply = await upstream.call_data(upstream.client.lease, ledger.epoch, block)
         except Refusal as e:
@@ -111,8 +111,8 @@ class SiteData(RunData):
             self.log.info("data ledger: %s leases nothing now (%s); the site's hosts wait", upstream.url, e)
             return False  # the upstream restarted: the relay joins it again with its next round
         if isinstance(reply, EpochEnd):
-            if ledger.undecided:  # the root published the site's last reports; the site has not yet: wait for it
-                return False
+            if any(h["undecided_deltas"] for h in _hosts(ledger)):  # the root published the site's last reports;
+                return False  # the site has not yet: its hosts wait for it
             self._voided.update(ledger.advance(reply.now))
         elif isinstance(reply, Lease):
             if self.generation is not None and reply.generation != self.generation:
@@ -185,3 +185,8 @@ class SiteData(RunData):
         if self.ledger is not None:
             order = self.ledger.order
             self.spec = self.upstream.client.data = DataSpec(order.samples, order.seed, order.shuffle)
+
+
+def _hosts(ledger: DataLedger) -> list[dict]:
+    """Each host's figures in ``ledger`` (:meth:`DataLedger.status`)."""
+    return list(ledger.status()["hosts"].values())
