@@ -59,6 +59,8 @@ class DigitsNet(LightningModule):
         """One line per training step: the round its training goes into (this host's open round: its delta of that
         round carries it), the ledger's epoch its samples are of, and their indices."""
         strategy = self.trainer.strategy
+        if strategy._session.link is None:  # a rank other than 0 of its host: its indices are in its _indices.json
+            return
         sampler = self.trainer.train_dataloader.sampler
         line = {"round": strategy._session.link.round.round, "epoch": sampler.epoch, "indices": indices}
         with open(self.steps_log, "a") as f:
