@@ -142,6 +142,22 @@ def test_a_retried_lease_call_gets_its_first_reply_and_another_data_order_is_ref
     assert data.lease("a", None, 1, seq=2).spans == first.spans  # the cache went with the lease
 
 
+def test_a_host_gone_while_the_open_round_holds_its_delta_has_that_delta_committed_then_its_units_back() -> None:
+    """A host that leaves (or expires) after its delta went into the open round: the round's publish commits what
+    that delta trained (the model holds it), and only then does the rest the host held go back."""
+    data = RunData(UNIT, "test")
+    data.declare("a", DATA)
+    first, second = data.lease("a", None, 1, seq=1), data.lease("a", None, 1, seq=2)
+    data.covered("a", 0, Covered(first.epoch, first.generation, first.spans))
+    data.gone("a", in_round=True)
+    record = data.publish([("a", 0)])
+    assert record["published_samples"] == UNIT and record["spans"] == [[s.unit, s.start, s.end] for s in first.spans]
+    assert data.status()["hosts"]["a"]["units_held"] == 0  # the second unit went back at the publish
+    assert data.lease("b", None, 1).spans == second.spans  # and is the next one leased
+    data.gone("b")  # not in the round: at once
+    assert data.status()["hosts"]["b"]["units_held"] == 0
+
+
 def test_two_hosts_lease_and_commit_every_index_of_the_epoch_exactly_once(coordinator) -> None:
     coord = coordinator(2, *UNIT_FLAGS)
     a, b = joined(coord.url, "a", "b")

@@ -37,6 +37,7 @@ class RunData:
         self.unit_size = unit_size
         self.ledger: DataLedger | None = None
         self._answered: dict[str, tuple[int, LeaseReply]] = {}  # host -> its last lease call's (seq, reply)
+        self._departing: set[str] = set()  # gone while the open round holds a delta of theirs: void at its publish
         self.log = Named(log, name)
 
     def declare(self, host: str, spec: DataSpec) -> None:
@@ -96,10 +97,14 @@ class RunData:
         if self.ledger is not None:
             self.ledger.withdraw(host, round_)
 
-    def gone(self, host: str) -> None:
-        """``host`` left or its lease expired: its units go back."""
+    def gone(self, host: str, *, in_round: bool = False) -> None:
+        """``host`` left or its lease expired: its units go back. ``in_round``: the open round holds a delta of
+        ``host`` it may still take: its report stays until that round's publish commits it (else the model would
+        hold the delta's training while its units went back to be trained again), then its units go back."""
         self._answered.pop(host, None)
-        if self.ledger is not None:
+        if in_round:
+            self._departing.add(host)
+        elif self.ledger is not None:
             self.ledger.gone(host)
 
     def publish(self, taken: list[tuple[str, int]], deltas: dict[str, int] | None = None) -> dict | None:
@@ -117,6 +122,10 @@ class RunData:
         except ValueError:  # a bug: the round is published regardless; the units stay uncommitted
             self.log.exception("the data ledger could not commit the round's reports %s", taken)
             return {**ledger.summary(), "published_samples": 0, "epoch_ended": None, "hosts": ledger.host_counts()}
+        finally:
+            for host in self._departing:
+                ledger.gone(host)
+            self._departing.clear()
         if published.epoch_ended is not None:
             self.log.info("data ledger: epoch %d ended (every sample committed once)", published.epoch_ended)
         return {**ledger.summary(), "published_samples": published.samples,

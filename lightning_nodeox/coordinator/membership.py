@@ -215,7 +215,7 @@ class Membership:
         entry = self.state.hosts.get(host)
         if entry is not None:
             entry.state = HostState.LEFT
-        self.state.data.gone(host)
+        self.state.data.gone(host, in_round=host in self.rounds.deltas.by_host)
         await self.rounds.maybe_close()
         self.rounds.check_finished()
         await self.state.notify()
@@ -225,7 +225,7 @@ class Membership:
         finished (every host gone), or have had no live host for ``--no-hosts-timeout`` (it gives up)."""
         expired = self.state.hosts.expire()
         for entry in expired:
-            self.state.data.gone(entry.id)
+            self.state.data.gone(entry.id, in_round=entry.id in self.rounds.deltas.by_host)
         if expired:
             await self.rounds.maybe_close()
             await self.state.notify()
