@@ -20,7 +20,7 @@ from lightning_nodeox.core.protocol import DataSpec, Refusal
 SAMPLES = 1797  # scikit-learn's digits
 SITES = ("siteA", "siteB")
 HOSTS = ("0", "1", "2", "3")
-WHOLE = (0, 1)  # the epochs the run trains whole (its last, the third, ends at the first host's final delta)
+WHOLE = (0, 1)  # the epochs the run surely trains whole (its last, the third, ends at the first host's final delta)
 
 
 def _trained(out: Path, host: str) -> list[list[int]]:
@@ -49,7 +49,8 @@ def test_two_sites_of_two_hosts_train_every_index_of_each_epoch_once_and_the_roo
 
     root = [e for e in read_events(run_dir) if e["phase"] == "data" and e["host"] == "coordinator"]
     ends = [k for k, e in enumerate(root) if e["epoch_ended"] is not None]
-    assert [root[k]["epoch_ended"] for k in ends] == list(WHOLE)
+    ended = [root[k]["epoch_ended"] for k in ends]
+    assert ended in (list(WHOLE), [*WHOLE, 2])  # the third may end too, when the first final delta is at its end
     for epoch, (start, end) in enumerate(zip([-1, *ends], ends)):  # each epoch committed whole, once
         assert sum(e["published_samples"] for e in root[start + 1: end + 1]) == SAMPLES
         assert all(e["epoch"] == epoch for e in root[start + 1: end])

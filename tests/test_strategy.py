@@ -9,11 +9,11 @@ import torch
 from helpers import TwoOptimizers, data, socket_closed_port
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch.utils.data import SequentialSampler
 
 from lightning_nodeox import NodeoxStrategy, PhaseMonitor
 from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.protocol import Unreachable
+from lightning_nodeox.host.ledger_sampler import LedgerSampler
 from lightning_nodeox.host.tensors import shared_tensors
 
 
@@ -65,9 +65,10 @@ def test_two_optimizers_checkpoints_and_the_final_partial_round(coordinator, tmp
     assert model_hash(shared_tensors(model)) == published[-1]["model_hash"] == trainer.strategy.model_hash
     assert "a.1.running_mean" in dict(shared_tensors(model))
     assert (tmp_path / "ckpt" / "last.ckpt").exists()
-    # one device: a world of one, as Lightning's single-device strategy (no process group, the loader's own sampler)
+    # one device: a world of one, as Lightning's single-device strategy (no process group); the train loader's
+    # sampler is the data ledger's, as DDP's would be a DistributedSampler (use_distributed_sampler=True)
     assert not torch.distributed.is_initialized() and trainer.strategy.launcher is None and trainer.world_size == 1
-    assert type(trainer.train_dataloader.sampler) is SequentialSampler
+    assert type(trainer.train_dataloader.sampler) is LedgerSampler
     assert "loss_a" in trainer.logged_metrics
     assert coord.wait(30) == 0  # the coordinator exits once its only host has finished and left
 

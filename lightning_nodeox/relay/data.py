@@ -136,11 +136,11 @@ class SiteData(RunData):
         them (the root may commit them; so must the site)."""
         self._closing = True
 
-    def gone(self, host: str) -> None:
+    def gone(self, host: str, *, in_round: bool = False) -> None:
         if self._closing:
             self._left.add(host)
         else:
-            super().gone(host)
+            super().gone(host, in_round=in_round)
 
     def upstream_void(self) -> None:
         """The relay's delta was not taken upstream: the root took its lease back (see the module)."""
