@@ -138,6 +138,7 @@ def main() -> None:
     strategy = NodeoxStrategy(local_steps=args.local_steps, cpu_threads=1, codec_threads=1, retry_for=args.retry_for)
     trainer = Trainer(strategy=strategy, max_epochs=-1, max_steps=-1, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False,
+                      use_distributed_sampler=False,  # each host its own shuffle of all of it, as before the ledger
                       callbacks=[Ledger(args.out / f"host{host}.ledger.jsonl"), Pace(args.step_seconds),
                                  StopWhen(args.stop_file)])
     trainer.fit(model, loader)

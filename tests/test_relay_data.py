@@ -251,3 +251,22 @@ def test_before_the_root_has_the_model_or_after_it_restarted_the_sites_hosts_wai
         site.lease("x")
     site.upstream.client.refuse = None
     assert isinstance(site.lease("x"), Lease)
+
+
+def test_a_host_ahead_of_a_site_restored_from_an_older_state_gets_a_lease_of_its_epoch_not_an_error() -> None:
+    """A relay restarted from a state saved before the root's epoch ended: its hosts ask for the next epoch; the site
+    catches up from the root (its EpochEnd moves the site on) instead of refusing them as bad input."""
+    site = Site()
+    site.join("x")
+    site.lease("x")
+    older = site.data.saved()  # the relay's saved state, in epoch 0
+    rounds = 0
+    while site.data.ledger.epoch == 0 and rounds < 50:
+        site.close("x")
+        site.lease("x")
+        rounds += 1
+    assert site.root.ledger.epoch == 1 and site.epoch["x"] == 1
+    site.data.restore(older)  # the relay restarted from its older state
+    assert site.data.ledger.epoch == 0
+    reply = site.lease("x")
+    assert isinstance(reply, Lease) and reply.epoch == 1 and site.data.ledger.epoch == 1

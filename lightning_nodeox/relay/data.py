@@ -75,7 +75,13 @@ class SiteData(RunData):
         async with self._asking:
             if self.ledger is None:
                 await self._make_ledger(host)
-            reply, asked = self.lease(host, epoch, units), 0
+            asked = 0
+            while epoch is not None and epoch > self.ledger.epoch and asked < 3 and await self._refill(units):
+                asked += 1  # the host is ahead of the site (a relay restarted from an older state): catch up
+            if epoch is not None and epoch > self.ledger.epoch:
+                reply = Wait(self.ledger.epoch)  # not yet: the host asks again after an idle round
+            else:
+                reply, asked = self.lease(host, epoch, units), 0
             while isinstance(reply, Wait) and asked < 3 and await self._refill(units):  # (3: an epoch moved on)
                 reply, asked = self.lease(host, epoch, units), asked + 1
         if seq is not None:
