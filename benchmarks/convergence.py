@@ -329,15 +329,21 @@ def host_main(args: argparse.Namespace) -> None:
     class LogTrained(Callback):
         """Each step's ``[round, epoch, indices, time]`` as a line of ``host<id>_trained.jsonl``, flushed: a host
         killed with -9 leaves what it trained (its round: the one its next delta carries, overlap off; its time:
-        before the step)."""
+        before the step). A step the strategy skipped (its batch was read under a data lease found void since: it
+        returns no output) trained nothing and is not written."""
 
         def __init__(self) -> None:
             self.file = open(out / f"host{host}_trained.jsonl", "a")  # noqa: SIM115 - open for the run
+            self.step: list | None = None
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # before the step: its round
             round_ = trainer.strategy._session.link.round.round  # noqa: SLF001 - a benchmark's look inside
-            self.file.write(json.dumps([round_, trainer.current_epoch, batch[2].tolist(), time.time()]) + "\n")
-            self.file.flush()
+            self.step = [round_, trainer.current_epoch, batch[2].tolist(), time.time()]
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if outputs:  # else the strategy skipped the step: a batch read ahead under a lease found void since
+                self.file.write(json.dumps(self.step) + "\n")
+                self.file.flush()
 
     count = Count(args.slowdown if host == args.slow_host else 1.0)
     length = {"max_steps": steps} if args.host_epochs is None else {"max_epochs": args.host_epochs, "max_steps": -1}
