@@ -6,8 +6,9 @@ An epoch's samples are the split's indices each once. A step's samples count whe
 (the coordinator's first ``receive`` of the host's delta of that round after the step) went into a round that was
 published and kept (not when the host's own ``upload`` record of it says ``rejected``: the coordinator then
 receives the empty delta the host sends in its place; a killed host's last records may be missing, so the
-receive decides otherwise): a coordinator restarted from its saved state (a ``restart`` record, its ``round`` the one it
-resumed at) forgets the rounds from there on that its previous life published. A sample's epoch: under the data
+receive decides otherwise): a coordinator restarted from its saved state (a ``restart`` record) forgets the rounds its
+previous life published from the first round it publishes itself on (a round whose model a host gave back, its save
+not on disk, is kept; one it publishes again is not). A sample's epoch: under the data
 ledger, the ledger's (the epochs end at the rounds of the ``data`` records' ``epoch_ended``, and no host trains a
 sample of the next epoch before the round after); hand-sharded, the host's own Lightning epoch (a host that joined
 late: counted from host 0's epoch in its first round). Lost: indices the epoch's counted samples miss; repeated:
@@ -43,8 +44,11 @@ class Published:
         own = [e for e in events if e["host"] == "coordinator"]
         restarts = sorted((e["start"], e["round"]) for e in own if e["phase"] == "restart")
         self._starts = [t for t, _ in restarts]
-        self._resumed = [r for _, r in restarts]  # life k + 1 resumed at this round
         self._published = {(self._life(e["end"]), e["round"]) for e in own if e["phase"] == "sync_prepare"}
+        # life k + 1 went on from this round: the first it published (a host may have given back the model of a
+        # round its save had not reached: that round is kept), else the round its restart record says it resumed at
+        self._resumed = [min((r for life, r in self._published if life == k + 1), default=resumed)
+                         for k, (_, resumed) in enumerate(restarts)]
         self._receives: dict[tuple[str, int], list[float]] = defaultdict(list)
         for e in own:
             if e["phase"] == "receive" and e.get("from_host") is not None:

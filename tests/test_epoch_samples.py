@@ -61,6 +61,16 @@ def test_a_round_a_restarted_coordinator_forgot_does_not_count_and_its_retake_do
         {"epoch": 0, "trained": 4, "lost": 0, "repeated": 0}]  # without the restart's rule: 2 and 3 twice
 
 
+def test_a_round_whose_model_a_host_gave_back_to_the_restarted_coordinator_counts(tmp_path: Path) -> None:
+    # round 1 published at 18, killed before its save; restarted at 19 from the save of round 0 (its record: resumed
+    # at round 1), a host gave back round 1's model: the new life publishes round 2 first, so round 1 is kept
+    _log(tmp_path, "0", [(0, 0, [0, 1]), (1, 0, [2, 3]), (2, 0, [4, 5], 20.0)])
+    events = [*_events([("0", 0), ("0", 1)], [0, 1]), _record("restart", 1, 19.0),
+              _record("receive", 2, 25.0, from_host="0"), _record("sync_prepare", 2, 28.0)]
+    assert per_epoch(tmp_path, events, 6, ledger=False, epochs=1) == [
+        {"epoch": 0, "trained": 6, "lost": 0, "repeated": 0}]  # by the restart record alone: 2 and 3 lost
+
+
 def test_a_refused_deltas_steps_do_not_count_though_the_empty_delta_sent_instead_was_received(tmp_path: Path) -> None:
     _log(tmp_path, "0", [(0, 0, [0, 1]), (1, 0, [2, 3])])
     _log(tmp_path, "1", [(1, 0, [2, 3])])  # its round-1 delta refused (its lease void), an empty one received instead
