@@ -15,7 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from helpers import Coordinator, start_host, stop, wait_for
+from helpers import Coordinator, read_events, start_host, stop, wait_for
 
 from lightning_nodeox.core.ledger_order import DataOrder
 
@@ -111,8 +111,13 @@ class SavedStates:
 def one_round_behind(run_dir: Path, states: SavedStates) -> int:
     """Make the saved state the one of the round before (as if the coordinator was killed after publishing a round
     and before saving it), with what it wrote before that round's sync went out beside it: the ledger after the
-    publish, ``data-R.json`` (the run's ``run.json`` of round R holds that ledger). Returns R."""
+    publish, ``data-R.json`` (the run's ``run.json`` of round R holds that ledger). Returns R. When the kill itself
+    landed between a publish and its save (the last round published is the saved state's, not the one before), the
+    state is left as it is: it is behind already, and the coordinator wrote ``data-R.json`` itself."""
     now = json.loads((run_dir / "state" / "run.json").read_text())
+    published = max(e["round"] for e in read_events(run_dir) if e["phase"] == "sync_prepare")
+    if published == now["round"]:
+        return published + 1
     r = now["round"]
     assert r - 1 in states.by_round, f"run.json of round {r - 1} was not seen"
     behind = dict(states.by_round[r - 1], hosts=now["hosts"])  # (credentials issued since: kept, as at a join)
