@@ -557,6 +557,10 @@ def run_epochs(args: argparse.Namespace, mode: str, seed: int, workdir: Path) ->
     events = read_events(run_dir)
     records = {h: host_records(events, h) for h in results}
     epochs = epoch_samples.per_epoch(out, events, _split_size(), ledger, args.epochs)
+    wrong = epoch_samples.ledger_disagreements(out, events) if ledger else {}
+    if wrong:  # the hosts' logs joined by time miscount what the ledger says the published rounds took
+        raise RuntimeError(f"epoch counts disagree with the ledger's data records, (host, round): (counted, "
+                           f"ledger's) {wrong}")
     return _result(results, {h: nodeox_bytes_sent(r) for h, r in records.items()},
                    {h: wait_share(r) for h, r in records.items()}, time.time() - started, {},
                    {"epochs": epochs, "rounds": max((e["round"] for e in events if "round" in e), default=0)})

@@ -103,3 +103,22 @@ def per_epoch(out: Path, events: list[dict], samples: int, ledger: bool, epochs:
                 counts[e].update(indices)
     return [{"epoch": e, "trained": sum(c.values()), "lost": samples - len(c),
              "repeated": sum(c.values()) - len(c)} for e, c in enumerate(counts)]
+
+
+def ledger_disagreements(out: Path, events: list[dict]) -> dict[tuple[str, int], tuple[int, int]]:
+    """Under the data ledger, a check of the time join above against the authority: ``{(host, round): (counted,
+    ledger's)}`` where the samples this module counts for a host's step in a kept published round differ from the
+    coordinator's ``data`` record's ``deltas`` for it (the samples of that host's delta the round took). Empty when
+    they agree."""
+    published = Published(events)
+    ledger = Counter()
+    for e in events:
+        if e["host"] == "coordinator" and e["phase"] == "data" and published.kept(e):
+            for h, n in (e.get("deltas") or {}).items():
+                ledger[(str(h), e["round"])] = n  # a round's last kept record (a restart's retake replaces it)
+    counted = Counter()
+    for h, rows in trained(out).items():
+        for round_, _, indices, at in rows:
+            if published.counts(h, round_, at):
+                counted[(h, round_)] += len(indices)
+    return {k: (counted[k], ledger[k]) for k in sorted(set(counted) | set(ledger)) if counted[k] != ledger[k]}

@@ -79,3 +79,16 @@ def test_a_refused_deltas_steps_do_not_count_though_the_empty_delta_sent_instead
     events = [*_events([("0", 0), ("0", 1), ("1", 1)], [0, 1]), *uploads]
     assert per_epoch(tmp_path, events, 4, ledger=False, epochs=1) == [
         {"epoch": 0, "trained": 4, "lost": 0, "repeated": 0}]
+
+
+def test_the_time_join_is_checked_against_the_ledgers_data_records(tmp_path: Path) -> None:
+    from epoch_samples import ledger_disagreements
+
+    _log(tmp_path, "0", [(0, 0, [0, 1]), (1, 0, [2, 3])])
+    _log(tmp_path, "1", [(0, 0, [4, 5]), (1, 0, [6])])
+    taken = [("0", 0), ("1", 0), ("0", 1), ("1", 1)]
+    agree = [_record("data", 0, 8.0, deltas={"0": 2, "1": 2}), _record("data", 1, 18.0, deltas={"0": 2, "1": 1})]
+    assert ledger_disagreements(tmp_path, [*_events(taken, [0, 1]), *agree]) == {}
+    # the ledger took 0 samples of host 1's round-1 delta (say, a step skipped that its log still had)
+    differ = [agree[0], _record("data", 1, 18.0, deltas={"0": 2})]
+    assert ledger_disagreements(tmp_path, [*_events(taken, [0, 1]), *differ]) == {("1", 1): (1, 0)}
