@@ -3,8 +3,11 @@ shards its training steps consumed completely."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from helpers import Coordinator, start_host, stop
 from local_transport import LocalClient
 from torch.utils.data import DataLoader
 
@@ -13,7 +16,7 @@ from lightning_nodeox.core.ledger_order import DataOrder
 from lightning_nodeox.core.ledger_terms import EpochEnd, Lease, Span
 from lightning_nodeox.core.phases import TRAIN
 from lightning_nodeox.host.ledger_shards import ShardData
-from test_ledger_lightning import Recording
+from test_ledger_lightning import SAMPLES, Recording, _first_epoch_committed, _trained
 from lightning.pytorch import Trainer
 
 SIZES = [7, 3, 5, 9, 4, 6]  # shard k holds SIZES[k] samples
@@ -96,3 +99,31 @@ def test_one_host_trains_every_shard_once_an_epoch_and_the_ledger_commits_them(l
 def test_workers_are_refused_naming_the_fix(local_coordinator, tmp_path) -> None:
     with pytest.raises(ValueError, match="num_workers=0"):
         _fit(local_coordinator, tmp_path, num_workers=1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("overlap", ["off", "eager"])
+def test_two_hosts_train_every_shard_of_the_first_epoch_once_and_the_coordinator_commits_the_shards(
+        tmp_path: Path, overlap: str) -> None:
+    """The digits as 20 shards of 90 samples (the last 87), ``--data-unit 1``: the hosts' first epochs, joined, are
+    every sample once, each shard trained by one host only, and the coordinator committed exactly 20 positions
+    (shards) before the epoch ended. Batches of 30: a pass (whole shards) never ends in a batch of one, which the
+    model's BatchNorm refuses."""
+    coord = Coordinator(tmp_path / "run", 2, "--data-unit", "1")
+    out = tmp_path / "out"
+    procs = [start_host(h, coord.url, out, "--ledger", "--log-indices", "--shards", "20", "--max-epochs", "2",
+                        "--max-steps", "100000", "--local-steps", "4", "--batch-size", "30", "--overlap", overlap) for h in "01"]
+    try:
+        for p in procs:
+            assert p.wait(120) == 0, [f.read_text()[-4000:] for f in sorted(out.glob("host*.log"))]
+        assert coord.wait(30) == 0, coord.log_path.read_text()[-4000:]
+    finally:
+        stop(procs)
+        coord.stop()
+    first = {h: [i for epoch, i in _trained(out, h) if epoch == 0] for h in "01"}
+    assert sorted(first["0"] + first["1"]) == list(range(SAMPLES))  # none lost, none twice
+    shards = {h: {i // 90 for i in first[h]} for h in "01"}  # the shards each host consumed
+    assert shards["0"] and shards["1"] and not shards["0"] & shards["1"]  # each shard read by one host
+    assert shards["0"] | shards["1"] == set(range(20))
+    assert _first_epoch_committed(coord) == 20  # positions are shards: each committed once
