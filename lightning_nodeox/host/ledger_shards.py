@@ -52,7 +52,7 @@ class LedgerShards(IterableDataset):
             return
         sampler, count = self.data.sampler, 0
         for position in sampler:
-            row = sampler._rows - 1  # this shard's row of the pass
+            row = sampler.rows - 1  # this shard's row of the pass
             for sample in self.read(self.shards[position]):
                 if sampler.void_rows > row:
                     break  # the lease is void: the rest of this shard is another host's
