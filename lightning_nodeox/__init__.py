@@ -18,7 +18,7 @@ from .core import logs
 from .core.codecs.settings import BF16Settings, CodecSettings, FP32Settings, Q2Settings, Q4Settings, SparseSettings
 
 __version__ = "0.1.0"
-__all__ = ["NodeoxFabricStrategy", "NodeoxStrategy", "PhaseMonitor", "CodecSettings", "Q4Settings", "Q2Settings",
+__all__ = ["NodeoxFabricStrategy", "NodeoxStrategy", "PhaseMonitor", "LedgerShards", "CodecSettings", "Q4Settings", "Q2Settings",
            "SparseSettings", "BF16Settings", "FP32Settings"]
 
 
@@ -40,6 +40,10 @@ def __getattr__(name: str):
         from .host.callbacks import PhaseMonitor
 
         return PhaseMonitor
+    if name == "LedgerShards":
+        from .host.ledger_shards import LedgerShards
+
+        return LedgerShards
     raise AttributeError(f"module 'lightning_nodeox' has no attribute {name!r}")
 
 
@@ -58,4 +62,5 @@ if not _running_the_nodeox_command():  # importing the strategies registers them
     _show_host_logs()
     from .host.callbacks import PhaseMonitor
     from .host.fabric import NodeoxFabricStrategy
+    from .host.ledger_shards import LedgerShards
     from .host.strategy import NodeoxStrategy

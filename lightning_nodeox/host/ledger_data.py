@@ -2,8 +2,9 @@
 :class:`~lightning_nodeox.host.ledger_sampler.LedgerSampler`, as DDP's gets a ``DistributedSampler``.
 
 - When: ``Trainer(use_distributed_sampler=True)`` (Lightning's default), one train loader (a ``DataLoader``) of a
-  map-style dataset (it has a length) whose sampler is not a ``DistributedSampler`` already. Else nothing changes:
-  an iterable dataset, ``use_distributed_sampler=False`` and several train loaders (a ``CombinedLoader``) keep
+  map-style dataset (it has a length) whose sampler is not a ``DistributedSampler`` already; a
+  :class:`~lightning_nodeox.host.ledger_shards.LedgerShards` is shared out by shards (``host/ledger_shards.py``).
+  Else nothing changes: another iterable dataset, ``use_distributed_sampler=False`` and several train loaders (a ``CombinedLoader``) keep
   today's loaders.
 - A host of several devices (K ranks): every rank's loader gets the sampler, rank r of K (in place of the
   ``DistributedSampler`` Lightning gave it); rank 0 leases, and the other ranks take its answer

@@ -163,6 +163,11 @@ class LedgerSampler(Sampler[int]):
         self._anchor = (self._rows, self._leased)
 
     @property
+    def rows(self) -> int:
+        """The rows this pass has read (the last one yielded is row ``rows - 1``)."""
+        return self._rows
+
+    @property
     def void_rows(self) -> int:
         """The rows of this pass read before its lease was last found void (0: none): those not trained yet must
         not be (their positions are the ledger's again); one rank trains one sample a row."""

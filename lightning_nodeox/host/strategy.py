@@ -39,6 +39,7 @@ from . import eventlogs, machine
 from .agreement import averages_weights, suspects
 from .devices import OneDevice, SeveralDevices, devices_of
 from .ledger_data import LedgerData
+from .ledger_shards import ShardData
 from .lightning_private import value_being_reduced
 from .metric_states import MetricStates
 from .session import HostSession, SessionReadings
@@ -244,7 +245,7 @@ class NodeoxStrategy(SessionReadings, DDPStrategy):
         self._data = None
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        self._data = LedgerData.of(trainer, self._session, samplers=self._samplers, step=lambda: steps_taken(trainer))
+        self._data = ShardData.of(trainer, self._session, samplers=self._samplers, step=lambda: steps_taken(trainer))
         self._session.start(self.lightning_module, self.root_device, devices.ranks, self._took)
 
     @override

@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
-from lightning_nodeox import NodeoxStrategy, PhaseMonitor
+from lightning_nodeox import LedgerShards, NodeoxStrategy, PhaseMonitor
 from lightning_nodeox.host.tensors import shared_tensors
 
 
@@ -61,7 +61,8 @@ class DigitsNet(LightningModule):
         strategy = self.trainer.strategy
         if strategy._session.link is None:  # a rank other than 0 of its host: its indices are in its _indices.json
             return
-        sampler = self.trainer.train_dataloader.sampler
+        loader = self.trainer.train_dataloader
+        sampler = loader.dataset.data.sampler if isinstance(loader.dataset, LedgerShards) else loader.sampler
         line = {"round": strategy._session.link.round.round, "epoch": sampler.epoch, "indices": indices}
         with open(self.steps_log, "a") as f:
             f.write(json.dumps(line) + "\n")
@@ -214,6 +215,8 @@ def main() -> None:
                    "loader's sampler is the ledger's; the loader keeps its last partial batch)")
     p.add_argument("--log-indices", action="store_true", help="write the indices each step trained to --out")
     p.add_argument("--max-epochs", type=int)
+    p.add_argument("--shards", type=int, default=0, help="the data is this many shards (LedgerShards of in-memory "
+                   "lists of contiguous samples; with --ledger the ledger leases shards)")
     p.add_argument("--join-file", type=Path, help="join the run (start fit) only once this file exists")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -226,6 +229,10 @@ def main() -> None:
                          *([torch.arange(len(y))] if args.log_indices else []))
     gen = torch.Generator().manual_seed(int(host))
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=True, generator=gen, drop_last=not args.ledger)
+    if args.shards:
+        size = -(-len(data) // args.shards)
+        shards = {str(k): [data[i] for i in range(k * size, min((k + 1) * size, len(data)))] for k in range(args.shards)}
+        loader = DataLoader(LedgerShards(list(shards), shards.__getitem__), batch_size=args.batch_size)
     fail = args.fail_round * args.local_steps + args.local_steps // 2 if args.fail_round >= 0 and host == "1" else -1
     model = DigitsNet(host=int(host), stop_host=args.stop_host, fail_at_step=fail, epoch_value=args.epoch_value)
     if args.skip_sync_round >= 0 and host == "1":
