@@ -393,6 +393,19 @@ def start_host(host: str, url: str, out: Path, *args: str, token: str | None = N
                             stderr=subprocess.STDOUT)
 
 
+def run_hosts(coord: Coordinator, out: Path, hosts: str, *args: str, timeout: float) -> None:
+    """Start a digits host process for each id in ``hosts`` (with ``args``) and wait until each, then the
+    coordinator, exits 0 (the logs' tails in the failure); whatever still runs is stopped."""
+    procs = [start_host(h, coord.url, out, *args) for h in hosts]
+    try:
+        for p in procs:
+            assert p.wait(timeout) == 0, [f.read_text()[-4000:] for f in sorted(out.glob("host*.log"))]
+        assert coord.wait(30) == 0, coord.log_path.read_text()[-4000:]
+    finally:
+        stop(procs)
+        coord.stop()
+
+
 def wait_for(predicate, timeout: float, what: str) -> None:
     """Poll ``predicate`` until it holds, failing the test after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

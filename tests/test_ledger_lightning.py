@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import Coordinator, start_host, stop
+from helpers import Coordinator, run_hosts
 from lightning.pytorch import LightningModule, Trainer
 from local_transport import LocalClient
 from torch import nn
@@ -46,15 +46,9 @@ def test_two_hosts_train_every_sample_of_the_first_epoch_once_and_the_coordinato
     joined, are every index once, and the coordinator committed the epoch's samples exactly once."""
     coord = Coordinator(tmp_path / "run", 2, "--data-unit", "128")
     out = tmp_path / "out"
-    procs = [start_host(h, coord.url, out, "--ledger", "--log-indices", "--max-epochs", "2", "--max-steps", "100000",
-                        "--local-steps", "6", "--batch-size", "32", "--overlap", overlap) for h in "01"]
-    try:
-        for p in procs:
-            assert p.wait(90) == 0, [f.read_text()[-4000:] for f in sorted(out.glob("host*.log"))]
-        assert coord.wait(30) == 0, coord.log_path.read_text()[-4000:]
-    finally:
-        stop(procs)
-        coord.stop()
+    run_hosts(coord, out, "01", "--ledger", "--log-indices", "--max-epochs", "2", "--max-steps", "100000",
+              "--local-steps", "6", "--batch-size", "32", "--overlap", overlap,
+              timeout=90)
     first = [i for h in "01" for epoch, i in _trained(out, h) if epoch == 0]
     assert sorted(first) == list(range(SAMPLES))  # none lost, none twice
     assert all(_trained(out, h) for h in "01")  # both hosts trained
@@ -71,16 +65,9 @@ def test_a_host_of_two_ranks_and_a_host_of_one_device_share_the_epoch(tmp_path: 
     DistributedSampler pads), and the coordinator committed exactly the epoch before it ended."""
     coord = Coordinator(tmp_path / "run", 2, "--data-unit", "128")
     out = tmp_path / "out"
-    procs = [start_host(h, coord.url, out, "--ledger", "--log-indices", "--max-epochs", "2", "--max-steps", "100000",
-                        "--local-steps", "6", "--batch-size", "32", "--devices", "2,1", "--overlap", overlap)
-             for h in "01"]
-    try:
-        for p in procs:
-            assert p.wait(150) == 0, [f.read_text()[-4000:] for f in sorted(out.glob("host*.log"))]
-        assert coord.wait(30) == 0, coord.log_path.read_text()[-4000:]
-    finally:
-        stop(procs)
-        coord.stop()
+    run_hosts(coord, out, "01", "--ledger", "--log-indices", "--max-epochs", "2", "--max-steps", "100000",
+              "--local-steps", "6", "--batch-size", "32", "--devices", "2,1", "--overlap", overlap,
+              timeout=150)
     ranks = ["0", "0.rank1", "1"]
     first = {r: [i for epoch, i in _trained(out, r) if epoch == 0] for r in ranks}
     times = Counter(i for r in ranks for i in first[r])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import Coordinator, start_host, stop
+from helpers import Coordinator, run_hosts
 from local_transport import LocalClient
 from torch.utils.data import DataLoader
 
@@ -112,15 +112,9 @@ def test_two_hosts_train_every_shard_of_the_first_epoch_once_and_the_coordinator
     model's BatchNorm refuses."""
     coord = Coordinator(tmp_path / "run", 2, "--data-unit", "1")
     out = tmp_path / "out"
-    procs = [start_host(h, coord.url, out, "--ledger", "--log-indices", "--shards", "20", "--max-epochs", "2",
-                        "--max-steps", "100000", "--local-steps", "4", "--batch-size", "30", "--overlap", overlap) for h in "01"]
-    try:
-        for p in procs:
-            assert p.wait(120) == 0, [f.read_text()[-4000:] for f in sorted(out.glob("host*.log"))]
-        assert coord.wait(30) == 0, coord.log_path.read_text()[-4000:]
-    finally:
-        stop(procs)
-        coord.stop()
+    run_hosts(coord, out, "01", "--ledger", "--log-indices", "--shards", "20", "--max-epochs", "2",
+              "--max-steps", "100000", "--local-steps", "4", "--batch-size", "30", "--overlap", overlap,
+              timeout=120)
     first = {h: [i for epoch, i in _trained(out, h) if epoch == 0] for h in "01"}
     assert sorted(first["0"] + first["1"]) == list(range(SAMPLES))  # none lost, none twice
     shards = {h: {i // 90 for i in first[h]} for h in "01"}  # the shards each host consumed

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import Coordinator, start_host, stop
+from helpers import Coordinator, run_hosts
 
 SAMPLES = 1797  # scikit-learn's digits
 EPOCHS = 3
@@ -28,16 +28,10 @@ def test_a_3x_slower_host_takes_a_third_of_the_units_and_both_start_each_epoch_i
         tmp_path: Path) -> None:
     coord = Coordinator(tmp_path / "run", 2, "--data-unit", "32")
     out = tmp_path / "out"
-    procs = [start_host(h, coord.url, out, "--ledger", "--log-indices", "--max-epochs", str(EPOCHS + 1),
-                        "--max-steps", "100000", "--batch-size", "16", "--round-seconds", "1.5",
-                        "--step-seconds", "0.1,0.3") for h in "01"]  # host 1 sleeps 3x as long at every step
-    try:
-        for p in procs:
-            assert p.wait(200) == 0, [f.read_text()[-4000:] for f in sorted(out.glob("host*.log"))]
-        assert coord.wait(30) == 0, coord.log_path.read_text()[-4000:]
-    finally:
-        stop(procs)
-        coord.stop()
+    run_hosts(coord, out, "01", "--ledger", "--log-indices", "--max-epochs", str(EPOCHS + 1),
+              "--max-steps", "100000", "--batch-size", "16", "--round-seconds", "1.5",
+              "--step-seconds", "0.1,0.3",
+              timeout=200)  # host 1 sleeps 3x as long at every step
     # the last epoch is cut short (the fast host's training ends with it, and so the run): the first EPOCHS count
     records = [e for e in coord.events() if e["phase"] == "data"]
     ended = {e["epoch_ended"]: e["round"] for e in records if e["epoch_ended"] is not None}

@@ -21,15 +21,13 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ..core.ledger_terms import LeaseReply
-from ..core.protocol import DataSpec
-from .ledger_data import LedgerData
+from .ledger_data import LedgerData, declared
 
 
 def fabric_sampled(loader: object) -> bool:
@@ -73,8 +71,7 @@ class FabricData:
 
     def __init__(self, loader: DataLoader, lease: Callable[[int | None], LeaseReply], idle: Callable[[], bool],
                  pass_ended: Callable[[], None]) -> None:
-        spec = DataSpec(samples=len(loader.dataset), seed=int(os.environ.get("PL_GLOBAL_SEED", 0)), shuffle=True)
-        self.data = LedgerData(spec, lease, idle)
+        self.data = LedgerData(declared(len(loader.dataset), True), lease, idle)
         self.pass_ended = pass_ended
         self._passes = 0
         self.loader = self._counted(self.data.loader(loader))

@@ -11,7 +11,7 @@
   (:meth:`~lightning_nodeox.host.ranks.HostRanks.lead`): every rank asks at the same row of its stream, so the
   ranks meet in that broadcast in the same order, and all end a pass on the same batch.
 - Join: the host declares ``DataSpec(samples=len(dataset), seed=<seed_everything's, else 0>, shuffle=<whether the
-  user's loader shuffled>)`` (:func:`data_spec`); every host of a run must declare the same.
+  user's loader shuffled>)`` (:func:`declared`); every host of a run must declare the same.
 - The loader: Lightning rebuilds it with the sampler (``_update_dataloader``: its batch size, workers, collate_fn
   and drop_last kept); the sampler leases one unit at a time through the link's round, rank 0 for the host's ranks
   (a coordinator that restarted is joined again first, :meth:`~lightning_nodeox.host.joining.Joining.lease`).
@@ -43,21 +43,19 @@ from ..core.ledger_order import DataOrder
 from ..core.ledger_terms import Covered, LeaseReply
 from ..core.protocol import DataSpec
 from .ledger_sampler import LedgerSampler
-from .lightning_private import train_loader_early
 from .session import HostSession
 
 
-
-def shares_out(loader: object, use_distributed_sampler: bool) -> bool:
+def shares_out(loader: object) -> bool:
     """Whether the ledger shares out this train loader's data (see the module's doc)."""
-    return (use_distributed_sampler and isinstance(loader, DataLoader) and not has_iterable_dataset(loader)
+    return (isinstance(loader, DataLoader) and not has_iterable_dataset(loader)
             and hasattr(loader.dataset, "__len__") and not isinstance(loader.sampler, DistributedSampler))
 
 
-def data_spec(loader: DataLoader) -> DataSpec:
-    """What the host declares at join for ``loader``: its dataset's length, the run's seed, whether it shuffles."""
-    return DataSpec(samples=len(loader.dataset), seed=int(os.environ.get("PL_GLOBAL_SEED", 0)),
-                    shuffle=_is_dataloader_shuffled(loader))
+def declared(samples: int, shuffle: bool) -> DataSpec:
+    """What a host declares at join: its data's length, the run's seed (``seed_everything``'s, else 0), whether it
+    shuffles."""
+    return DataSpec(samples=samples, seed=int(os.environ.get("PL_GLOBAL_SEED", 0)), shuffle=shuffle)
 
 
 def lease_for_ranks(session: HostSession, epoch: int | None) -> LeaseReply:
@@ -78,20 +76,23 @@ class LedgerData:
         self._pass = -1  # Lightning's epoch the count belongs to
 
     @classmethod
-    def of(cls, trainer: Trainer, session: HostSession, *, samplers: bool,
+    def of(cls, loader: object, trainer: Trainer, session: HostSession,
            step: Callable[[], int]) -> LedgerData | None:
-        """Before the join, on every rank: when the ledger shares out this fit's train loader (``samplers``: the
-        Trainer's ``use_distributed_sampler``), the session declares its data at join and sends what each round
-        trained; the host's ranks read the lease in rows (this rank: ``trainer.global_rank`` of
-        ``trainer.world_size``). ``step()``: where an idle round closes."""
+        """Before the join, on every rank: when the ledger shares out this fit's train ``loader`` (read early, only
+        with ``use_distributed_sampler``), the session declares its data at join and sends what each round trained;
+        the host's ranks read the lease in rows (this rank: ``trainer.global_rank`` of ``trainer.world_size``).
+        ``step()``: where an idle round closes."""
         session.data, session.covered = None, lambda pass_ended: None
-        loader = train_loader_early(trainer) if samplers else None
-        if not shares_out(loader, True):
+        if not shares_out(loader):
             return None
-        data = cls(data_spec(loader), lambda epoch: lease_for_ranks(session, epoch), lambda: session.idle_round(step()),
-                   rank=trainer.global_rank, ranks=trainer.world_size)
-        session.data, session.covered = data.spec, data.covered
-        return data
+        return cls(declared(len(loader.dataset), _is_dataloader_shuffled(loader)),
+                   lambda epoch: lease_for_ranks(session, epoch), lambda: session.idle_round(step()),
+                   rank=trainer.global_rank, ranks=trainer.world_size).attached(session)
+
+    def attached(self, session: HostSession) -> LedgerData:
+        """This data is what ``session`` declares at join and reports at each round boundary."""
+        session.data, session.covered = self.spec, self.covered
+        return self
 
     def loader(self, loader: DataLoader) -> DataLoader:
         """``loader`` rebuilt with the ledger's sampler, as Lightning rebuilds one with a ``DistributedSampler`` (on a

@@ -20,7 +20,6 @@ sample is of) and a host of several devices (``Trainer(devices=1)`` per host).""
 from __future__ import annotations
 
 import bisect
-import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -28,8 +27,7 @@ from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader, IterableDataset
 
 from ..core.ledger_terms import Covered
-from ..core.protocol import DataSpec
-from .ledger_data import LedgerData, lease_for_ranks
+from .ledger_data import LedgerData, declared, lease_for_ranks
 from .lightning_private import train_loader_early
 from .session import HostSession
 
@@ -77,18 +75,17 @@ class ShardData(LedgerData):
     @classmethod
     def of(cls, trainer: Trainer, session: HostSession, *, samplers: bool,
            step: Callable[[], int]) -> LedgerData | None:
-        """As :meth:`LedgerData.of`, for a train loader of a :class:`LedgerShards`; else :meth:`LedgerData.of`."""
+        """The fit's data under the ledger (``samplers``: the Trainer's ``use_distributed_sampler``), its train loader
+        read early once: a :class:`LedgerShards` loader's shards, else :meth:`LedgerData.of`."""
         loader = train_loader_early(trainer) if samplers else None
         if not isinstance(getattr(loader, "dataset", None), LedgerShards):
-            return LedgerData.of(trainer, session, samplers=samplers, step=step)
+            return LedgerData.of(loader, trainer, session, step)
         if trainer.world_size > 1:
             raise ValueError(f"LedgerShards under the data ledger runs on a host of one device (this host has "
                              f"{trainer.world_size}): use Trainer(devices=1) per host")
         _check_workers(loader)
-        spec = DataSpec(samples=len(loader.dataset.shards), seed=int(os.environ.get("PL_GLOBAL_SEED", 0)), shuffle=True)
-        data = cls(spec, lambda epoch: lease_for_ranks(session, epoch), lambda: session.idle_round(step()))
-        session.data, session.covered = data.spec, data.covered
-        return data
+        return cls(declared(len(loader.dataset.shards), True), lambda epoch: lease_for_ranks(session, epoch),
+                   lambda: session.idle_round(step())).attached(session)
 
     def loader(self, loader: DataLoader) -> DataLoader:
         """The loader as given; its dataset reads the shards this host's sampler yields."""

@@ -13,6 +13,7 @@ A run whose hosts never declared their data has no ``data`` records and no such 
 from __future__ import annotations
 
 from ..core import phases as P
+from .columns import aligned
 from .summary import host_key
 
 
@@ -74,8 +75,6 @@ def render(data: dict) -> list[str]:
     rows = [["host", "leased", "committed", "returned", "in flight"]]
     rows += [[h, *(str(c[k]) for k in ("leased", "committed", "returned", "in_flight"))]
              for h, c in data["hosts"].items()]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines.append("  samples over the run:")
-    lines += ["    " + "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
-              for r in rows]
+    lines += ["    " + line for line in aligned(rows, right=True)]
     return lines

@@ -29,7 +29,7 @@ from ..core.protocol import Refusal, Unreachable
 from ..core.settings import ENV_CA_FILE, ENV_TOKEN, RUN_DIR_TOKEN
 from ..core.transport import HostClient
 from ..host.client import HttpClient
-from .columns import human_bytes
+from .columns import aligned, human_bytes
 
 FAILED = ("hosts gone",)
 DONE = ("complete", *FAILED)
@@ -64,15 +64,10 @@ def render(status: dict) -> str:
                      _value(h["loss"]), *([f"{h['wait_cost']:.2f}"] if priced else []),
                      ", ".join(f"{k} {_value(v)}" for k, v in h["metrics"].items()) or "-"])
     lines.append("")
-    lines += _table(rows)
+    lines += aligned(rows)
     if status.get("data"):
         lines += ["", *render_data(status["data"])]
     return "\n".join(lines)
-
-
-def _table(rows: list[list[str]]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
 def render_data(data: dict) -> list[str]:
@@ -85,7 +80,7 @@ def render_data(data: dict) -> list[str]:
     for name, h in data["hosts"].items():
         rows.append([name if h["present"] else f"{name} (gone)", *(str(h[k]) for k in (
             "leased", "committed", "in_flight", "returned", "units_held"))])
-    return lines + _table(rows)
+    return lines + aligned(rows)
 
 
 def main(target: str, *, token: str | None = None, watch: bool = False, interval: float = 2.0) -> int:
