@@ -56,7 +56,8 @@ def test_a_codecs_settings_travel_whole_in_a_header_run_json_and_a_join_reply(se
 
 def test_settings_are_refused_naming_the_fix() -> None:
     refusals = {
-        "codec 'sparse' has no setting block_size: leave it out (it takes density, scale_dtype)":
+        "codec 'sparse' has no setting block_size: leave it out (it takes density, scale_dtype, chunking, levels, "
+        "error_decay, mean)":
             lambda: settings_for("sparse", block_size=128),
         "codec 'bf16' has no setting scale_dtype: leave it out (it takes none)":
             lambda: settings_for("bf16", scale_dtype="fp32"),
@@ -76,10 +77,11 @@ def test_settings_are_refused_naming_the_fix() -> None:
         assert str(refused.value).startswith(text)
 
 
-def test_the_old_names_sparse_and_sparse3_are_the_sparse_codec_at_1_and_3_percent() -> None:
-    assert settings_for("sparse") == SparseSettings(density=0.01) == SparseSettings()
+def test_sparse_is_sparselocos_recipe_and_sparse3_the_recipe_at_3_percent() -> None:
+    assert settings_for("sparse") == SparseSettings() == SparseSettings(
+        density=64 / 4096, chunking="tiles", levels="centroids", error_decay=0.95, mean="senders")
     assert settings_for("sparse3") == SparseSettings(density=0.03)
-    assert (codec_for(settings_for("sparse")).k, codec_for(settings_for("sparse3")).k) == (41, 123)
+    assert (codec_for(settings_for("sparse")).k, codec_for(settings_for("sparse3")).k) == (64, 123)
 
 
 @pytest.mark.parametrize(("density", "k"), [(0.001, 5), (0.02, 82), (0.25, 1024)])
@@ -106,7 +108,8 @@ def test_the_command_line_takes_a_codecs_own_flags() -> None:
 
 @pytest.mark.parametrize(("command", "flags", "says"), [
     ("coordinator", ["--codec", "sparse", "--block-size", "128"],
-     "codec 'sparse' has no setting block_size: leave it out (it takes density, scale_dtype)"),
+     "codec 'sparse' has no setting block_size: leave it out (it takes density, scale_dtype, chunking, levels, "
+     "error_decay, mean)"),
     ("coordinator", ["--codec", "q2", "--density", "0.1"],
      "codec 'q2' has no setting density: leave it out (it takes block_size, scale_dtype)"),
     ("coordinator", ["--density", "0.1"],
@@ -133,7 +136,7 @@ def test_the_refusal_is_one_line_without_a_traceback_or_torch(tmp_path) -> None:
     lines = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
     loaded = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
     assert (done.returncode, lines) == (1, ["nodeox: codec 'sparse' has no setting block_size: leave it out (it "
-                                            "takes density, scale_dtype)"])
+                                            "takes density, scale_dtype, chunking, levels, error_decay, mean)"])
     assert "lightning_nodeox.core.codecs.settings" in loaded and not {m for m in loaded if m.startswith("torch")}
 
 
@@ -168,7 +171,7 @@ def test_the_loose_keys_of_older_files_read_as_the_codecs_own_settings() -> None
         block_size=128, scale_dtype="fp32")
     assert settings_from_old_keys({"block_size": 64, "scale_dtype": "fp16", **host_knobs}) == Q4Settings()
     assert settings_from_old_keys({"codec": "sparse3", "block_size": 64, "scale_dtype": "fp32", **host_knobs}) == (
-        SparseSettings(density=0.03, scale_dtype="fp32"))
+        SparseSettings(density=0.03, scale_dtype="fp32", chunking="runs", levels="q2", error_decay=1.0, mean="deltas"))
     assert settings_from_old_keys({"codec": "bf16", "block_size": 64, "scale_dtype": "fp16"}) == BF16Settings()
     with pytest.raises(ValueError, match="codec='q3' is not supported"):
         settings_from_old_keys({"codec": "q3"})
@@ -201,7 +204,7 @@ def test_a_real_run_with_a_codecs_own_flags_keeps_hosts_bit_identical(flags, set
         if spec.raw:
             continue
         if settings.name == "sparse":
-            expected = (sparse_code_bytes(spec.numel, 0.02), 2 * -(-spec.numel // 4096))
+            expected = (sparse_code_bytes(spec.numel, 0.02), 4 * -(-spec.numel // 4096))  # 2 fp16 magnitudes a chunk
         else:
             expected = (-(-spec.numel // 256) * 64, 2 * -(-spec.numel // 256))  # four codes a byte, fp16 scales
         assert (region.codes[1] - region.codes[0], region.scales[1] - region.scales[0]) == expected, spec.name

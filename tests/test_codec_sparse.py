@@ -37,8 +37,11 @@ from lightning_nodeox.core.wire import MessageLayout, Message, MessageMeta
 from lightning_nodeox.host.client import HttpClient
 from lightning_nodeox.host.tensors import HostTensors
 
-SPARSE = SparseSettings()
-SPARSE3 = SparseSettings(density=0.03)
+EARLIER = {"chunking": "runs", "levels": "q2", "error_decay": 1.0, "mean": "deltas"}  # the codec before SparseLoCo's
+SPARSE = SparseSettings(density=0.01, **EARLIER)  # recipe (tests/test_sparseloco.py tests the recipe's knobs)
+SPARSE3 = SparseSettings(density=0.03, **EARLIER)
+EARLIER_FLAGS = ("--codec", "sparse", "--density", "0.01", "--chunking", "runs", "--levels", "q2", "--error-decay", "1",
+                 "--mean", "deltas")
 SIZES = [1, 3, 10, 4095, 4096, 5000, 3 * CHUNK + 17]
 INTS = {2: torch.int16, 4: torch.int32}
 
@@ -65,7 +68,7 @@ def is_minus_zero(t: torch.Tensor) -> torch.Tensor:
     return as_ints(t.float()) == as_ints(torch.tensor(-0.0))
 
 
-@pytest.mark.parametrize("settings", [SPARSE, SPARSE3, SparseSettings(scale_dtype="fp32")],
+@pytest.mark.parametrize("settings", [SPARSE, SPARSE3, SparseSettings(density=0.01, scale_dtype="fp32", **EARLIER)],
                          ids=["1%", "3%", "1% fp32 scales"])
 @pytest.mark.parametrize("n", SIZES)
 def test_a_delta_is_the_top_k_of_each_chunk_in_2_bits_and_the_residual_keeps_the_rest(settings, n: int) -> None:
@@ -405,7 +408,8 @@ BAD_DELTAS = {  # name: (body, what the refusal says)
     "another capacity": (lambda b: bytearray(with_metadata(bytes(sparse_delta("b", b).view()), capacity="42")),
                          "payload is a sparse delta of capacity 42; its codec sends 41 values a chunk"),
     "a sparse3 delta": (lambda b: bytearray(sparse_delta("b", b, GOOD_B[1:], SPARSE3, specs=SPECS[1:]).view()),
-                        "payload uses sparse (density 0.03, scale_dtype fp16); this run uses sparse (density 0.01,"),
+                        "payload uses sparse (density 0.03, scale_dtype fp16, chunking runs, levels q2, error_decay 1.0, mean deltas); "
+                        "this run uses sparse (density 0.01,"),
 }
 
 
@@ -439,10 +443,10 @@ def test_malformed_sparse_deltas_are_refused_and_the_round_keeps_what_it_took(tm
 
 @pytest.mark.slow
 def test_a_real_run_with_sparse_keeps_hosts_bit_identical(tmp_path) -> None:
-    """``nodeox launch --codec sparse``: two digits hosts, host 1 without error feedback; after every round both
-    hold the published model bit for bit, each upload is the delta layout's size and each sync the size of a
-    sync of two deltas."""
-    events, named, _ = codec_run(tmp_path, "--codec", "sparse")
+    """``nodeox launch`` with the codec's earlier form: two digits hosts, host 1 without error feedback; after every
+    round both hold the published model bit for bit, each upload is the delta layout's size and each sync the size
+    of a sync of two deltas."""
+    events, named, _ = codec_run(tmp_path, *EARLIER_FLAGS)
     specs = spec_of(named)
     assert {e["bytes"] for e in events if e["phase"] == "upload"} == {MessageLayout.of(specs, SPARSE).total}
     assert {e["bytes"] for e in events if e["phase"] == "sync_prepare"} == {
@@ -502,7 +506,7 @@ def test_a_host_encodes_a_delta_the_coordinator_takes_and_applies_its_sync_to_th
 def test_malformed_sparse_deltas_over_http_get_400_and_the_round_keeps_what_it_took(tmp_path) -> None:
     """The rows of BAD_DELTAS against a real ``nodeox coordinator --codec sparse``: each a 400 with its JSON error and
     reason; the round then publishes the model of host a's and host b's good deltas."""
-    coord = Coordinator(tmp_path / "run", 2, "--codec", "sparse")
+    coord = Coordinator(tmp_path / "run", 2, *EARLIER_FLAGS)
     try:
         a, b = HttpClient(coord.url, host="a", retry_for=5), HttpClient(coord.url, host="b", retry_for=5)
         tensors = [s.as_json() for s in SPECS]

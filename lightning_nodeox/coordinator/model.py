@@ -6,8 +6,9 @@ on the loop, a chunk at a time.
 
 A delta carries the tensors that moved on its host (frozen parameters stay out); the round's set is the union of
 its deltas' sets. Each tensor's change is the sample-weighted mean over the deltas that carried it (its own sum
-of weights), the outer optimizer steps only the tensors of the round's set (the others' state is untouched), and
-the sync carries that set alone. θ's hash digests only the tensors a round changed; the others' row digests are
+of weights; under a sparse codec of ``mean="senders"``, each value's mean over the deltas that sent it), the outer
+optimizer steps only the tensors of the round's set (the others' state is untouched), and the sync carries that set
+alone. θ's hash digests only the tensors a round changed; the others' row digests are
 kept from the round that last changed them.
 
 Raw tensors (integer and boolean: BatchNorm's ``num_batches_tracked``, counters) are not averaged: each round
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.codec import accumulate_tensor, apply_sync, chunk_ranges, encode_sync
+from ..core.codec import accumulate_tensor, apply_sync, chunk_ranges, encode_sync, mean_of
 from ..core.hashing import RowHasher, combine
 from ..core.modelfile import model_header
 from ..core.pool import WorkerPool
@@ -78,6 +79,8 @@ class CoordinatorModel:
         self._layouts: Recent[tuple, MessageLayout] = Recent(CACHED_SETS)
         self._layouts.get((tuple(range(len(specs))), None), lambda: self.layout)
         self.acc = [torch.empty(s.coded, dtype=torch.float32) for s in specs]
+        self.senders = ([torch.empty(s.coded, dtype=torch.float32) for s in specs]  # each value's senders' samples
+                        if self.layout.codec.mean_over_senders else None)
         self.raw = [i for i, s in enumerate(specs) if s.raw]
         self.raw_taken = {i: torch.empty(specs[i].nbytes, dtype=torch.uint8) for i in self.raw}  # the round's choice
         self.raw_from: dict[int, str] = {}  # raw tensor -> the host its values were taken from
@@ -144,11 +147,16 @@ class CoordinatorModel:
 
         def work(kn, j: int, start: int, stop: int) -> None:
             accumulate_tensor(kn, message.codes(j), message.scales(j), self.acc[indices[j]], float(samples),
-                              start=start, stop=stop, assign=assign[j])
+                              start=start, stop=stop, assign=assign[j], senders=self.senders_of(indices[j]))
 
         self.pool.over(tensors, lambda j: self.specs[indices[j]].coded, work)
         for j in tensors:
             self.weights[indices[j]] += samples
+
+    def senders_of(self, i: int) -> torch.Tensor | None:
+        """Tensor ``i``'s count of each value's senders (their samples), where the codec's sync is the mean over
+        them (None: over all of the round's deltas)."""
+        return None if self.senders is None else self.senders[i]
 
     def end_round(self) -> None:
         """The round's accumulation is done with: its weights, set and raw choices start over."""
@@ -203,7 +211,7 @@ class CoordinatorModel:
         def quantize(k, j: int, start: int, stop: int) -> None:
             i = indices[j]
             if not encode_sync(k, self.acc[i], inverse[j], self.tensors[i].view(-1), message.codes(j),
-                               message.scales(j), start=start, stop=stop,
+                               message.scales(j), start=start, stop=stop, senders=self.senders_of(i),
                                outer_step=(lambda x, a, b: self.outer.step(i, x, a, b)) if stepping[j] else None):
                 not_finite.add(i)
 
@@ -260,8 +268,11 @@ class CoordinatorModel:
         def work(k, j: int, start: int, stop: int) -> None:
             i = indices[j]
             if committing[j]:
+                senders = self.senders_of(i)
                 for s, e in chunk_ranges(self.acc[i].numel(), k.chunk, start, stop):
-                    self.outer.commit(i, torch.mul(self.acc[i][s:e], inverse[j], out=k.x[: e - s]), s, e)
+                    mean = mean_of(self.acc[i][s:e], inverse[j], None if senders is None else senders[s:e],
+                                   k.x[: e - s])
+                    self.outer.commit(i, mean, s, e)
             fused = fresh[j] if fresh[j].fusable(chunk) else None
             theta = self.tensors[i].view(-1)
             apply_sync(k, message.codes(j), message.scales(j), theta, theta, start=start, stop=stop, hasher=fused)

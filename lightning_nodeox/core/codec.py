@@ -18,6 +18,7 @@ import torch
 from .codecs.base import Kernels
 
 RESIDUAL_DTYPE = torch.bfloat16  # error-feedback memory: half the bytes of fp32, the range of fp32
+_TINY = 1e-30
 
 
 class NonFiniteDeltaError(ValueError):
@@ -31,7 +32,7 @@ def stochastic_seed(seed: int, *parts: int) -> int:
 
 
 def load_delta(k: Kernels, current: torch.Tensor, base: torch.Tensor, residual: torch.Tensor | None, m: int) -> None:
-    """``k.x[:m] = current - base (+ residual)``, computed in fp32."""
+    """``k.x[:m] = current - base (+ β residual)``, computed in fp32; β is the codec's ``error_decay``."""
     x = k.x[:m]
     if current.dtype == torch.float32 and base.dtype == torch.float32:
         torch.sub(current, base, out=x)
@@ -39,7 +40,19 @@ def load_delta(k: Kernels, current: torch.Tensor, base: torch.Tensor, residual: 
         x.copy_(current)
         x.sub_(base)
     if residual is not None:
-        x.add_(residual)
+        decay = k.codec.error_decay
+        if decay == 1.0:
+            x.add_(residual)
+        else:
+            x.add_(residual, alpha=decay)
+
+
+def mean_of(acc: torch.Tensor, inv_weight: float, senders: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """``out`` = the round's mean of the accumulated ``acc``: ``acc * inv_weight``, or, with ``senders`` (each value's
+    sum of weights over the deltas that sent it), ``acc / senders`` (a value no delta sent stays ``acc``'s zero)."""
+    if senders is None:
+        return torch.mul(acc, inv_weight, out=out)
+    return torch.div(acc, torch.clamp_min(senders, _TINY), out=out)
 
 
 def chunk_ranges(numel: int, chunk: int, start: int = 0, stop: int | None = None):
@@ -60,7 +73,8 @@ def encode_delta(
     stop: int | None = None,
     seed: int | None = None,
 ) -> None:
-    """The codes of ``current - base (+ residual)`` for flat values ``[start, stop)``; the residual is updated in place."""
+    """The codes of ``current - base (+ β residual)`` for flat values ``[start, stop)``; the residual is updated in
+    place."""
     for s, e in chunk_ranges(current.numel(), k.chunk, start, stop):
         m = e - s
         load_delta(k, current[s:e], base[s:e], None if residual is None else residual[s:e], m)
@@ -74,13 +88,13 @@ def encode_delta(
 
 def encode_mean(
     k: Kernels, acc: torch.Tensor, inv_weight: float, residual: torch.Tensor | None, codes: torch.Tensor,
-    scales: torch.Tensor, *, start: int = 0, stop: int | None = None,
+    scales: torch.Tensor, *, start: int = 0, stop: int | None = None, senders: torch.Tensor | None = None,
 ) -> None:
-    """A site relay's delta: the codes of the mean ``acc * inv_weight (+ residual)`` for flat values ``[start,
-    stop)``; the residual is updated in place (the relay's own error feedback)."""
+    """A site relay's delta: the codes of the mean (:func:`mean_of`) ``(+ residual)`` for flat values ``[start,
+    stop)``; the residual is updated in place (the relay's own error feedback, not decayed)."""
     for s, e in chunk_ranges(acc.numel(), k.chunk, start, stop):
         m = e - s
-        x = torch.mul(acc[s:e], inv_weight, out=k.x[:m])
+        x = mean_of(acc[s:e], inv_weight, None if senders is None else senders[s:e], k.x[:m])
         if residual is not None:
             x.add_(residual[s:e])
         k.quantize(m, *k.blocks(codes, scales, s, k.padded(m)), residual_out=None if residual is None else residual[s:e])
@@ -104,12 +118,16 @@ def decode_tensor(k: Kernels, codes: torch.Tensor, scales: torch.Tensor, out: to
 
 def accumulate_tensor(
     k: Kernels, codes: torch.Tensor, scales: torch.Tensor, acc: torch.Tensor, weight: float,
-    *, start: int = 0, stop: int | None = None, assign: bool = False,
+    *, start: int = 0, stop: int | None = None, assign: bool = False, senders: torch.Tensor | None = None,
 ) -> None:
-    """``acc += weight * dequantized`` (``acc = ...`` when ``assign``) over flat values ``[start, stop)``."""
+    """``acc += weight * dequantized`` (``acc = ...`` when ``assign``) over flat values ``[start, stop)``; with
+    ``senders`` (a codec of ``mean_over_senders``), ``weight`` is added there at each value the delta sent."""
     for s, e in chunk_ranges(acc.numel(), k.chunk, start, stop):
         mp = k.padded(e - s)
-        k.accumulate(*k.blocks(codes, scales, s, mp), e - s, acc[s:e], weight, assign)
+        if senders is None:
+            k.accumulate(*k.blocks(codes, scales, s, mp), e - s, acc[s:e], weight, assign)
+        else:
+            k.accumulate(*k.blocks(codes, scales, s, mp), e - s, acc[s:e], weight, assign, senders=senders[s:e])
 
 
 def apply_dequantized(base: torch.Tensor, d: torch.Tensor, out: torch.Tensor) -> None:
@@ -137,25 +155,25 @@ def apply_sync(
 def encode_sync_and_apply(
     k: Kernels, acc: torch.Tensor, inv_weight: float, model: torch.Tensor, codes: torch.Tensor,
     scales: torch.Tensor, *, start: int = 0, stop: int | None = None, hasher=None,
-    outer_step: Callable[[torch.Tensor, int, int], None] | None = None,
+    outer_step: Callable[[torch.Tensor, int, int], None] | None = None, senders: torch.Tensor | None = None,
 ) -> None:
-    """Coordinator: the mean delta ``acc * inv_weight``, turned into the sync delta by ``outer_step(x, start,
-    stop)`` (in place; None: plain averaging), quantized; then ``model += dequantized`` as hosts will (and,
-    with a ``hasher`` of ``model``, its digest while the chunk is in cache)."""
+    """Coordinator: the mean delta (:func:`mean_of`), turned into the sync delta by ``outer_step(x, start, stop)``
+    (in place; None: plain averaging), quantized; then ``model += dequantized`` as hosts will (and, with a
+    ``hasher`` of ``model``, its digest while the chunk is in cache)."""
     for s, e in chunk_ranges(acc.numel(), k.chunk, start, stop):
-        d, _ = _sync_chunk(k, acc, inv_weight, codes, scales, s, e, outer_step)
+        d, _ = _sync_chunk(k, acc, inv_weight, codes, scales, s, e, outer_step, senders)
         apply_dequantized(model[s:e], d, model[s:e])
         if hasher is not None:
             hasher.values(s, e)
 
 
 def _sync_chunk(k: Kernels, acc: torch.Tensor, inv_weight: float, codes: torch.Tensor, scales: torch.Tensor,
-                s: int, e: int, outer_step) -> tuple[torch.Tensor, torch.Tensor]:
+                s: int, e: int, outer_step, senders: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Values ``[s, e)`` of the sync delta (mean, then outer step) quantized into ``codes``/``scales``; returns
     their dequantized values (in ``k.d``) and the chunk's scales."""
     m = e - s
     mp = k.padded(m)
-    x = torch.mul(acc[s:e], inv_weight, out=k.x[:m])
+    x = mean_of(acc[s:e], inv_weight, None if senders is None else senders[s:e], k.x[:m])
     if outer_step is not None:
         outer_step(x, s, e)
     d = k.d[:mp]
@@ -167,7 +185,7 @@ def _sync_chunk(k: Kernels, acc: torch.Tensor, inv_weight: float, codes: torch.T
 def encode_sync(
     k: Kernels, acc: torch.Tensor, inv_weight: float, model: torch.Tensor, codes: torch.Tensor,
     scales: torch.Tensor, *, start: int = 0, stop: int | None = None,
-    outer_step: Callable[[torch.Tensor, int, int], None] | None = None,
+    outer_step: Callable[[torch.Tensor, int, int], None] | None = None, senders: torch.Tensor | None = None,
 ) -> bool:
     """Coordinator, before anything is applied: quantize the sync delta as :func:`encode_sync_and_apply` does,
     leaving ``model`` untouched; returns whether ``model + dequantized`` stays finite in the model's dtype
@@ -176,7 +194,7 @@ def encode_sync(
     otherwise is the sum itself formed and looked at."""
     limit = torch.finfo(model.dtype).max * (1 - 2**-10)  # room for the rounding of the bound itself
     for s, e in chunk_ranges(acc.numel(), k.chunk, start, stop):
-        d, chunk_scales = _sync_chunk(k, acc, inv_weight, codes, scales, s, e, outer_step)
+        d, chunk_scales = _sync_chunk(k, acc, inv_weight, codes, scales, s, e, outer_step, senders)
         low, high = torch.aminmax(model[s:e])
         peak = k.bound(d, chunk_scales)
         if max(-float(low), float(high)) + peak < limit:

@@ -266,7 +266,7 @@ class MessageLayout:
         """Tensor ``j``'s codes as its codec's kernels take them, from its bytes ``codes`` (a raw tensor's: its
         bytes)."""
         spec = self.specs[j]
-        return codes if spec.raw else self.codec.codes_view(codes, spec.numel)
+        return codes if spec.raw else self.codec.codes_view(codes, spec.numel, spec.shape)
 
     def piece_of(self, j: int) -> int:
         """The piece that holds tensor ``j``."""

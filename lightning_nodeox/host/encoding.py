@@ -1,6 +1,6 @@
-"""A host's delta: q4 of (source - base + residual) of the tensors the delta carries, encoded piece by piece on a
-thread of its own, each piece checked for NaN and Inf before it is sealed; and the q4 error of a sample of it (the
-``q4_rel_error`` metric).
+"""A host's delta: q4 of (source - base + β residual) of the tensors the delta carries (β: the codec's error decay,
+1 but under the sparse codec's recipe), encoded piece by piece on a thread of its own, each piece checked for NaN
+and Inf before it is sealed; and the q4 error of a sample of it (the ``q4_rel_error`` metric).
 
 Raw tensors (integer and boolean) carry their values as they are. The error-feedback residual keeps what q4 could
 not carry (a tensor that does not move keeps its residual for when it does).

@@ -109,7 +109,7 @@ class RelayTensors(HostTensors):
         def work(k, j: int, start: int, stop: int) -> None:
             i = part.indices[j]
             encode_mean(k, model.acc[i], inverse[j], None if self.residual is None else self.residual[i],
-                        message.codes(j), message.scales(j), start=start, stop=stop)
+                        message.codes(j), message.scales(j), start=start, stop=stop, senders=model.senders_of(i))
 
         def make(q: int) -> None:
             piece = message.layout.pieces[q]

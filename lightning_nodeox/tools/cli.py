@@ -43,8 +43,8 @@ def _codec_options(p: argparse.ArgumentParser) -> None:
     without it, :func:`_codec_settings` refuses it."""
     p.add_argument("--codec", default=Q4Settings.name, choices=CODEC_NAMES,
                    help="q4 (default); q2: 2-bit, about half of q4's bytes; bf16 or fp32 send deltas unquantized, "
-                   "to measure what q4 costs; sparse: the top --density of each chunk of 4096 values with 2-bit "
-                   "values (1%%: 0.035x q4's bytes); "
+                   "to measure what q4 costs; sparse: SparseLoCo's recipe, the top --density of each 64x64 chunk "
+                   "with 2-bit values and decayed error feedback (64 of 4096 by default: 0.053x q4's bytes); "
                    + "; ".join(f"{alias}: {base} at " + ", ".join(f"{k} {v}" for k, v in preset.items())
                                for alias, (base, preset) in ALIASES.items()))
     for name, (f, codecs) in SETTING_FLAGS.items():

@@ -33,7 +33,7 @@ __all__ = ["Published", "RoundMean", "SiteControl", "PassedSync"]
 class RoundMean(Protocol):
     """What a site reads of the coordinator's model at its round's close: θ, and the round's accumulated deltas
     (their sum ``acc`` per tensor, the samples ``weights`` behind each and ``weight`` in all, the raw tensors'
-    values taken, the tensors that moved)."""
+    values taken, the tensors that moved, each value's senders where the codec syncs their mean)."""
 
     specs: tuple[TensorSpec, ...]
     tensors: list[torch.Tensor]
@@ -46,6 +46,8 @@ class RoundMean(Protocol):
     raw_taken: dict[int, torch.Tensor]
 
     def named(self) -> list[tuple[str, torch.Tensor]]: ...
+
+    def senders_of(self, i: int) -> torch.Tensor | None: ...
 
     def end_round(self) -> None: ...
 

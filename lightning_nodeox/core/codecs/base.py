@@ -41,6 +41,9 @@ class Codec(ABC):
     stochastic_rounding: ClassVar[bool] = True  # whether its kernels round stochastically when given a seed
     fixed_size: ClassVar[bool] = True  # every message of a run has one layout (a top-k codec's sync does not)
     capacity: int | None = None  # a varying codec: the capacity its messages' headers say (None: fixed size)
+    error_decay: float = 1.0  # β of a host's error feedback: it encodes Δ + β residual
+    mean_over_senders: bool = False  # a sync's value at a position is the mean over the deltas that sent it (a
+    # sparse codec's; the coordinator then counts each value's senders), not over all of the round's
 
     def __init__(self, settings: CodecSettings) -> None:
         self.settings = settings
@@ -59,9 +62,9 @@ class Codec(ABC):
         out of its range)."""
         raise ValueError(f"codec {self.name!r} has messages of one size; its messages carry no capacity")
 
-    def codes_view(self, codes: torch.Tensor, numel: int):
+    def codes_view(self, codes: torch.Tensor, numel: int, shape: tuple[int, ...] | None = None):
         """What the kernels take as a tensor's codes, from its bytes: the bytes themselves, unless a codec
-        structures them (the sparse codec's indices and values)."""
+        structures them (the sparse codec's indices and values, its tiles by the tensor's ``shape``)."""
         return codes
 
     def malformed(self, codes, scales: torch.Tensor, numel: int) -> str | None:
@@ -156,9 +159,12 @@ class Kernels(ABC):
         """The dequantized values of one chunk (``mp`` values, in ``self.d``)."""
 
     def accumulate(self, codes: torch.Tensor, scales: torch.Tensor, m: int, acc: torch.Tensor, weight: float,
-                   assign: bool = False) -> None:
+                   assign: bool = False, senders: torch.Tensor | None = None) -> None:
         """``acc += weight * dequantized`` (``acc = ...`` when ``assign``) for the first ``m`` values of one chunk:
-        here the dequantized chunk added (a codec may fuse the two)."""
+        here the dequantized chunk added (a codec may fuse the two). ``senders``: where a codec of
+        :attr:`Codec.mean_over_senders` counts each value's senders' weight (no other codec takes it)."""
+        if senders is not None:
+            raise ValueError(f"codec {self.codec.name!r} syncs the mean over all deltas; it counts no senders")
         d = self.dequantize(codes, scales, m)
         if assign:
             torch.mul(d, weight, out=acc)

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 BLOCK_SIZES = (32, 64, 128, 256)
 SCALE_DTYPES = ("fp16", "fp32")
 DENSITY_RANGE = (0.001, 0.25)  # a sparse delta's share of each chunk; above 1/4, q4 sends fewer bytes
+CHUNKINGS, LEVELS, MEANS = ("tiles", "runs"), ("centroids", "q2"), ("senders", "deltas")  # the sparse codec's
 
 
 def _check_scale_dtype(scale_dtype: str) -> None:
@@ -35,6 +36,7 @@ class CodecSettings:
 
     name: ClassVar[str]  # the codec's name (``--codec``)
     implementation: ClassVar[str]  # "module:Class" of its Codec, imported on first use
+    written_before: ClassVar[dict[str, Any]] = {}  # knobs added since settings travelled whole: what their absence means
 
     def to_json(self) -> dict[str, Any]:
         """The settings whole: ``{"name": ..., field: value, ...}`` (read back by :func:`settings_from_json`)."""
@@ -85,19 +87,40 @@ class Q2Settings(BlockwiseSettings):
 
 @dataclass(frozen=True)
 class SparseSettings(CodecSettings):
-    """The sparse codec's settings: the top ``density`` of each chunk of 4096 values, 2-bit values.
+    """The sparse codec's settings: SparseLoCo's recipe by default (arXiv 2508.15706; docs/algorithms.md compares it
+    ingredient by ingredient), each ingredient a knob, so that the codec's earlier form stays one setting away
+    (``density=0.01, chunking="runs", levels="q2", error_decay=1.0, mean="deltas"``).
 
     Args:
-        density: the share of each chunk a delta sends, in [0.001, 0.25] (1% sends 0.035x q4's bytes, 3% 0.10x;
-            above 1/4 q4 is smaller). Each sent value costs a 12-bit index inside its chunk of 4096.
-        scale_dtype: ``"fp16"`` or ``"fp32"``: one scale a chunk.
+        density: the share of each chunk of 4096 values a delta sends, in [0.001, 0.25] (default 64 of 4096, SparseLoCo's
+            top-k of a 64x64 chunk: 0.053x q4's bytes; 1% sends 0.036x, 3% 0.10x; above 1/4 q4 is smaller).
+        scale_dtype: ``"fp16"`` or ``"fp32"``: the scales of each chunk.
+        chunking: ``"tiles"``: a matrix whose rows hold a power of two of at least 64 values (up to 4096) is cut into
+            64x64 tiles (its rows past the last whole 64 into runs); ``"runs"``: every tensor into runs of 4096
+            consecutive values.
+        levels: how a sent value is coded in 2 bits: ``"centroids"``, its sign and the nearer of two magnitudes of
+            its chunk (the centroids of the chunk's sent magnitudes); ``"q2"``, q2's levels of one scale.
+        error_decay: β of the host's error feedback, ``e <- β e + Δ`` before the top-k (in (0, 1]; SparseLoCo's 0.95
+            makes the residual play the outer momentum's part; 1: plain error feedback). How hosts encode, not what
+            they send; a codec setting all the same, so that every host of a run decays alike.
+        mean: the sync's value at each position: ``"senders"``, the mean over the deltas that sent it (SparseLoCo's
+            aggregation); ``"deltas"``, over every delta of the round (a value sent by one host of two is halved).
     """
 
     name = "sparse"
     implementation = f"{__package__}.sparse:Sparse"
-    density: float = field(default=0.01, metadata={"help": "share of each chunk of 4096 values a sparse delta "
-                                                           f"sends, in [{DENSITY_RANGE[0]}, {DENSITY_RANGE[1]}]"})
+    written_before = {"chunking": "runs", "levels": "q2", "error_decay": 1.0, "mean": "deltas"}
+    density: float = field(default=64 / 4096, metadata={"help": "share of each chunk of 4096 values a sparse delta "
+                                                                f"sends, in [{DENSITY_RANGE[0]}, {DENSITY_RANGE[1]}]"})
     scale_dtype: str = _scale_dtype_field()
+    chunking: str = field(default="tiles", metadata={"help": "tiles (64x64 chunks of a matrix) or runs (of 4096 "
+                                                             "consecutive values)"})
+    levels: str = field(default="centroids", metadata={"help": "a sent value's 2 bits: centroids (sign and one of "
+                                                               "two magnitudes a chunk) or q2 (q2's levels)"})
+    error_decay: float = field(default=0.95, metadata={"help": "the error feedback's decay, e <- decay e + delta, "
+                                                               "in (0, 1]"})
+    mean: str = field(default="senders", metadata={"help": "each synced value's mean: over the deltas that sent "
+                                                           "it (senders) or over all of the round's (deltas)"})
 
     def __post_init__(self) -> None:
         low, high = DENSITY_RANGE
@@ -106,6 +129,13 @@ class SparseSettings(CodecSettings):
                              "range (0.01 sends 1%)")
         object.__setattr__(self, "density", float(self.density))
         _check_scale_dtype(self.scale_dtype)
+        for knob, choices in (("chunking", CHUNKINGS), ("levels", LEVELS), ("mean", MEANS)):
+            if getattr(self, knob) not in choices:
+                raise ValueError(f"{knob}={getattr(self, knob)!r} is not supported; use one of {choices}")
+        if type(self.error_decay) not in (int, float) or not 0 < self.error_decay <= 1:
+            raise ValueError(f"error_decay={self.error_decay!r} is outside (0, 1]: use 0.95 (SparseLoCo's) or 1 "
+                             "(error feedback without decay)")
+        object.__setattr__(self, "error_decay", float(self.error_decay))
 
 
 @dataclass(frozen=True)
@@ -162,7 +192,15 @@ def settings_from_json(d: Any) -> CodecSettings:
     if not isinstance(d, dict) or not isinstance(d.get("name"), str):
         raise ValueError(f'codec settings must be {{"name": CODEC, ...its settings}}, got {d!r}')
     knobs = dict(d)
-    return settings_for(knobs.pop("name"), **knobs)
+    name = knobs.pop("name")
+    return settings_for(name, **{**_written_before(name), **knobs})
+
+
+def _written_before(name: str) -> dict[str, Any]:
+    """The knobs codec ``name`` (or an alias) has gained since settings travelled whole, at the values that a file
+    written before them means (the codec's form then)."""
+    cls = REGISTRY.get(ALIASES.get(name, (name, {}))[0])
+    return dict(cls.written_before) if cls is not None else {}
 
 
 def settings_from_old_keys(d: dict[str, Any]) -> CodecSettings:
@@ -174,4 +212,5 @@ def settings_from_old_keys(d: dict[str, Any]) -> CodecSettings:
     if base not in REGISTRY:
         raise ValueError(f"codec={name!r} is not supported; use one of {CODEC_NAMES}")
     kinds = {"block_size": int, "scale_dtype": str}  # the knobs settings had then
-    return settings_for(name, **{k: kind(d[k]) for k, kind in kinds.items() if k in d and k in setting_names(base)})
+    return settings_for(name, **_written_before(name),
+                        **{k: kind(d[k]) for k, kind in kinds.items() if k in d and k in setting_names(base)})
