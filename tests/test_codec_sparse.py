@@ -408,7 +408,8 @@ BAD_DELTAS = {  # name: (body, what the refusal says)
     "another capacity": (lambda b: bytearray(with_metadata(bytes(sparse_delta("b", b).view()), capacity="42")),
                          "payload is a sparse delta of capacity 42; its codec sends 41 values a chunk"),
     "a sparse3 delta": (lambda b: bytearray(sparse_delta("b", b, GOOD_B[1:], SPARSE3, specs=SPECS[1:]).view()),
-                        "payload uses sparse (density 0.03, scale_dtype fp16, chunking runs, levels q2, error_decay 1.0, mean deltas); "
+                        "payload uses sparse (density 0.03, scale_dtype fp16, chunking runs, levels q2, error_decay 1.0, "
+                        "mean deltas); "
                         "this run uses sparse (density 0.01,"),
 }
 

@@ -73,9 +73,9 @@ def test_every_outer_and_codec_setting_survives_a_restart(tmp_path) -> None:
     """The settings saved with a run come back whole, over the restarted command line's (tests/test_restart.py
     runs the same with real processes, tuned settings included)."""
     tuned = OuterSettings("nesterov", lr=0.5, momentum=0.8)
-    codecs = (Q2Settings(block_size=128, scale_dtype="fp32"), SparseSettings(density=0.02, scale_dtype="fp32", chunking="runs",
-                                                                               levels="q2", error_decay=0.9,
-                                                                               mean="deltas"))
+    codecs = (Q2Settings(block_size=128, scale_dtype="fp32"),
+              SparseSettings(density=0.02, scale_dtype="fp32", chunking="runs", levels="q2", error_decay=0.9,
+                             mean="deltas"))
     for settings in (tuned, *codecs):
         untuned = [f.name for f in fields(settings) if getattr(settings, f.name) == f.default]
         assert not untuned, f"give {untuned} a value other than its default here"

@@ -36,7 +36,8 @@ class CodecSettings:
 
     name: ClassVar[str]  # the codec's name (``--codec``)
     implementation: ClassVar[str]  # "module:Class" of its Codec, imported on first use
-    written_before: ClassVar[dict[str, Any]] = {}  # knobs added since settings travelled whole: what their absence means
+    written_before: ClassVar[dict[str, Any]] = {}  # knobs added since settings travelled whole, at what their
+    # absence means (a file written before them)
 
     def to_json(self) -> dict[str, Any]:
         """The settings whole: ``{"name": ..., field: value, ...}`` (read back by :func:`settings_from_json`)."""
@@ -92,8 +93,8 @@ class SparseSettings(CodecSettings):
     (``density=0.01, chunking="runs", levels="q2", error_decay=1.0, mean="deltas"``).
 
     Args:
-        density: the share of each chunk of 4096 values a delta sends, in [0.001, 0.25] (default 64 of 4096, SparseLoCo's
-            top-k of a 64x64 chunk: 0.053x q4's bytes; 1% sends 0.036x, 3% 0.10x; above 1/4 q4 is smaller).
+        density: the share of each chunk of 4096 values a delta sends, in [0.001, 0.25] (default 64 of 4096,
+            SparseLoCo's top-k of a 64x64 chunk: 0.053x q4's bytes; 1% sends 0.036x, 3% 0.10x; above 1/4 q4 is smaller).
         scale_dtype: ``"fp16"`` or ``"fp32"``: the scales of each chunk.
         chunking: ``"tiles"``: a matrix whose rows hold a power of two of at least 64 values (up to 4096) is cut into
             64x64 tiles (its rows past the last whole 64 into runs); ``"runs"``: every tensor into runs of 4096
