@@ -25,8 +25,10 @@ evaluated on a held-out test split (540 images). Modes:
     q4_no_ef         q4 with NodeoxStrategy(error_feedback=False): what error feedback buys
     q2               Nodeox, --codec q2 (2-bit, 0.53x q4's bytes at block size 64)
     q2_b256          q2 at --block-size 256 (0.49x q4's bytes)
-    sparse_d1        Nodeox, --codec sparse (top 1% of each chunk of 4096 values, 2-bit values: 0.035x q4's bytes)
-    sparse_d3        Nodeox, --codec sparse --density 0.03 (top 3%: 0.10x q4's bytes)
+    sparse_d1        Nodeox, the sparse codec's earlier form (--codec sparse --density 0.01 --chunking runs --levels q2
+                     --error-decay 1 --mean deltas: top 1% of each run of 4096 values, q2's levels: 0.035x q4's bytes)
+    sparse_d3        the same at --density 0.03 (0.10x q4's bytes)
+    sparseloco       Nodeox, --codec sparse: SparseLoCo's recipe (docs/algorithms.md; 0.053x q4's bytes)
     q4_f4            q4 with NodeoxStrategy(fragments=4): a round every local_steps/4 steps exchanges a quarter
     bf16             Nodeox, --codec bf16 (not run by default on digits)
     q4_average_hH, q4_nesterov_hH   q4 average / Nesterov at H local steps, H in 10, 20, 50, 100
@@ -43,8 +45,8 @@ print each epoch's samples the published model lost or repeated (benchmarks/epoc
     ledger           the coordinator's data ledger shares out each epoch (Lightning's default sampler, units of 32)
     ledger_faults    ledger with the same faults
 
-The lm workload runs ddp, fp32, bf16, q4, q4_nesterov, q4_no_ef, q2, q2_b256, sparse_d1, sparse_d3 and q4_f4 by
-default (--modes takes any).
+The lm workload runs ddp, fp32, bf16, q4, q4_nesterov, q4_no_ef, q2, q2_b256, sparse_d1, sparse_d3, sparseloco
+and q4_f4 by default (--modes takes any).
 
 Every mode runs 2 hosts unless it says otherwise; the 4-host modes' differences and ratios to DDP are to DDP's 2
 ranks all the same (their own comparison is to each other: the relay goal).
@@ -54,6 +56,10 @@ bytes sent per host, wall time, each host's wait share, ratios to DDP; then the 
 
     python benchmarks/convergence.py [--workload digits|lm] [--json] [--seeds 3] [--quick] [--modes ddp,q4,...]
                                      [--local-steps-sweep] [--results FILE] [--epochs 15]
+                                     [--define-mode JSON] [--without-ddp] [--first-seed S] [--eval-every N]
+
+``--define-mode`` runs a mode given on the command line, ``--eval-every`` records the metric every N steps (host 0's,
+as the result's ``curve``): benchmarks/codec_table.py runs its rows through them, one seed a process.
 
 Each seed's run is appended to a JSON-lines file as it ends (``--results``); a run that fails is recorded there
 (and in the table) and the next one runs.
@@ -114,6 +120,7 @@ WAIT_COLUMNS = ("0", "1", "2", "3")  # the hosts whose wait share the table show
 RELAY_MODE, RELAY_BASELINE = "q4_relays", "q4_4hosts"  # goal: no accuracy lost beyond the baseline's seed spread
 
 DILOCO = ["--outer-optimizer", "nesterov", "--outer-lr", "0.7", "--outer-momentum", "0.9"]
+SPARSE_EARLIER = ["--codec", "sparse", "--chunking", "runs", "--levels", "q2", "--error-decay", "1", "--mean", "deltas"]
 
 # mode -> how it runs: kind (ddp/nodeox), coordinator options, NodeoxStrategy keyword arguments, slowed host
 MODES: dict[str, dict] = {
@@ -133,8 +140,9 @@ MODES: dict[str, dict] = {
     "q4_f4": {"kind": "nodeox", "strategy": {"fragments": 4}},
     "q2": {"kind": "nodeox", "coordinator": ["--codec", "q2"]},
     "q2_b256": {"kind": "nodeox", "coordinator": ["--codec", "q2", "--block-size", "256"]},
-    "sparse_d1": {"kind": "nodeox", "coordinator": ["--codec", "sparse"]},
-    "sparse_d3": {"kind": "nodeox", "coordinator": ["--codec", "sparse", "--density", "0.03"]},
+    "sparse_d1": {"kind": "nodeox", "coordinator": [*SPARSE_EARLIER, "--density", "0.01"]},
+    "sparse_d3": {"kind": "nodeox", "coordinator": [*SPARSE_EARLIER, "--density", "0.03"]},
+    "sparseloco": {"kind": "nodeox", "coordinator": ["--codec", "sparse"]},
     "bf16": {"kind": "nodeox", "coordinator": ["--codec", "bf16"]},
     **{f"q4_{outer}_h{h}": {"kind": "nodeox", "local_steps": h, "coordinator": options}
        for outer, options in (("average", ["--outer-optimizer", "average"]), ("nesterov", DILOCO)) for h in SWEEP},
@@ -155,7 +163,7 @@ MODES.update({m: {"kind": "epochs", "hosts": EPOCH_HOSTS, **spec} for m, spec in
 SWEEP_MODES = [m for m in MODES if MODES[m].get("local_steps")]
 DEFAULT_MODES = [m for m in MODES if m not in ("bf16", "q2_b256", *SWEEP_MODES, *EPOCH_MODES)]
 LM_MODES = ["ddp", "fp32", "bf16", "q4", "q4_nesterov", "q4_no_ef", "q2", "q2_b256", "sparse_d1", "sparse_d3",
-            "q4_f4"]
+            "sparseloco", "q4_f4"]
 
 
 @dataclass(frozen=True)
@@ -190,6 +198,12 @@ VAL_LOSS = Metric("val_loss", "val loss", 1.0, "")  # lower is better
 WORKLOADS = {"digits": Workload(ACCURACY, STEPS, LR, BATCH_SIZE, DEFAULT_MODES, RUN_TIMEOUT),
              "lm": Workload(VAL_LOSS, LM_STEPS, 1e-3, 8, LM_MODES, LM_TIMEOUT)}
 UNAVAILABLE_EXIT = 3  # a host's exit status when NodeoxStrategy refuses an option of its mode
+
+
+def run_timeout(args: argparse.Namespace) -> float:
+    """Seconds one run may take: the workload's, longer in proportion for more steps than its default."""
+    workload = WORKLOADS[args.workload]
+    return workload.timeout * max(1.0, args.steps / workload.steps)
 
 
 # -- metrics from a run ---------------------------------------------------------------------------------------------
@@ -345,12 +359,26 @@ def host_main(args: argparse.Namespace) -> None:
                 self.file.write(json.dumps(self.step) + "\n")
                 self.file.flush()
 
+    class Curve(Callback):
+        """The workload's evaluation every ``every`` steps (a round's end, at ``every = local_steps``), as
+        ``[step, metrics]`` pairs; the model is put back in training mode after each."""
+
+        def __init__(self, every: int) -> None:
+            self.every, self.points = every, []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step % self.every == 0:
+                self.points.append([trainer.global_step, evaluate()])
+                pl_module.train()
+
     count = Count(args.slowdown if host == args.slow_host else 1.0)
+    curve = Curve(args.eval_every) if args.eval_every else None
     length = {"max_steps": steps} if args.host_epochs is None else {"max_epochs": args.host_epochs, "max_steps": -1}
     common = {**length, "accelerator": "cpu", "devices": 1, "logger": False,
               "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False,
               "use_distributed_sampler": args.ledger,
-              "callbacks": [count, *([LogTrained()] if args.host_epochs is not None else [])]}
+              "callbacks": [count, *([LogTrained()] if args.host_epochs is not None else []),
+                            *([curve] if curve else [])]}
     if nodeox:
         from lightning_nodeox import NodeoxStrategy
 
@@ -388,6 +416,7 @@ def host_main(args: argparse.Namespace) -> None:
         "steps": trainer.global_step, "fit_start": start, "fit_wall_s": fit_wall,
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()), "param_digest": digest,
         "model_hash": getattr(trainer.strategy, "model_hash", None) if nodeox else None,
+        **({"curve": curve.points} if curve else {}),
     }
     (out / f"host{host}.json").write_text(json.dumps(result))
 
@@ -407,7 +436,8 @@ def _host_args(args: argparse.Namespace, kind: str, seed: int, out: Path, steps:
             "--seed", str(seed), "--out", str(out), "--host-steps", ",".join(map(str, steps)),
             "--local-steps", str(local_steps or args.local_steps), "--batch-size",
             str(args.batch_size), "--lr", str(args.lr), "--strategy-kwargs", json.dumps(strategy),
-            "--slow-host", "1" if slow else "-1", "--slowdown", str(SLOWDOWN), "--num-hosts", str(len(steps))]
+            "--slow-host", "1" if slow else "-1", "--slowdown", str(SLOWDOWN), "--num-hosts", str(len(steps)),
+            "--eval-every", str(args.eval_every)]
 
 
 def _read_hosts(out: Path, n: int) -> dict[str, dict]:
@@ -435,7 +465,7 @@ def run_ddp(args: argparse.Namespace, seed: int, workdir: Path) -> dict:
         for i in range(HOSTS):
             procs.append(spawn(cmd, workdir / f"rank{i}.log", env=dict(env, NODE_RANK=str(i)), cpus=shares[i],
                                cwd=REPO))
-        codes = wait_all(procs, WORKLOADS[args.workload].timeout)
+        codes = wait_all(procs, run_timeout(args))
     finally:
         stop(procs)
     if any(codes):
@@ -473,7 +503,7 @@ def run_nodeox(args: argparse.Namespace, mode: str, seed: int, workdir: Path, ro
     proc = spawn(cmd, log, env=env, cwd=REPO)
     try:
         refused = [out / f"host{i}.json" for i in range(n)]  # a host refused this mode's options: stop early
-        codes = wait_all([proc], WORKLOADS[args.workload].timeout,
+        codes = wait_all([proc], run_timeout(args),
                           lambda: any(f.exists() and "unavailable" in f.read_text() for f in refused))
     finally:
         stop([proc])
@@ -536,7 +566,7 @@ def run_epochs(args: argparse.Namespace, mode: str, seed: int, workdir: Path) ->
         if faults:  # the joining host, started now (its imports take seconds), joins once told
             start(EPOCH_HOSTS, "--join-when", str(join))
         if faults:
-            deadline = time.monotonic() + WORKLOADS[args.workload].timeout
+            deadline = time.monotonic() + run_timeout(args)
             _steps_into(out, 1, 1, hosts[1], deadline)
             hosts[1].send_signal(signal.SIGKILL)
             hosts[1].wait(30)
@@ -548,7 +578,7 @@ def run_epochs(args: argparse.Namespace, mode: str, seed: int, workdir: Path) ->
             coordinator = spawn(coordinator_command(EPOCH_HOSTS, run_dir, ready, *options, bind=bind), log, cwd=REPO)
             wait_ready(ready, coordinator, log)
         # the run ends with its first host's last epoch; a host that joined late may still be joining: not waited for
-        codes = wait_all([hosts[0], hosts[2], coordinator], WORKLOADS[args.workload].timeout)
+        codes = wait_all([hosts[0], hosts[2], coordinator], run_timeout(args))
     finally:
         stop([*hosts.values(), coordinator])
     if any(codes):
@@ -599,6 +629,8 @@ def _result(hosts: dict, sent: dict, waits: dict, run_wall: float, step_s: dict,
                                                               "val_tokens")}
     per_host = {f"{k}_per_host": {h: v[k] for h, v in hosts.items()} for k in ("accuracy", "val_loss")
                 if k in hosts["0"]}
+    if "curve" in hosts["0"]:
+        metrics["curve"] = hosts["0"]["curve"]  # host 0's evaluations along the run
     return {
         **metrics, **per_host,
         "hosts_identical": same,
@@ -750,7 +782,7 @@ def lm_goals(modes: dict) -> list[dict]:
     feedback measured against q4 with (what error feedback buys: met once both ran)."""
     base = modes.get("q4", {}).get("summary")
     out = []
-    for mode in ("q2", "q2_b256", "sparse_d1", "sparse_d3"):
+    for mode in ("q2", "q2_b256", "sparse_d1", "sparse_d3", "sparseloco"):
         goal = (f"{mode}: at most 0.5x q4's bytes per host, validation loss within q4's seed spread "
                 f"(mean <= q4's mean + (max - min))")
         s = modes.get(mode, {}).get("summary")
@@ -916,8 +948,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="one seed")
     p.add_argument("--workload", default="digits", choices=tuple(WORKLOADS),
                    help="digits (default), or lm: the language model of benchmarks/lm.py")
-    p.add_argument("--modes", help=f"comma-separated, of {','.join(MODES)} (ddp always runs: the ratios are to it; "
-                   f"default: {','.join(DEFAULT_MODES)} on digits, {','.join(LM_MODES)} on lm)")
+    p.add_argument("--modes", help=f"comma-separated, of {','.join(MODES)} (ddp always runs, unless --without-ddp: "
+                   "the ratios are to it; default: {','.join(DEFAULT_MODES)} on digits, {','.join(LM_MODES)} on lm)")
     p.add_argument("--local-steps-sweep", action="store_true",
                    help=f"run q4 average and Nesterov at local steps {', '.join(map(str, SWEEP))} (and DDP) "
                    "instead of --modes")
@@ -929,6 +961,13 @@ def main() -> None:
                    help="uneven_budget's round_seconds (default: host 0's measured time for local_steps steps)")
     p.add_argument("--epochs", type=int, default=EPOCHS, help=f"the epoch modes' passes (default {EPOCHS})")
     p.add_argument("--keep", type=Path, help="keep every run's directory under this folder")
+    p.add_argument("--define-mode", metavar="JSON", help='a mode of your own: {"name": NAME, "coordinator": [FLAGS], '
+                   '"strategy": {NodeoxStrategy keyword arguments}, "local_steps": H} (a Nodeox mode; '
+                   "benchmarks/codec_table.py's rows), then run by --modes NAME")
+    p.add_argument("--without-ddp", action="store_true", help="leave out DDP's run (the ratios to it are then blank)")
+    p.add_argument("--first-seed", type=int, default=0, help="the seeds run are FIRST_SEED, FIRST_SEED + 1, ...")
+    p.add_argument("--eval-every", type=int, default=0, help="each host also evaluates every N steps (a round's end "
+                   "at N = --local-steps); host 0's evaluations are the result's curve (default 0: at the end only)")
     add_results_option(p)
     # the host, started by this script (DDP) or by `nodeox launch`
     p.add_argument("--host", action="store_true", help=argparse.SUPPRESS)
@@ -950,6 +989,9 @@ def main() -> None:
         return
     workload = WORKLOADS[args.workload]
     metric = workload.metric
+    if args.define_mode:
+        spec = json.loads(args.define_mode)
+        MODES[spec.pop("name")] = {"kind": "nodeox", **spec}
     args.steps = args.steps or workload.steps
     args.batch_size = args.batch_size or workload.batch_size
     args.lr = args.lr or workload.lr
@@ -960,9 +1002,11 @@ def main() -> None:
     unknown = [m for m in wanted if m not in MODES]
     if unknown:
         p.error(f"unknown modes {unknown}; choose from {list(MODES)}")
-    # ddp first (the ratios are to it), unless every mode asked for is an epoch mode (compared with each other)
-    order = (["ddp"] if not set(wanted) <= set(EPOCH_MODES) else []) + [m for m in MODES if m in wanted and m != "ddp"]
-    seeds = list(range(1 if args.quick else args.seeds))
+    # ddp first (the ratios are to it), unless left out, or every mode asked for is an epoch mode (compared with each
+    # other)
+    baseline = not set(wanted) <= set(EPOCH_MODES) and (not args.without_ddp or "ddp" in wanted)
+    order = (["ddp"] if baseline else []) + [m for m in MODES if m in wanted and m != "ddp"]
+    seeds = list(range(args.first_seed, args.first_seed + (1 if args.quick else args.seeds)))
 
     def say(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
