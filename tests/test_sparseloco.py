@@ -25,6 +25,8 @@ from lightning_nodeox.host.tensors import HostTensors
 from lightning_nodeox.tools import cli
 
 RECIPE = SparseSettings()
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                reason="needs a CUDA GPU"))]
 EARLIER = SparseSettings(density=0.01, chunking="runs", levels="q2", error_decay=1.0, mean="deltas")
 
 
@@ -271,11 +273,13 @@ def test_a_codec_that_syncs_the_mean_over_all_deltas_counts_no_senders() -> None
         accumulate_tensor(k, codes, scales, torch.zeros(CHUNK), 1.0, senders=torch.zeros(CHUNK))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("settings", [RECIPE, SparseSettings(mean="deltas"), SparseSettings(chunking="runs")],
                          ids=["recipe", "mean over deltas", "runs"])
-def test_hosts_apply_the_sync_to_the_coordinators_bits_and_hash(settings) -> None:
+def test_hosts_apply_the_sync_to_the_coordinators_bits_and_hash(settings, device) -> None:
     """Two deltas through the coordinator's model: the sync carries each value's mean (over its senders, or over
-    both deltas), and a host applying it reaches the coordinator's bits and hash, on every dtype."""
+    both deltas), and a host applying it (on a GPU: its staging areas) reaches the coordinator's bits and hash, on
+    every dtype."""
     gen = torch.Generator().manual_seed(4)
     named = [("w", torch.randn(200, 256, generator=gen)), ("h", torch.randn(128, 64, generator=gen).half()),
              ("b", torch.randn(300, generator=gen).bfloat16()), ("steps", torch.tensor([3, 4]))]
@@ -307,12 +311,13 @@ def test_hosts_apply_the_sync_to_the_coordinators_bits_and_hash(settings) -> Non
             weight = 30 * by_a + 10 * by_b if settings.mean == "senders" else torch.full_like(a, 40.0)
             mean = (30 * a + 10 * b) / weight.clamp_min(1)
             assert torch.allclose(applied, mean, rtol=2**-10, atol=float(mean.abs().max()) * 2**-20), specs[j].name
-        host = HostTensors([(n, t.clone()) for n, t in named])
+        host = HostTensors([(n, t.clone().to(device)) for n, t in named])
         host.allocate(settings, codec_threads=1)
         try:
             hashers = host.apply(sync, into_live=True)
             assert host.digest(hashers) == coordinator.hash == sync.meta.model_hash
             for t, c in zip(host.live, coordinator.tensors):
+                t = t.cpu()
                 assert torch.equal(bits(t) if t.is_floating_point() else t, bits(c) if c.is_floating_point() else c)
         finally:
             host.close()
