@@ -1,0 +1,88 @@
+"""The close rule of ``--merge async`` (coordinator/quorum.py) on a round described by hand: the quorum, the host
+due within the grace window (waited for), the host not due (slower, stalled or behind: not waited for), the
+window's end, and the rounds that wait for every host as ``sync`` does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from lightning_nodeox.coordinator.merging import MergeSettings
+from lightning_nodeox.coordinator.quorum import EveryHost, Quorum
+
+
+@dataclass
+class Round:
+    """An open round as the rule sees it (coordinator/open_round.OpenRound)."""
+
+    round: int = 5
+    sent: dict[str, float] = field(default_factory=dict)  # host -> when its delta began
+    hosts: tuple[str, ...] = ("a", "b", "c", "d")
+    opened: float = 100.0
+    final: bool = False
+    timeout: float | None = None
+    awaited: int = 0
+
+    def count(self) -> int:
+        return len(self.sent)
+
+    def starts(self) -> dict[str, float]:
+        return dict(self.sent)
+
+    def in_run(self) -> int:
+        return len(self.hosts)
+
+    def needed(self) -> int:
+        return 1
+
+    def missing(self) -> list[str]:
+        return [h for h in self.hosts if h not in self.sent]
+
+    def joins_awaited(self) -> int:
+        return self.awaited
+
+
+def rule(grace: float | None = 2.0) -> Quorum:
+    """A quorum of 3 whose hosts delivered every 10 s, the last time at 100 s into round 4: d is due at 110 s."""
+    q = Quorum(MergeSettings("async", min_quorum=3, grace=grace))
+    for r, t in ((3, 90.0), (4, 100.0)):
+        q.published(r, {h: t for h in "abcd"})
+    return q
+
+
+def test_below_the_quorum_the_round_waits() -> None:
+    assert not rule().ready(Round(sent={"a": 109.0, "b": 109.5}), now=120.0)
+
+
+def test_a_host_due_within_the_window_is_waited_for_until_it_is_overdue_or_the_window_ends() -> None:
+    q, r = rule(grace=5.0), Round(sent={"a": 109.0, "b": 109.2, "c": 109.5})  # quorum at 109.5, window to 114.5
+    assert not q.ready(r, now=109.6)
+    assert q.recheck_at(r, now=109.6) == pytest.approx(112.5)  # d expected at 110, overdue a quarter period later
+    assert q.ready(r, now=112.5)
+    assert rule(grace=1.0).ready(r, now=110.6)  # a window shorter than d's overdue time: its end closes the round
+
+
+def test_a_host_not_due_is_not_waited_for() -> None:
+    sent = {"a": 109.0, "b": 109.2, "c": 109.5}
+    slow = rule()
+    slow.published(5, {"a": 110.0, "b": 110.0, "c": 110.0})  # d's last delta is of round 4: it trains from round 5
+    assert slow.ready(Round(round=6, sent=sent), now=109.6)  # d is behind (its next delta is late anyway)
+    stalled = rule()
+    assert stalled.ready(Round(sent=sent), now=113.0)  # d was due at 110: overdue since 112.5
+    fresh = Quorum(MergeSettings("async", min_quorum=3, grace=5.0))
+    assert fresh.ready(Round(sent=sent), now=109.6)  # nothing known of d
+
+
+def test_the_default_grace_is_half_the_median_period() -> None:
+    assert rule(grace=None).grace() == pytest.approx(5.0)
+    assert Quorum(MergeSettings("async", min_quorum=3)).grace() == 0.0
+
+
+def test_round_0_and_a_final_round_wait_for_every_host() -> None:
+    sent = {"a": 109.0, "b": 109.2, "c": 109.5}
+    assert not rule(grace=0.0).ready(Round(sent=sent, final=True), now=200.0)
+    assert not rule(grace=0.0).ready(Round(sent=sent, awaited=1), now=200.0)
+    assert rule(grace=0.0).ready(Round(sent={**sent, "d": 150.0}, final=True), now=200.0)
+    assert not EveryHost().ready(Round(sent=sent), now=200.0)
+    assert EveryHost().ready(Round(sent=sent, timeout=50.0), now=200.0)
