@@ -14,6 +14,8 @@ from local_transport import LocalCoordinator
 from lightning_nodeox.coordinator.merging import MergeSettings
 from lightning_nodeox.core.codecs.settings import FP32Settings
 from lightning_nodeox.core.protocol import Upload
+from lightning_nodeox.tools import merge_report
+from lightning_nodeox.tools.status import render_merge
 
 FP32 = FP32Settings()
 
@@ -68,6 +70,14 @@ def test_a_delta_one_round_late_is_merged_by_the_rules_formula_and_its_host_catc
         records = aggregates(c)
         assert (records[0]["quorum"], records[0]["late"], records[0]["stale"]) == (2, ["b"], {})
         assert (records[1]["hosts"], records[1]["stale"], records[1]["late"]) == (["a", "b"], {"b": 1}, ["c"])
+        said = c.run.status()["merge"]  # GET /v1/status, nodeox status and the status page
+        assert (said["late_deltas"], said["last"]) == (1, {"round": 1, "quorum": 2, "late": ["c"], "stale": {"b": 1}})
+        assert render_merge(said).endswith("round 1 closed without c, late deltas in it: b (1 round late)")
+        merge = merge_report.build(list(records.values()))  # nodeox report
+        assert merge["hosts"] == {"b": {"rounds_missed": 1, "late_deltas": 1, "staleness_mean": 1, "staleness_max": 1},
+                                  "c": {"rounds_missed": 1, "late_deltas": 0, "staleness_mean": None,
+                                        "staleness_max": None}}
+        assert merge_report.render(merge)[0].startswith("async merge: 2 of 2 rounds closed without every live host")
     finally:
         c.close()
 

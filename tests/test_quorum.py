@@ -47,7 +47,7 @@ def rule(grace: float | None = 2.0) -> Quorum:
     """A quorum of 3 whose hosts delivered every 10 s, the last time at 100 s into round 4: d is due at 110 s."""
     q = Quorum(MergeSettings("async", min_quorum=3, grace=grace))
     for r, t in ((3, 90.0), (4, 100.0)):
-        q.published(r, {h: t for h in "abcd"})
+        q.published(r, {h: t for h in "abcd"}, {})
     return q
 
 
@@ -66,7 +66,7 @@ def test_a_host_due_within_the_window_is_waited_for_until_it_is_overdue_or_the_w
 def test_a_host_not_due_is_not_waited_for() -> None:
     sent = {"a": 109.0, "b": 109.2, "c": 109.5}
     slow = rule()
-    slow.published(5, {"a": 110.0, "b": 110.0, "c": 110.0})  # d's last delta is of round 4: it trains from round 5
+    slow.published(5, {"a": 110.0, "b": 110.0, "c": 110.0}, {})  # d's last delta is of round 4: it trains from round 5
     assert slow.ready(Round(round=6, sent=sent), now=109.6)  # d is behind (its next delta is late anyway)
     stalled = rule()
     assert stalled.ready(Round(sent=sent), now=113.0)  # d was due at 110: overdue since 112.5

@@ -33,8 +33,12 @@ class CloseRule(Protocol):
     def recheck_at(self, open_round: OpenRound, now: float) -> float | None:
         """When :meth:`ready` may turn true with no delta arriving meanwhile (None: not by the clock alone)."""
 
-    def published(self, round_: int, starts: dict[str, float]) -> None:
-        """Round ``round_`` published with the deltas begun at ``starts`` (host -> time)."""
+    def published(self, round_: int, starts: dict[str, float], merged: dict) -> None:
+        """Round ``round_`` published with the deltas begun at ``starts`` (host -> time); ``merged``: what its
+        aggregate record says of how it merged (:meth:`OpenRound.merged`)."""
+
+    def status(self) -> dict | None:
+        """What ``GET /v1/status`` shows of the rule (None: nothing)."""
 
 
 class EveryHost:
@@ -50,8 +54,11 @@ class EveryHost:
     def recheck_at(self, open_round: OpenRound, now: float) -> float | None:
         return None  # --round-timeout: the coordinator's periodic check closes it
 
-    def published(self, round_: int, starts: dict[str, float]) -> None:
+    def published(self, round_: int, starts: dict[str, float], merged: dict) -> None:
         pass
+
+    def status(self) -> dict | None:
+        return None
 
 
 @dataclass
@@ -74,6 +81,8 @@ class Quorum:
         self.settings = settings
         self.every = EveryHost()
         self.hosts: dict[str, Arrivals] = {}
+        self.last: dict = {}  # the last round's merge: its round, quorum, late hosts, stale deltas
+        self.late_deltas = 0  # late deltas merged over the run (since this coordinator started)
 
     def grace(self) -> float:
         """The window's length: ``--grace``, or half the median period of the hosts (0 while none is known)."""
@@ -123,7 +132,14 @@ class Quorum:
         due = self.due(open_round, now, end)
         return min([end, *due.values()]) if due else None
 
-    def published(self, round_: int, starts: dict[str, float]) -> None:
+    def status(self) -> dict:
+        s = self.settings
+        return {"mode": s.mode, "min_quorum": s.min_quorum, "grace_s": self.grace(), "max_staleness": s.max_staleness,
+                "staleness_rule": s.staleness_rule, "late_deltas": self.late_deltas, "last": self.last}
+
+    def published(self, round_: int, starts: dict[str, float], merged: dict) -> None:
+        self.last = {"round": round_, **merged}
+        self.late_deltas += len(merged.get("stale", {}))
         for host, start in starts.items():
             a = self.hosts.get(host)
             if a is None:

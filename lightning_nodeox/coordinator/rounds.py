@@ -183,7 +183,7 @@ class Rounds:
         if closed.sync is not None:
             model.publish(closed.sync)
             self.history.add(closed.sync)
-        self.rule.published(round_, {h: d.start for h, d in self.deltas.by_host.items()})
+        self.rule.published(round_, {h: d.start for h, d in self.deltas.by_host.items()}, merged)
         if closed.complete and not state.complete:
             state.final_members, state.completed_at = set(self.received), time.monotonic()
         data = state.data.publish(self.deltas.taken(), self.deltas.whole)  # what its deltas trained: committed
