@@ -9,7 +9,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from helpers import Coordinator, assert_identical, published, start_host, stop, wait_for
+from helpers import DIGITS, Coordinator, assert_identical, launch, published, read_events, start_host, stop, wait_for
 
 ROUNDS_STOPPED = 3
 
@@ -47,3 +47,23 @@ def test_a_host_stopped_for_three_rounds_is_not_waited_for_and_its_late_delta_is
     final = assert_identical(out, ["0", "1", "2"])
     last = max(published(coord.run_dir))
     assert published(coord.run_dir)[last]["model_hash"] == final
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_through_relays_the_root_merges_a_slow_sites_deltas_late_and_every_host_ends_on_its_model(
+        tmp_path: Path) -> None:
+    """`nodeox launch --sites 2`: the root (--merge async, a quorum of one site) closes rounds without the slow site
+    (its hosts 6x slower a step) and merges its deltas late; its hosts, behind their relay, end on the root's
+    model too."""
+    run_dir, out = tmp_path / "run", tmp_path / "out"
+    result = launch(run_dir, 4, [*DIGITS, "--out", str(out), "--max-steps", "60", "--local-steps", "10",
+                                 "--step-seconds", "0.005,0.005,0.03,0.03"],
+                    "--sites", "2", "--merge", "async", "--min-quorum", "1", "--grace", "0", timeout=240)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    merged = [e for e in read_events(run_dir) if e["phase"] == "aggregate" and e["host"] == "coordinator"]
+    late = [s for e in merged for h, s in e["stale"].items()]
+    assert late and all(1 <= s <= 4 for s in late), merged  # the slow site's deltas, merged late
+    assert any(e["hosts"] == ["site0"] and e["late"] == ["site1"] for e in merged), merged
+    final = assert_identical(out, ["0", "1", "2", "3"])
+    assert published(run_dir)[max(published(run_dir))]["model_hash"] == final

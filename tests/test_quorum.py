@@ -86,3 +86,30 @@ def test_round_0_and_a_final_round_wait_for_every_host() -> None:
     assert rule(grace=0.0).ready(Round(sent={**sent, "d": 150.0}, final=True), now=200.0)
     assert not EveryHost().ready(Round(sent=sent), now=200.0)
     assert EveryHost().ready(Round(sent=sent, timeout=50.0), now=200.0)
+
+
+@pytest.mark.parametrize("settings, says", [
+    ({"mode": "async"}, "--merge async needs --min-quorum K"),
+    ({"mode": "async", "min_quorum": 0}, "--min-quorum must be at least 1"),
+    ({"mode": "async", "min_quorum": 2, "grace": -1.0}, "--grace must be seconds"),
+    ({"mode": "async", "min_quorum": 2, "max_staleness": 0}, "--max-staleness must be at least 1 round"),
+    ({"mode": "later"}, "--merge 'later' is not known"),
+    ({"staleness_rule": "newest"}, "--staleness-rule 'newest' is not known"),
+])
+def test_bad_merge_settings_are_refused_naming_the_fix(settings: dict, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        MergeSettings(**settings)
+
+
+def test_the_command_line_refuses_async_flags_without_async_and_a_quorum_above_the_hosts(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    def said(*flags: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "lightning_nodeox", "coordinator", "--hosts", "2", "--run-dir",
+                               str(tmp_path), *flags], capture_output=True, text=True, timeout=60)
+        assert done.returncode != 0 and "Traceback" not in done.stderr
+        return done.stderr.strip()
+
+    assert said("--min-quorum", "1") == "nodeox: --min-quorum goes with --merge async; add --merge async (or drop it)"
+    assert said("--merge", "async", "--min-quorum", "3") == "nodeox: --min-quorum must be at most --hosts (2), got 3"

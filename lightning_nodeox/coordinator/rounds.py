@@ -11,6 +11,8 @@ When a round closes (the rule, also in docs/clusters.md):
   heard from within ``--lease`` seconds (hosts send heartbeats); a host whose lease expires is dropped (no
   longer waited for) until it is heard from again;
 - with ``--round-timeout S``, a round also closes after S seconds without the live hosts still missing;
+- (``--merge async``: on a quorum instead, and a late delta is merged into a later round:
+  :mod:`~lightning_nodeox.coordinator.quorum`, :mod:`~lightning_nodeox.coordinator.merging`)
 - never with fewer than ``--min-hosts`` deltas (default 1), lowered to the number of hosts still in the run
   (neither finished nor left), so finishing hosts never block the end. While it cannot close, the
   coordinator says every ``status_interval`` seconds whom it waits for, and why

@@ -203,8 +203,9 @@ def _merge_settings(args: argparse.Namespace) -> MergeSettings:
     if args.merge == "sync":
         given = [f for f, v in (("--min-quorum", args.min_quorum), ("--grace", args.grace)) if v is not None]
         if given:
-            raise ValueError(f"{' and '.join(given)} {'go' if len(given) > 1 else 'goes'} with --merge async; add --merge async "
-                             "(or drop them)")
+            many = len(given) > 1
+            raise ValueError(f"{' and '.join(given)} {'go' if many else 'goes'} with --merge async; add --merge async "
+                             f"(or drop {'them' if many else 'it'})")
     return MergeSettings(args.merge, args.min_quorum, args.grace, args.max_staleness, args.staleness_rule)
 
 
