@@ -10,7 +10,7 @@ The error bound of the round trip, ``s`` the scale as sent (at least ``absmax / 
 the fp32 rounding of ``x * (1 / s)`` (a relative ``2**-22`` of ``x``):
 
 - nearest rounding: ``|x - d| <= s / 2`` for every value;
-- stochastic rounding: ``|x - d| < s``, unbiased.
+- stochastic rounding: ``|x - d| <= s``, unbiased.
 
 The no-op sync is code 0 (byte ``0x00``) with scale -0.0 (``0.0 * -0.0 = -0.0``). A received code -128 (byte
 ``0x80``), which no encoder writes, is refused as malformed.
