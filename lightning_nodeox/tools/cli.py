@@ -43,9 +43,10 @@ def _codec_options(p: argparse.ArgumentParser) -> None:
     """``--codec`` and a flag for each setting of any codec (``--block-size``, ``--density``, ...): given to a codec
     without it, :func:`_codec_settings` refuses it."""
     p.add_argument("--codec", default=Q4Settings.name, choices=CODEC_NAMES,
-                   help="q4 (default); q2: 2-bit, about half of q4's bytes; bf16 or fp32 send deltas unquantized, "
-                   "to measure what q4 costs; sparse: the top --density of each chunk of 4096 values with 2-bit "
-                   "values (1%%: 0.035x q4's bytes); "
+                   help="q4 (default); q2: 2-bit, about half of q4's bytes; int8 (absmax / 127) or fp8 (e4m3, "
+                   "absmax / 448): one byte a value and a scale a block, 1.9x q4's bytes; bf16 or fp32 send deltas "
+                   "unquantized, to measure what q4 costs; sparse: the top --density of each chunk of 4096 values "
+                   "with 2-bit values (1%%: 0.035x q4's bytes); "
                    + "; ".join(f"{alias}: {base} at " + ", ".join(f"{k} {v}" for k, v in preset.items())
                                for alias, (base, preset) in ALIASES.items()))
     for name, (f, codecs) in SETTING_FLAGS.items():
