@@ -530,7 +530,8 @@ def run_nodeox(args: argparse.Namespace, mode: str, seed: int, workdir: Path, ro
     peaks = {h: peak_exchange_bytes(r) for h, r in records.items()}
     waits = {h: wait_share(r) for h, r in records.items()}
     last = max((e["round"] for e in events if "round" in e), default=0)
-    steady = {h: wait_share([x for x in r if x["round"] < last]) for h, r in records.items()}  # the final round apart
+    final = max((e["round"] for e in events if e["phase"] == "sync_prepare" and e["host"] == "coordinator"), default=0)
+    steady = {h: wait_share([x for x in r if x["round"] < final]) for h, r in records.items()}  # the final round apart
     step_s = {}
     for h, rs in records.items():
         per_step = [(r["end"] - r["start"]) / r["steps"] for r in rs if r["phase"] == "train" and r.get("steps")]

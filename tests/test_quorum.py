@@ -58,9 +58,13 @@ def test_below_the_quorum_the_round_waits() -> None:
 def test_a_host_due_within_the_window_is_waited_for_until_it_is_overdue_or_the_window_ends() -> None:
     q, r = rule(grace=5.0), Round(sent={"a": 109.0, "b": 109.2, "c": 109.5})  # quorum at 109.5, window to 114.5
     assert not q.ready(r, now=109.6)
-    assert q.recheck_at(r, now=109.6) == pytest.approx(112.5)  # d expected at 110, overdue a quarter period later
-    assert q.ready(r, now=112.5)
+    assert q.recheck_at(r, now=109.6) == pytest.approx(111.0)  # d expected at 110, overdue a tenth period later
+    assert q.ready(r, now=111.0)
     assert rule(grace=1.0).ready(r, now=110.6)  # a window shorter than d's overdue time: its end closes the round
+    stalled_once = rule(grace=5.0)
+    stalled_once.published(5, {"a": 110.0, "b": 110.0, "c": 110.0, "d": 140.0}, {})  # d stalled once for 30 s
+    stalled_once.published(6, {"a": 140.0, "b": 140.0, "c": 140.0, "d": 150.0}, {})
+    assert stalled_once.hosts["d"].period == 10.0  # the median: one stall does not move it
 
 
 def test_a_host_not_due_is_not_waited_for() -> None:
@@ -69,7 +73,7 @@ def test_a_host_not_due_is_not_waited_for() -> None:
     slow.published(5, {"a": 110.0, "b": 110.0, "c": 110.0}, {})  # d's last delta is of round 4: it trains from round 5
     assert slow.ready(Round(round=6, sent=sent), now=109.6)  # d is behind (its next delta is late anyway)
     stalled = rule()
-    assert stalled.ready(Round(sent=sent), now=113.0)  # d was due at 110: overdue since 112.5
+    assert stalled.ready(Round(sent=sent), now=111.5)  # d was due at 110: overdue since 111
     fresh = Quorum(MergeSettings("async", min_quorum=3, grace=5.0))
     assert fresh.ready(Round(sent=sent), now=109.6)  # nothing known of d
 

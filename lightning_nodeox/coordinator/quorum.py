@@ -4,8 +4,8 @@ the rule of ``--merge sync`` (:class:`EveryHost`, the default) or of ``--merge a
 ``async``: a round closes once ``--min-quorum`` deltas with samples are in (lowered to the hosts still in the
 run), unless a missing host is *due*: its last delta was merged into the previous round (so it trains from the
 open round's model, and its delta would not be late), and its past arrivals say the next one comes within the
-grace window. The round waits for such a host until its delta begins, until it is overdue (a quarter of its
-period past when it was expected), or until the window ends, whichever comes first. A host not due (slower, or
+grace window. The round waits for such a host until its delta begins, until it is overdue (a tenth of its
+period past when it was expected; its period: the median of its last intervals between two deltas), or until the window ends, whichever comes first. A host not due (slower, or
 stalled) is not waited for at all: its delta is merged, late, into the round open when it arrives. Round 0 (which
 waits for ``--hosts`` to join) and a round holding a final delta (the run's last) wait for every live host, as
 under ``sync``.
@@ -14,7 +14,7 @@ under ``sync``.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from .merging import MergeSettings
@@ -22,8 +22,8 @@ from .merging import MergeSettings
 if TYPE_CHECKING:
     from .open_round import OpenRound
 
-OVERDUE = 0.25  # of a host's period: a due host this late is no longer waited for
-EMA = 0.5  # weight of the latest interval in a host's period
+OVERDUE = 0.1  # of a host's period: a due host this late is no longer waited for
+PERIODS = 5  # a host's period is the median of its last this many intervals (one stall does not move it)
 
 
 class CloseRule(Protocol):
@@ -63,15 +63,26 @@ class EveryHost:
 
 @dataclass
 class Arrivals:
-    """When a host's deltas arrive: the last one's start, the time between two (an average), the round its
-    next delta starts from."""
+    """When a host's deltas arrive: the last one's start, the times between two (the last ``PERIODS``), the round
+    its next delta starts from."""
 
     last: float
-    period: float | None = None
+    intervals: list[float] = field(default_factory=list)
     next_base: int = 0
 
+    @property
+    def period(self) -> float | None:
+        """The time between two of its deltas: the median of the last intervals (None: none yet)."""
+        return statistics.median(self.intervals) if self.intervals else None
+
+    def arrived(self, start: float, round_: int) -> None:
+        """Its delta of round ``round_ - 1``'s close began at ``start``."""
+        self.intervals = [*self.intervals, start - self.last][-PERIODS:]
+        self.last, self.next_base = start, round_
+
     def expected(self) -> float | None:
-        return None if self.period is None else self.last + self.period
+        period = self.period
+        return None if period is None else self.last + period
 
 
 class Quorum:
@@ -108,7 +119,7 @@ class Quorum:
             expected = a.expected() if a is not None else None
             if expected is None or a.next_base != open_round.round:
                 continue
-            overdue = expected + OVERDUE * a.period
+            overdue = expected + OVERDUE * (expected - a.last)
             if expected <= until and now < overdue:
                 due[host] = overdue
         return due
@@ -143,12 +154,9 @@ class Quorum:
         for host, start in starts.items():
             a = self.hosts.get(host)
             if a is None:
-                a = self.hosts[host] = Arrivals(start)
+                self.hosts[host] = Arrivals(start, next_base=round_ + 1)
             else:
-                interval = start - a.last
-                a.period = interval if a.period is None else EMA * interval + (1 - EMA) * a.period
-                a.last = start
-            a.next_base = round_ + 1
+                a.arrived(start, round_ + 1)
 
 
 def close_rule(settings: MergeSettings) -> CloseRule:
