@@ -45,6 +45,16 @@ print each epoch's samples the published model lost or repeated (benchmarks/epoc
     ledger           the coordinator's data ledger shares out each epoch (Lightning's default sampler, units of 32)
     ledger_faults    ledger with the same faults
 
+The heterogeneous modes (issue 31; not run by default) run 4 hosts, host 1 of them uneven, under each way a round
+may take its deltas, ``het_SCENARIO_MERGE``:
+
+    SCENARIO  (every step also sleeps HET_PACE, 50 ms, as a GPU's step would take: the exchange is then small
+              beside a round, as on a real cluster) even: all hosts alike (the reference); slow3: host 1 3x slower every step; stall: host 1 stalls
+              STALL_SECONDS twice, at steps drawn from the seed in the middle three fifths of its run
+    MERGE     sync: today's rounds (every live host); budget: NodeoxStrategy(round_seconds=host 0's time for
+              local_steps steps, measured in the het run before; each host's steps in proportion to its speed);
+              async_age, async_samples: --merge async --min-quorum 3 with that --staleness-rule
+
 The lm workload runs ddp, fp32, bf16, q4, q4_nesterov, q4_no_ef, q2, q2_b256, sparse_d1, sparse_d3, sparseloco
 and q4_f4 by default (--modes takes any).
 
@@ -85,6 +95,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -118,6 +129,16 @@ GOAL_OVERLAP_WAIT = 0.05
 GOAL_BUDGET_FAST_WAIT = 0.10
 WAIT_COLUMNS = ("0", "1", "2", "3")  # the hosts whose wait share the table shows
 RELAY_MODE, RELAY_BASELINE = "q4_relays", "q4_4hosts"  # goal: no accuracy lost beyond the baseline's seed spread
+HET_HOSTS = 4
+HET_PACE = 0.05  # seconds every step of a heterogeneous mode also takes (a GPU's step, not this CPU's)
+STALL_SECONDS = 20.0
+HET_SCENARIOS = {"even": {}, "slow3": {"slow": True, "slowdown": 3.0}, "stall": {"slow": True, "slowdown": 1.0,
+                                                                                  "stalls": 2}}
+HET_MERGES = {"sync": {}, "budget": {"strategy": {"round_seconds": "auto"}},
+              **{f"async_{rule}": {"coordinator": ["--merge", "async", "--min-quorum", "3", "--staleness-rule", rule]}
+                 for rule in ("age", "samples")}}
+GOAL_ASYNC_WALL = 0.6  # async's wall time over sync's, slow3 and stall
+GOAL_ASYNC_FAST_WAIT = 0.02  # the fast hosts' wait share under async
 
 DILOCO = ["--outer-optimizer", "nesterov", "--outer-lr", "0.7", "--outer-momentum", "0.9"]
 SPARSE_EARLIER = ["--codec", "sparse", "--chunking", "runs", "--levels", "q2", "--error-decay", "1", "--mean", "deltas"]
@@ -160,8 +181,11 @@ RESTART_EPOCH = 2
 EPOCH_MODES = {"sharded3": {}, "sharded3_faults": {"faults": True}, "ledger": {"ledger": True},
                "ledger_faults": {"ledger": True, "faults": True}}
 MODES.update({m: {"kind": "epochs", "hosts": EPOCH_HOSTS, **spec} for m, spec in EPOCH_MODES.items()})
+HET_MODES = {f"het_{s}_{m}": {"kind": "nodeox", "hosts": HET_HOSTS, "pace": HET_PACE, **scenario, **merge}
+             for s, scenario in HET_SCENARIOS.items() for m, merge in HET_MERGES.items()}
+MODES.update(HET_MODES)
 SWEEP_MODES = [m for m in MODES if MODES[m].get("local_steps")]
-DEFAULT_MODES = [m for m in MODES if m not in ("bf16", "q2_b256", *SWEEP_MODES, *EPOCH_MODES)]
+DEFAULT_MODES = [m for m in MODES if m not in ("bf16", "q2_b256", *SWEEP_MODES, *EPOCH_MODES, *HET_MODES)]
 LM_MODES = ["ddp", "fp32", "bf16", "q4", "q4_nesterov", "q4_no_ef", "q2", "q2_b256", "sparse_d1", "sparse_d3",
             "sparseloco", "q4_f4"]
 
@@ -324,13 +348,19 @@ def host_main(args: argparse.Namespace) -> None:
         model, loader, evaluate = digits_workload(args, host)
 
     class Count(Callback):
-        """Samples trained; with ``slowdown`` > 1, sleeps after each batch to run that many times slower."""
+        """Samples trained; sleeps ``pace`` after each batch, and with ``slowdown`` > 1 more, to run that many times
+        slower; at the steps ``stalls``, sleeps ``STALL_SECONDS``."""
 
-        def __init__(self, slowdown: float) -> None:
+        def __init__(self, slowdown: float, stalls: set[int], pace: float) -> None:
             self.samples, self.slowdown, self.periods, self.last, self.slept = 0, slowdown, [], None, 0.0
+            self.stalls, self.pace = stalls, pace
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.samples += len(batch[0] if isinstance(batch, (list, tuple)) else batch)
+            time.sleep(self.pace)
+            if trainer.global_step in self.stalls:
+                self.stalls.discard(trainer.global_step)
+                time.sleep(STALL_SECONDS)
             if self.slowdown <= 1:
                 return
             now = time.perf_counter()
@@ -371,7 +401,9 @@ def host_main(args: argparse.Namespace) -> None:
                 self.points.append([trainer.global_step, evaluate()])
                 pl_module.train()
 
-    count = Count(args.slowdown if host == args.slow_host else 1.0)
+    slow = host == args.slow_host
+    stalls = set(random.Random(args.seed).sample(range(steps // 5, 4 * steps // 5), args.stalls)) if slow else set()
+    count = Count(args.slowdown if slow else 1.0, stalls, args.pace)
     curve = Curve(args.eval_every) if args.eval_every else None
     length = {"max_steps": steps} if args.host_epochs is None else {"max_epochs": args.host_epochs, "max_steps": -1}
     common = {**length, "accelerator": "cpu", "devices": 1, "logger": False,
@@ -429,15 +461,17 @@ class Unavailable(Exception):
 
 
 def _host_args(args: argparse.Namespace, kind: str, seed: int, out: Path, steps: list[int], strategy: dict,
-               slow: bool, local_steps: int | None = None) -> list[str]:
+               slow: bool, local_steps: int | None = None, slowdown: float = SLOWDOWN, stalls: int = 0,
+               pace: float = 0.0) -> list[str]:
     """A host's command line; ``steps``: each host's optimizer steps, one per host (launch runs one command for all
-    hosts); ``local_steps``: the mode's own (default ``--local-steps``)."""
+    hosts); ``local_steps``: the mode's own (default ``--local-steps``); host 1, when ``slow``, runs ``slowdown``
+    times slower and stalls ``stalls`` times."""
     return [sys.executable, str(Path(__file__).resolve()), "--host", "--kind", kind, "--workload", args.workload,
             "--seed", str(seed), "--out", str(out), "--host-steps", ",".join(map(str, steps)),
             "--local-steps", str(local_steps or args.local_steps), "--batch-size",
             str(args.batch_size), "--lr", str(args.lr), "--strategy-kwargs", json.dumps(strategy),
-            "--slow-host", "1" if slow else "-1", "--slowdown", str(SLOWDOWN), "--num-hosts", str(len(steps)),
-            "--eval-every", str(args.eval_every)]
+            "--slow-host", "1" if slow else "-1", "--slowdown", str(slowdown), "--stalls", str(stalls),
+            "--pace", str(pace), "--num-hosts", str(len(steps)), "--eval-every", str(args.eval_every)]
 
 
 def _read_hosts(out: Path, n: int) -> dict[str, dict]:
@@ -491,12 +525,15 @@ def run_nodeox(args: argparse.Namespace, mode: str, seed: int, workdir: Path, ro
         strategy["round_seconds"] = round_seconds
         # a time budget: the same samples in all, each host's share in proportion to its speed, so both end together
         total = args.steps * n
-        speeds = [1.0 / SLOWDOWN if spec.get("slow") and i == 1 else 1.0 for i in range(n)]
+        slowdown = spec.get("slowdown", SLOWDOWN)
+        speeds = [1.0 / slowdown if spec.get("slow") and i == 1 else 1.0 for i in range(n)]
         steps = [round(total * s / sum(speeds)) for s in speeds]
     shape = ["--hosts", str(n), *(["--sites", str(sites)] if sites > 1 else [])]  # --sites: a relay per site
     cmd = [sys.executable, "-m", "lightning_nodeox", "launch", *shape, "--run-dir", str(run_dir), "--threads", "1",
            *spec.get("coordinator", []), "--", *_host_args(args, "nodeox", seed, out, steps, strategy,
-                                                           spec.get("slow", False), spec.get("local_steps"))]
+                                                           spec.get("slow", False), spec.get("local_steps"),
+                                                           spec.get("slowdown", SLOWDOWN), spec.get("stalls", 0),
+                                                           spec.get("pace", 0.0))]
     env = process_env()
     log = workdir / "launch.log"
     started = time.time()
@@ -521,13 +558,15 @@ def run_nodeox(args: argparse.Namespace, mode: str, seed: int, workdir: Path, ro
     sent = {h: nodeox_bytes_sent(r) for h, r in records.items()}
     peaks = {h: peak_exchange_bytes(r) for h, r in records.items()}
     waits = {h: wait_share(r) for h, r in records.items()}
+    last = max((e["round"] for e in events if "round" in e), default=0)
+    final = max((e["round"] for e in events if e["phase"] == "sync_prepare" and e["host"] == "coordinator"), default=0)
+    steady = {h: wait_share([x for x in r if x["round"] < final]) for h, r in records.items()}  # the final round apart
     step_s = {}
     for h, rs in records.items():
         per_step = [(r["end"] - r["start"]) / r["steps"] for r in rs if r["phase"] == "train" and r.get("steps")]
         step_s[h] = statistics.median(per_step) if per_step else None
     return _result(hosts, sent, waits, time.time() - started, step_s,
-                   {"round_seconds": strategy.get("round_seconds"), "rounds": max((e["round"] for e in events
-                                                                                    if "round" in e), default=0),
+                   {"round_seconds": strategy.get("round_seconds"), "rounds": last, "wait_share_steady": steady,
                     "peak_bytes": statistics.mean(p[0] for p in peaks.values()),
                     "final_bytes": statistics.mean(p[1] for p in peaks.values())})
 
@@ -689,6 +728,8 @@ def summarize(runs: list[dict], metric: Metric = ACCURACY) -> dict:
         **{k: statistics.mean(r[k] for r in runs) for k in ("peak_bytes", "final_bytes") if k in runs[0]},
         "wall_s": statistics.mean(r["wall_s"] for r in runs),
         "wait_share": {h: statistics.mean(w) if w else None for h, w in waits.items()},
+        **({"wait_share_steady": {h: statistics.mean(r["wait_share_steady"][h] or 0.0 for r in runs) for h in hosts}}
+           if "wait_share_steady" in runs[0] else {}),
         "hosts_identical": all(r["hosts_identical"] for r in runs),
         "samples": {h: statistics.mean(r["samples"][h] for r in runs) for h in hosts},
         "step_s": {h: statistics.mean(v) if v else None
@@ -881,6 +922,9 @@ def print_table(modes: dict, config: dict, metric: Metric = ACCURACY) -> None:
             print(f"{'':16} host 1's step took {steps['1'] / steps['0']:.2f}x host 0's ({1000 * steps['0']:.1f} ms); "
                   f"samples trained: host 0 {s['samples']['0']:.0f}, host 1 {s['samples']['1']:.0f}"
                   + ("" if budget is None else f"; round_seconds {budget:.2f}"))
+        if "wait_share_steady" in s:
+            print(f"{'':16} wait share before the final round (which waits for every host): "
+                  + ", ".join(f"h{h} {w:.1%}" for h, w in s["wait_share_steady"].items()))
         if m.get("errors"):
             print(f"{'':16} {len(m['errors'])} seed(s) failed: {m['errors'][0]}")
 
@@ -978,6 +1022,8 @@ def main() -> None:
     p.add_argument("--strategy-kwargs", default="{}", help=argparse.SUPPRESS)
     p.add_argument("--slow-host", type=int, default=-1, help=argparse.SUPPRESS)
     p.add_argument("--slowdown", type=float, default=SLOWDOWN, help=argparse.SUPPRESS)
+    p.add_argument("--stalls", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--pace", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--host-steps", help=argparse.SUPPRESS)
     p.add_argument("--num-hosts", type=int, default=HOSTS, help=argparse.SUPPRESS)
     p.add_argument("--host-epochs", type=int, help=argparse.SUPPRESS)  # an epoch mode's host: max_epochs, logged
@@ -1002,9 +1048,10 @@ def main() -> None:
     unknown = [m for m in wanted if m not in MODES]
     if unknown:
         p.error(f"unknown modes {unknown}; choose from {list(MODES)}")
-    # ddp first (the ratios are to it), unless left out, or every mode asked for is an epoch mode (compared with each
-    # other)
-    baseline = not set(wanted) <= set(EPOCH_MODES) and (not args.without_ddp or "ddp" in wanted)
+    # ddp first (the ratios are to it), unless left out, or every mode asked for is an epoch mode or a heterogeneous
+    # one (compared with each other)
+    alone = set(wanted) <= set(EPOCH_MODES) or set(wanted) <= set(HET_MODES)
+    baseline = not alone and (not args.without_ddp or "ddp" in wanted)
     order = (["ddp"] if baseline else []) + [m for m in MODES if m in wanted and m != "ddp"]
     seeds = list(range(args.first_seed, args.first_seed + (1 if args.quick else args.seeds)))
 
@@ -1078,7 +1125,9 @@ def main() -> None:
               "epochs": args.epochs,
               **({"val_tokens": first("val_tokens")} if args.workload == "lm"
                  else {"hidden": HIDDEN, "test_samples": first("test_samples")})}
-    if args.workload == "lm":
+    if set(wanted) <= set(HET_MODES) | {"ddp"}:
+        result_goals = het_goals(modes, metric)
+    elif args.workload == "lm":
         result_goals = lm_goals(modes)
     elif set(wanted) <= set(EPOCH_MODES):
         result_goals = epoch_goals(modes)
@@ -1093,6 +1142,37 @@ def main() -> None:
     for g in result_goals:
         status = "NOT RUN" if g["met"] is None else "MET" if g["met"] else "MISSED"
         print(f"  {status:7} {g['goal']}: {g['measured']}")
+
+
+def het_goals(modes: dict, metric: Metric) -> list[dict]:
+    """Issue 31's goals: under ``--merge async``, slow3 and stall: wall time at most ``GOAL_ASYNC_WALL`` of sync's,
+    the fast hosts' wait under ``GOAL_ASYNC_FAST_WAIT``; in every scenario the metric within the seed spread of
+    het_even_sync (or better)."""
+    def summary(mode: str) -> dict | None:
+        return modes.get(mode, {}).get("summary")
+
+    even = summary("het_even_sync")
+    lower_better = metric.key == "val_loss"
+    out = []
+    for mode in [m for m in HET_MODES if "async" in m and summary(m)]:
+        s = summary(mode)
+        scenario = mode.split("_")[1]
+        if scenario != "even" and summary(f"het_{scenario}_sync"):
+            ratio = s["wall_s"] / summary(f"het_{scenario}_sync")["wall_s"]
+            fast = max(s["wait_share_steady"][h] for h in ("0", "2", "3"))
+            whole = max(s["wait_share"][h] or 0.0 for h in ("0", "2", "3"))
+            out.append({"goal": f"{mode}: wall <= {GOAL_ASYNC_WALL}x het_{scenario}_sync's, fast hosts' wait < "
+                                f"{GOAL_ASYNC_FAST_WAIT:.0%} (before the final round, which waits for every host)",
+                        "met": ratio <= GOAL_ASYNC_WALL and fast < GOAL_ASYNC_FAST_WAIT,
+                        "measured": f"wall {ratio:.2f}x, fast hosts' wait up to {fast:.1%} ({whole:.1%} with the "
+                                    "final round)"})
+        if even:
+            mean, bound = s[f"{metric.key}_mean"], even[f"{metric.key}_{'max' if lower_better else 'min'}"]
+            met = mean <= bound if lower_better else mean >= bound
+            out.append({"goal": f"{mode}: {metric.label} within het_even_sync's seed spread or better",
+                        "met": met, "measured": f"{mean:.4f} against het_even_sync's "
+                                                f"{even[f'{metric.key}_min']:.4f}-{even[f'{metric.key}_max']:.4f}"})
+    return out
 
 
 def _round_seconds(modes: dict, local_steps: int) -> float | None:

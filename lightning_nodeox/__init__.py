@@ -15,11 +15,12 @@ import sys
 from pathlib import Path
 
 from .core import logs
-from .core.codecs.settings import BF16Settings, CodecSettings, FP32Settings, Q2Settings, Q4Settings, SparseSettings
+from .core.codecs.settings import (BF16Settings, CodecSettings, FP8Settings, FP32Settings, Int8Settings, Q2Settings,
+                                   Q4Settings, SparseSettings)
 
 __version__ = "0.1.0"
 __all__ = ["NodeoxFabricStrategy", "NodeoxStrategy", "PhaseMonitor", "LedgerShards", "CodecSettings", "Q4Settings", "Q2Settings",
-           "SparseSettings", "BF16Settings", "FP32Settings"]
+           "Int8Settings", "FP8Settings", "SparseSettings", "BF16Settings", "FP32Settings"]
 
 
 def _running_the_nodeox_command() -> bool:

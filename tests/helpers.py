@@ -6,6 +6,7 @@ Fixtures live in conftest.py; everything a test module imports from another live
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import socket
@@ -17,6 +18,7 @@ import time
 import zlib
 from pathlib import Path
 
+import pytest
 import torch
 from lightning.pytorch import LightningModule
 from local_transport import LocalClient, LocalCoordinator
@@ -25,11 +27,13 @@ from safetensors import safe_open
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_nodeox.core.codec import accumulate_tensor, encode_sync_and_apply, encode_tensor
+from lightning_nodeox.core.codec import (accumulate_tensor, apply_sync, decode_tensor, encode_delta, encode_sync_and_apply,
+                                         encode_tensor)
+from lightning_nodeox.core.codecs import codec_for
 from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.modelfile import model_header
 from lightning_nodeox.core.phases import PhaseLog
-from lightning_nodeox.core.protocol import Upload, read_fully
+from lightning_nodeox.core.protocol import Reason, Refusal, Upload, read_fully
 from lightning_nodeox.core.codecs.settings import CodecSettings, Q4Settings
 from lightning_nodeox.core.specs import TensorSpec, spec_of
 from lightning_nodeox.core.wire import MessageLayout, Message, MessageMeta
@@ -235,6 +239,120 @@ def load(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
 def bits(t: torch.Tensor) -> torch.Tensor:
     """A tensor's bytes (any dtype, 0-d included), for bit-for-bit comparisons."""
     return t.reshape(-1).view(torch.uint8)
+
+
+# Checks every codec's tests share
+
+def encode_flat(x: torch.Tensor, settings: CodecSettings, *, chunk: int = 256, seed: int | None = None):
+    """(kernels, codes, scales) of flat ``x`` in the codec of ``settings`` (small chunks: many chunk boundaries)."""
+    k = kernels(settings, chunk)
+    codec = codec_for(settings)
+    codes = torch.empty(codec.code_bytes(x.numel()), dtype=torch.uint8)
+    scales = torch.empty(codec.scale_count(x.numel()), dtype=codec.scale_dtype)
+    encode_tensor(k, x, codes, scales, seed=seed)
+    return k, codes, scales
+
+
+def blockwise_round_trip(x: torch.Tensor, settings: CodecSettings, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoded values of ``x`` in a blockwise codec and each value's scale (as a decoder reads it)."""
+    k, codes, scales = encode_flat(x, settings, **kw)
+    out = torch.empty(x.numel())
+    decode_tensor(k, codes, scales, out)
+    return out, scales.float().repeat_interleave(settings.block_size)[: x.numel()]
+
+
+def feedback_errors(settings: CodecSettings, *, error_feedback: bool, rounds: int = 50, n: int = 1 << 15):
+    """``rounds`` rounds of Gaussian deltas, each encoded (with a residual, as a host with ``error_feedback`` keeps
+    it) and decoded: the norm of (sum of the true deltas - sum of the decoded) after each round, that difference
+    at the end, and the residual (None without error feedback)."""
+    k, codec = kernels(settings, 4096), codec_for(settings)
+    gen = torch.Generator().manual_seed(1)
+    base = torch.zeros(n)
+    residual = torch.zeros(n, dtype=torch.bfloat16) if error_feedback else None
+    true_total, sent_total, decoded = torch.zeros(n), torch.zeros(n), torch.empty(n)
+    codes = torch.empty(codec.code_bytes(n), dtype=torch.uint8)
+    scales = torch.empty(codec.scale_count(n), dtype=codec.scale_dtype)
+    errors = []
+    for _ in range(rounds):
+        delta = torch.randn(n, generator=gen)
+        encode_delta(k, base + delta, base, residual, codes, scales)
+        decode_tensor(k, codes, scales, decoded)
+        true_total += delta
+        sent_total += decoded
+        errors.append(torch.linalg.vector_norm(true_total - sent_total).item())
+    return errors, true_total - sent_total, residual
+
+
+def host_delta(settings: CodecSettings, *, error_feedback: bool, in_features: int = 30, k=None):
+    """A host of ``Linear(in_features, 20)`` whose weights moved by noise encodes its delta (``k``: the kernels
+    that decode it): whether the message has the run's codec and its layout's size, and per tensor (its delta
+    ``live - base``, flat; the values sent, decoded; its residual), or None where the host keeps no residual."""
+    model = torch.nn.Linear(in_features, 20)
+    tensors = HostTensors([(n, p.detach()) for n, p in model.named_parameters()])
+    tensors.allocate(settings, codec_threads=1, error_feedback=error_feedback)
+    try:
+        with torch.no_grad():
+            for t in tensors.live:
+                t.add_(torch.randn(t.shape, generator=torch.Generator().manual_seed(t.numel())) * 0.01)
+        message = tensors.encode(tensors.live, MessageMeta("delta", 0, "h", "", samples=8), seed=None).join()
+        as_run = message.meta.codec == settings and len(message) == MessageLayout.of(tensors.specs, settings).total
+        if tensors.residual is None:
+            return as_run, None
+        parts = []
+        for i, (live, base) in enumerate(zip(tensors.live, tensors.base)):
+            sent = torch.empty(live.numel())
+            decode_tensor(k or kernels(settings), message.codes(i), message.scales(i), sent)
+            parts.append(((live - base).reshape(-1), sent, tensors.residual[i].clone()))
+        return as_run, parts
+    finally:
+        tensors.close()
+
+
+def synced_on_both_sides(settings: CodecSettings, model: torch.Tensor, contributions):
+    """The coordinator's model after a round of ``contributions`` (a list of (delta, samples)) in the codec of
+    ``settings``, and a host's live and base after it applied that round's sync."""
+    n, codec = model.numel(), codec_for(settings)
+    host_live, host_base, acc = model.clone(), model.clone(), torch.zeros(n)
+    for i, (delta, samples) in enumerate(contributions):
+        k, codes, scales = encode_flat(delta, settings, chunk=512)
+        accumulate_tensor(k, codes, scales, acc, float(samples), assign=i == 0)
+    sync_codes = torch.empty(codec.code_bytes(n), dtype=torch.uint8)
+    sync_scales = torch.empty(codec.scale_count(n), dtype=codec.scale_dtype)
+    coordinator_model = model.clone()
+    encode_sync_and_apply(kernels(settings, 1024), acc, 1 / sum(s for _, s in contributions), coordinator_model,
+                          sync_codes, sync_scales)
+    apply_sync(kernels(settings, 256), sync_codes, sync_scales, host_base, host_live)
+    return coordinator_model, host_live, host_base
+
+
+def refused_then_published(tmp_path: Path, settings: CodecSettings, bad: dict, good_a, good_b) -> None:
+    """Through the in-process coordinator of a run of ``settings``: host a's delta ``good_a`` (30 samples), then
+    every delta of ``bad`` from host b (name: (body of the base hash, what the refusal says); each refused as
+    invalid, naming why, the round keeping a's alone), then b's ``good_b`` (10 samples): the published model is
+    exactly the one computed here from a's and b's deltas."""
+    def body(values, host: str, base: str, samples: int) -> memoryview:
+        return delta_message(values, host=host, base_hash=base, samples=samples, settings=settings).view()
+
+    c = LocalCoordinator(tmp_path, 2, codec=settings)
+    try:
+        a, b = LocalClient(c, "a"), LocalClient(c, "b")
+        tensors = [s.as_json() for s in spec_of(MODEL)]
+        assert a.join(tensors).provide_model
+        initial = a.put_model(io.BytesIO(model_file()))
+        assert b.join(tensors).model_hash == initial == model_hash(MODEL)
+        assert a.post_delta(0, body(good_a, "a", initial, 30)) is Upload.TAKEN
+        for name, (make, text) in bad.items():
+            with pytest.raises(Refusal) as refused:
+                b.post_delta(0, memoryview(make(initial)))
+            assert refused.value.reason is Reason.INVALID and text in str(refused.value), name
+            assert c.rounds.received == {"a": 30}, name
+        b.post_delta(0, body(good_b, "b", initial, 10))
+        sync = Message.parse(body_bytes(b.wait_sync(0).body))
+        after = expected_after_round([t for _, t in MODEL], [(good_a, 30), (good_b, 10)], settings)
+        assert sync.meta.codec == settings
+        assert sync.meta.model_hash == model_hash([(n, t) for (n, _), t in zip(MODEL, after)]) == c.rounds.model.hash
+    finally:
+        c.close()
 
 
 # Processes of a run

@@ -52,13 +52,14 @@ class MemorySink:
     def __init__(self) -> None:
         self.data = bytearray()
         self.complete = False
+        self.held: int | None = None
         self.ended = False
 
-    async def locate(self, place) -> None:
+    async def locate(self, place, held: int | None = None) -> None:
         raise AssertionError("an in-process sink is never told a place")
 
-    async def begin(self, size: int, complete: bool) -> None:
-        self.complete = complete
+    async def begin(self, size: int, complete: bool, held: int | None = None) -> None:
+        self.complete, self.held = complete, held
 
     async def write(self, view: memoryview) -> None:
         self.data += view
@@ -198,7 +199,7 @@ class LocalClient:
         if self._call(self.service.send_sync(self._me(), round_, poll, sink, training=training, sending=sending)):
             data = bytes(sink.data)
             broken, self.break_next_sync = self.break_next_sync, False
-            return SyncReady(round_, BytesBody(data, len(data) // 2 if broken else None), sink.complete)
+            return SyncReady(round_, BytesBody(data, len(data) // 2 if broken else None), sink.complete, sink.held)
         return RunComplete() if self.service.complete else None
 
     def exchange_values(self, key: str, payload: object, poll: float = 1.0) -> ValuesReply:

@@ -10,11 +10,20 @@ from lightning_nodeox.core.codecs.q4 import CODE_OFFSET, LEVELS
 from lightning_nodeox.core.codecs.settings import CodecSettings
 
 
+def chunk_noise(n: int, block_size: int, seed: int, chunk: int) -> torch.Tensor:
+    """The noise of stochastic rounding over ``n`` values padded to whole blocks, as the kernels draw it:
+    ``uniform(-0.5, 0.5)`` from a generator seeded per chunk of ``chunk`` values (the kernels' chunk size)."""
+    noise = torch.empty(-(-n // block_size) * block_size)
+    for s, e in chunk_ranges(n, chunk):
+        mp = -(-(e - s) // block_size) * block_size
+        noise[s : s + mp].uniform_(-0.5, 0.5, generator=torch.Generator().manual_seed(stochastic_seed(seed, s)))
+    return noise
+
+
 def encode_reference(x: torch.Tensor, settings: CodecSettings, *, seed: int | None = None, chunk: int = 0):
     """(codes as uint8 packed bytes, scales) of flat ``x`` by the q4 definition.
 
-    Stochastic rounding draws, like the kernels, ``uniform(-0.5, 0.5)`` from a generator seeded per chunk of
-    ``chunk`` values (the kernels' chunk size), so both see the same noise.
+    Stochastic rounding draws the kernels' own noise (:func:`chunk_noise`).
     """
     bs = settings.block_size
     n = x.numel()
@@ -28,14 +37,7 @@ def encode_reference(x: torch.Tensor, settings: CodecSettings, *, seed: int | No
     inv = 1.0 / scale.clamp_min(1e-30)
     y = blocks * inv[:, None]
     if seed is not None:  # stochastic rounding
-        noise = torch.empty(nb * bs)
-        for s, e in chunk_ranges(n, chunk):
-            mp = -(-(e - s) // bs) * bs
-            g = torch.Generator().manual_seed(stochastic_seed(seed, s))
-            part = torch.empty(mp)
-            part.uniform_(-0.5, 0.5, generator=g)
-            noise[s : s + mp] = part
-        y = (y + noise.view(nb, bs)).clamp(-LEVELS, LEVELS)
+        y = (y + chunk_noise(n, bs, seed, chunk).view(nb, bs)).clamp(-LEVELS, LEVELS)
     elif settings.scale_dtype == "fp16":
         y = y.clamp(-LEVELS, LEVELS)
     q = torch.round(y).to(torch.int64).view(-1) + CODE_OFFSET

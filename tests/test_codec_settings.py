@@ -19,14 +19,16 @@ from local_transport import LocalCoordinator
 from lightning_nodeox.coordinator.config import OuterSettings
 from lightning_nodeox.coordinator.state import SavedRun, RunStore
 from lightning_nodeox.core.codecs import codec_for
-from lightning_nodeox.core.codecs.settings import (REGISTRY, BF16Settings, FP32Settings, Q2Settings, Q4Settings,
-                                                    SparseSettings, settings_for, settings_from_old_keys)
+from lightning_nodeox.core.codecs.settings import (REGISTRY, BF16Settings, FP8Settings, FP32Settings, Int8Settings,
+                                                    Q2Settings, Q4Settings, SparseSettings, settings_for,
+                                                    settings_from_old_keys)
 from lightning_nodeox.core.protocol import JoinReply
 from lightning_nodeox.core.specs import spec_of
 from lightning_nodeox.core.wire import Message, MessageLayout
 from lightning_nodeox.tools import cli
 
 EVERY_CODEC = [Q4Settings(), Q4Settings(block_size=256, scale_dtype="fp32"), Q2Settings(block_size=32),
+               Int8Settings(block_size=128), FP8Settings(scale_dtype="fp32"),
                SparseSettings(density=0.02, scale_dtype="fp32"), SparseSettings(density=0.001), BF16Settings(),
                FP32Settings()]
 OLD_RUN = Path(__file__).parent / "data" / "run_before_codec_settings"  # see test_a_run_saved_before_...
@@ -68,8 +70,8 @@ def test_settings_are_refused_naming_the_fix() -> None:
         "block_size=64.0 is not supported; use one of (32, 64, 128, 256)": lambda: Q2Settings(block_size=64.0),
         "codec 'sparse3' is sparse at density 0.03: for another value use codec 'sparse'":
             lambda: settings_for("sparse3", density=0.05),
-        "codec='int8' is not supported; use one of ('q4', 'q2', 'bf16', 'fp32', 'sparse', 'sparse3')":
-            lambda: settings_for("int8"),
+        "codec='int4' is not supported; use one of ('q4', 'q2', 'int8', 'fp8', 'bf16', 'fp32', 'sparse', 'sparse3')":
+            lambda: settings_for("int4"),
     }
     for text, make in refusals.items():
         with pytest.raises(ValueError) as refused:
@@ -104,6 +106,8 @@ def test_the_command_line_takes_a_codecs_own_flags() -> None:
     assert config_of("--codec", "sparse3", "--scale-dtype", "fp32").codec == SparseSettings(density=0.03,
                                                                                            scale_dtype="fp32")
     assert config_of("--codec", "bf16").codec == BF16Settings()
+    assert config_of("--codec", "int8", "--block-size", "128").codec == Int8Settings(block_size=128)
+    assert config_of("--codec", "fp8", "--scale-dtype", "fp32").codec == FP8Settings(scale_dtype="fp32")
 
 
 @pytest.mark.parametrize(("command", "flags", "says"), [
@@ -114,6 +118,8 @@ def test_the_command_line_takes_a_codecs_own_flags() -> None:
      "codec 'q2' has no setting density: leave it out (it takes block_size, scale_dtype)"),
     ("coordinator", ["--density", "0.1"],
      "codec 'q4' has no setting density: leave it out (it takes block_size, scale_dtype)"),
+    ("coordinator", ["--codec", "fp8", "--density", "0.1"],
+     "codec 'fp8' has no setting density: leave it out (it takes block_size, scale_dtype)"),
     ("coordinator", ["--codec", "fp32", "--block-size", "64"],
      "codec 'fp32' has no setting block_size: leave it out (it takes none)"),
     ("coordinator", ["--codec", "sparse", "--density", "0.5"],

@@ -14,7 +14,7 @@ import zlib
 import pytest
 import requests
 import torch
-from helpers import MODEL, SPECS, Coordinator, bits, body_bytes, codec_run, model_file
+from helpers import MODEL, SPECS, Coordinator, bits, body_bytes, codec_run, host_delta, model_file
 from local_transport import LocalClient, LocalCoordinator
 
 from lightning_nodeox.coordinator.model import CoordinatorModel
@@ -168,26 +168,12 @@ def test_error_feedback_carries_the_values_a_round_did_not_send(feedback: bool) 
 @pytest.mark.parametrize("feedback", [True, False])
 def test_a_host_keeps_a_residual_only_with_error_feedback(feedback: bool) -> None:
     """``NodeoxStrategy(error_feedback=False)`` reaches the codec as it does every codec's: no residual kept."""
-    model = torch.nn.Linear(300, 20)
-    tensors = HostTensors([(n, p.detach()) for n, p in model.named_parameters()])
-    tensors.allocate(SPARSE, codec_threads=1, error_feedback=feedback)
-    try:
-        with torch.no_grad():
-            for t in tensors.live:
-                t.add_(torch.randn(t.shape, generator=torch.Generator().manual_seed(t.numel())) * 0.01)
-        message = tensors.encode(tensors.live, MessageMeta("delta", 0, "h", "", samples=8), seed=None).join()
-        assert message.meta.codec == SPARSE and len(message) == MessageLayout.of(tensors.specs, SPARSE).total
-        if not feedback:
-            assert tensors.residual is None
-            return
-        for i, (live, base) in enumerate(zip(tensors.live, tensors.base)):
-            sent = torch.empty(live.numel())
-            decode_tensor(kernels(SPARSE), message.codes(i), message.scales(i), sent)
-            assert (sent != 0).sum() == math.ceil(0.01 * 4096) * (live.numel() // CHUNK) + math.ceil(
-                0.01 * (live.numel() % CHUNK))
-            assert torch.equal(tensors.residual[i], ((live - base).reshape(-1) - sent).to(torch.bfloat16))
-    finally:
-        tensors.close()
+    as_run, parts = host_delta(SPARSE, error_feedback=feedback, in_features=300, k=kernels(SPARSE))
+    assert as_run and (parts is None) == (not feedback)
+    for delta, sent, residual in parts or []:
+        n = delta.numel()
+        assert (sent != 0).sum() == math.ceil(0.01 * 4096) * (n // CHUNK) + math.ceil(0.01 * (n % CHUNK))
+        assert torch.equal(residual, (delta - sent).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("capacity", [None, 1, 82, CHUNK], ids=["delta", "sync 1", "sync 82", "sync 4096"])

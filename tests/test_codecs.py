@@ -13,13 +13,15 @@ from lightning_nodeox.core.codec import apply_sync
 from lightning_nodeox.core.codecs import REGISTRY, Codec, codec_class, codec_for
 from lightning_nodeox.core.hashing import model_hash
 from lightning_nodeox.core.pool import WorkerPool
-from lightning_nodeox.core.codecs.settings import (CODEC_NAMES, BF16Settings, CodecSettings, FP32Settings,
-                                                    Q2Settings, Q4Settings, SparseSettings, setting_names, settings_for)
+from lightning_nodeox.core.codecs.settings import (CODEC_NAMES, BF16Settings, CodecSettings, FP8Settings, FP32Settings,
+                                                    Int8Settings, Q2Settings, Q4Settings, SparseSettings, setting_names,
+                                                    settings_for)
 from lightning_nodeox.core.specs import spec_of
 from lightning_nodeox.core.wire import MessageLayout, Message
 from lightning_nodeox.host.tensors import HostTensors
 
-NOOP_BYTES = {"q4": (b"\x88", b"\x00\x80"), "q2": (b"\xaa", b"\x00\x80"), "bf16": (b"\x00\x80", b""), "fp32": (b"\x00\x00\x00\x80", b"")}
+NOOP_BYTES = {"q4": (b"\x88", b"\x00\x80"), "q2": (b"\xaa", b"\x00\x80"), "int8": (b"\x00", b"\x00\x80"),
+              "fp8": (b"\x00", b"\x00\x80"), "bf16": (b"\x00\x80", b""), "fp32": (b"\x00\x00\x00\x80", b"")}
 INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 FIXED = tuple(name for name in REGISTRY if codec_class(name).fixed_size)  # sparse: tests/test_codec_sparse.py
 
@@ -53,20 +55,21 @@ def delta(specs, settings: CodecSettings, values: list[torch.Tensor]) -> Message
 
 
 def test_every_codec_is_found_by_its_name() -> None:
-    assert tuple(REGISTRY) == ("q4", "q2", "bf16", "fp32", "sparse") and CODEC_NAMES == (*REGISTRY, "sparse3")
-    assert FIXED == ("q4", "q2", "bf16", "fp32")
+    assert tuple(REGISTRY) == ("q4", "q2", "int8", "fp8", "bf16", "fp32", "sparse")
+    assert CODEC_NAMES == (*REGISTRY, "sparse3") and FIXED == ("q4", "q2", "int8", "fp8", "bf16", "fp32")
     for name in REGISTRY:
         knobs = {"block_size": 32} if "block_size" in setting_names(name) else {}
         codec = codec_for(settings_for(name, **knobs))
         assert codec.name == name and codec.settings == settings_for(name, **knobs)
     assert codec_for(Q2Settings(block_size=32)).settings.block_size == 32
     assert settings_for("sparse3") == SparseSettings(density=0.03) and codec_for(settings_for("sparse3")).k == 123
-    with pytest.raises(ValueError, match=r"codec='int2' is not supported; use one of \('q4', 'q2', 'bf16', 'fp32', "):
+    with pytest.raises(ValueError, match=r"codec='int2' is not supported; use one of \('q4', 'q2', 'int8', 'fp8', "):
         settings_for("int2")
 
 
 @pytest.mark.parametrize(("name", "scale_dtype", "scales", "codes", "alignment"), [
     ("q4", "fp16", 2, 64, 64), ("q4", "fp32", 2, 64, 64), ("q2", "fp16", 2, 32, 64), ("q2", "fp32", 2, 32, 64),
+    ("int8", "fp16", 2, 128, 64), ("int8", "fp32", 2, 128, 64), ("fp8", "fp16", 2, 128, 64), ("fp8", "fp32", 2, 128, 64),
     ("bf16", "fp16", 0, 200, 1), ("fp32", "fp16", 0, 400, 1),
 ])
 def test_each_codec_owns_its_byte_counts(name, scale_dtype, scales, codes, alignment) -> None:
@@ -84,9 +87,11 @@ def test_each_codec_owns_its_byte_counts(name, scale_dtype, scales, codes, align
 def test_only_the_blockwise_codecs_with_fp16_scales_have_a_finite_delta_they_cannot_hold() -> None:
     text = codec_for(Q4Settings()).too_large("fc.weight", 3)
     assert codec_for(Q2Settings()).too_large("fc.weight", 3) == text
+    assert codec_for(Int8Settings()).too_large("fc.weight", 3) == codec_for(FP8Settings()).too_large("fc.weight", 3) == text
     assert text == ("the delta of parameter 'fc.weight' in round 3 is too large for fp16 scales; "
                     "start the coordinator with --scale-dtype fp32, or lower the learning rate")
-    for settings in (Q4Settings(scale_dtype="fp32"), Q2Settings(scale_dtype="fp32"), BF16Settings(),
+    for settings in (Q4Settings(scale_dtype="fp32"), Q2Settings(scale_dtype="fp32"), Int8Settings(scale_dtype="fp32"),
+                     FP8Settings(scale_dtype="fp32"), BF16Settings(),
                      FP32Settings()):
         assert codec_for(settings).too_large("fc.weight", 3) is None
 

@@ -13,7 +13,8 @@ from local_transport import LocalCoordinator
 from lightning_nodeox.coordinator.config import CoordinatorConfig, OuterSettings
 from lightning_nodeox.coordinator.outer import OuterOptimizer, make_outer, outer_names, register
 from lightning_nodeox.coordinator.state import RunStore, SavedRun, take_up
-from lightning_nodeox.core.codecs.settings import REGISTRY, FP32Settings, Q2Settings, SparseSettings
+from lightning_nodeox.core.codecs.settings import (REGISTRY, FP8Settings, FP32Settings, Int8Settings, Q2Settings,
+                                                    SparseSettings)
 
 
 @register
@@ -73,7 +74,8 @@ def test_every_outer_and_codec_setting_survives_a_restart(tmp_path) -> None:
     """The settings saved with a run come back whole, over the restarted command line's (tests/test_restart.py
     runs the same with real processes, tuned settings included)."""
     tuned = OuterSettings("nesterov", lr=0.5, momentum=0.8)
-    codecs = (Q2Settings(block_size=128, scale_dtype="fp32"),
+    codecs = (Q2Settings(block_size=128, scale_dtype="fp32"), Int8Settings(block_size=32, scale_dtype="fp32"),
+              FP8Settings(block_size=256, scale_dtype="fp32"),
               SparseSettings(density=0.02, scale_dtype="fp32", chunking="runs", levels="q2", error_decay=0.9,
                              mean="deltas"))
     for settings in (tuned, *codecs):

@@ -3,35 +3,21 @@ feedback (on and off), bit-identical syncs, its malformed messages refused, and 
 
 from __future__ import annotations
 
-import io
 import json
 import math
 
 import pytest
 import torch
-from helpers import MODEL, SPECS, bits, body_bytes, codec_run, delta_message, expected_after_round, model_file
-from local_transport import LocalClient, LocalCoordinator
-from reference_q4 import kernels
+from helpers import (MODEL, SPECS, bits, blockwise_round_trip, codec_run, delta_message, encode_flat, feedback_errors,
+                     host_delta, refused_then_published, synced_on_both_sides)
+from reference_q4 import chunk_noise, kernels
 
-from lightning_nodeox.core.codec import (
-    accumulate_tensor,
-    apply_sync,
-    chunk_ranges,
-    decode_tensor,
-    encode_delta,
-    encode_sync_and_apply,
-    encode_tensor,
-    relative_error,
-    stochastic_seed,
-)
+from lightning_nodeox.core.codec import apply_sync, decode_tensor, encode_tensor, relative_error
 from lightning_nodeox.core.codecs import codec_for
 from lightning_nodeox.core.codecs.q2 import SCALE, code_bytes
-from lightning_nodeox.core.hashing import model_hash
-from lightning_nodeox.core.protocol import Reason, Refusal, Upload
 from lightning_nodeox.core.codecs.settings import CodecSettings, Q2Settings, Q4Settings
 from lightning_nodeox.core.specs import spec_of
-from lightning_nodeox.core.wire import MessageLayout, Message, MessageMeta
-from lightning_nodeox.host.tensors import HostTensors
+from lightning_nodeox.core.wire import MessageLayout, Message
 
 Q2 = Q2Settings()
 SIZES = [0, 1, 2, 31, 63, 64, 65, 255, 256, 257, 1000, 4099]
@@ -61,13 +47,7 @@ def reference(x: torch.Tensor, settings: CodecSettings, *, seed: int | None = No
         scale = scale.half().float()
     t = blocks * (0.5 / scale.clamp_min(1e-30))[:, None] + 1.5
     if stochastic:
-        noise = torch.empty(nb * bs)
-        for s, e in chunk_ranges(n, chunk):
-            mp = -(-(e - s) // bs) * bs
-            part = torch.empty(mp)
-            part.uniform_(-0.5, 0.5, generator=torch.Generator().manual_seed(stochastic_seed(seed, s)))
-            noise[s : s + mp] = part
-        t = t + noise.view(nb, bs)
+        t = t + chunk_noise(n, bs, seed, chunk).view(nb, bs)
     c = torch.round(t.clamp(0, 3)).to(torch.int64)
     if not stochastic:
         levels = (2 * c - 3).float()
@@ -88,21 +68,11 @@ def decoded_reference(packed: torch.Tensor, scales: torch.Tensor, n: int, block_
 
 
 def encode(x: torch.Tensor, settings: CodecSettings = Q2, chunk: int = 256, seed: int | None = None):
-    k = kernels(settings, chunk)
-    codec = codec_for(settings)
-    codes = torch.empty(codec.code_bytes(x.numel()), dtype=torch.uint8)
-    scales = torch.empty(codec.scale_count(x.numel()), dtype=codec.scale_dtype)
-    encode_tensor(k, x, codes, scales, seed=seed)
-    return k, codes, scales
+    return encode_flat(x, settings, chunk=chunk, seed=seed)
 
 
 def round_trip(x: torch.Tensor, settings: CodecSettings = Q2, **kw) -> tuple[torch.Tensor, torch.Tensor]:
-    """The decoded values of ``x`` and each value's scale (as a decoder reads it)."""
-    k, codes, scales = encode(x, settings, **kw)
-    out = torch.empty(x.numel())
-    decode_tensor(k, codes, scales, out)
-    per_value = scales.float().repeat_interleave(settings.block_size)[: x.numel()]
-    return out, per_value
+    return blockwise_round_trip(x, settings, **kw)
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -202,23 +172,7 @@ def test_stochastic_rounding_is_unbiased() -> None:
 def test_error_feedback_bounds_accumulated_error(feedback: bool) -> None:
     """Over 50 rounds of Gaussian deltas, the sum of what was sent tracks the sum of the true deltas with error
     feedback (a residual per host, as ``error_feedback=True`` keeps it), and drifts without."""
-    n, rounds = 1 << 15, 50
-    k = kernels(Q2, 4096)
-    codec = codec_for(Q2)
-    gen = torch.Generator().manual_seed(1)
-    base = torch.zeros(n)
-    residual = torch.zeros(n, dtype=torch.bfloat16) if feedback else None
-    true_total, sent_total, decoded = torch.zeros(n), torch.zeros(n), torch.empty(n)
-    codes = torch.empty(codec.code_bytes(n), dtype=torch.uint8)
-    scales = torch.empty(codec.scale_count(n), dtype=torch.float16)
-    errors = []
-    for _ in range(rounds):
-        delta = torch.randn(n, generator=gen)
-        encode_delta(k, base + delta, base, residual, codes, scales)
-        decode_tensor(k, codes, scales, decoded)
-        true_total += delta
-        sent_total += decoded
-        errors.append(torch.linalg.vector_norm(true_total - sent_total).item())
+    errors, _, _ = feedback_errors(Q2, error_feedback=feedback)
     if feedback:
         assert max(errors) <= 2 * errors[0]
     else:
@@ -227,43 +181,18 @@ def test_error_feedback_bounds_accumulated_error(feedback: bool) -> None:
 
 @pytest.mark.parametrize("feedback", [True, False])
 def test_a_host_keeps_a_residual_only_with_error_feedback(feedback: bool) -> None:
-    model = torch.nn.Linear(30, 20)
-    tensors = HostTensors([(n, p.detach()) for n, p in model.named_parameters()])
-    tensors.allocate(Q2, codec_threads=1, error_feedback=feedback)
-    try:
-        with torch.no_grad():
-            for t in tensors.live:
-                t.add_(torch.randn(t.shape, generator=torch.Generator().manual_seed(t.numel())) * 0.01)
-        message = tensors.encode(tensors.live, MessageMeta("delta", 0, "h", "", samples=8), seed=None).join()
-        assert message.meta.codec == Q2 and len(message) == MessageLayout.of(tensors.specs, Q2).total
-        if feedback:
-            k = kernels(Q2)
-            for i, (live, base) in enumerate(zip(tensors.live, tensors.base)):
-                sent = torch.empty(live.numel())
-                decode_tensor(k, message.codes(i), message.scales(i), sent)
-                left = (live - base).reshape(-1) - sent
-                assert torch.allclose(tensors.residual[i].float(), left, atol=1e-4, rtol=1e-2)
-        else:
-            assert tensors.residual is None
-    finally:
-        tensors.close()
+    as_run, parts = host_delta(Q2, error_feedback=feedback)
+    assert as_run and (parts is None) == (not feedback)
+    for delta, sent, residual in parts or []:
+        assert torch.allclose(residual.float(), delta - sent, atol=1e-4, rtol=1e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_coordinator_and_host_reach_identical_bytes(dtype: torch.dtype) -> None:
     n = 3001
-    codec = codec_for(Q2)
     model = (torch.randn(n) * 2).to(dtype)
-    host_live, host_base, acc = model.clone(), model.clone(), torch.zeros(n)
     contributions = [(torch.randn(n) * 1e-2, 30), (torch.randn(n) * 1e-2, 10)]
-    for i, (delta, samples) in enumerate(contributions):
-        k, codes, scales = encode(delta, Q2, chunk=512)
-        accumulate_tensor(k, codes, scales, acc, float(samples), assign=i == 0)
-    sync_codes = torch.empty(codec.code_bytes(n), dtype=torch.uint8)
-    sync_scales = torch.empty(codec.scale_count(n), dtype=torch.float16)
-    coordinator_model = model.clone()
-    encode_sync_and_apply(kernels(Q2, 1024), acc, 1 / 40, coordinator_model, sync_codes, sync_scales)
-    apply_sync(kernels(Q2, 256), sync_codes, sync_scales, host_base, host_live)
+    coordinator_model, host_live, host_base = synced_on_both_sides(Q2, model, contributions)
     assert torch.equal(bits(host_live), bits(coordinator_model)) and torch.equal(host_base, host_live)
     if dtype == torch.float32:
         mean = sum(d * s for d, s in contributions) / 40
@@ -314,26 +243,7 @@ BAD = {  # name: (body, what the refusal says)
 def test_malformed_q2_deltas_are_refused_and_change_nothing(tmp_path) -> None:
     """Host a's delta, then every bad one of host b (each refused, naming why), then b's good delta: the published
     model is exactly the one computed here from a's and b's q2 deltas."""
-    c = LocalCoordinator(tmp_path, 2, codec=Q2)
-    try:
-        a, b = LocalClient(c, "a"), LocalClient(c, "b")
-        tensors = [s.as_json() for s in spec_of(MODEL)]
-        assert a.join(tensors).provide_model
-        initial = a.put_model(io.BytesIO(model_file()))
-        assert b.join(tensors).model_hash == initial == model_hash(MODEL)
-        assert a.post_delta(0, memoryview(q2_delta("a", initial, GOOD_A, samples=30))) is Upload.TAKEN
-        for name, (body, text) in BAD.items():
-            with pytest.raises(Refusal) as refused:
-                b.post_delta(0, memoryview(body(initial)))
-            assert refused.value.reason is Reason.INVALID and text in str(refused.value), name
-            assert c.rounds.received == {"a": 30}, name
-        b.post_delta(0, memoryview(q2_delta("b", initial)))
-        sync = Message.parse(body_bytes(b.wait_sync(0).body))
-        after = expected_after_round([t for _, t in MODEL], [(GOOD_A, 30), (GOOD_B, 10)], Q2)
-        assert sync.meta.codec == Q2
-        assert sync.meta.model_hash == model_hash([(n, t) for (n, _), t in zip(MODEL, after)]) == c.rounds.model.hash
-    finally:
-        c.close()
+    refused_then_published(tmp_path, Q2, BAD, GOOD_A, GOOD_B)
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..core.codecs.settings import CodecSettings, Q4Settings
 from ..core.stores import open_store
+from .merging import MergeSettings
 from .outer import OuterSettings
 
 DEFAULT_PORT = 8470
@@ -70,6 +71,8 @@ class CoordinatorConfig:
         rss_interval: seconds between memory samples.
         exit_when_done: stop once every host has finished and said goodbye.
         outer: the outer optimizer (plain averaging, or DiLoCo's Nesterov momentum).
+        merge: how rounds close and take late deltas: every live host's (``sync``, the default), or a quorum's
+            with late deltas merged into a later round (``async``; :mod:`~lightning_nodeox.coordinator.merging`).
         gpu_hour_price: the price of one GPU for one hour (None: not given); the status page then says what the
             hosts' waiting cost.
         store: the run's object store (``s3://bucket/prefix`` or ``file:///path``; None: none): each round's sync
@@ -104,6 +107,7 @@ class CoordinatorConfig:
     rss_interval: float = 2.0
     exit_when_done: bool = True
     outer: OuterSettings = field(default_factory=OuterSettings)
+    merge: MergeSettings = field(default_factory=MergeSettings)
     provider_timeout: float = 300.0
     long_poll: float = 30.0
     lease: float = 10.0
@@ -128,6 +132,8 @@ class CoordinatorConfig:
             raise ValueError(f"--hosts must be at least 1, got {self.hosts}")
         if self.min_hosts is not None and not 1 <= self.min_hosts <= self.hosts:
             raise ValueError(f"--min-hosts must be between 1 and --hosts ({self.hosts}), got {self.min_hosts}")
+        if self.merge.min_quorum is not None and self.merge.min_quorum > self.hosts:
+            raise ValueError(f"--min-quorum must be at most --hosts ({self.hosts}), got {self.merge.min_quorum}")
         if self.round_timeout is not None and self.round_timeout <= 0:
             raise ValueError(f"--round-timeout must be positive seconds, got {self.round_timeout}")
         if not self.lease > 0:

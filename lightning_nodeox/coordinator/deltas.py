@@ -20,8 +20,10 @@ from ..core.phases import COORDINATOR, RECEIVE, PhaseRecord
 from ..core.protocol import Reason, Refusal
 from ..core.specs import PayloadError
 from ..core.wire import Message, PayloadSizeError, check_codec
+from .history import SyncHistory
 from .hosts import HostState
 from .intake import MAX_SAMPLES
+from .merging import staleness_rule
 from .model import CoordinatorModel
 from .phase import RoundPhase
 from .runstate import RunState
@@ -41,6 +43,8 @@ class Delta:
     metrics: dict[str, list]
     start: float
     training: bool = False  # its host's training goes on while the round is open (overlap)
+    base_round: int = 0  # the round whose model it was computed from (earlier than the open one: a late delta)
+    weight: float = 0.0  # its weight in the round's mean: its samples, discounted when late (coordinator/merging)
     queued: int = 0  # pieces handed to the accumulator
     taken: int = 0  # pieces accumulated
     cut: str = ""  # why the rest of it is dropped ("" while it goes on)
@@ -67,10 +71,15 @@ class RoundDeltas:
     """The open round's deltas, one per host (:class:`Delta`), whether one of them is final (the round is then the
     run's last), and their accumulation in flight. ``on_change`` is awaited whenever the round may close now."""
 
-    def __init__(self, state: RunState, phase: RoundPhase, on_change: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, state: RunState, phase: RoundPhase, on_change: Callable[[], Awaitable[None]],
+                 history: SyncHistory) -> None:
+        """``history``: the syncs kept, whose base hashes a late delta's is checked against (``--merge async``)."""
         self.state = state
         self.phase = phase
         self.on_change = on_change
+        self.history = history
+        self.merge = state.config.merge
+        self.rule = staleness_rule(self.merge.staleness_rule)
         self.log = Named(log, state.config.name)
         self.by_host: dict[str, Delta] = {}
         self.final = False  # a final delta came in this round: it is the run's last
@@ -90,10 +99,10 @@ class RoundDeltas:
         """The round's deltas taken whole (not cut): host -> samples."""
         return {h: d.samples for h, d in self.by_host.items() if not d.cut}
 
-    def taken(self, round_: int) -> list[tuple[str, int]]:
-        """The ``(host, round)`` of the round's deltas that reported data and were taken whole (the data ledger
-        commits those at publish)."""
-        return [(h, round_) for h, d in self.by_host.items() if d.covered and not d.cut]
+    def taken(self) -> list[tuple[str, int]]:
+        """The ``(host, base round)`` of the round's deltas that reported data and were taken whole (the data
+        ledger commits those at publish)."""
+        return [(h, d.base_round) for h, d in self.by_host.items() if d.covered and not d.cut]
 
     @property
     def training(self) -> set[str]:
@@ -106,11 +115,14 @@ class RoundDeltas:
 
     async def wait_open(self, round_: int) -> None:
         """A call about the round after the one closing waits until that one is published: its sync streams to
-        hosts while it is made (or passed down by a relay), so a quick host may be back before the round is."""
+        hosts while it is made (or passed down by a relay), so a quick host may be back before the round is.
+        Under ``--merge async`` a delta of the round closing, or of an earlier one, waits too: it goes into the
+        round that opens next."""
         state = self.state
+        late_ok = self.merge.is_async
 
         def ahead() -> bool:
-            return self.phase.closing and round_ == state.round + 1
+            return self.phase.closing and (round_ == state.round + 1 or (late_ok and round_ <= state.round))
 
         while ahead():
             await state.wait(lambda: not ahead(), state.config.long_poll)
@@ -129,7 +141,9 @@ class RoundDeltas:
                 raise Refusal(Reason.LATE, f"host {host}'s delta of round {round_} was cut ({cut}): its pieces taken "
                                            "stay in the round, the rest is dropped; apply its sync", round=state.round)
             raise Refusal(Reason.DUPLICATE, f"host {host} already sent its delta for round {round_}")
-        if round_ != state.round or self.phase.closing:
+        if self.merge.is_async and round_ < state.round:
+            self._check_late(host, round_, entry)
+        elif round_ != state.round or self.phase.closing:
             closing = self.phase.closing and round_ == state.round
             late = closing or round_ == state.published_round
             raise Refusal(Reason.LATE if late else Reason.STALE_BASE,
@@ -141,6 +155,22 @@ class RoundDeltas:
                                           f"{model.layout.total} bytes at most ({codec})")
         state.hosts.seen(entry)
         return model
+
+    def _check_late(self, host: str, round_: int, entry) -> None:
+        """``--merge async``: a delta of round ``round_``, earlier than the open one, is merged into it unless it
+        was merged already (a retry: ``DUPLICATE``), or is too stale (``STALE_BASE``: its host fetches the model)."""
+        state = self.state
+        if round_ <= entry.merged_base:
+            raise Refusal(Reason.DUPLICATE, f"host {host}'s delta of round {round_} was merged already")
+        held = self.by_host.get(host)
+        if held is not None:
+            raise Refusal(Reason.BUSY, f"host {host}'s delta of round {held.base_round} is in round {state.round}; "
+                                       "apply its sync before sending another")
+        staleness = state.round - round_
+        if staleness > self.merge.max_staleness:
+            raise Refusal(Reason.STALE_BASE, f"host {host}'s delta of round {round_} is {staleness} rounds behind round "
+                                             f"{state.round}, beyond --max-staleness {self.merge.max_staleness}: "
+                                             "fetch the model", round=state.round)
 
     async def begin_delta(self, host: str, round_: int, head: bytes, buffer: torch.Tensor, received_at: float,
                           training: bool = False) -> Delta:
@@ -173,17 +203,26 @@ class RoundDeltas:
         if meta.samples > MAX_SAMPLES:
             raise Refusal(Reason.INVALID, f"delta rejected: {meta.samples} samples in one round; at most {MAX_SAMPLES} "
                                           "(2^24) are taken from one host")
-        if meta.base_hash != model.hash:
+        base = model.hash if round_ == state.round else self.history.base_hash(round_)
+        if meta.base_hash != base:
             raise Refusal(Reason.STALE_BASE, f"delta of host {host} was computed against model {meta.base_hash}, but "
-                                             f"round {round_} started from {model.hash}; fetch the model and rejoin",
-                          model_hash=model.hash)
+                                             f"round {round_} started from {base or 'a model no longer kept'}; fetch "
+                                             "the model and rejoin", model_hash=model.hash)
         if meta.covered is not None:  # noted before the delta is taken: a refusal here changes nothing
             state.data.covered(host, round_, meta.covered)
         self.final = self.final or meta.final
         entry = state.hosts[host]
         entry.state = HostState.FINISHED if meta.final else HostState.TRAINING
-        delta = self.by_host[host] = Delta(host, message, model.begin_delta(message, meta.samples), meta.samples,
-                                           meta.metrics, received_at, training, covered=meta.covered is not None)
+        staleness = state.round - round_
+        weight = self.rule.weight(meta.samples, staleness) if staleness else float(meta.samples)
+        entry.merged_base, entry.merged_into = round_, state.round
+        delta = self.by_host[host] = Delta(host, message, model.begin_delta(message, weight), meta.samples,
+                                           meta.metrics, received_at, training, covered=meta.covered is not None,
+                                           base_round=round_, weight=weight)
+        if staleness:
+            self.log.info("host %s's delta of round %d is merged into round %d (%d round%s late, weight %.4g of its "
+                          "%d samples)", host, round_, state.round, staleness, "s" if staleness > 1 else "", weight,
+                          meta.samples)
         await state.notify()
         asyncio.ensure_future(self.on_change())
         return delta
@@ -206,7 +245,7 @@ class RoundDeltas:
         if k == 0:
             asyncio.ensure_future(self.on_change())
         model = state.require_model()
-        future = asyncio.ensure_future(state.in_worker(model.accumulate_piece, message, k, delta.samples,
+        future = asyncio.ensure_future(state.in_worker(model.accumulate_piece, message, k, delta.weight,
                                                        delta.indices))
         self.accumulating.append(future)
         future.add_done_callback(lambda f: self._after_accumulate(f, delta, k))
@@ -227,15 +266,18 @@ class RoundDeltas:
         if self.by_host.get(delta.host) is not delta or delta.cut:
             return why
         if delta.covered and delta.queued == 0:  # as if never sent: its report too (it may be sent again)
-            self.state.data.withdraw(delta.host, self.state.round)
+            self.state.data.withdraw(delta.host, delta.base_round)
         elif delta.covered:  # not taken whole: the data it trained goes back (its host leases again)
             self.state.data.refused(delta.host)
         pieces = len(delta.message.layout.pieces)
         if delta.queued == 0:
             del self.by_host[delta.host]
+            entry = self.state.hosts.get(delta.host)
+            if entry is not None and entry.merged_base == delta.base_round:
+                entry.merged_base = entry.merged_into = delta.base_round - 1  # it may be sent again
             model = self.state.model
             if model is not None:
-                model.weight -= max(delta.samples, 0)
+                model.weight -= max(delta.weight, 0)
                 model.deltas -= 1
             asyncio.ensure_future(self.state.notify())
             return why

@@ -37,6 +37,8 @@ class Host:
     seen: float = field(default_factory=time.monotonic)  # when last heard from
     joined: float = field(default_factory=time.time)
     heard: bool = True  # False for a resumed run's host until this coordinator hears from it
+    merged_base: int = -1  # the base round of its last delta taken (--merge async: a retry of it is a duplicate)
+    merged_into: int = -1  # the round that took its last delta (later than its base round when it was late)
 
 
 class Hosts(dict[str, Host]):

@@ -185,6 +185,7 @@ class CoordinatorRun:
             "downloads": len(self.rounds.downloads), "codec": self.config.codec.to_json(),
             **({} if self.site is None else self.site.status()),
             **({} if state.data.ledger is None else {"data": state.data.status()}),
+            **({} if self.rounds.rule.status() is None else {"merge": self.rounds.rule.status()}),
             **({} if self.payloads is None else {"store": {
                 **self.payloads.status(), **({} if self.store_deltas is None else
                                              {"deltas_read_bytes": self.store_deltas.read_bytes})}}),

@@ -85,9 +85,9 @@ class CoordinatorModel:
         self.raw_taken = {i: torch.empty(specs[i].nbytes, dtype=torch.uint8) for i in self.raw}  # the round's choice
         self.raw_from: dict[int, str] = {}  # raw tensor -> the host its values were taken from
         self.outer = make_outer(outer, specs)
-        self.weight = 0  # the round's samples
+        self.weight = 0.0  # the round's weight: its deltas' samples (a late one's discounted: coordinator/merging)
         self.deltas = 0  # the round's deltas begun (a sparse sync's capacity follows it)
-        self.weights = [0] * len(specs)  # the round's samples, per tensor
+        self.weights = [0.0] * len(specs)  # the round's weight, per tensor
         self.moving: set[int] = set()  # the round's set so far
         self._digests: list[RowHasher | None] = [None] * len(specs)  # θ's row digests (None: not known)
         self.hash = self._hash_all()
@@ -114,22 +114,23 @@ class CoordinatorModel:
                                                                            self.settings, capacity=capacity))
 
     # -- one round ------------------------------------------------------------------------------------------
-    def accumulate(self, message: Message, samples: int) -> None:
+    def accumulate(self, message: Message, samples: float) -> None:
         """A whole delta at once: :meth:`begin_delta`, then :meth:`accumulate_piece` for each of its pieces."""
         indices = self.begin_delta(message, samples)
         for k in range(len(message.layout.pieces)):
             self.accumulate_piece(message, k, samples, indices)
 
-    def begin_delta(self, message: Message, samples: int) -> tuple[int, ...]:
-        """A delta's header is in: its tensors join the round's set (also with no samples), its samples the
-        round's; returns the model's index of each tensor it carries."""
+    def begin_delta(self, message: Message, samples: float) -> tuple[int, ...]:
+        """A delta's header is in: its tensors join the round's set (also with no samples), its weight
+        (``samples``: its samples, or less for a late delta) the round's; returns the model's index of each tensor
+        it carries."""
         indices = self.positions(message.meta.tensors)
         self.moving.update(indices)
         self.weight += max(samples, 0)
         self.deltas += 1
         return indices
 
-    def accumulate_piece(self, message: Message, k: int, samples: int, indices: tuple[int, ...]) -> None:
+    def accumulate_piece(self, message: Message, k: int, samples: float, indices: tuple[int, ...]) -> None:
         """Add ``samples * delta`` to the accumulator of each tensor of the delta's piece ``k`` (a tensor's first
         delta of the round overwrites it), which then counts ``samples`` more in its mean."""
         if samples <= 0:
@@ -160,9 +161,9 @@ class CoordinatorModel:
 
     def end_round(self) -> None:
         """The round's accumulation is done with: its weights, set and raw choices start over."""
-        self.weight = self.deltas = 0
+        self.weight, self.deltas = 0.0, 0
         for i in self.moving:
-            self.weights[i] = 0
+            self.weights[i] = 0.0
         self.moving = set()
         self.raw_from = {}
 
@@ -180,7 +181,7 @@ class CoordinatorModel:
         its pieces follow (:meth:`close_piece`), each once the deltas' tensors in it are all accumulated."""
         indices = tuple(sorted(self.moving))
         message = self._free_sync_buffer(self.layout_of(indices, self.layout.codec.sync_capacity(self.deltas)))
-        message.write_head(MessageMeta("sync", round_, "coordinator", self.hash, samples=self.weight,
+        message.write_head(MessageMeta("sync", round_, "coordinator", self.hash, samples=round(self.weight),
                                   metrics=metrics or {}))
         closing = SyncClosing(round_, indices, message, self.hash, list(self._digests))
         self._digests = [None if i in self.moving else d for i, d in enumerate(self._digests)]
@@ -204,7 +205,7 @@ class CoordinatorModel:
         for j, w in weights.items():
             if w == 0:
                 self.acc[indices[j]].zero_()
-        inverse = {j: 1.0 / max(w, 1) for j, w in weights.items()}
+        inverse = {j: 1.0 / w if w > 0 else 1.0 for j, w in weights.items()}
         stepping = {j: w > 0 and self.outer.has_step for j, w in weights.items()}
         not_finite: set[int] = set()
 

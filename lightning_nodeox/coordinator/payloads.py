@@ -257,9 +257,9 @@ class StorePayloads:
 
     # -- after a publish ---------------------------------------------------------------------------------------
     async def trim(self, published_round: int) -> None:
-        """Delete the objects no host can still need: syncs before round ``published_round - 1``, models of
-        rounds before the latest model written."""
-        old = [r for r in self.syncs if r < published_round - 1]
+        """Delete the objects no host can still need: syncs before round ``published_round - 1`` (and those of the
+        rounds a late host may still apply, ``--merge async``), models of rounds before the latest model written."""
+        old = [r for r in self.syncs if r < published_round - 1 - self.state.config.merge.kept_back]
         latest = max((r for r, _ in self.models), default=None)
         models = [k for k, u in self.models.items() if latest is not None and k[0] < latest and u.task.done()
                   and u is not self._snapshot]

@@ -11,6 +11,8 @@ When a round closes (the rule, also in docs/clusters.md):
   heard from within ``--lease`` seconds (hosts send heartbeats); a host whose lease expires is dropped (no
   longer waited for) until it is heard from again;
 - with ``--round-timeout S``, a round also closes after S seconds without the live hosts still missing;
+- (``--merge async``: on a quorum instead, and a late delta is merged into a later round:
+  :mod:`~lightning_nodeox.coordinator.quorum`, :mod:`~lightning_nodeox.coordinator.merging`)
 - never with fewer than ``--min-hosts`` deltas (default 1), lowered to the number of hosts still in the run
   (neither finished nor left), so finishing hosts never block the end. While it cannot close, the
   coordinator says every ``status_interval`` seconds whom it waits for, and why
@@ -38,11 +40,14 @@ from ..core.protocol import Reason, Refusal
 from ..core.wire import Message, fit_metrics
 from .close import OuterStep, RoundClose
 from .deltas import RoundDeltas
-from .hosts import HostState
+from .history import SyncHistory
+from .hosts import Host, HostState
 from .metrics import reduce_metrics
 from .making import SyncInMaking
+from .open_round import OpenRound
 from .model import CoordinatorModel, ModelStream
 from .phase import RoundPhase
+from .quorum import CloseRule, Quorum, close_rule
 from .recovery import Recovery
 from .runstate import RunState
 
@@ -72,7 +77,12 @@ class Rounds:
         self.recovery = recovery
         self.close_with: RoundClose = close_with or OuterStep()
         self.phase = RoundPhase()
-        self.deltas = RoundDeltas(state, self.phase, self.maybe_close)
+        merge = state.config.merge
+        self.history = SyncHistory(merge.kept_back, state)
+        self.rule: CloseRule = close_rule(merge)
+        self.deltas = RoundDeltas(state, self.phase, self.maybe_close, self.history)
+        self.open = OpenRound(state, self.deltas)
+        self._recheck: asyncio.TimerHandle | None = None
         self.downloads: set[ModelStream] = set()  # full-model downloads in flight (copy-on-publish)
         self.before_publish = before_publish
         self.making: SyncInMaking | None = None  # the sync of the round closing, while it is made
@@ -106,20 +116,6 @@ class Rounds:
         asyncio.ensure_future(self.state.notify())  # hosts waiting for the round start downloading
 
     # -- closing a round ------------------------------------------------------------------------------------
-    def needed(self) -> int:
-        """The fewest deltas this round closes with: --min-hosts, lowered to the hosts still in the run."""
-        return max(1, min(self.state.config.quorum, self.state.hosts.in_run(self.deltas.by_host)))
-
-    def joins_awaited(self) -> int:
-        """How many more hosts the open round waits to join: round 0 waits for ``--hosts``, later rounds for none."""
-        state = self.state
-        return max(state.config.hosts - len(state.hosts), 0) if state.round == 0 else 0
-
-    def missing(self) -> list[str]:
-        """The hosts whose delta the open round still waits for (live ones that have not sent), sorted."""
-        sent = self.deltas.by_host  # (once: the round's close checks this after every piece taken)
-        return sorted(h.id for h in self.state.hosts.expected(sent) if h.id not in sent)
-
     def _ready_to_close(self) -> bool:
         state = self.state
         if state.model is None or not self.phase.may_close or not self.deltas.by_host:
@@ -130,11 +126,21 @@ class Rounds:
             return False  # a close that takes the round's deltas whole waits until they are in
         if not all(d.begun for d in self.deltas.by_host.values()):
             return False  # a delta counts once its first piece is taken (a bad first piece: as if never sent)
-        if len(self.deltas.by_host) < self.needed():
-            return False
-        everyone = not self.joins_awaited() and not self.missing()
-        timeout = state.config.round_timeout
-        return everyone or (timeout is not None and time.time() - state.round_opened >= timeout)
+        now = time.time()
+        if self.rule.ready(self.open, now):
+            return True
+        self._recheck_at(self.rule.recheck_at(self.open, now))
+        return False
+
+    def _recheck_at(self, when: float | None) -> None:
+        """Check again at ``when`` (a quorum's grace window, or a host due, ends then)."""
+        if self._recheck is not None:
+            self._recheck.cancel()
+            self._recheck = None
+        if when is not None:
+            loop = asyncio.get_running_loop()
+            self._recheck = loop.call_later(max(0.0, when - time.time()) + 1e-3,
+                                            lambda: asyncio.ensure_future(self.maybe_close()))
 
     async def maybe_close(self) -> None:
         """Close the open round if it may close (see the module's rules)."""
@@ -153,12 +159,13 @@ class Rounds:
         state = self.state
         model = state.require_model()
         round_ = state.round
-        late = self.missing()
-        if late:  # alive but slow: still in the run, so the next round waits for them again
+        late = self.open.missing()
+        if late and not state.config.merge.is_async:  # alive but slow: the next round waits for them again
             self.log.warning("round %d closes on its --round-timeout without host(s) %s", round_,
                              ", ".join(late))
+        merged = self.open.merged(self.rule.quorum(self.open), late) if isinstance(self.rule, Quorum) else {}
         start = since = time.time()
-        aggregating = asyncio.ensure_future(self._aggregated(round_, start))
+        aggregating = asyncio.ensure_future(self._aggregated(round_, start, merged))
         if not self.close_with.streams:  # it takes the deltas whole: its own part starts once they are in
             await aggregating
             since = time.time()
@@ -177,9 +184,11 @@ class Rounds:
         # the round's state changes together, on the loop, after the last await
         if closed.sync is not None:
             model.publish(closed.sync)
+            self.history.add(closed.sync)
+        self.rule.published(round_, {h: d.start for h, d in self.deltas.by_host.items()}, merged)
         if closed.complete and not state.complete:
             state.final_members, state.completed_at = set(self.received), time.monotonic()
-        data = state.data.publish(self.deltas.taken(round_), self.deltas.whole)  # what its deltas trained: committed
+        data = state.data.publish(self.deltas.taken(), self.deltas.whole)  # what its deltas trained: committed
         self.deltas.reset()
         state.complete = state.complete or closed.complete
         state.published_round = closed.next_round - 1
@@ -197,12 +206,13 @@ class Rounds:
             asyncio.ensure_future(self.payloads.trim(state.published_round))
         state.sample_memory()
 
-    async def _aggregated(self, round_: int, start: float) -> None:
+    async def _aggregated(self, round_: int, start: float, merged: dict) -> None:
         """Record the round's aggregation: from its close's start until every delta's last piece is in."""
         await self.deltas.inputs(len(self.state.require_model().specs))
         await asyncio.gather(*self.deltas.accumulating, return_exceptions=True)
         self.state.record(PhaseRecord(round_, COORDINATOR, AGGREGATE, start, time.time(),
-                                      extra={"hosts": sorted(self.received), "samples": sum(self.received.values())}))
+                                      extra={"hosts": sorted(self.received), "samples": sum(self.received.values()),
+                                             **merged}))
 
     def round_metrics(self) -> dict[str, list]:
         reduced = reduce_metrics([(d.samples, d.metrics) for d in self.deltas.by_host.values() if d.metrics])
@@ -236,7 +246,7 @@ class Rounds:
     async def before_trailer(self, round_: int, model_hash: str) -> None:
         """The outer state and data ledger of round ``round_``'s model are on disk before its sync is whole for any
         host (the ledger as the publish of round ``round_ - 1`` will leave it)."""
-        data = self.state.data.ahead(self.deltas.taken(round_ - 1))
+        data = self.state.data.ahead(self.deltas.taken())
         await self.recovery.save_ahead(round_, model_hash, data)
 
     async def let_downloads_start(self) -> None:
@@ -274,6 +284,21 @@ class Rounds:
         self.check_finished()
 
     # -- syncs ----------------------------------------------------------------------------------------------
+    async def _taken_within(self, entry: Host, round_: int, wait: float) -> float | None:
+        """``--merge async``: a host's delta of round ``round_`` on its way may yet be merged into a later round, so
+        its sync waits until the delta is taken (the reply then says where: :meth:`held`); the seconds of ``wait``
+        left, or None when it was not taken within them."""
+        began = time.monotonic()
+        if not await self.state.wait(lambda: entry.merged_base >= round_, wait):
+            return None
+        return max(0.0, wait - (time.monotonic() - began))
+
+    def held(self, host: str, round_: int) -> int | None:
+        """The later round than ``round_`` whose sync carries ``host``'s latest delta (``--merge async``: a late
+        delta's host applies the syncs up to it), or None."""
+        entry = self.state.hosts.get(host)
+        return entry.merged_into if entry is not None and entry.merged_into > round_ else None
+
     def is_last(self, round_: int) -> bool:
         """Whether round ``round_``'s sync is the run's last: the run completed with that round."""
         return self.state.complete and self.state.published_round == round_
@@ -289,9 +314,18 @@ class Rounds:
         entry = hosts.get(host or "")
         if entry is not None and entry.state is HostState.LEFT:
             hosts.known(host)
+        if entry is not None and sending and state.config.merge.is_async:
+            wait = await self._taken_within(entry, round_, wait)
+            if wait is None:
+                return None
         if round_ < state.published_round:
-            raise Refusal(Reason.GONE, f"the sync of round {round_} is gone; the model is at round {state.round}: "
-                                  "fetch GET /v1/model", round=state.round)
+            kept = self.history.get(round_)
+            if kept is None:
+                raise Refusal(Reason.GONE, f"the sync of round {round_} is gone; the model is at round {state.round}: "
+                                           "fetch GET /v1/model", round=state.round)
+            if entry is not None:
+                hosts.seen(entry)
+            return kept
         if round_ > state.round:
             state.require_model()  # a resumed run whose saved state is behind this host: it gives its model back
             raise Refusal(Reason.NOT_OPEN, f"round {round_} has not started; the coordinator is at round {state.round}",

@@ -89,13 +89,14 @@ class ResponseSink:
         self.response: web.StreamResponse | None = None
         self.places = request.query.get("direct") != "1"
 
-    async def locate(self, place) -> None:
+    async def locate(self, place, held: int | None = None) -> None:
         self.response = web.json_response(place.to_json(), content_type=proto.PLACE,
-                                          headers={proto.COMPLETE_HEADER: "1" if place.complete else "0"})
+                                          headers={proto.COMPLETE_HEADER: "1" if place.complete else "0",
+                                                   **_held(held)})
 
-    async def begin(self, size: int, complete: bool) -> None:
+    async def begin(self, size: int, complete: bool, held: int | None = None) -> None:
         self.response = web.StreamResponse(headers={"Content-Type": proto.OCTETS, "Content-Length": str(size),
-                                                    proto.COMPLETE_HEADER: "1" if complete else "0"})
+                                                    proto.COMPLETE_HEADER: "1" if complete else "0", **_held(held)})
         await self.response.prepare(self.request)
 
     async def write(self, view: memoryview) -> None:
@@ -118,6 +119,10 @@ class ResponseSink:
     def answer(self) -> web.StreamResponse:
         """The response begun (an unbegun one, cut before it began, is empty)."""
         return self.response if self.response is not None else web.Response(status=204)
+
+
+def _held(held: int | None) -> dict[str, str]:
+    return {} if held is None else {proto.HELD_HEADER: str(held)}
 
 
 def error(reason: Reason, message: str, **extra) -> web.Response:

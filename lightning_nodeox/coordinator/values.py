@@ -128,7 +128,7 @@ class ValueExchanges:
         timeout = self.state.config.round_timeout
         if timeout is not None and time.monotonic() - exchange.first >= timeout:
             return True
-        if self.rounds.joins_awaited():  # round 0 (also of a coordinator restarted afresh) waits for --hosts
+        if self.rounds.open.joins_awaited():  # round 0 (also of a coordinator restarted afresh) waits for --hosts
             return False
         return all(h.id in exchange.posted or self._held(h.id, key) for h in self._in_run())
 
@@ -140,7 +140,7 @@ class ValueExchanges:
     def _held(self, host: str, key: str) -> bool:
         """Whether ``host`` cannot post ``key`` for now: its training waits in the open round, or on another key."""
         rounds = self.rounds
-        if host in rounds.received and host not in rounds.deltas.training and not rounds.closing and rounds.missing():
+        if host in rounds.received and host not in rounds.deltas.training and not rounds.closing and rounds.open.missing():
             return True
         other = self.pending(host)
         return other is not None and other != key

@@ -35,12 +35,12 @@ def waiting_for(state: RunState, rounds: Rounds, recovery: Recovery, provider: s
         return logging.WARNING, (f"round {state.round} does not close until the run's state is saved: "
                                  f"{recovery.store.dir} cannot be written (free space there; it is tried again "
                                  f"every {recovery.RETRY_S:g} s, and nothing published is lost meanwhile)")
-    if rounds.joins_awaited():
-        return logging.INFO, (f"round {state.round} waits for {rounds.joins_awaited()} more host(s) to join "
+    if rounds.open.joins_awaited():
+        return logging.INFO, (f"round {state.round} waits for {rounds.open.joins_awaited()} more host(s) to join "
                               f"(--hosts {config.hosts}); joined: {', '.join(sorted(hosts)) or 'none'}")
-    missing = rounds.missing()
+    missing = rounds.open.missing()
     got = f"deltas from {', '.join(sorted(received)) or 'no host'}"
-    needed = rounds.needed()
+    needed = rounds.open.needed()
     if len(received) + len(missing) < needed:
         return logging.WARNING, (
             f"round {state.round} cannot close: it needs {needed} deltas (--min-hosts) and has {got}; live hosts "

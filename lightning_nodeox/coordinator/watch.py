@@ -123,7 +123,7 @@ class RunWatch:
             return "complete"
         if registry and all(h.state is HostState.LEFT for h in registry.values()):
             return "hosts gone"
-        if rounds.joins_awaited():
+        if rounds.open.joins_awaited():
             return "waiting for hosts"
         if state.model is None:
             return "waiting for the model"
@@ -143,7 +143,7 @@ class RunWatch:
             return "uploading"
         if host.id in rounds.received:
             return "training" if host.id in rounds.deltas.training else "waiting"
-        if rounds.received and rounds.missing() == [host.id]:
+        if rounds.received and rounds.open.missing() == [host.id]:
             return "late"
         return "training"
 

@@ -70,6 +70,7 @@ MAX_VALUES_BYTES = 1 << 20  # one host's values payload, as JSON
 TIME_HEADER = "X-Nodeox-Time"  # the coordinator's clock, on every response (hosts align their records to it)
 CREDENTIAL_HEADER = "X-Nodeox-Credential"  # the host's credential, from its join reply
 COMPLETE_HEADER = "X-Nodeox-Complete"  # "1" on a sync reply: the run completed with this round (or before it)
+HELD_HEADER = "X-Nodeox-Held"  # on a sync reply: the later round whose sync carries the host's delta (--merge async)
 OCTETS = "application/octet-stream"
 PLACE = "application/vnd.nodeox.place+json"  # a sync or model reply saying where it is in the run's store
 
@@ -209,11 +210,14 @@ class ByteStream(Protocol):
 
 @dataclass
 class SyncReady:
-    """Round ``round``'s sync, streaming; ``complete``: the run completed with this round."""
+    """Round ``round``'s sync, streaming; ``complete``: the run completed with this round; ``held``: the later
+    round whose sync carries this host's latest delta (a late delta, merged there: the host applies the syncs up
+    to that one), None when it is this one's or an earlier one's."""
 
     round: int
     body: ByteStream
     complete: bool
+    held: int | None = None
 
 
 @dataclass

@@ -307,8 +307,9 @@ class HttpClient:
         response = self._request("GET", path, params=params, ok=(200, 204), stream=True,
                                  read_timeout=poll + self.read_timeout)
         complete = response.headers.get(proto.COMPLETE_HEADER) == "1"
+        held = response.headers.get(proto.HELD_HEADER)
         if response.status_code == 200:
-            return SyncReady(round_, self._payload(response), complete)
+            return SyncReady(round_, self._payload(response), complete, int(held) if held is not None else None)
         response.close()
         return RunComplete() if complete else None
 

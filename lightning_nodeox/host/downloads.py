@@ -5,7 +5,9 @@
   that fails after pieces were applied leaves the model half-changed (``Standing.base_changed``): the host fetches
   the model, and never gives such a base back to a restarted coordinator;
 - a coordinator that lost this host's delta (``NO_DELTA``: it restarted) gets it again (:meth:`Uploads.resend`);
-- a run that completed with no later sync leaves this host on its base, the run's final model.
+- a run that completed with no later sync leaves this host on its base, the run's final model;
+- a host whose delta was merged into a later round than its own (``--merge async``: it was late) applies every
+  sync up to that round's, in order (each reply says which round holds its delta: ``SyncReady.held``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ class Downloads:
         self.joining = joining
         self.uploads = uploads
         self._applying: Applying | None = None  # the sync being applied, across retries of its download
+        self.held: int | None = None  # the round whose sync carries this host's delta, as the last reply said
+
+    def behind(self) -> bool:
+        """Whether the sync carrying this host's delta is still to apply (its delta was late, merged later)."""
+        return self.held is not None and self.standing.round <= self.held
 
     def synchronize(self, *, follow_to_end: bool = False, into: Into = Into.LIVE) -> RoundResult:
         """Wait for the round's sync, apply it ``into`` the live model or base as it arrives and verify the model
@@ -45,7 +52,7 @@ class Downloads:
             result = self.download(into)
             if result is None:
                 result = RoundResult(round_, s.model_hash, s.complete, False)
-            if result.complete or not follow_to_end:
+            if result.complete or not (follow_to_end or self.behind()):
                 return result
 
     def download(self, into: Into = Into.LIVE) -> RoundResult | None:
@@ -54,6 +61,7 @@ class Downloads:
         Training waits for it (``WAIT``) unless it goes into base (``POLL``: training overlaps)."""
         s = self.standing
         round_ = s.round
+        self.held = None
         if self._applying is not None and self._applying.sync.meta.round != round_:
             self._applying = None  # (one of this round, half applied while uploading, is resumed)
         for attempt in range(1, DOWNLOAD_TRIES + 1):
@@ -82,7 +90,7 @@ class Downloads:
                 return None
             if isinstance(reply, SyncGone):
                 break
-            s.complete = reply.complete
+            s.complete, self.held = reply.complete, reply.held
             try:
                 sync = self._receive(reply.body, round_, into)
             except TransferBroken as e:
@@ -121,7 +129,7 @@ class Downloads:
                 return None
             s.phases.emit(PhaseRecord(round_, s.phases.host, P.WAIT if into is Into.LIVE else P.POLL, start,
                                       time.time(), extra={"uploading": True}))
-            s.complete = reply.complete
+            s.complete, self.held = reply.complete, reply.held
             try:
                 sync = self._receive(reply.body, round_, into)
             except (TransferBroken, PayloadError):

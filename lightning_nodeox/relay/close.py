@@ -53,8 +53,8 @@ class UpstreamClose:
             return Published(None, hr.complete, hr.round)
         if self._pending is None or self._pending[0] != round_:
             final = control.final
-            samples, metrics = model.weight, control.round_metrics()
-            covered = self.data.carried(control.taken(round_))  # what the site's taken deltas trained
+            samples, metrics = round(model.weight), control.round_metrics()
+            covered = self.data.carried(control.taken())  # what the site's taken deltas trained
             self.data.sending()
 
             def encode() -> MessageReader:

@@ -76,16 +76,16 @@ class RelayTensors(HostTensors):
         self.moving.indices = tuple(sorted(i for i in model.moving if model.weights[i] or not model.weight))
         self.boundary()
         self._site_round = True
-        partial = [i for i in self.moving.indices if model.weights[i] < model.weight and not model.specs[i].raw]
+        partial = [i for i in self.moving.indices if model.weights[i] < model.weight * (1 - 1e-9) and not model.specs[i].raw]
         names = tuple(model.specs[i].name for i in partial)
         if names and names != self._partial:
             self.log.warning(
                 "the site's hosts sent different tensors: %d of the %d tensors of its delta came from hosts with "
-                "fewer than its %d samples (%s). Each is averaged over the hosts that sent it, but upstream a "
+                "fewer than its %g samples (%s). Each is averaged over the hosts that sent it, but upstream a "
                 "delta carries one sample count, the site's: where another site sends such a tensor too, their "
                 "mean is not weighted by the samples of the hosts that sent it (see docs/design.md, The relay)",
                 len(names), len(self.moving.indices), model.weight,
-                ", ".join(f"{n}: {model.weights[i]}" for n, i in zip(names[:5], partial))
+                ", ".join(f"{n}: {model.weights[i]:g}" for n, i in zip(names[:5], partial))
                 + (f", and {len(names) - 5} more" if len(names) > 5 else ""))
         self._partial = names
 

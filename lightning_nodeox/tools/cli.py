@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..coordinator.config import DEFAULT_PORT, CoordinatorConfig, OuterSettings
 from ..coordinator.outer import outer_names
+from ..coordinator.merging import MODES, MergeSettings, rule_names
 from ..core import logs
 from ..core.codecs.settings import ALIASES, CODEC_NAMES, REGISTRY, CodecSettings, Q4Settings, settings_for
 from ..core.settings import ENV_CA_FILE
@@ -42,9 +43,11 @@ def _codec_options(p: argparse.ArgumentParser) -> None:
     """``--codec`` and a flag for each setting of any codec (``--block-size``, ``--density``, ...): given to a codec
     without it, :func:`_codec_settings` refuses it."""
     p.add_argument("--codec", default=Q4Settings.name, choices=CODEC_NAMES,
-                   help="q4 (default); q2: 2-bit, about half of q4's bytes; bf16 or fp32 send deltas unquantized, "
-                   "to measure what q4 costs; sparse: SparseLoCo's recipe, the top --density of each 64x64 chunk "
-                   "with 2-bit values and decayed error feedback (64 of 4096 by default: 0.053x q4's bytes); "
+                   help="q4 (default); q2: 2-bit, about half of q4's bytes; int8 (absmax / 127) or fp8 (e4m3, "
+                   "absmax / 448): one byte a value and a scale a block, 1.9x q4's bytes; bf16 or fp32 send deltas "
+                   "unquantized, to measure what q4 costs; sparse: SparseLoCo's recipe, the top --density of each "
+                   "64x64 chunk with 2-bit values and decayed error feedback (64 of 4096 by default: 0.053x q4's "
+                   "bytes); "
                    + "; ".join(f"{alias}: {base} at " + ", ".join(f"{k} {v}" for k, v in preset.items())
                                for alias, (base, preset) in ALIASES.items()))
     for name, (f, codecs) in SETTING_FLAGS.items():
@@ -121,6 +124,17 @@ def _coordinator_options(p: argparse.ArgumentParser, *, bind: str) -> None:
                    help="outer learning rate (nesterov; default %(default)g)")
     p.add_argument("--outer-momentum", type=float, default=outer["momentum"],
                    help="outer momentum (nesterov; default %(default)g)")
+    merge = _defaults(MergeSettings)
+    p.add_argument("--merge", default=merge["mode"], choices=MODES, help="sync (default): a round waits for every "
+                   "live host and a late delta is dropped; async: a round closes on --min-quorum deltas and a late "
+                   "delta is merged into the round open when it arrives (docs/algorithms.md)")
+    p.add_argument("--min-quorum", type=int, metavar="K", help="--merge async: the fewest deltas a round closes with")
+    p.add_argument("--grace", type=float, metavar="S", help="--merge async: the longest a round waits, after its "
+                   "quorum, for a host whose delta is due (default: half the median time between two deltas)")
+    p.add_argument("--max-staleness", type=int, default=merge["max_staleness"], metavar="N", help="--merge async: "
+                   "a delta more than N rounds behind is refused and its host fetches the model (default %(default)s)")
+    p.add_argument("--staleness-rule", default=merge["staleness_rule"], choices=rule_names(), help="--merge async: "
+                   "how a late delta is weighted: age (samples / (1 + rounds late)) or samples (default %(default)s)")
     p.add_argument("--initial-model", type=Path, help="safetensors file to start from (default: the first host's)")
     p.add_argument("--data-unit", type=int, default=_defaults(CoordinatorConfig)["data_unit"],
                    help="samples per unit of the data ledger, which shares out each epoch to hosts that declare their "
@@ -178,9 +192,23 @@ def _config(args: argparse.Namespace) -> CoordinatorConfig:
             store_deltas=args.store_deltas, store_lease=args.store_lease,
             data_unit=getattr(args, "data_unit", 256),  # a relay shares out no data (it has no such flag)
             outer=OuterSettings(args.outer_optimizer, args.outer_lr, args.outer_momentum)
-            if "outer_optimizer" in args else OuterSettings())  # nor outer-optimizer flags: it never steps
+            if "outer_optimizer" in args else OuterSettings(),  # nor outer-optimizer flags: it never steps
+            merge=_merge_settings(args))
     except ValueError as e:
         raise SystemExit(f"nodeox: {e}") from None
+
+
+def _merge_settings(args: argparse.Namespace) -> MergeSettings:
+    """``--merge`` and its flags (a ValueError naming the fix for one given without ``--merge async``)."""
+    if "merge" not in args:
+        return MergeSettings()
+    if args.merge == "sync":
+        given = [f for f, v in (("--min-quorum", args.min_quorum), ("--grace", args.grace)) if v is not None]
+        if given:
+            many = len(given) > 1
+            raise ValueError(f"{' and '.join(given)} {'go' if many else 'goes'} with --merge async; add --merge async "
+                             f"(or drop {'them' if many else 'it'})")
+    return MergeSettings(args.merge, args.min_quorum, args.grace, args.max_staleness, args.staleness_rule)
 
 
 def _relay_config(args: argparse.Namespace) -> RelayConfig:

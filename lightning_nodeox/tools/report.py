@@ -16,7 +16,9 @@ sites (``site_bytes``).
 
 A run whose hosts let the coordinator share out their data has the ledger's part (``summary["data"]``,
 :mod:`~lightning_nodeox.tools.ledger_report`): where each epoch ended, what each host committed in it, and each
-host's samples leased, committed, returned and in flight.
+host's samples leased, committed, returned and in flight. A run under ``--merge async`` has the merge's part
+(``summary["merge"]``, :mod:`~lightning_nodeox.tools.merge_report`): the rounds closed without every host, and
+each host's rounds missed and late deltas with their staleness.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..core import phases as P
-from . import ledger_report, summary, timeline
+from . import ledger_report, merge_report, summary, timeline
 from .columns import HOST_COLUMNS, SYNC, host_columns, human_bytes  # noqa: F401 - host_columns: part of what report offers
 
 
@@ -191,9 +193,10 @@ def _build(records: list[dict]) -> dict:
     tally = _Tally(records)
     rounds = [tally.round(rnd) for rnd in tally.rounds()]
     summary = summarize(records, rounds, tally.rss)
-    data = ledger_report.build(records)
-    if data is not None:
-        summary["data"] = data
+    for key, part in (("data", ledger_report), ("merge", merge_report)):
+        built = part.build(records)
+        if built is not None:
+            summary[key] = built
     return {"rounds": rounds, "summary": summary}
 
 
@@ -307,17 +310,21 @@ def render_rounds(report: dict) -> str:
     lines += summary.overlap_note([v for rnd in report["rounds"] for (_, what), _, v in summary.samples(rnd)
                                    if what == "aggregation-to-sync"])
     lines.append("mean wait share: " + (", ".join(f"host {h} {v:.0%}" for h, v in s["mean_wait_share"].items()) or "-"))
-    if "data" in s:
-        lines += ledger_report.render(s["data"])
+    for key, part in (("data", ledger_report), ("merge", merge_report)):
+        if key in s:
+            lines += part.render(s[key])
     return "\n".join(lines)
 
 
 def render_summary(report: dict) -> str:
     """The summary (the default; :mod:`~lightning_nodeox.tools.summary`), once :func:`summary.extend` added to it;
-    then the data ledger's part (:mod:`~lightning_nodeox.tools.ledger_report`), if the run had one."""
-    text = summary.render(report, totals(report), size=human_bytes)
-    data = report["summary"].get("data")
-    return text if data is None else "\n".join([text, "", *ledger_report.render(data)])
+    then the data ledger's part (:mod:`~lightning_nodeox.tools.ledger_report`) and the async merge's
+    (:mod:`~lightning_nodeox.tools.merge_report`), if the run had them."""
+    lines = [summary.render(report, totals(report), size=human_bytes)]
+    for key, part in (("data", ledger_report), ("merge", merge_report)):
+        if key in report["summary"]:
+            lines += ["", *part.render(report["summary"][key])]
+    return "\n".join(lines)
 
 
 def parse_window(text: str) -> tuple[int | None, int | None]:

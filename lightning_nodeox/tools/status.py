@@ -9,7 +9,8 @@ state, round and model hash, the coordinator's memory and link throughput, and p
 last round, wait share, bytes per round, last loss and sync_dist values (and with the coordinator's
 ``--gpu-hour-price``, what its waiting cost). A run whose hosts let the coordinator share out their data adds the
 data ledger (``GET /v1/status``'s ``data``): the epoch and its progress, its units committed, held and free, and per
-host the samples leased, committed, in flight and returned, and the units it holds. ``--watch`` redraws it every
+host the samples leased, committed, in flight and returned, and the units it holds. A run under ``--merge async``
+adds the merge's line (``merge``: the quorum, the late deltas merged, how the last round closed). ``--watch`` redraws it every
 ``--interval`` seconds until the run completes or fails (Ctrl-C stops watching). The token comes from
 ``--token-file`` (else ``NODEOX_TOKEN``), a CA from ``NODEOX_CA_FILE``.
 
@@ -67,7 +68,22 @@ def render(status: dict) -> str:
     lines += aligned(rows)
     if status.get("data"):
         lines += ["", *render_data(status["data"])]
+    if status.get("merge"):
+        lines += ["", render_merge(status["merge"])]
     return "\n".join(lines)
+
+
+def render_merge(merge: dict) -> str:
+    """The async merge's line (``GET /v1/status``'s ``merge``, ``Quorum.status()``): its settings, then how the
+    last round closed."""
+    line = (f"merge: async, quorum {merge['min_quorum']}, grace {merge['grace_s']:.2f} s, max staleness "
+            f"{merge['max_staleness']} ({merge['staleness_rule']}); {merge['late_deltas']} late deltas merged")
+    last = merge["last"]
+    if last:
+        stale = ", ".join(f"{h} ({s} round{'s' if s != 1 else ''} late)" for h, s in last["stale"].items()) or "none"
+        line += (f"; round {last['round']} closed without {', '.join(last['late']) or 'no host'}, late deltas in it: "
+                 f"{stale}")
+    return line
 
 
 def render_data(data: dict) -> list[str]:

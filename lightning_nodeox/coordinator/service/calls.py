@@ -65,10 +65,11 @@ class Sink(Protocol):
 
     places: bool
 
-    async def locate(self, place: Place) -> None:
-        """Answer with where the payload is (:class:`~lightning_nodeox.coordinator.payloads.Place`)."""
+    async def locate(self, place: Place, held: int | None = None) -> None:
+        """Answer with where the payload is (:class:`~lightning_nodeox.coordinator.payloads.Place`); ``held``: a
+        sync's :attr:`~lightning_nodeox.core.protocol.SyncReady.held`."""
 
-    async def begin(self, size: int, complete: bool) -> None: ...
+    async def begin(self, size: int, complete: bool, held: int | None = None) -> None: ...
 
     async def write(self, view: memoryview) -> None: ...
 
@@ -277,7 +278,8 @@ class CoordinatorService:
         making = found if isinstance(found, SyncInMaking) else None
         message = found.sync if making is not None else found
         complete = making.complete if making is not None else run.rounds.is_last(round_)
-        if await self._locate_sync(host, round_, message, making, complete, sink):
+        held = run.rounds.held(host, round_)
+        if await self._locate_sync(host, round_, message, making, complete, held, sink):
             return True
         model = run.state.model  # None while a resumed run serves its saved sync without a model
         if model is not None:
@@ -285,7 +287,7 @@ class CoordinatorService:
         try:
 
             async def send() -> None:
-                await sink.begin(len(message), complete)
+                await sink.begin(len(message), complete, held)
                 if making is None:
                     await sink.write(message.view())
                     self.sent_bytes["sync"] += len(message)
@@ -307,7 +309,7 @@ class CoordinatorService:
         return True
 
     async def _locate_sync(self, host: str, round_: int, message, making: SyncInMaking | None, complete: bool,
-                           sink: Sink) -> bool:
+                           held: int | None, sink: Sink) -> bool:
         """Tell ``sink`` where round ``round_``'s sync is in the run's store, when it is there (a sync served from
         the run's saved state is written there first); False: it is sent as bytes."""
         payloads = self._run.payloads
@@ -319,7 +321,7 @@ class CoordinatorService:
             place = payloads.sync_place(round_, message, complete)
         if place is None:
             return False
-        await sink.locate(place)
+        await sink.locate(place, held)
         if complete:
             self._run.rounds.served_final(host)
         return True

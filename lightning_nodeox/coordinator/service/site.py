@@ -121,9 +121,9 @@ class SiteControl:
     def round_metrics(self) -> dict[str, list]:
         return self._rounds.round_metrics()
 
-    def taken(self, round_: int) -> list[tuple[str, int]]:
-        """The ``(host, round)`` of the round's deltas that reported data and were taken whole."""
-        return self._rounds.deltas.taken(round_)
+    def taken(self) -> list[tuple[str, int]]:
+        """The ``(host, base round)`` of the round's deltas that reported data and were taken whole."""
+        return self._rounds.deltas.taken()
 
     def use_data(self, data: RunData) -> None:
         """The run's data ledger is the site's (:class:`~lightning_nodeox.relay.data.SiteData`)."""

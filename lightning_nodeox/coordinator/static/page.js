@@ -81,6 +81,21 @@ function drawData(data) { // GET /v1/status's "data" (the data ledger), absent u
   }
 }
 
+function drawMerge(merge) { // GET /v1/status's "merge", under --merge async only
+  $("merge").hidden = !merge;
+  if (!merge) return;
+  $("merge-quorum").textContent = String(merge.min_quorum);
+  $("merge-grace").textContent = merge.grace_s.toFixed(2);
+  $("merge-max").textContent = String(merge.max_staleness);
+  $("merge-rule").textContent = merge.staleness_rule;
+  $("merge-late-deltas").textContent = String(merge.late_deltas);
+  const last = merge.last || {};
+  $("merge-round").textContent = last.round === undefined ? "-" : String(last.round);
+  $("merge-late").textContent = (last.late || []).join(", ") || "no host";
+  $("merge-stale").textContent = Object.entries(last.stale || {}).map(([h, s]) => `${h} (${s} round${s === 1 ? "" : "s"} late)`)
+    .join(", ") || "none";
+}
+
 function drawTimeline(timeline) {
   const lanes = timeline.lanes; // [[lane, [[phase, start, end, round], ...]], ...], the coordinator's first
   const bars = lanes.flatMap(([, phases]) => phases);
@@ -180,6 +195,7 @@ function draw(status) {
   }
   drawHosts(live);
   drawData(status.data);
+  drawMerge(status.merge);
   drawTimeline(live.timeline);
 }
 

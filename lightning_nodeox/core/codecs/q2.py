@@ -31,16 +31,13 @@ from __future__ import annotations
 
 import torch
 
-from .blockwise import Blockwise, BlockwiseKernels, packed_bytes
+from .blockwise import ROUND_MAGIC, Blockwise, BlockwiseKernels, packed_bytes, round_to_integers
 
 SCALE = 0.7  # s / mean|x|
 TOP = 3  # codes span 0..3
 HALF = 1.5  # x / (2s) + 1.5 rounds to the code
 NOOP_CODE = 0b10101010  # four codes 2 (+s) a byte
 
-# Adding 1.5 * 2**23 to a float in [0, 2**22] rounds it to an integer (half to even) held in the low mantissa
-# bits: the low byte of the float's bits is the code itself.
-_ROUND_MAGIC = 12582912.0
 _TINY = 1e-30
 
 
@@ -70,46 +67,24 @@ class Q2Kernels(BlockwiseKernels):
         self.w32 = torch.empty(n // 4, dtype=torch.int32, device=dev)
         self.t32 = torch.empty(n // 4, dtype=torch.int32, device=dev)
         self.total = torch.empty(nb, device=dev)
-        self.scale = torch.empty(nb, device=dev)
-        self.inv = torch.empty(nb, device=dev)
-        self.magic = torch.tensor(_ROUND_MAGIC, device=dev)
+        self.magic = torch.tensor(ROUND_MAGIC, device=dev)
 
     # -- encode ---------------------------------------------------------------------------------------------
-    def quantize(
-        self,
-        m: int,
-        codes_out: torch.Tensor,
-        scales_out: torch.Tensor,
-        *,
-        residual_out: torch.Tensor | None = None,
-        dequant_out: torch.Tensor | None = None,
-        seed: int | None = None,
-    ) -> None:
-        """Quantize ``self.x[:m]`` (filled by the caller) into ``codes_out`` and ``scales_out``.
-
-        ``residual_out`` (m values) receives ``x - dequantized``; ``dequant_out`` (padded length) the
-        dequantized values themselves, computed exactly as a decoder computes them.
-        """
-        bs = self.settings.block_size
-        mp = self.padded(m)
-        nb = mp // bs
-        x = self.x[:mp]
-        if mp != m:
-            x[m:].zero_()
-        xb, yb = x.view(nb, bs), self.y[:mp].view(nb, bs)
+    def quantize(self, m: int, codes_out: torch.Tensor, scales_out: torch.Tensor, *,
+                 residual_out: torch.Tensor | None = None, dequant_out: torch.Tensor | None = None,
+                 seed: int | None = None) -> None:
+        xb, yb = self.input_blocks(m)
+        nb, bs = xb.shape
         scale = self._mean_scale(xb, yb, m)
         stochastic = seed is not None
         if stochastic:
-            self._publish(scale, scales_out)
+            self.publish(scale, scales_out)
         self._code(xb, yb, scale, seed if stochastic else None)
         if not stochastic:
             self._fit_scale(xb, yb, m, scale)
-            self._publish(scale, scales_out)
-        if residual_out is not None:
-            self._residual(xb, yb, scale, m, residual_out)
-        if dequant_out is not None:
-            torch.mul(yb, scale[:, None], out=dequant_out.view(nb, bs))
-        self._pack(mp, codes_out)
+            self.publish(scale, scales_out)
+        self.outputs(xb, yb, scale, m, residual_out, dequant_out)
+        self._pack(nb * bs, codes_out)
 
     def _mean_scale(self, xb: torch.Tensor, yb: torch.Tensor, m: int) -> torch.Tensor:
         """Each block's scale (in ``self.scale``) from the mean magnitude of its values (of the last block's own
@@ -135,9 +110,7 @@ class Q2Kernels(BlockwiseKernels):
             noise.uniform_(-0.5, 0.5, generator=self.generator().manual_seed(seed))
             y.add_(noise)
         y.clamp_(0, TOP)
-        y.add_(self.magic)
-        self.c8[: nb * bs].copy_(y.view(torch.int32))  # int32 -> uint8 keeps the low byte: the code
-        y.sub_(self.magic)
+        round_to_integers(y, self.magic, self.c8[: nb * bs])
         y.mul_(2).sub_(TOP)  # the levels l = 2c - 3, as floats
 
     def _fit_scale(self, xb: torch.Tensor, yb: torch.Tensor, m: int, scale: torch.Tensor) -> None:
@@ -150,16 +123,6 @@ class Q2Kernels(BlockwiseKernels):
             den[-1:].sub_(nb * bs - m)  # a padding zero has code 2: l * l = 1
         torch.div(num, den, out=scale)
 
-    def _residual(self, xb: torch.Tensor, yb: torch.Tensor, scale: torch.Tensor, m: int, out: torch.Tensor) -> None:
-        """``x - dequantized`` of the m values into ``out``."""
-        nb, bs = xb.shape
-        if nb * bs == m:
-            torch.addcmul(xb, yb, scale[:, None], value=-1, out=out.view(nb, bs))
-        else:
-            d = self.d[: nb * bs]
-            torch.addcmul(xb, yb, scale[:, None], value=-1, out=d.view(nb, bs))
-            out.copy_(d[:m])
-
     def _pack(self, mp: int, codes_out: torch.Tensor) -> None:
         """The codes of ``self.c8[:mp]`` four to a byte into ``codes_out``."""
         v = self.c8[:mp].view(torch.int32)  # bytes c0 c1 c2 c3 (little-endian)
@@ -170,14 +133,8 @@ class Q2Kernels(BlockwiseKernels):
         w.bitwise_or_(t)
         codes_out.copy_(w)  # low byte: c0 | c1 << 2 | c2 << 4 | c3 << 6
 
-    def _publish(self, scale: torch.Tensor, scales_out: torch.Tensor) -> None:
-        """Write the scales; ``scale`` becomes what a decoder will read (rounded to fp16 where they are)."""
-        scales_out.copy_(scale)
-        if self.settings.scale_dtype == "fp16":
-            scale.copy_(scales_out)
-
     # -- decode ---------------------------------------------------------------------------------------------
-    def levels(self, codes: torch.Tensor, mp: int) -> torch.Tensor:
+    def unscaled(self, codes: torch.Tensor, mp: int) -> torch.Tensor:
         """``float(2c - 3)`` for ``mp`` values unpacked from ``codes`` (into ``self.y``)."""
         w, t = self.w32[: mp // 4], self.t32[: mp // 4]
         w.copy_(codes)
@@ -190,40 +147,6 @@ class Q2Kernels(BlockwiseKernels):
         f = self.y[:mp]
         f.copy_(w.view(torch.uint8))
         return f.mul_(2).sub_(TOP)
-
-    def block_scales(self, scales: torch.Tensor, nb: int) -> torch.Tensor:
-        if scales.dtype == torch.float32:
-            return scales
-        return self.scale[:nb].copy_(scales)
-
-    def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, mp: int) -> torch.Tensor:
-        """The dequantized values of one chunk (``mp`` values, in ``self.d``)."""
-        bs = self.settings.block_size
-        nb = mp // bs
-        f = self.levels(codes, mp)
-        d = self.d[:mp]
-        torch.mul(f.view(nb, bs), self.block_scales(scales, nb)[:, None], out=d.view(nb, bs))
-        return d
-
-    def accumulate(self, codes: torch.Tensor, scales: torch.Tensor, m: int, acc: torch.Tensor, weight: float,
-                   assign: bool = False) -> None:
-        """``acc += weight * dequantized`` (``acc = ...`` when ``assign``) for the first ``m`` values of one chunk."""
-        bs = self.settings.block_size
-        mp = self.padded(m)
-        nb = mp // bs
-        if mp != m:
-            d = self.dequantize(codes, scales, mp)[:m]
-            if assign:
-                torch.mul(d, weight, out=acc)
-            else:
-                acc.add_(d, alpha=weight)
-            return
-        f = self.levels(codes, mp)
-        weighted = torch.mul(self.block_scales(scales, nb), weight, out=self.inv[:nb])
-        if assign:
-            torch.mul(f.view(nb, bs), weighted[:, None], out=acc.view(nb, bs))
-        else:
-            acc.view(nb, bs).addcmul_(f.view(nb, bs), weighted[:, None])
 
     def bound(self, dequantized: torch.Tensor, scales: torch.Tensor) -> float:
         return TOP * float(scales.abs().max())
