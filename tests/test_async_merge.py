@@ -116,3 +116,35 @@ def test_a_delta_beyond_max_staleness_is_refused_and_its_host_fetches_the_model(
         assert c.rounds.received == {"b": 0}
     finally:
         c.close()
+
+
+def test_a_relay_closes_its_sites_round_on_a_quorum_and_merges_a_late_hosts_delta(tmp_path) -> None:
+    """A site relay under --merge async (in-process, its root in-process too): round 0 closes on hosts 0 and 1,
+    host 2's delta of round 0 goes into round 1, and every host ends on the root's model."""
+    from test_site_relay_parts import EventsClient
+
+    from lightning_nodeox.relay.config import RelayConfig
+    from lightning_nodeox.relay.run import Site
+    from lightning_nodeox.relay.upstream import Upstream
+
+    root = LocalCoordinator(tmp_path / "root", 1)
+    upstream = Upstream(RelayConfig(upstream="http://root", relay_id="site"), client=EventsClient(root, "site"))
+    relay = LocalCoordinator(tmp_path / "relay", 3, site=Site(upstream),
+                             merge=MergeSettings("async", min_quorum=2, grace=0.0))
+    try:
+        h0, h1, h2 = hosts(relay, "0", "1", "2")
+        relay.call(relay.run.site.model.join_upstream_with_model())
+        train(h0, 0), train(h1, 0), train(h2, 0)
+        send(h0, 8), send(h1, 8)  # the quorum: the site's round 0 goes upstream without host 2
+        h0.synchronize(), h1.synchronize()
+        train(h0, 1)
+        send(h0, 8)
+        assert send(h2, 8) is Upload.TAKEN  # of round 0: merged into round 1
+        h0.synchronize(), h2.synchronize()
+        assert h0.round == h2.round == 2
+        assert h0.model_hash == h2.model_hash == relay.state.model.hash == root.state.model.hash
+        merged = {r: e for r, e in aggregates(relay).items()}
+        assert (merged[0]["late"], merged[1]["stale"]) == (["2"], {"2": 1})
+    finally:
+        relay.close()
+        root.close()

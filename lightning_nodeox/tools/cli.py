@@ -110,6 +110,17 @@ def _serving_options(p: argparse.ArgumentParser, *, bind: str) -> None:
     p.add_argument("--store-own-credentials", action="store_true", help="hosts read the store with credentials of "
                    "their own (its s3:// addresses) instead of presigned URLs")
     p.add_argument("--store-lease", type=float, default=run["store_lease"], help=argparse.SUPPRESS)
+    merge = _defaults(MergeSettings)  # a relay closes its site's rounds by the same rules
+    p.add_argument("--merge", default=merge["mode"], choices=MODES, help="sync (default): a round waits for every "
+                   "live host and a late delta is dropped; async: a round closes on --min-quorum deltas and a late "
+                   "delta is merged into the round open when it arrives (docs/algorithms.md)")
+    p.add_argument("--min-quorum", type=int, metavar="K", help="--merge async: the fewest deltas a round closes with")
+    p.add_argument("--grace", type=float, metavar="S", help="--merge async: the longest a round waits, after its "
+                   "quorum, for a host whose delta is due (default: half the median time between two deltas)")
+    p.add_argument("--max-staleness", type=int, default=merge["max_staleness"], metavar="N", help="--merge async: "
+                   "a delta more than N rounds behind is refused and its host fetches the model (default %(default)s)")
+    p.add_argument("--staleness-rule", default=merge["staleness_rule"], choices=rule_names(), help="--merge async: "
+                   "how a late delta is weighted: age (samples / (1 + rounds late)) or samples (default %(default)s)")
 
 
 def _coordinator_options(p: argparse.ArgumentParser, *, bind: str) -> None:
@@ -124,17 +135,6 @@ def _coordinator_options(p: argparse.ArgumentParser, *, bind: str) -> None:
                    help="outer learning rate (nesterov; default %(default)g)")
     p.add_argument("--outer-momentum", type=float, default=outer["momentum"],
                    help="outer momentum (nesterov; default %(default)g)")
-    merge = _defaults(MergeSettings)
-    p.add_argument("--merge", default=merge["mode"], choices=MODES, help="sync (default): a round waits for every "
-                   "live host and a late delta is dropped; async: a round closes on --min-quorum deltas and a late "
-                   "delta is merged into the round open when it arrives (docs/algorithms.md)")
-    p.add_argument("--min-quorum", type=int, metavar="K", help="--merge async: the fewest deltas a round closes with")
-    p.add_argument("--grace", type=float, metavar="S", help="--merge async: the longest a round waits, after its "
-                   "quorum, for a host whose delta is due (default: half the median time between two deltas)")
-    p.add_argument("--max-staleness", type=int, default=merge["max_staleness"], metavar="N", help="--merge async: "
-                   "a delta more than N rounds behind is refused and its host fetches the model (default %(default)s)")
-    p.add_argument("--staleness-rule", default=merge["staleness_rule"], choices=rule_names(), help="--merge async: "
-                   "how a late delta is weighted: age (samples / (1 + rounds late)) or samples (default %(default)s)")
     p.add_argument("--initial-model", type=Path, help="safetensors file to start from (default: the first host's)")
     p.add_argument("--data-unit", type=int, default=_defaults(CoordinatorConfig)["data_unit"],
                    help="samples per unit of the data ledger, which shares out each epoch to hosts that declare their "
