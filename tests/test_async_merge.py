@@ -62,7 +62,9 @@ def test_a_delta_one_round_late_is_merged_by_the_rules_formula_and_its_host_catc
         assert send(b, 12) is Upload.TAKEN  # of round 0, while round 1 is open: merged into it, 1 round late
         a.synchronize()
         assert b.round == 0
-        b.synchronize()  # round 0's sync (kept), then round 1's, which carries its delta
+        b.synchronize()  # round 0's sync (kept): b trains on from round 1's model, not waiting for round 1's sync
+        assert b.round == 1 and b.model_hash == c.rounds.history.get(1).meta.base_hash
+        b.synchronize()  # round 1's, which carries its delta
         mean_step(theta, [(da1, 8.0), (db0, 12 / (1 + 1))])  # age: samples / (1 + staleness)
         assert all(torch.equal(x, y) for x, y in zip(a.tensors.live, theta))
         assert a.round == b.round == 2
@@ -95,7 +97,7 @@ def test_a_retried_late_delta_is_not_merged_twice_and_the_samples_rule_takes_it_
         assert b.upload(late) is Upload.TAKEN  # round 1 closes on it (c is not due)
         assert b.client.post_delta(0, late.message.view()) is Upload.TAKEN  # a retry: taken already
         assert c.rounds.received == {} and c.state.round == 2  # not merged again into round 2
-        a.synchronize(), b.synchronize()
+        a.synchronize(), b.synchronize(), b.synchronize()
         assert aggregates(c)[1]["samples"] == 8 + 12 and c.rounds.history.get(1).meta.samples == 20  # whole
         assert_on_the_run_model(c, a, b)
     finally:
@@ -140,7 +142,7 @@ def test_a_relay_closes_its_sites_round_on_a_quorum_and_merges_a_late_hosts_delt
         train(h0, 1)
         send(h0, 8)
         assert send(h2, 8) is Upload.TAKEN  # of round 0: merged into round 1
-        h0.synchronize(), h2.synchronize()
+        h0.synchronize(), h2.synchronize(), h2.synchronize()
         assert h0.round == h2.round == 2
         assert h0.model_hash == h2.model_hash == relay.state.model.hash == root.state.model.hash
         merged = {r: e for r, e in aggregates(relay).items()}
@@ -148,3 +150,46 @@ def test_a_relay_closes_its_sites_round_on_a_quorum_and_merges_a_late_hosts_delt
     finally:
         relay.close()
         root.close()
+
+
+def test_a_late_host_trains_on_and_its_next_delta_waits_for_the_round_holding_its_late_one(tmp_path) -> None:
+    """Host b's delta of round 0 is held in round 1 (open: its quorum is not in); b applies round 0's sync and trains
+    from round 1's model without waiting; its next delta, sent while round 1 is still open, is not a duplicate of
+    the one held: it waits for round 1 to close and goes into round 2, one round late."""
+    import asyncio
+    import threading
+
+    c = LocalCoordinator(tmp_path, 3, codec=FP32, merge=MergeSettings("async", min_quorum=2, grace=0.0))
+    try:
+        a, b, cc = hosts(c, "a", "b", "c")
+        train(a, 0), train(b, 0), train(cc, 0)
+        send(a, 8), send(cc, 8)  # round 0 closes without b
+        a.synchronize(), cc.synchronize()
+        assert send(b, 8) is Upload.TAKEN  # into round 1, which waits for one more delta
+        b.synchronize()
+        assert b.round == 1 and c.state.round == 1  # round 0's sync applied; round 1's not waited for
+        try:  # a delta of b's of round 1 would wait, while round 1 holds its late one
+            c.call(asyncio.wait_for(c.rounds.deltas.wait_open(1, "b"), 0.3))
+            raise AssertionError("b's next delta did not wait for the round holding its late one")
+        except (TimeoutError, asyncio.TimeoutError):
+            pass
+        train(b, 1)
+        sent = {}
+        thread = threading.Thread(target=lambda: sent.setdefault("b", send(b, 8)))
+        thread.start()
+        train(a, 1)
+        send(a, 8)  # round 1's quorum: b's late delta and a's
+        thread.join(30)
+        assert sent == {"b": Upload.TAKEN}
+        a.synchronize(), b.synchronize()
+        train(cc, 1)
+        send(cc, 8)  # of round 1, into round 2 with b's: round 2's quorum
+        for h in (a, b, cc):
+            while h.round < 3:
+                h.synchronize()
+        assert_on_the_run_model(c, a, b, cc)
+        records = aggregates(c)
+        assert (records[1]["hosts"], records[1]["stale"]) == (["a", "b"], {"b": 1})
+        assert (records[2]["hosts"], records[2]["stale"]) == (["b", "c"], {"b": 1, "c": 1})
+    finally:
+        c.close()

@@ -113,15 +113,20 @@ class RoundDeltas:
         delta = self.by_host.get(host)
         return delta.metrics if delta is not None else {}
 
-    async def wait_open(self, round_: int) -> None:
+    async def wait_open(self, round_: int, host: str | None = None) -> None:
         """A call about the round after the one closing waits until that one is published: its sync streams to
         hosts while it is made (or passed down by a relay), so a quick host may be back before the round is.
         Under ``--merge async`` a delta of the round closing, or of an earlier one, waits too: it goes into the
-        round that opens next."""
+        round that opens next; so does a delta of ``host`` while the open round holds its late one (it trained on
+        without waiting for that round: :meth:`Downloads.behind`)."""
         state = self.state
         late_ok = self.merge.is_async
 
         def ahead() -> bool:
+            if late_ok and host is not None and round_ == state.round:
+                held = self.by_host.get(host)
+                if held is not None and held.base_round != round_:
+                    return True
             return self.phase.closing and (round_ == state.round + 1 or (late_ok and round_ <= state.round))
 
         while ahead():
@@ -179,7 +184,7 @@ class RoundDeltas:
         has begun); its pieces follow into ``buffer`` (:meth:`take_piece`). ``training``: the host trains on while
         its round is open (overlap), so it does not wait in it (see :meth:`trains_on`)."""
         state = self.state
-        await self.wait_open(round_)
+        await self.wait_open(round_, host)
         model = self.check_upload(host, round_, buffer.numel())
         try:
             message = await state.in_parser(lambda: Message.read_head(head, buffer, total=buffer.numel()))

@@ -6,8 +6,9 @@
   the model, and never gives such a base back to a restarted coordinator;
 - a coordinator that lost this host's delta (``NO_DELTA``: it restarted) gets it again (:meth:`Uploads.resend`);
 - a run that completed with no later sync leaves this host on its base, the run's final model;
-- a host whose delta was merged into a later round than its own (``--merge async``: it was late) applies every
-  sync up to that round's, in order (each reply says which round holds its delta: ``SyncReady.held``).
+- a host whose delta was merged into a later round than its own (``--merge async``: it was late) applies, in order,
+  every sync before that round's (each reply says which round holds its delta: ``SyncReady.held``) and trains on
+  from there without waiting for that round to close: its next delta goes into a later round again.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ class Downloads:
         self.held: int | None = None  # the round whose sync carries this host's delta, as the last reply said
 
     def behind(self) -> bool:
-        """Whether the sync carrying this host's delta is still to apply (its delta was late, merged later)."""
-        return self.held is not None and self.standing.round <= self.held
+        """Whether syncs before the one carrying this host's delta are still to apply (its delta was late, merged
+        into a later round)."""
+        return self.held is not None and self.standing.round < self.held
 
     def synchronize(self, *, follow_to_end: bool = False, into: Into = Into.LIVE) -> RoundResult:
         """Wait for the round's sync, apply it ``into`` the live model or base as it arrives and verify the model

@@ -183,7 +183,7 @@ class CoordinatorService:
     async def _receive_delta(self, host: str, round_: int, body: Body, training: bool) -> dict:
         deltas = self._run.rounds.deltas
         start = time.time()
-        await deltas.wait_open(round_)  # (a host back from the round closing, whose sync it took as it streamed)
+        await deltas.wait_open(round_, host)  # (a host back from the round closing, whose sync it took as it streamed)
         deltas.check_upload(host, round_, body.size)
         self.uploads.claim(host)
         try:
