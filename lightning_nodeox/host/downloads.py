@@ -54,8 +54,19 @@ class Downloads:
             result = self.download(into)
             if result is None:
                 result = RoundResult(round_, s.model_hash, s.complete, False)
-            if result.complete or not (follow_to_end or self.behind()):
-                return result
+            if result.complete or not follow_to_end:
+                return self.catch_up(result, into)
+
+    def catch_up(self, result: RoundResult, into: Into) -> RoundResult:
+        """After ``result``: while this host's late delta is held in a later round, apply the syncs before that
+        round's, and that round's too if its close has begun (:meth:`held_sync`), never waiting for it."""
+        s = self.standing
+        while self.behind() and not result.complete:
+            round_ = s.round
+            result = self.download(into) or RoundResult(round_, s.model_hash, s.complete, False)
+        if not result.complete and self.held is not None and self.held == s.round:
+            result = self.held_sync(into) or result
+        return result
 
     def download(self, into: Into = Into.LIVE) -> RoundResult | None:
         """Round ``round``'s sync, applied piece by piece as it arrives and verified; None when there is none
@@ -112,6 +123,21 @@ class Downloads:
         self._applying = None
         self.joining.fetch_model(into)
         return None
+
+    def held_sync(self, into: Into) -> RoundResult | None:
+        """The sync of the round holding this host's late delta, if that round's close has begun already (its last
+        round, say, whose sync tells it the run is complete); None when it has not: the host trains on without it."""
+        s = self.standing
+        round_ = s.round
+        try:
+            reply = s.client.poll_sync(round_, 0.0, training=s.training(into))
+            if not isinstance(reply, SyncReady):
+                return None
+            s.complete, self.held = reply.complete, reply.held
+            sync = self._receive(reply.body, round_, into)
+        except (Refusal, TransferBroken, PayloadError):  # the normal course takes it up later
+            return None
+        return self.verified(sync, into) if sync is not None else None
 
     def while_uploading(self, uploading: Uploading, into: Into) -> RoundResult | None:
         """While this host's delta is still on its way, wait for the round's sync and apply it as it comes (the

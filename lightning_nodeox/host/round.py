@@ -148,8 +148,8 @@ class HostRound:
             result = early
             if final and outcome is not Upload.LATE and not result.complete:
                 result = self.synchronize(follow_to_end=True, into=into)
-            elif self.downloads.behind() and not result.complete:  # its delta was late: merged into a later round
-                result = self.synchronize(into=into)
+            elif not result.complete:  # its delta may have been late: merged into a later round
+                result = self.downloads.catch_up(result, into)
         else:
             result = self.synchronize(follow_to_end=final and outcome is not Upload.LATE, into=into)
         if final and outcome is Upload.LATE and not self.complete:
