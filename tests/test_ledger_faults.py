@@ -187,7 +187,7 @@ def test_a_run_stopped_with_ctrl_c_and_resumed_continues_its_epoch(tmp_path: Pat
     ends with every index once, none trained twice into the published model."""
     run_dir, out = tmp_path / "run", tmp_path / "out"
     coord = Coordinator(run_dir, 2, *COORDINATOR_ARGS)
-    procs = [start_host(h, coord.url, out, *HOST_ARGS, "--step-seconds", "0.1") for h in "01"]
+    procs = [start_host(h, coord.url, out, *HOST_ARGS, "--step-seconds", "0.2") for h in "01"]
     started = []
     try:
         wait_for(lambda: _committed(coord)[1] >= 8 * UNIT, 90, "8 units of epoch 0 committed")
