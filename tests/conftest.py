@@ -128,6 +128,18 @@ def uninterrupted(tmp_path_factory):
     return final
 
 
+@pytest.fixture(autouse=True)
+def _stop_signals_not_ignored():
+    """A process a test starts inherits an ignored SIGINT or SIGTERM (an ignored signal survives exec), and the
+    forwarder of a forked process then does not pass it on: each test starts with neither ignored."""
+    import signal
+
+    for s, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
+        if signal.getsignal(s) == signal.SIG_IGN:
+            signal.signal(s, default)
+    yield
+
+
 @pytest.fixture
 def local_coordinator(tmp_path):
     """Start in-process coordinators (tests/local_transport.py): ``local_coordinator(hosts, **config)``; all closed
