@@ -5,8 +5,8 @@ the rule of ``--merge sync`` (:class:`EveryHost`, the default) or of ``--merge a
 run), unless a missing host is *due*: its last delta was merged into the previous round (so it trains from the
 open round's model, and its delta would not be late), and its past arrivals say the next one comes within the
 grace window. The round waits for such a host until its delta begins, until it is overdue (a tenth of its
-period past when it was expected; its period: the median of its last intervals between two deltas), or until the window ends, whichever comes first. A host not due (slower, or
-stalled) is not waited for at all: its delta is merged, late, into the round open when it arrives. Round 0 (which
+period past when it was expected; its period: the median of its last intervals between two deltas), or until the
+window ends, whichever comes first. A host not due (slower, or stalled) is not waited for at all: its delta is merged, late, into the round open when it arrives. Round 0 (which
 waits for ``--hosts`` to join) and a round holding a final delta (the run's last) wait for every live host, as
 under ``sync``.
 """
@@ -40,6 +40,9 @@ class CloseRule(Protocol):
     def status(self) -> dict | None:
         """What ``GET /v1/status`` shows of the rule (None: nothing)."""
 
+    def merged(self, open_round: OpenRound, missing: list[str]) -> dict:
+        """What the round's aggregate record says of how it closed (``{}``: nothing beyond its hosts)."""
+
 
 class EveryHost:
     """``--merge sync``: every live host's delta (or ``--round-timeout``), and at least ``--min-hosts``."""
@@ -59,6 +62,9 @@ class EveryHost:
 
     def status(self) -> dict | None:
         return None
+
+    def merged(self, open_round: OpenRound, missing: list[str]) -> dict:
+        return {}
 
 
 @dataclass
@@ -119,7 +125,7 @@ class Quorum:
             expected = a.expected() if a is not None else None
             if expected is None or a.next_base != open_round.round:
                 continue
-            overdue = expected + OVERDUE * (expected - a.last)
+            overdue = expected + OVERDUE * a.period
             if expected <= until and now < overdue:
                 due[host] = overdue
         return due
@@ -142,6 +148,9 @@ class Quorum:
         end = at + self.grace()
         due = self.due(open_round, now, end)
         return min([end, *due.values()]) if due else None
+
+    def merged(self, open_round: OpenRound, missing: list[str]) -> dict:
+        return open_round.merged(self.quorum(open_round), missing)
 
     def status(self) -> dict:
         s = self.settings

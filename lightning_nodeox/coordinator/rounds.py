@@ -47,7 +47,7 @@ from .making import SyncInMaking
 from .open_round import OpenRound
 from .model import CoordinatorModel, ModelStream
 from .phase import RoundPhase
-from .quorum import CloseRule, Quorum, close_rule
+from .quorum import CloseRule, close_rule
 from .recovery import Recovery
 from .runstate import RunState
 
@@ -163,7 +163,7 @@ class Rounds:
         if late and not state.config.merge.is_async:  # alive but slow: the next round waits for them again
             self.log.warning("round %d closes on its --round-timeout without host(s) %s", round_,
                              ", ".join(late))
-        merged = self.open.merged(self.rule.quorum(self.open), late) if isinstance(self.rule, Quorum) else {}
+        merged = self.rule.merged(self.open, late)
         start = since = time.time()
         aggregating = asyncio.ensure_future(self._aggregated(round_, start, merged))
         if not self.close_with.streams:  # it takes the deltas whole: its own part starts once they are in
