@@ -178,3 +178,25 @@ def test_a_fit_against_a_completed_run_whose_coordinator_still_serves_fails_at_o
         fit(coord.url, Tiny(), tmp_path)  # the coordinator answers: its join says the run is complete
     assert time.monotonic() - start < 5
     assert coord.proc.poll() is None
+
+
+def test_a_lease_the_coordinator_never_answers_ends_the_fit_saying_where_the_run_stood() -> None:
+    """The data ledger's lease is asked from the training thread (the sampler), not the exchange: a coordinator
+    gone there ends the fit as it does mid-exchange (CI once saw the bare Unreachable escape this way)."""
+    from types import SimpleNamespace
+
+    from lightning_nodeox.core.protocol import Unreachable
+    from lightning_nodeox.host.link import RunLink
+    from lightning_nodeox.host.settings import Connection
+
+    def lease(epoch, units):
+        raise Unreachable("coordinator at http://127.0.0.1:9 did not answer POST /v1/data/lease after 4 tries")
+
+    link = object.__new__(RunLink)  # only what the lease touches: the round and where the host stood
+    link.connection = Connection(coordinator_url="http://127.0.0.1:9", host_id="h")
+    link.round = SimpleNamespace(lease=lease, round=3, model_hash="abc", complete=False)
+    link.steps = 8
+    with pytest.raises(RunNotCompleted, match=r"host h: the run did not complete: its coordinator at "
+                                              r"http://127.0.0.1:9 stopped answering in round 3, after 8 training "
+                                              r"steps .*abc.*POST /v1/data/lease"):
+        link.lease(0, 1)

@@ -61,7 +61,7 @@ def declared(samples: int, shuffle: bool) -> DataSpec:
 def lease_for_ranks(session: HostSession, epoch: int | None) -> LeaseReply:
     """One unit for the host: rank 0 asks the coordinator, every rank returns its answer (a host of one device: rank
     0 alone)."""
-    return session.ranks.lead(lambda: session.link.round.lease(epoch, 1), model=False)
+    return session.ranks.lead(lambda: session.link.lease(epoch, 1), model=False)
 
 
 class LedgerData:

@@ -16,7 +16,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 
 from ..core import phases as P
-from ..core.ledger_terms import Covered
+from ..core.ledger_terms import Covered, LeaseReply
 from ..core.phases import PhaseLog, PhaseRecord
 from ..core.protocol import Refusal, Unreachable, ValuesReply
 from ..core.transport import HostClient
@@ -139,6 +139,12 @@ class RunLink:
                                     self.steps, round_.model_hash, e) from e
         if round_.complete:
             note_completed(self.connection.coordinator_url, round_.round - 1, round_.model_hash)
+
+    def lease(self, epoch: int | None, units: int) -> LeaseReply:
+        """Data units for this host under the ledger, from the training thread (a coordinator that stopped
+        answering ends the fit with :class:`~lightning_nodeox.host.ending.RunNotCompleted`, as an exchange does)."""
+        with self.standing():
+            return self.round.lease(epoch, units)
 
     @property
     def left(self) -> bool:
