@@ -40,7 +40,7 @@ def _rank(rank: int, port: int, queue) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2)
     ranks = HostRanks([], per_step=False)
     client = Ledger() if rank == 0 else None
-    link = SimpleNamespace(round=SimpleNamespace(lease=client.lease)) if client else None  # rank 0 alone is linked
+    link = SimpleNamespace(lease=client.lease) if client else None  # rank 0 alone is linked
     session = SimpleNamespace(ranks=ranks, link=link)
     order = DataOrder(SAMPLES, seed=3, shuffle=True)
     sampler = LedgerSampler(lambda epoch: lease_for_ranks(session, epoch), order, rank=rank, ranks=2,
