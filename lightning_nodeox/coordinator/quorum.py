@@ -6,9 +6,9 @@ run), unless a missing host is *due*: its last delta was merged into the previou
 open round's model, and its delta would not be late), and its past arrivals say the next one comes within the
 grace window. The round waits for such a host until its delta begins, until it is overdue (a tenth of its
 period past when it was expected; its period: the median of its last intervals between two deltas), or until the
-window ends, whichever comes first. A host not due (slower, or stalled) is not waited for at all: its delta is merged, late, into the round open when it arrives. Round 0 (which
-waits for ``--hosts`` to join) and a round holding a final delta (the run's last) wait for every live host, as
-under ``sync``.
+window ends, whichever comes first. A host not due (slower, or stalled) is not waited for at all: its delta is
+merged, late, into the round open when it arrives. Round 0 (which waits for ``--hosts`` to join) and a round
+holding a final delta (the run's last) wait for every live host, as under ``sync``.
 """
 
 from __future__ import annotations

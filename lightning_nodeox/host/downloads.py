@@ -48,23 +48,23 @@ class Downloads:
         """Wait for the round's sync, apply it ``into`` the live model or base as it arrives and verify the model
         hash (fetching the model if needed). With ``follow_to_end`` keep applying later rounds' syncs until the
         run completes."""
-        s = self.standing
         while True:
-            round_ = s.round
-            result = self.download(into)
-            if result is None:
-                result = RoundResult(round_, s.model_hash, s.complete, False)
+            result = self.next_sync(into)
             if result.complete or not follow_to_end:
                 return self.catch_up(result, into)
+
+    def next_sync(self, into: Into) -> RoundResult:
+        """The open round's sync applied (:meth:`download`), or where this host stands when there is none."""
+        s = self.standing
+        round_ = s.round
+        return self.download(into) or RoundResult(round_, s.model_hash, s.complete, False)
 
     def catch_up(self, result: RoundResult, into: Into) -> RoundResult:
         """After ``result``: while this host's late delta is held in a later round, apply the syncs before that
         round's, and that round's too if its close has begun (:meth:`held_sync`), never waiting for it."""
-        s = self.standing
         while self.behind() and not result.complete:
-            round_ = s.round
-            result = self.download(into) or RoundResult(round_, s.model_hash, s.complete, False)
-        if not result.complete and self.held is not None and self.held == s.round:
+            result = self.next_sync(into)
+        if not result.complete and self.held is not None and self.held == self.standing.round:
             result = self.held_sync(into) or result
         return result
 
