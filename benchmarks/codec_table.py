@@ -45,7 +45,17 @@ LR = 1e-3
 SEEDS = 3
 LONG_ROUNDS = 200  # a row of more rounds is long: it runs --long-seeds
 BUDGET = 0.5  # the matched rows' bytes, as a share of the q4 row's
-DILOCO = ("--outer-optimizer", "nesterov", "--outer-lr", "0.7", "--outer-momentum", "0.9")
+
+
+def nesterov(lr: float, momentum: float) -> tuple[str, ...]:
+    """The coordinator's flags for Nesterov's outer step at ``lr`` and ``momentum``."""
+    return ("--outer-optimizer", "nesterov", "--outer-lr", f"{lr:g}", "--outer-momentum", f"{momentum:g}")
+
+
+DILOCO = nesterov(0.7, 0.9)  # DiLoCo's setting
+# the outer-optimizer sweep (fp32, so that only the outer step differs from the fp32 row): in steady state a step
+# is lr/(1-momentum) times the mean delta (DiLoCo's: 7x; plain averaging: 1x); the sweep spans 1.4x to 3x
+OUTER_SWEEP = ((0.3, 0.9), (0.5, 0.8), (1.0, 0.5), (0.7, 0.5), (1.0, 0.3))
 CONVERGENCE = Path(__file__).with_name("convergence.py")
 KNOBS = ("local_steps", "density")  # what a matched row may vary
 
@@ -74,6 +84,7 @@ ROWS: tuple[Row, ...] = (
       for name, codec, settings in BEST),
     Row("fp32_matched", "fp32", matched="local_steps"),
     *(Row(f"{name}_no_ef", codec, settings, error_feedback=False) for name, codec, settings in BEST),
+    *(Row(f"fp32_nesterov_{lr:g}_{mu:g}", "fp32", outer=nesterov(lr, mu)) for lr, mu in OUTER_SWEEP),
 )
 
 

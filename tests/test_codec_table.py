@@ -115,3 +115,24 @@ def test_the_real_byte_counts_are_the_delta_messages_on_the_language_model() -> 
     assert size("no-such-codec", {}) is None
     q4, q2 = size("q4", {}), size("q2", {"block_size": 256})
     assert 0.45 < q2 / q4 < 0.52 and size("sparse", {}) < 0.07 * q4
+
+
+def test_the_outer_sweep_rows_differ_from_the_fp32_row_in_the_outer_step_alone(tmp_path) -> None:
+    rows = planned()
+    sweep = [p for name, p in rows.items() if name.startswith("fp32_nesterov_")]
+    assert [p.row.outer for p in sweep] == [codec_table.nesterov(lr, mu) for lr, mu in codec_table.OUTER_SWEEP]
+    for p in sweep:
+        assert (p.row.codec, p.local_steps, p.settings, p.seeds) == ("fp32", 20, {}, (0, 1, 2))
+        cmd = codec_table.convergence_command(p, 0, 1000, tmp_path)
+        mode = json.loads(cmd[cmd.index("--define-mode") + 1])
+        assert mode["coordinator"] == ["--codec", "fp32", *p.row.outer]
+    assert codec_table.DILOCO == ("--outer-optimizer", "nesterov", "--outer-lr", "0.7", "--outer-momentum", "0.9")
+
+
+def test_the_curves_are_the_seeds_mean_at_the_steps_every_seed_evaluated() -> None:
+    import codec_curves
+
+    results = {0: {"curve": [[20, {"val_loss": 3.0}], [40, {"val_loss": 2.0}], [60, {"val_loss": 1.0}]]},
+               1: {"curve": [[20, {"val_loss": 2.0}], [40, {"val_loss": 1.0}]]}}
+    assert codec_curves.mean_curve(results) == [(20, 2.5), (40, 1.5)]
+    assert codec_curves.mean_curve({}) == []
