@@ -164,6 +164,8 @@ MODES: dict[str, dict] = {
     "sparse_d1": {"kind": "nodeox", "coordinator": [*SPARSE_EARLIER, "--density", "0.01"]},
     "sparse_d3": {"kind": "nodeox", "coordinator": [*SPARSE_EARLIER, "--density", "0.03"]},
     "sparseloco": {"kind": "nodeox", "coordinator": ["--codec", "sparse"]},
+    "int8": {"kind": "nodeox", "coordinator": ["--codec", "int8"]},
+    "fp8": {"kind": "nodeox", "coordinator": ["--codec", "fp8"]},
     "bf16": {"kind": "nodeox", "coordinator": ["--codec", "bf16"]},
     **{f"q4_{outer}_h{h}": {"kind": "nodeox", "local_steps": h, "coordinator": options}
        for outer, options in (("average", ["--outer-optimizer", "average"]), ("nesterov", DILOCO)) for h in SWEEP},
@@ -187,7 +189,7 @@ MODES.update(HET_MODES)
 SWEEP_MODES = [m for m in MODES if MODES[m].get("local_steps")]
 DEFAULT_MODES = [m for m in MODES if m not in ("bf16", "q2_b256", *SWEEP_MODES, *EPOCH_MODES, *HET_MODES)]
 LM_MODES = ["ddp", "fp32", "bf16", "q4", "q4_nesterov", "q4_no_ef", "q2", "q2_b256", "sparse_d1", "sparse_d3",
-            "sparseloco", "q4_f4"]
+            "sparseloco", "int8", "fp8", "q4_f4"]
 
 
 @dataclass(frozen=True)
