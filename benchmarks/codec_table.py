@@ -58,6 +58,8 @@ DILOCO = nesterov(0.7, 0.9)  # DiLoCo's setting
 OUTER_SWEEP = ((0.3, 0.9), (0.5, 0.8), (1.0, 0.5), (0.7, 0.5), (1.0, 0.3))
 CONVERGENCE = Path(__file__).with_name("convergence.py")
 KNOBS = ("local_steps", "density")  # what a matched row may vary
+# SparseLoCo's ingredients one at a time as they were before the recipe: the recipe with one of them back
+SPARSE_EARLIER = (("mean", "deltas"), ("error_decay", 1.0), ("levels", "q2"), ("chunking", "runs"))
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,8 @@ ROWS: tuple[Row, ...] = (
     Row("fp32_matched", "fp32", matched="local_steps"),
     *(Row(f"{name}_no_ef", codec, settings, error_feedback=False) for name, codec, settings in BEST),
     *(Row(f"fp32_nesterov_{lr:g}_{mu:g}", "fp32", outer=nesterov(lr, mu)) for lr, mu in OUTER_SWEEP),
+    *(Row(f"sparse_{knob}_{value:g}" if isinstance(value, float) else f"sparse_{knob}_{value}", "sparse",
+          {knob: value}) for knob, value in SPARSE_EARLIER),
 )
 
 
