@@ -103,6 +103,8 @@ if [[ $name == nodeox || ${FAKE_TASKS_WAIT:-} == 1 ]]; then
         [[ $name == nodeox ]] && exit 1 || exit 143  # the coordinator saves and exits 1; a host exits 143
     }
     trap stopped TERM
+    # a task of srun's is in srun's record of its tasks before it says it started (srun writes it after the fork)
+    [[ -z ${SLURM_PROCID:-} ]] || touch "$FAKE_RECORD/tasks/$$"
     touch "$FAKE_RECORD/$tag.started"
     wait "$sleeper"
 fi
@@ -374,7 +376,9 @@ def test_a_preempted_or_cancelled_hosts_job_leaves_sigterm_to_slurm_and_does_not
 def test_the_hetjob_runs_the_coordinator_in_component_0_and_the_hosts_in_component_1(cluster: Cluster) -> None:
     proc = cluster.start("hetjob.sbatch", nodes=3, gpus=2, SLURM_JOB_NUM_NODES_HET_GROUP_1="3",
                          COORDINATOR_HOST="cpu0")
-    wait_for(lambda: len(cluster.calls("torchrun")) == 3, WAIT, "3 hosts")
+    # the hosts called, and the coordinator's stand-in trapping SIGTERM (it writes its address before it traps)
+    wait_for(lambda: len(cluster.calls("torchrun")) == 3 and list(cluster.record.glob("nodeox.*.started")),
+             WAIT, "3 hosts and the coordinator")
     proc.send_signal(signal.SIGUSR1)  # the hosts have finished; the coordinator (a stand-in) runs until stopped
     status, out = finish(proc)
     assert status == 1, out
