@@ -42,10 +42,14 @@ for ((i = 0; i < n; i++)); do nodes+="${nodes:+,}$FAKE_NODE_PREFIX$i"; done
 pids=()
 mkdir -p "$FAKE_RECORD/tasks"
 for ((i = 0; i < n; i++)); do
-    SLURM_PROCID=$i SLURM_NODEID=$i SLURM_LOCALID=0 SLURM_STEP_NUM_TASKS=$n SLURM_STEP_NUM_NODES=$n \
-    SLURM_STEP_NODELIST=$nodes SLURMD_NODENAME=$FAKE_NODE_PREFIX$i SLURM_GPUS_ON_NODE=$FAKE_GPUS "$@" &
+    # each task is in the record of tasks (for scancel, as slurmstepd knows them) before it runs: a subshell that
+    # records its own pid, then becomes the task
+    (
+        touch "$FAKE_RECORD/tasks/$BASHPID"
+        SLURM_PROCID=$i SLURM_NODEID=$i SLURM_LOCALID=0 SLURM_STEP_NUM_TASKS=$n SLURM_STEP_NUM_NODES=$n \
+        SLURM_STEP_NODELIST=$nodes SLURMD_NODENAME=$FAKE_NODE_PREFIX$i SLURM_GPUS_ON_NODE=$FAKE_GPUS exec "$@"
+    ) &
     pids+=("$!")
-    touch "$FAKE_RECORD/tasks/$!"  # for scancel, as slurmstepd knows its tasks
 done
 # a real srun, sent SIGTERM, kills its tasks ("forcing job termination")
 trap 'touch "$FAKE_RECORD/srun.x.$$.term"; kill -KILL "${pids[@]}" 2>/dev/null' TERM
@@ -103,8 +107,6 @@ if [[ $name == nodeox || ${FAKE_TASKS_WAIT:-} == 1 ]]; then
         [[ $name == nodeox ]] && exit 1 || exit 143  # the coordinator saves and exits 1; a host exits 143
     }
     trap stopped TERM
-    # a task of srun's is in srun's record of its tasks before it says it started (srun writes it after the fork)
-    [[ -z ${SLURM_PROCID:-} ]] || touch "$FAKE_RECORD/tasks/$$"
     touch "$FAKE_RECORD/$tag.started"
     wait "$sleeper"
 fi
