@@ -162,7 +162,9 @@ def test_a_host_whose_coordinator_stops_before_the_run_completed_exits_non_zero_
                       rf"{re.escape(coord.url)} stopped answering in round (\d+), after (\d+) training steps", out)
     assert found, out[-3000:]
     round_, steps = int(found.group(1)), int(found.group(2))
-    assert published <= round_ <= published + 1 and steps == 2 * (round_ + 1)  # rounds of 2 steps, the last one's too
+    # rounds of 2 steps: the host notices at its exchange (the round's steps all taken) or, the data ledger's lease
+    # being asked from the training loop, within the round (a busy machine's host can be there when it stops)
+    assert published <= round_ <= published + 1 and 2 * round_ <= steps <= 2 * (round_ + 1)
     assert "Start the coordinator again on the same run directory" in out
 
 
