@@ -15,7 +15,7 @@ from pathlib import Path
 
 from codec_table import ROWS, STEPS, done, lm_message_bytes, plan, read_results
 
-DEFAULT_ROWS = ("ddp", "fp32", "fp32_diloco", "q4", "q2_b256", "int8", "sparse", "sparse_no_ef")
+DEFAULT_ROWS = ("ddp", "fp32", "fp32_diloco", "q4", "q2_b256", "int8", "sparse", "sparse_tiles", "sparse_no_ef")
 
 
 def mean_curve(results: dict[int, dict]) -> list[tuple[int, float]]:

@@ -28,7 +28,9 @@ evaluated on a held-out test split (540 images). Modes:
     sparse_d1        Nodeox, the sparse codec's earlier form (--codec sparse --density 0.01 --chunking runs --levels q2
                      --error-decay 1 --mean deltas: top 1% of each run of 4096 values, q2's levels: 0.035x q4's bytes)
     sparse_d3        the same at --density 0.03 (0.10x q4's bytes)
-    sparseloco       Nodeox, --codec sparse: SparseLoCo's recipe (docs/algorithms.md; 0.053x q4's bytes)
+    sparseloco       Nodeox, --codec sparse --chunking tiles: SparseLoCo's recipe as written, its 64x64 chunks
+                     (docs/algorithms.md; 0.053x q4's bytes)
+    sparse           Nodeox, --codec sparse: the recipe in runs of 4096 values, the codec's default
     q4_f4            q4 with NodeoxStrategy(fragments=4): a round every local_steps/4 steps exchanges a quarter
     bf16             Nodeox, --codec bf16 (not run by default on digits)
     q4_average_hH, q4_nesterov_hH   q4 average / Nesterov at H local steps, H in 10, 20, 50, 100
@@ -55,8 +57,8 @@ may take its deltas, ``het_SCENARIO_MERGE``:
               local_steps steps, measured in the het run before; each host's steps in proportion to its speed);
               async_age, async_samples: --merge async --min-quorum 3 with that --staleness-rule
 
-The lm workload runs ddp, fp32, bf16, q4, q4_nesterov, q4_no_ef, q2, q2_b256, sparse_d1, sparse_d3, sparseloco
-and q4_f4 by default (--modes takes any).
+The lm workload runs ddp, fp32, bf16, q4, q4_nesterov, q4_no_ef, q2, q2_b256, sparse_d1, sparse_d3, sparseloco,
+sparse, int8, fp8 and q4_f4 by default (--modes takes any).
 
 Every mode runs 2 hosts unless it says otherwise; the 4-host modes' differences and ratios to DDP are to DDP's 2
 ranks all the same (their own comparison is to each other: the relay goal).
@@ -163,7 +165,8 @@ MODES: dict[str, dict] = {
     "q2_b256": {"kind": "nodeox", "coordinator": ["--codec", "q2", "--block-size", "256"]},
     "sparse_d1": {"kind": "nodeox", "coordinator": [*SPARSE_EARLIER, "--density", "0.01"]},
     "sparse_d3": {"kind": "nodeox", "coordinator": [*SPARSE_EARLIER, "--density", "0.03"]},
-    "sparseloco": {"kind": "nodeox", "coordinator": ["--codec", "sparse"]},
+    "sparseloco": {"kind": "nodeox", "coordinator": ["--codec", "sparse", "--chunking", "tiles"]},
+    "sparse": {"kind": "nodeox", "coordinator": ["--codec", "sparse"]},
     "int8": {"kind": "nodeox", "coordinator": ["--codec", "int8"]},
     "fp8": {"kind": "nodeox", "coordinator": ["--codec", "fp8"]},
     "bf16": {"kind": "nodeox", "coordinator": ["--codec", "bf16"]},
@@ -189,7 +192,7 @@ MODES.update(HET_MODES)
 SWEEP_MODES = [m for m in MODES if MODES[m].get("local_steps")]
 DEFAULT_MODES = [m for m in MODES if m not in ("bf16", "q2_b256", *SWEEP_MODES, *EPOCH_MODES, *HET_MODES)]
 LM_MODES = ["ddp", "fp32", "bf16", "q4", "q4_nesterov", "q4_no_ef", "q2", "q2_b256", "sparse_d1", "sparse_d3",
-            "sparseloco", "int8", "fp8", "q4_f4"]
+            "sparseloco", "sparse", "int8", "fp8", "q4_f4"]
 
 
 @dataclass(frozen=True)
@@ -825,7 +828,7 @@ def lm_goals(modes: dict) -> list[dict]:
     feedback measured against q4 with (what error feedback buys: met once both ran)."""
     base = modes.get("q4", {}).get("summary")
     out = []
-    for mode in ("q2", "q2_b256", "sparse_d1", "sparse_d3", "sparseloco"):
+    for mode in ("q2", "q2_b256", "sparse_d1", "sparse_d3", "sparseloco", "sparse"):
         goal = (f"{mode}: at most 0.5x q4's bytes per host, validation loss within q4's seed spread "
                 f"(mean <= q4's mean + (max - min))")
         s = modes.get(mode, {}).get("summary")

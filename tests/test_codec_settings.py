@@ -79,9 +79,11 @@ def test_settings_are_refused_naming_the_fix() -> None:
         assert str(refused.value).startswith(text)
 
 
-def test_sparse_is_sparselocos_recipe_and_sparse3_the_recipe_at_3_percent() -> None:
+def test_sparse_is_sparselocos_recipe_in_runs_and_sparse3_the_same_at_3_percent() -> None:
+    """--codec sparse: SparseLoCo's recipe with chunks of 4096 consecutive values (its 64x64 tiles lost to them on
+    the language model, docs/algorithms.md)."""
     assert settings_for("sparse") == SparseSettings() == SparseSettings(
-        density=64 / 4096, chunking="tiles", levels="centroids", error_decay=0.95, mean="senders")
+        density=64 / 4096, chunking="runs", levels="centroids", error_decay=0.95, mean="senders")
     assert settings_for("sparse3") == SparseSettings(density=0.03)
     assert (codec_for(settings_for("sparse")).k, codec_for(settings_for("sparse3")).k) == (64, 123)
 

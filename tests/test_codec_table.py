@@ -130,26 +130,30 @@ def test_the_outer_sweep_rows_differ_from_the_fp32_row_in_the_outer_step_alone(t
 
 
 def test_the_ingredient_rows_are_the_recipe_with_one_ingredient_back_as_the_earlier_form_had_it(tmp_path) -> None:
-    """Each ``sparse_<knob>_<value>`` row sets one of the sparse codec's settings to the earlier form's value (as
-    convergence.py's ``sparse_d1`` has them all) and runs with that one flag more than the recipe's row."""
+    """Each ``sparse_<knob>_<value>`` row is SparseLoCo's recipe as written (``sparse_tiles``: its 64x64 chunks) with
+    one of the sparse codec's settings at the earlier form's value (as convergence.py's ``sparse_d1`` has them all),
+    run with that one flag more; the chunking's is the ``sparse`` row, ``--codec sparse`` alone (runs of 4096)."""
     from convergence import SPARSE_EARLIER as EARLIER_FLAGS
     from lightning_nodeox.core.codecs.settings import settings_for
 
     rows = planned()
+    written = rows["sparse_tiles"]
+    assert written.settings == codec_table.SPARSELOCO == {"chunking": "tiles"} and rows["sparse"].settings == {}
+    assert EARLIER_FLAGS[EARLIER_FLAGS.index("--chunking") + 1] == settings_for("sparse").chunking == "runs"
     ingredients = {n: p for n, p in rows.items() if n.startswith("sparse_") and p.row.codec == "sparse"
-                   and not p.row.matched and p.row.error_feedback}
-    assert set(ingredients) == {"sparse_mean_deltas", "sparse_error_decay_1", "sparse_levels_q2",
-                                "sparse_chunking_runs"}
-    recipe = settings_for("sparse")
+                   and not p.row.matched and p.row.error_feedback and n != "sparse_tiles"}
+    assert set(ingredients) == {"sparse_mean_deltas", "sparse_error_decay_1", "sparse_levels_q2"}
+    recipe = settings_for("sparse", **codec_table.SPARSELOCO)
     for name, p in ingredients.items():
-        (knob, value), = p.settings.items()
+        (knob, value), = ((k, v) for k, v in p.settings.items() if k not in codec_table.SPARSELOCO)
+        assert p.settings == {**codec_table.SPARSELOCO, knob: value}
         assert getattr(recipe, knob) != value  # the recipe's own value differs
         flag = f"--{knob.replace('_', '-')}"
         assert EARLIER_FLAGS[EARLIER_FLAGS.index(flag) + 1] == str(value).removesuffix(".0")
         cmd = codec_table.convergence_command(p, 0, 1000, tmp_path)
         mode = json.loads(cmd[cmd.index("--define-mode") + 1])
-        assert mode["coordinator"] == ["--codec", "sparse", flag, str(value)]
-        assert (p.local_steps, p.seeds) == (rows["sparse"].local_steps, rows["sparse"].seeds)
+        assert mode["coordinator"] == ["--codec", "sparse", "--chunking", "tiles", flag, str(value)]
+        assert (p.local_steps, p.seeds) == (written.local_steps, written.seeds)
 
 
 def test_the_curves_are_the_seeds_mean_at_the_steps_every_seed_evaluated() -> None:

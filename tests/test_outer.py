@@ -76,7 +76,7 @@ def test_every_outer_and_codec_setting_survives_a_restart(tmp_path) -> None:
     tuned = OuterSettings("nesterov", lr=0.5, momentum=0.8)
     codecs = (Q2Settings(block_size=128, scale_dtype="fp32"), Int8Settings(block_size=32, scale_dtype="fp32"),
               FP8Settings(block_size=256, scale_dtype="fp32"),
-              SparseSettings(density=0.02, scale_dtype="fp32", chunking="runs", levels="q2", error_decay=0.9,
+              SparseSettings(density=0.02, scale_dtype="fp32", chunking="tiles", levels="q2", error_decay=0.9,
                              mean="deltas"))
     for settings in (tuned, *codecs):
         untuned = [f.name for f in fields(settings) if getattr(settings, f.name) == f.default]

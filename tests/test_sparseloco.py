@@ -1,11 +1,12 @@
-"""The sparse codec's SparseLoCo knobs, each on and off: 64x64 tiles of a matrix (``chunking``), a sent value's sign
-and one of two magnitudes a chunk (``levels="centroids"``), the decayed error feedback (``error_decay``) and a sync
-that is each value's mean over the deltas that sent it (``mean="senders"``): round trips within their stated bounds,
-error feedback on and off, malformed input refused, and syncs that hosts apply to the coordinator's bits (in process
-and in a real run)."""
+"""The sparse codec's SparseLoCo knobs, each on and off: 64x64 tiles of a matrix or runs of 4096 (``chunking``), a
+sent value's sign and one of two magnitudes a chunk (``levels="centroids"``), the decayed error feedback
+(``error_decay``) and a sync that is each value's mean over the deltas that sent it (``mean="senders"``): round
+trips within their stated bounds, error feedback on and off, malformed input refused, and syncs that hosts apply to
+the coordinator's bits (in process and in a real run)."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -24,7 +25,8 @@ from lightning_nodeox.core.wire import Message, MessageLayout, MessageMeta, chec
 from lightning_nodeox.host.tensors import HostTensors
 from lightning_nodeox.tools import cli
 
-RECIPE = SparseSettings()
+RECIPE = SparseSettings(chunking="tiles")  # SparseLoCo's recipe as written: its 64x64 chunks
+DEFAULT = SparseSettings()  # --codec sparse: the recipe, its chunks runs of 4096 (the best on the language model)
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                                 reason="needs a CUDA GPU"))]
 EARLIER = SparseSettings(density=0.01, chunking="runs", levels="q2", error_decay=1.0, mean="deltas")
@@ -69,7 +71,8 @@ def test_a_matrix_whose_rows_are_a_power_of_two_of_64_to_4096_is_tiled_band_by_b
     assert codec_for(RECIPE).alignment == TILED_CALL and codec_for(EARLIER).alignment == CHUNK
 
 
-@pytest.mark.parametrize("settings", [RECIPE, SparseSettings(levels="q2"), SparseSettings(density=0.03)],
+@pytest.mark.parametrize("settings", [RECIPE, SparseSettings(chunking="tiles", levels="q2"),
+                                      SparseSettings(chunking="tiles", density=0.03)],
                          ids=["recipe", "tiles q2", "tiles 3%"])
 @pytest.mark.parametrize("shape", [(1100, 256), (200, 64), (64, 4096), (100, 768)])
 def test_each_tile_sends_its_own_top_k_and_the_residual_keeps_the_rest(settings, shape) -> None:
@@ -95,7 +98,7 @@ def test_each_tile_sends_its_own_top_k_and_the_residual_keeps_the_rest(settings,
 
 def test_tiles_and_runs_have_one_byte_layout_and_differ_only_in_where_a_chunk_lies() -> None:
     shape = (256, 128)
-    tiles, runs = SparseSettings(), SparseSettings(chunking="runs")
+    tiles, runs = RECIPE, DEFAULT
     specs = spec_of([("w", torch.zeros(shape))])
     assert MessageLayout.of(specs, tiles).total == MessageLayout.of(specs, runs).total
     x = torch.randn(math.prod(shape), generator=torch.Generator().manual_seed(2))
@@ -127,7 +130,7 @@ def test_a_sent_value_keeps_its_sign_and_takes_the_nearer_of_its_chunks_two_magn
     n = math.prod(shape)
     x = torch.randn(n, generator=torch.Generator().manual_seed(7))
     errors = {}
-    for settings in (RECIPE, SparseSettings(levels="q2")):
+    for settings in (RECIPE, SparseSettings(chunking="tiles", levels="q2")):
         codes, scales = views(settings, shape)
         encode_delta(kernels(settings), x, torch.zeros(n), None, codes, scales)
         decoded = torch.empty(n)
@@ -274,7 +277,7 @@ def test_a_codec_that_syncs_the_mean_over_all_deltas_counts_no_senders() -> None
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("settings", [RECIPE, SparseSettings(mean="deltas"), SparseSettings(chunking="runs")],
+@pytest.mark.parametrize("settings", [RECIPE, SparseSettings(chunking="tiles", mean="deltas"), DEFAULT],
                          ids=["recipe", "mean over deltas", "runs"])
 def test_hosts_apply_the_sync_to_the_coordinators_bits_and_hash(settings, device) -> None:
     """Two deltas through the coordinator's model: the sync carries each value's mean (over its senders, or over
@@ -351,7 +354,8 @@ def test_a_bad_knob_on_the_command_line_is_refused_in_one_line(tmp_path) -> None
 def test_settings_written_before_the_knobs_read_as_the_codec_then() -> None:
     """A run.json or a header of the code before: ``{"name": "sparse", "density": ..., "scale_dtype": ...}``."""
     assert settings_from_json({"name": "sparse", "density": 0.01, "scale_dtype": "fp16"}) == EARLIER
-    assert settings_from_json(RECIPE.to_json()) == RECIPE == settings_for("sparse")
+    assert settings_from_json(RECIPE.to_json()) == RECIPE
+    assert settings_from_json(DEFAULT.to_json()) == DEFAULT == settings_for("sparse")
     assert settings_from_json(SparseSettings(error_decay=0.5).to_json()).error_decay == 0.5
 
 
@@ -380,7 +384,7 @@ def test_an_index_outside_its_chunk_or_twice_in_a_tile_is_refused(at: int, says:
 
 
 def test_a_delta_of_other_knobs_is_refused_naming_both() -> None:
-    data = bytes(tiled_delta(SparseSettings(levels="q2")).view())
+    data = bytes(tiled_delta(SparseSettings(chunking="tiles", levels="q2")).view())
     parsed = Message.parse(data)
     with pytest.raises(PayloadError, match=re.escape(
             "payload uses sparse (density 0.015625, scale_dtype fp16, chunking tiles, levels q2, error_decay 0.95, "
@@ -390,13 +394,17 @@ def test_a_delta_of_other_knobs_is_refused_naming_both() -> None:
 
 
 @pytest.mark.slow
-def test_a_real_run_of_the_recipe_keeps_hosts_bit_identical(tmp_path) -> None:
-    """``nodeox launch --codec sparse`` (SparseLoCo's recipe, no other flag): two digits hosts, host 1 without error
-    feedback; after every round both hold the published model bit for bit, each upload is the delta layout's size
-    and each sync the size of a sync of two deltas; the hidden layer's weight (128 x 1024) is tiled."""
-    events, named, _ = codec_run(tmp_path, "--codec", "sparse")
+@pytest.mark.parametrize(("flags", "settings"), [((), DEFAULT), (("--chunking", "tiles"), RECIPE)],
+                         ids=["default", "tiles"])
+def test_a_real_run_of_the_recipe_keeps_hosts_bit_identical(tmp_path, flags, settings) -> None:
+    """``nodeox launch --codec sparse`` (no other flag: the recipe in runs of 4096; and in SparseLoCo's tiles): two
+    digits hosts, host 1 without error feedback; after every round both hold the published model bit for bit, the
+    run saves the settings asked for, each upload is the delta layout's size and each sync the size of a sync of
+    two deltas; the hidden layer's weight (128 x 1024) is tileable."""
+    events, named, _ = codec_run(tmp_path, "--codec", "sparse", *flags)
+    assert json.loads((tmp_path / "run" / "state" / "run.json").read_text())["codec"] == settings.to_json()
     specs = spec_of(named)
-    assert {e["bytes"] for e in events if e["phase"] == "upload"} == {MessageLayout.of(specs, RECIPE).total}
+    assert {e["bytes"] for e in events if e["phase"] == "upload"} == {MessageLayout.of(specs, settings).total}
     assert {e["bytes"] for e in events if e["phase"] == "sync_prepare"} == {
-        MessageLayout.of(specs, RECIPE, capacity=128).total}
+        MessageLayout.of(specs, settings, capacity=128).total}
     assert any(tiling(s.shape)[1] for s in specs)

@@ -46,8 +46,8 @@ def _codec_options(p: argparse.ArgumentParser) -> None:
                    help="q4 (default); q2: 2-bit, about half of q4's bytes; int8 (absmax / 127) or fp8 (e4m3, "
                    "absmax / 448): one byte a value and a scale a block, 1.9x q4's bytes; bf16 or fp32 send deltas "
                    "unquantized, to measure what q4 costs; sparse: SparseLoCo's recipe, the top --density of each "
-                   "64x64 chunk with 2-bit values and decayed error feedback (64 of 4096 by default: 0.053x q4's "
-                   "bytes); "
+                   "run of 4096 values with 2-bit values and decayed error feedback (64 of 4096 by default: 0.053x "
+                   "q4's bytes; --chunking tiles: 64x64 chunks of a matrix, as SparseLoCo cuts them); "
                    + "; ".join(f"{alias}: {base} at " + ", ".join(f"{k} {v}" for k, v in preset.items())
                                for alias, (base, preset) in ALIASES.items()))
     for name, (f, codecs) in SETTING_FLAGS.items():

@@ -104,17 +104,18 @@ class FP8Settings(BlockwiseSettings):
 
 @dataclass(frozen=True)
 class SparseSettings(CodecSettings):
-    """The sparse codec's settings: SparseLoCo's recipe by default (arXiv 2508.15706; docs/algorithms.md compares it
-    ingredient by ingredient), each ingredient a knob, so that the codec's earlier form stays one setting away
-    (``density=0.01, chunking="runs", levels="q2", error_decay=1.0, mean="deltas"``).
+    """The sparse codec's settings: by default SparseLoCo's recipe (arXiv 2508.15706; docs/algorithms.md compares it
+    ingredient by ingredient) with its chunks as runs of 4096 values, the best found on the language model
+    (``chunking="tiles"`` is the recipe as written); each ingredient a knob, so that the codec's earlier form stays
+    one setting away (``density=0.01, levels="q2", error_decay=1.0, mean="deltas"``).
 
     Args:
         density: the share of each chunk of 4096 values a delta sends, in [0.001, 0.25] (default 64 of 4096,
             SparseLoCo's top-k of a 64x64 chunk: 0.053x q4's bytes; 1% sends 0.036x, 3% 0.10x; above 1/4 q4 is smaller).
         scale_dtype: ``"fp16"`` or ``"fp32"``: the scales of each chunk.
-        chunking: ``"tiles"``: a matrix whose rows hold a power of two of at least 64 values (up to 4096) is cut into
-            64x64 tiles (its rows past the last whole 64 into runs); ``"runs"``: every tensor into runs of 4096
-            consecutive values.
+        chunking: ``"runs"`` (default): every tensor into runs of 4096 consecutive values; ``"tiles"``: a matrix
+            whose rows hold a power of two of at least 64 values (up to 4096) is cut into 64x64 tiles (its rows past
+            the last whole 64 into runs), SparseLoCo's chunks.
         levels: how a sent value is coded in 2 bits: ``"centroids"``, its sign and the nearer of two magnitudes of
             its chunk (the centroids of the chunk's sent magnitudes); ``"q2"``, q2's levels of one scale.
         error_decay: β of the host's error feedback, ``e <- β e + Δ`` before the top-k (in (0, 1]; SparseLoCo's 0.95
@@ -130,8 +131,8 @@ class SparseSettings(CodecSettings):
     density: float = field(default=64 / 4096, metadata={"help": "share of each chunk of 4096 values a sparse delta "
                                                                 f"sends, in [{DENSITY_RANGE[0]}, {DENSITY_RANGE[1]}]"})
     scale_dtype: str = _scale_dtype_field()
-    chunking: str = field(default="tiles", metadata={"help": "tiles (64x64 chunks of a matrix) or runs (of 4096 "
-                                                             "consecutive values)"})
+    chunking: str = field(default="runs", metadata={"help": "runs (of 4096 consecutive values) or tiles (64x64 "
+                                                            "chunks of a matrix, SparseLoCo's)"})
     levels: str = field(default="centroids", metadata={"help": "a sent value's 2 bits: centroids (sign and one of "
                                                                "two magnitudes a chunk) or q2 (q2's levels)"})
     error_decay: float = field(default=0.95, metadata={"help": "the error feedback's decay, e <- decay e + delta, "

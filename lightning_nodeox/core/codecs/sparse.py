@@ -1,11 +1,12 @@
-"""sparse: per chunk of :data:`CHUNK` values, the top-k values by magnitude: SparseLoCo's recipe by default (arXiv
-2508.15706; :class:`~.settings.SparseSettings` holds each ingredient as a knob, docs/algorithms.md compares them).
+"""sparse: per chunk of :data:`CHUNK` values, the top-k values by magnitude: SparseLoCo's recipe by default, its
+chunks runs of 4096 values (arXiv 2508.15706; :class:`~.settings.SparseSettings` holds each ingredient as a knob,
+docs/algorithms.md compares them).
 
-**Chunks.** With ``chunking="tiles"`` (the default) a matrix of ``R x W`` values whose row length ``W`` is a power
-of two in [64, 4096] is cut into 64x64 tiles, band after band of 64 rows, each band's tiles left to right; its
-rows past the last whole band, and every other tensor, are cut into runs of ``C = 4096`` consecutive values (the
-last one may be shorter: a tensor under 4096 values is one short chunk). ``chunking="runs"`` cuts every tensor
-into runs. Either way a tensor of ``n`` values has ``ceil(n / C)`` chunks, in the same byte layout: a tile is a
+**Chunks.** ``chunking="runs"`` (the default) cuts every tensor into runs of ``C = 4096`` consecutive values (the
+last one may be shorter: a tensor under 4096 values is one short chunk). With ``chunking="tiles"`` (SparseLoCo's)
+a matrix of ``R x W`` values whose row length ``W`` is a power of two in [64, 4096] is cut into 64x64 tiles, band
+after band of 64 rows, each band's tiles left to right; its rows past the last whole band, and every other
+tensor, are cut into runs. Either way a tensor of ``n`` values has ``ceil(n / C)`` chunks, in the same byte layout: a tile is a
 chunk whose 4096 values lie 64 to a row, its index ``i`` the value at row ``i // 64``, column ``i % 64`` of the
 tile. (SparseLoCo cuts any shape into its dimensions' largest divisors up to 64; shapes other than the ones above
 keep runs here, the codec's calls being of whole bands of 64 rows.)
