@@ -10,6 +10,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # as `python benchmarks/x.py` has it
 import convergence  # noqa: E402
+from convergence_modes import (ACCURACY, DEFAULT_MODES, DILOCO, LM_MODES, MODES, RELAY_BASELINE,  # noqa: E402
+                               RELAY_MODE, SWEEP_MODES, VAL_LOSS)
 
 
 def rec(round_, phase, start, end, **extra):
@@ -61,17 +63,16 @@ def summary(accuracies, identical=True):
 
 def test_relay_goal_allows_no_loss_beyond_the_flat_seed_spread():
     flat = summary([0.95, 0.96, 0.97])  # mean 96%, spread 2 points
-    base = convergence.RELAY_BASELINE
-    goal = convergence.relay_goal({base: flat, convergence.RELAY_MODE: summary([0.94, 0.94, 0.94])})
+    base = RELAY_BASELINE
+    goal = convergence.relay_goal({base: flat, RELAY_MODE: summary([0.94, 0.94, 0.94])})
     assert goal["met"] is True and "+2.00 points lost, spread 2.00 points over 3 seed(s)" in goal["measured"]
-    assert convergence.relay_goal({base: flat, convergence.RELAY_MODE: summary([0.93, 0.94, 0.94])})["met"] is False
-    assert convergence.relay_goal({base: flat, convergence.RELAY_MODE: summary([0.97] * 3, identical=False)})["met"] \
-        is False
+    assert convergence.relay_goal({base: flat, RELAY_MODE: summary([0.93, 0.94, 0.94])})["met"] is False
+    assert convergence.relay_goal({base: flat, RELAY_MODE: summary([0.97] * 3, identical=False)})["met"] is False
     not_run = convergence.relay_goal({base: flat})
-    assert not_run["met"] is None and not_run["measured"] == f"{convergence.RELAY_MODE}: not run (not in --modes)"
-    failed = convergence.relay_goal({base: {"status": "failed", "reason": "boom"}, convergence.RELAY_MODE: flat})
+    assert not_run["met"] is None and not_run["measured"] == f"{RELAY_MODE}: not run (not in --modes)"
+    failed = convergence.relay_goal({base: {"status": "failed", "reason": "boom"}, RELAY_MODE: flat})
     assert failed["met"] is None and failed["measured"] == f"{base}: boom"
-    assert not [g for g in convergence.goals({"ddp": {}}, 20) if convergence.RELAY_MODE in g["goal"]]  # neither run
+    assert not [g for g in convergence.goals({"ddp": {}}, 20) if RELAY_MODE in g["goal"]]  # neither run
 
 
 def lm_summary(losses, bytes_per_host, identical=True):
@@ -98,18 +99,17 @@ def test_language_model_goals_take_half_the_bytes_within_q4s_seed_spread():
 def test_the_language_models_summary_is_of_its_validation_loss():
     runs = [{"val_loss": v, "perplexity": math.exp(v), "bytes_per_host": 10, "wall_s": 1.0, "wait_share": {"0": 0.1},
              "hosts_identical": True, "samples": {"0": 8}, "step_s": {"0": 0.3}} for v in (2.0, 2.2)]
-    s = convergence.summarize(runs, convergence.VAL_LOSS)
+    s = convergence.summarize(runs, VAL_LOSS)
     assert (s["val_loss_mean"], s["val_loss_min"], s["val_loss_max"]) == (pytest.approx(2.1), 2.0, 2.2)
     assert s["perplexity_mean"] == pytest.approx((math.exp(2.0) + math.exp(2.2)) / 2)
     modes = {"ddp": {"summary": {**s, "val_loss_mean": 2.0, "wall_s": 2.0}}, "q4": {"summary": s}}
-    convergence.with_ratios(modes, convergence.VAL_LOSS)
+    convergence.with_ratios(modes, VAL_LOSS)
     assert modes["q4"]["summary"]["val_loss_vs_ddp"] == pytest.approx(0.1)
-    assert convergence.ACCURACY.vs_ddp == "accuracy_vs_ddp_points"  # the digits table's key, as before
+    assert ACCURACY.vs_ddp == "accuracy_vs_ddp_points"  # the digits table's key, as before
 
 
 def test_the_sweep_modes_set_their_own_local_steps():
-    assert convergence.SWEEP_MODES == [f"q4_{o}_h{h}" for o in ("average", "nesterov") for h in (10, 20, 50, 100)]
-    assert convergence.MODES["q4_nesterov_h50"]["local_steps"] == 50
-    assert convergence.MODES["q4_nesterov_h50"]["coordinator"] == convergence.DILOCO
-    assert not set(convergence.SWEEP_MODES) & set(convergence.DEFAULT_MODES) | set(convergence.LM_MODES) - set(
-        convergence.MODES)
+    assert SWEEP_MODES == [f"q4_{o}_h{h}" for o in ("average", "nesterov") for h in (10, 20, 50, 100)]
+    assert MODES["q4_nesterov_h50"]["local_steps"] == 50
+    assert MODES["q4_nesterov_h50"]["coordinator"] == DILOCO
+    assert not set(SWEEP_MODES) & set(DEFAULT_MODES) | set(LM_MODES) - set(MODES)
