@@ -10,6 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # as `python benchmarks/x.py` has it
 import convergence  # noqa: E402
+from convergence_metrics import ddp_bytes_per_host, host_records, nodeox_bytes_sent, wait_share  # noqa: E402
 from convergence_modes import (ACCURACY, DEFAULT_MODES, DILOCO, LM_MODES, MODES, RELAY_BASELINE,  # noqa: E402
                                RELAY_MODE, SWEEP_MODES, VAL_LOSS)
 
@@ -25,25 +26,25 @@ def test_wait_share_counts_every_exchange_phase_from_round_one():
         rec(1, "download", 12, 12.5), rec(1, "apply", 12.5, 13),
         rec(2, "train", 13, 15),
     ]
-    assert convergence.wait_share(records) == pytest.approx(4 / 10)
-    assert convergence.wait_share(records, first_round=0) == pytest.approx(8 / 15)
+    assert wait_share(records) == pytest.approx(4 / 10)
+    assert wait_share(records, first_round=0) == pytest.approx(8 / 15)
 
 
 def test_wait_share_leaves_out_exchange_work_that_overlaps_training():
     records = [rec(1, "train", 0, 4), rec(1, "encode", 4, 5), rec(1, "upload", 5, 6), rec(1, "poll", 6, 7),
                rec(2, "train", 4, 8), rec(1, "fold", 7, 7.1), rec(1, "wait", 8, 8.4), rec(3, "train", 8.4, 10)]
-    assert convergence.wait_share(records) == pytest.approx(0.5 / 10)
+    assert wait_share(records) == pytest.approx(0.5 / 10)
 
 
 def test_wait_share_without_training_is_unknown():
-    assert convergence.wait_share([rec(1, "wait", 0, 1)]) is None
+    assert wait_share([rec(1, "wait", 0, 1)]) is None
 
 
 def test_bytes_per_host():
-    assert convergence.ddp_bytes_per_host(1000, steps=10, ranks=2) == 10_000  # ring all-reduce: 2(N-1)/N
-    assert convergence.ddp_bytes_per_host(1000, steps=10, ranks=4) == 15_000
+    assert ddp_bytes_per_host(1000, steps=10, ranks=2) == 10_000  # ring all-reduce: 2(N-1)/N
+    assert ddp_bytes_per_host(1000, steps=10, ranks=4) == 15_000
     events = [rec(1, "upload", 0, 1, bytes=100), rec(1, "download", 1, 2, bytes=50), rec(2, "upload", 2, 3, bytes=7)]
-    assert convergence.nodeox_bytes_sent(events) == 107
+    assert nodeox_bytes_sent(events) == 107
 
 
 def test_host_records_take_a_relayed_host_by_its_id_and_leave_out_memory_samples():
@@ -51,8 +52,8 @@ def test_host_records_take_a_relayed_host_by_its_id_and_leave_out_memory_samples
               {**rec(1, "train", 0, 3), "host": "1"},
               {**rec(1, "aggregate", 0, 4), "host": "site0/coordinator"}, {**rec(1, "upload", 0, 5), "host": "site0"},
               rec(1, "rss", 0, 6), {**rec(1, "rss", 0, 7), "host": "site1/0"}]
-    assert [r["end"] for r in convergence.host_records(events, "0")] == [1, 2]
-    assert [r["end"] for r in convergence.host_records(events, "1")] == [3]
+    assert [r["end"] for r in host_records(events, "0")] == [1, 2]
+    assert [r["end"] for r in host_records(events, "1")] == [3]
 
 
 def summary(accuracies, identical=True):
