@@ -119,7 +119,7 @@ def main() -> None:
     p.add_argument("--workload", default="digits", choices=tuple(WORKLOADS),
                    help="digits (default), or lm: the language model of benchmarks/lm.py")
     p.add_argument("--modes", help=f"comma-separated, of {','.join(MODES)} (ddp always runs, unless --without-ddp: "
-                   "the ratios are to it; default: {','.join(DEFAULT_MODES)} on digits, {','.join(LM_MODES)} on lm)")
+                   f"the ratios are to it; default: {','.join(DEFAULT_MODES)} on digits, {','.join(LM_MODES)} on lm)")
     p.add_argument("--local-steps-sweep", action="store_true",
                    help=f"run q4 average and Nesterov at local steps {', '.join(map(str, SWEEP))} (and DDP) "
                    "instead of --modes")
