@@ -133,7 +133,7 @@ def test_the_ingredient_rows_are_the_recipe_with_one_ingredient_back_as_the_earl
     """Each ``sparse_<knob>_<value>`` row is SparseLoCo's recipe as written (``sparse_tiles``: its 64x64 chunks) with
     one of the sparse codec's settings at the earlier form's value (as convergence.py's ``sparse_d1`` has them all),
     run with that one flag more; the chunking's is the ``sparse`` row, ``--codec sparse`` alone (runs of 4096)."""
-    from convergence import SPARSE_EARLIER as EARLIER_FLAGS
+    from convergence_modes import SPARSE_EARLIER as EARLIER_FLAGS
     from lightning_nodeox.core.codecs.settings import settings_for
 
     rows = planned()
