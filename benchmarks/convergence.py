@@ -104,8 +104,8 @@ from pathlib import Path
 
 from common import SampleLog, add_results_option
 from convergence_host import host_main
-from convergence_modes import (BATCH_SIZE, EPOCH_MODES, EPOCHS, HET_MODES, HIDDEN, HOSTS, LM_STEPS, LOCAL_STEPS, LR,
-                               MODES, SLOWDOWN, STEPS, SWEEP, SWEEP_MODES, WORKLOADS)
+from convergence_modes import (BATCH_SIZE, DEFAULT_MODES, EPOCH_MODES, EPOCHS, HET_MODES, HIDDEN, HOSTS, LM_MODES,
+                               LM_STEPS, LOCAL_STEPS, LR, MODES, SLOWDOWN, STEPS, SWEEP, SWEEP_MODES, WORKLOADS)
 from convergence_report import (bytes_text, epoch_goals, goals, het_goals, lm_goals, print_epochs, print_table,
                                 summarize, with_ratios)
 from convergence_runs import Unavailable, missing_option, preflight, run_ddp, run_epochs, run_nodeox
