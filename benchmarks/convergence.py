@@ -76,7 +76,7 @@ as the result's ``curve``): benchmarks/codec_table.py runs its rows through them
 Each seed's run is appended to a JSON-lines file as it ends (``--results``); a run that fails is recorded there
 (and in the table) and the next one runs.
 
-Definitions (see `ddp_bytes_per_host`, `nodeox_bytes_sent` and `wait_share`):
+Definitions (see `ddp_bytes_per_host`, `nodeox_bytes_sent` and `wait_share` in benchmarks/convergence_metrics.py):
 - bytes per host, DDP: steps x gradient bytes x 2(N-1)/N, the bytes one rank sends in a ring all-reduce of every
   parameter's fp32 gradient every step (N = 2 ranks: 1x the gradient bytes per step). The start-up broadcast of
   the model from rank 0 is not counted (nor is Nodeox's first upload of the model, see below).
