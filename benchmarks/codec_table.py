@@ -78,9 +78,10 @@ class Row:
     matched: str | None = None
 
 
+# each codec at its own best setting known (sparse: SparseLoCo's recipe in runs of 4096, its default; sparse_tiles:
+# the recipe as written)
 BEST = (("q4", "q4", {}), ("q2_b256", "q2", {"block_size": 256}), ("int8", "int8", {}), ("fp8", "fp8", {}),
-        ("sparse", "sparse", {}), ("sparse_tiles", "sparse", SPARSELOCO))  # each codec at its own best setting
-# known (sparse: SparseLoCo's recipe in runs of 4096, its default; sparse_tiles: the recipe as written)
+        ("sparse", "sparse", {}), ("sparse_tiles", "sparse", SPARSELOCO))
 ROWS: tuple[Row, ...] = (
     Row("ddp", None),
     Row("fp32_diloco", "fp32", outer=DILOCO),

@@ -27,7 +27,7 @@ from common import rss
 
 from lightning_nodeox.coordinator.ledger import DataLedger
 from lightning_nodeox.core.ledger_order import DataOrder
-from lightning_nodeox.core.ledger_terms import Covered, Lease, LeaseVoid, Span, Wait
+from lightning_nodeox.core.ledger_terms import Covered, Lease, LeaseVoid, Span
 from lightning_nodeox.host.ledger_sampler import LedgerSampler
 
 MEMORY_GOAL = 100 * 2**20

@@ -6,9 +6,9 @@ docs/algorithms.md compares them).
 last one may be shorter: a tensor under 4096 values is one short chunk). With ``chunking="tiles"`` (SparseLoCo's)
 a matrix of ``R x W`` values whose row length ``W`` is a power of two in [64, 4096] is cut into 64x64 tiles, band
 after band of 64 rows, each band's tiles left to right; its rows past the last whole band, and every other
-tensor, are cut into runs. Either way a tensor of ``n`` values has ``ceil(n / C)`` chunks, in the same byte layout: a tile is a
-chunk whose 4096 values lie 64 to a row, its index ``i`` the value at row ``i // 64``, column ``i % 64`` of the
-tile. (SparseLoCo cuts any shape into its dimensions' largest divisors up to 64; shapes other than the ones above
+tensor, are cut into runs. Either way a tensor of ``n`` values has ``ceil(n / C)`` chunks, in the same byte
+layout: a tile is a chunk whose 4096 values lie 64 to a row, its index ``i`` the value at row ``i // 64``, column
+``i % 64`` of the tile. (SparseLoCo cuts any shape into its dimensions' largest divisors up to 64; shapes other than the ones above
 keep runs here, the codec's calls being of whole bands of 64 rows.)
 
 A **delta** sends, per chunk of ``m`` values, its ``k = ceil(density * m)`` values of largest magnitude (density
